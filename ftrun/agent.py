@@ -1,0 +1,355 @@
+"""The per-node agent: start the workers, watch them, decide, act, report.
+
+Owns: one run from start to end: the guardian, signal handling, the store per attempt,
+spawning workers with their environment, an event loop that sees a worker's exit the moment
+it happens (pidfd), torchrun's whole-group restart, graceful then forced shutdown.
+Must not import: typer, rich, the CLI or the worker library. Torch only through `store`.
+"""
+
+from __future__ import annotations
+
+import os
+import selectors
+import signal
+import socket
+import string
+import sys
+import time
+import uuid
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+from ftrun import timeouts
+from ftrun.logs import RunLogs, WorkerStreams
+from ftrun.policy import Action, Decision, decide_group
+from ftrun.procs import Guardian, Spawned, signal_group, signal_name, spawn
+from ftrun.report import WorkerExit
+from ftrun.spec import RunSpec, WorkerEnv
+from ftrun.states import WorkerState, check_transition
+from ftrun.store import HostedStore, advertised_addr, host_store
+
+EventSink = Callable[[str, Mapping[str, object]], None]
+
+
+def _ignore(kind: str, fields: Mapping[str, object]) -> None:
+    pass
+
+
+@dataclass
+class Worker:
+    rank: int
+    local_rank: int
+    worker_id: int
+    spawned: Spawned
+    streams: WorkerStreams
+    state: WorkerState = WorkerState.RUNNING
+    exit: WorkerExit | None = None
+
+    def move(self, state: WorkerState) -> None:
+        check_transition(self.state, state)
+        self.state = state
+
+    @property
+    def alive(self) -> bool:
+        return self.exit is None
+
+
+@dataclass(frozen=True)
+class RunResult:
+    exit_code: int
+    reason: str
+    cause: WorkerExit | None = None
+    exits: tuple[WorkerExit, ...] = ()
+    restarts_used: int = 0
+    log_dir: str | None = None
+    signal_received: str | None = None
+
+
+@dataclass
+class _Outcome:
+    decision: Decision | None = None
+    signum: int | None = None
+    first_failure: int | None = None
+    exits: list[WorkerExit] = field(default_factory=list)
+
+
+class Agent:
+    def __init__(self, spec: RunSpec, env: Mapping[str, str] | None = None,
+                 emit: EventSink = _ignore) -> None:
+        self.spec = spec
+        self.base_env = dict(os.environ if env is None else env)
+        self.emit = emit
+        self.run_id = spec.rdzv_id if spec.rdzv_id != "none" or self._static_port() else ""
+        self.run_id = self.run_id or str(uuid.uuid4())
+        self._signals: list[int] = []
+        self._old_handlers: dict[int, object] = {}
+        self._wakeup_r, self._wakeup_w = socket.socketpair()
+        self._workers: list[Worker] = []
+        self._restarts = 0
+
+    # ----------------------------------------------------------------- top level
+    def run(self) -> RunResult:
+        guardian = Guardian()  # before any thread or socket exists
+        self._guardian = guardian
+        self._install_signal_handlers()
+        try:
+            self._prepare_env()
+            self.logs = RunLogs(self.spec, self.run_id)
+            result = self._run_attempts()
+            removed = self.logs.cleanup(result.exit_code == 0)
+            return result if not removed else _with_log_dir(result, None)
+        finally:
+            self._kill_all(signal.SIGKILL)
+            self._restore_signal_handlers()
+            guardian.close()
+            self._wakeup_r.close()
+            self._wakeup_w.close()
+
+    def _run_attempts(self) -> RunResult:
+        restarts = 0
+        while True:
+            hosted = host_store(self._static_port() or 0)
+            self._restarts = restarts
+            try:
+                self._start_group(restarts, hosted)
+                outcome = self._supervise()
+                if outcome.signum is not None:
+                    return self._shutdown_on_signal(outcome, restarts)
+                assert outcome.decision is not None
+                decision = outcome.decision
+                if decision.action is Action.SUCCEED:
+                    self._close_streams()
+                    return RunResult(0, decision.reason, exits=tuple(outcome.exits),
+                                     restarts_used=restarts, log_dir=self.logs.run_dir)
+                self.emit("failure", {"reason": decision.reason, "rank": decision.culprit})
+                stop_sig = self._stop_workers(signal.SIGTERM, self.spec.shutdown_timeout)
+                self._close_streams()
+                if stop_sig is not None:
+                    return self._signal_result(stop_sig, restarts)
+                if decision.action is Action.RESTART_GROUP:
+                    restarts += 1
+                    self.emit("restart", {"reason": decision.reason, "attempt": restarts})
+                    continue
+                exits = tuple(w.exit for w in self._workers if w.exit is not None)
+                cause = next(e for e in exits if e.rank == decision.culprit)
+                return RunResult(1, decision.reason, cause=cause, exits=exits,
+                                 restarts_used=restarts, log_dir=self.logs.run_dir)
+            finally:
+                hosted.close()
+
+    # ----------------------------------------------------------------- environment
+    def _static_port(self) -> int | None:
+        s = self.spec
+        if s.standalone or s.rdzv_backend != "static":
+            return None
+        return s.master_port
+
+    def _prepare_env(self) -> None:
+        env = self.base_env
+        if "OMP_NUM_THREADS" not in env and self.spec.nproc > 1:
+            env["OMP_NUM_THREADS"] = "1"
+            self.emit("notice", {"text": "setting OMP_NUM_THREADS=1 for each worker (it was "
+                                         "unset); export it yourself to tune"})
+        env["TORCHELASTIC_SIGNALS_TO_HANDLE"] = ",".join(self.spec.signals_to_handle)
+        static = self._static_port() is not None
+        local = advertised_addr(self.spec.local_addr)
+        self.master_addr = self.spec.master_addr if static else local
+
+    def worker_env(self, local_rank: int, restarts: int, port: int,
+                   streams: WorkerStreams) -> WorkerEnv:
+        n = self.spec.nproc
+        return WorkerEnv(
+            rank=local_rank, local_rank=local_rank, world_size=n, local_world_size=n,
+            group_rank=0, group_world_size=1, role_rank=local_rank, role_name=self.spec.role,
+            role_world_size=n, master_addr=self.master_addr, master_port=port,
+            restart_count=restarts, max_restarts=self.spec.max_restarts, run_id=self.run_id,
+            use_agent_store=True,
+            nccl_async_error_handling=self.base_env.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
+            error_file=streams.error_file, worker_id=local_rank, attempt=restarts,
+        )
+
+    def worker_argv(self, local_rank: int) -> list[str]:
+        s = self.spec
+        python = self.base_env.get("PYTHON_EXEC", sys.executable)
+        if s.no_python:
+            head: list[str] = []
+            args = [s.script, *s.script_args]
+        elif s.run_path:
+            head = [python, "-u", "-m", "ftrun._run_path"]
+            args = [s.script, *s.script_args]
+        else:
+            head = [python, "-u"] + (["-m"] if s.module else [])
+            args = [s.script, *s.script_args]
+        macros = {"local_rank": str(local_rank)}
+        return head + [string.Template(a).safe_substitute(macros) for a in args]
+
+    # ----------------------------------------------------------------- workers
+    def _start_group(self, restarts: int, hosted: HostedStore) -> None:
+        self._workers = []
+        for local_rank in range(self.spec.nproc):
+            streams = self.logs.streams_for(restarts, local_rank, rank=local_rank)
+            wenv = self.worker_env(local_rank, restarts, hosted.port, streams)
+            env = {**self.base_env, **wenv.to_env()}
+            try:
+                spawned = spawn(self.worker_argv(local_rank), env, streams.stdout, streams.stderr)
+            except OSError as exc:
+                streams.close()
+                raise _spawn_error(self.spec, exc) from exc
+            streams.after_spawn()
+            self._guardian.watch(spawned.pid)
+            self._workers.append(Worker(local_rank, local_rank, local_rank, spawned, streams))
+        self.emit("started", {"attempt": restarts, "world_size": self.spec.nproc,
+                              "pids": [w.spawned.pid for w in self._workers],
+                              "master": f"{self.master_addr}:{hosted.port}"})
+
+    def _supervise(self) -> _Outcome:
+        outcome = _Outcome()
+        with self._selector() as sel:
+            while True:
+                if self._signals:
+                    outcome.signum = self._signals.pop(0)
+                    return outcome
+                for worker in self._reap_ready(sel, timeout=None):
+                    assert worker.exit is not None
+                    outcome.exits.append(worker.exit)
+                    if worker.exit.failed and outcome.first_failure is None:
+                        outcome.first_failure = worker.rank
+                codes = {w.rank: (w.exit.returncode if w.exit else None) for w in self._workers}
+                decision = decide_group(codes, outcome.first_failure, self._restarts,
+                                        self.spec.max_restarts)
+                if decision.action is not Action.WAIT:
+                    outcome.decision = decision
+                    return outcome
+
+    def _selector(self) -> selectors.DefaultSelector:
+        sel = selectors.DefaultSelector()
+        sel.register(self._wakeup_r, selectors.EVENT_READ, None)
+        for w in self._workers:
+            if w.alive and w.spawned.pidfd is not None:
+                sel.register(w.spawned.pidfd, selectors.EVENT_READ, w)
+        return sel
+
+    def _reap_ready(self, sel: selectors.BaseSelector, timeout: float | None) -> list[Worker]:
+        """Block until a worker exits, a signal arrives, or `timeout`; return the exited."""
+        polling = any(w.alive and w.spawned.pidfd is None for w in self._workers)
+        wait = 0.05 if polling and (timeout is None or timeout > 0.05) else timeout
+        for key, _ in sel.select(wait):
+            if key.data is None:
+                self._drain_wakeup()
+        ended = []
+        for w in self._workers:
+            if w.alive and w.spawned.popen.poll() is not None:
+                self._record_exit(w)
+                if w.spawned.pidfd is not None:
+                    sel.unregister(w.spawned.pidfd)
+                ended.append(w)
+        return ended
+
+    def _record_exit(self, w: Worker) -> None:
+        code = w.spawned.popen.returncode
+        by_launcher = w.state is WorkerState.STOPPING
+        w.exit = WorkerExit(rank=w.rank, local_rank=w.local_rank, pid=w.spawned.pid,
+                            returncode=code, detected_at=time.monotonic(), wall_time=time.time(),
+                            error_file=w.streams.error_file, killed_by_launcher=by_launcher)
+        if by_launcher:
+            w.move(WorkerState.TERMINATED)
+        else:
+            w.move(WorkerState.SUCCEEDED if code == 0 else WorkerState.FAILED)
+        w.spawned.close()
+        self.emit("exit", {"rank": w.rank, "pid": w.spawned.pid, "returncode": code,
+                           "by_launcher": by_launcher})
+
+    def _stop_workers(self, sig: int, grace: float) -> int | None:
+        """Signal every live worker group, wait `grace`, then SIGKILL. Returns a signal the
+        agent received meanwhile (a second Ctrl-C skips the grace), or None."""
+        received: int | None = None
+        for w in self._workers:
+            if w.alive:
+                w.move(WorkerState.STOPPING)
+                signal_group(w.spawned.pid, sig)
+        deadline = time.monotonic() + grace
+        with self._selector() as sel:
+            while any(w.alive for w in self._workers):
+                left = deadline - time.monotonic()
+                if left <= 0 or self._signals:
+                    if self._signals:
+                        received = self._signals.pop(0)
+                    break
+                self._reap_ready(sel, timeout=left)
+            if any(w.alive for w in self._workers):
+                self._kill_all(signal.SIGKILL)
+                kill_deadline = time.monotonic() + timeouts.KILL_REAP_S
+                while any(w.alive for w in self._workers) and time.monotonic() < kill_deadline:
+                    self._reap_ready(sel, timeout=kill_deadline - time.monotonic())
+        self._sweep_groups()
+        return received
+
+    def _kill_all(self, sig: int) -> None:
+        for w in self._workers:
+            if w.alive:
+                if w.state is not WorkerState.STOPPING:
+                    w.move(WorkerState.STOPPING)
+                signal_group(w.spawned.pid, sig)
+
+    def _sweep_groups(self) -> None:
+        """Workers are gone; end whatever they left in their process groups."""
+        for w in self._workers:
+            signal_group(w.spawned.pid, signal.SIGKILL)
+            self._guardian.forget(w.spawned.pid)
+
+    def _close_streams(self) -> None:
+        for w in self._workers:
+            w.streams.close()
+
+    # ----------------------------------------------------------------- signals
+    def _install_signal_handlers(self) -> None:
+        self._wakeup_r.setblocking(False)
+        self._wakeup_w.setblocking(False)
+        self._old_wakeup = signal.set_wakeup_fd(self._wakeup_w.fileno(), warn_on_full_buffer=False)
+        for name in self.spec.signals_to_handle:
+            signum = getattr(signal, name)
+            self._old_handlers[signum] = signal.signal(signum, self._on_signal)
+
+    def _on_signal(self, signum: int, frame: object) -> None:
+        self._signals.append(signum)
+
+    def _restore_signal_handlers(self) -> None:
+        for signum, handler in self._old_handlers.items():
+            signal.signal(signum, handler)  # type: ignore[arg-type]
+        signal.set_wakeup_fd(self._old_wakeup)
+
+    def _drain_wakeup(self) -> None:
+        try:
+            while self._wakeup_r.recv(4096):
+                pass
+        except BlockingIOError:
+            pass
+
+    def _shutdown_on_signal(self, outcome: _Outcome, restarts: int) -> RunResult:
+        assert outcome.signum is not None
+        sig = outcome.signum
+        alive = sum(w.alive for w in self._workers)
+        self.emit("signal", {"signal": signal_name(sig), "workers": alive,
+                             "grace_s": self.spec.shutdown_timeout})
+        again = self._stop_workers(sig, self.spec.shutdown_timeout)
+        if again is not None:
+            self.emit("signal", {"signal": signal_name(again), "workers": 0, "grace_s": 0})
+        self._close_streams()
+        return self._signal_result(sig, restarts)
+
+    def _signal_result(self, sig: int, restarts: int) -> RunResult:
+        exits = tuple(w.exit for w in self._workers if w.exit is not None)
+        return RunResult(1, f"received {signal_name(sig)}; workers stopped", exits=exits,
+                         restarts_used=restarts, log_dir=self.logs.run_dir,
+                         signal_received=signal_name(sig))
+
+
+def _with_log_dir(result: RunResult, log_dir: str | None) -> RunResult:
+    from dataclasses import replace
+    return replace(result, log_dir=log_dir)
+
+
+def _spawn_error(spec: RunSpec, exc: OSError) -> Exception:
+    from ftrun.errors import UsageError
+    return UsageError(f"cannot start {spec.script!r}: {exc.strerror}",
+                      hint="check the path, or drop --no-python to run it with python")

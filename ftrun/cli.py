@@ -1,0 +1,72 @@
+"""The `ftrun` command: a thin layer over the agent (and, for subcommands, over the API).
+
+Owns: dispatching `ftrun [OPTIONS] SCRIPT` to the launcher and named subcommands to the
+typer app, the one error table (one line + hint, exit code), and printing results.
+Must not import: torch at module level (subcommands such as `status` must stay torch-free).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+from collections.abc import Sequence
+
+from ftrun.errors import EXIT_FAILURE, FtrunError, UsageError
+
+DEBUG_ENV = "FTRUN_DEBUG"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    try:
+        return _launch(args)
+    except FtrunError as exc:
+        print(f"ftrun: error: {exc.one_line()}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print("ftrun: interrupted", file=sys.stderr)
+        return EXIT_FAILURE
+    except Exception as exc:
+        if os.environ.get(DEBUG_ENV):
+            raise
+        print(f"ftrun: internal error: {type(exc).__name__}: {exc} "
+              f"(set {DEBUG_ENV}=1 for a traceback, and please report it)", file=sys.stderr)
+        return EXIT_FAILURE
+
+
+def _launch(args: list[str]) -> int:
+    from ftrun.launch_args import parse_run_args
+
+    spec = parse_run_args(args, gpu_count=_cuda_device_count)
+    _check_entrypoint(spec.script, spec.module, spec.no_python)
+
+    from ftrun import render
+    from ftrun.agent import Agent
+
+    result = Agent(spec, emit=render.notice).run()
+    if result.cause is not None:
+        render.print_failure(spec.entry_name, result.cause, result.exits, result.restarts_used,
+                             spec.max_restarts, result.log_dir)
+    return result.exit_code
+
+
+def _check_entrypoint(script: str, module: bool, no_python: bool) -> None:
+    if module:
+        return  # resolved by the worker's python, with the worker's sys.path
+    if no_python:
+        found = shutil.which(script) if os.sep not in script else (
+            script if os.access(script, os.X_OK) else None)
+        if not found:
+            raise UsageError(f"executable not found: {script}",
+                             hint="check the name and PATH, or drop --no-python")
+        return
+    if not os.path.isfile(script):
+        raise UsageError(f"training script not found: {script}",
+                         hint="check the path; it is relative to the current directory")
+
+
+def _cuda_device_count() -> int:
+    import torch
+
+    return int(torch.cuda.device_count()) if torch.cuda.is_available() else 0

@@ -1,0 +1,24 @@
+"""Every blocking call's time limit, named and set in one place.
+
+Owns: the default deadlines (seconds) used by the agent, the worker library and the CLI.
+Must not import: torch, typer, rich, or other ftrun modules.
+"""
+
+from __future__ import annotations
+
+# Agent
+SHUTDOWN_GRACE_S = 30.0  # SIGTERM -> SIGKILL, overridable by --shutdown-timeout
+KILL_REAP_S = 5.0  # after SIGKILL, how long to wait for the exit to be reported
+STORE_CLIENT_CONNECT_S = 60.0  # worker -> agent store connection
+STORE_SERVER_START_S = 30.0  # agent binding its TCPStore
+LOG_DRAIN_S = 2.0  # reader threads flushing a dead worker's last output
+
+# Worker library
+COLLECTIVE_S = 300.0  # one collective, before the step is given up
+GENERATION_WAIT_S = 120.0  # a worker waiting for the agent to publish the next generation
+PG_INIT_S = 60.0  # building one process group
+STATE_TRANSFER_S = 300.0  # one healing transfer
+SPARE_ASSIGNMENT_S = 24 * 3600.0  # a hot spare waiting to be used
+
+# Control channel / CLI
+CONTROL_REQUEST_S = 2.0
