@@ -43,9 +43,11 @@ def _launch(args: list[str]) -> int:
 
     from ftrun import render
     from ftrun.agent import Agent
+    from ftrun.report import copy_to_parent_error_file
 
     result = Agent(spec, emit=render.notice).run()
     if result.cause is not None:
+        copy_to_parent_error_file(result.cause, os.environ.get("TORCHELASTIC_ERROR_FILE"))
         render.print_failure(spec.entry_name, result.cause, result.exits, result.restarts_used,
                              spec.max_restarts, result.log_dir)
     return result.exit_code

@@ -1,0 +1,48 @@
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+import pytest
+
+FIXTURES = Path(__file__).parent / "fixtures"
+
+
+def ftrun_cmd(*args: str) -> list[str]:
+    return [sys.executable, "-m", "ftrun", *args]
+
+
+def run_ftrun(*args: str, timeout: float = 60, env: dict[str, str] | None = None,
+              cwd: str | None = None) -> subprocess.CompletedProcess[str]:
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    return subprocess.run(ftrun_cmd(*args), capture_output=True, text=True, timeout=timeout,
+                          env=full_env, cwd=cwd)
+
+
+def wait_for(cond: Callable[[], object], timeout: float, what: str) -> object:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = cond()
+        if value:
+            return value
+        time.sleep(0.02)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie is dead for our purposes
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ", 1)[1][0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.fixture
+def fixture_path() -> Callable[[str], str]:
+    return lambda name: str(FIXTURES / name)

@@ -1,0 +1,86 @@
+"""The torchrun-compatible command line, parsed in-process (no workers started)."""
+import pytest
+
+from ftrun.cli import main
+from ftrun.errors import UsageError
+from ftrun.launch_args import parse_run_args
+from ftrun.spec import StdMask
+
+
+def parse(*argv: str, env: dict[str, str] | None = None):
+    return parse_run_args(list(argv), env=env or {}, gpu_count=lambda: 0)
+
+
+@pytest.mark.parametrize("flag", ["--nproc", "--nproc-per-node", "--nproc_per_node", "--nproc_per"])
+def test_nproc_spellings_and_prefix(flag: str) -> None:
+    assert parse(flag, "3", "t.py").nproc == 3
+
+
+def test_dash_and_underscore_spellings_and_equals_form() -> None:
+    a = parse("--max-restarts=2", "--shutdown_timeout", "5", "--redirect=3", "t.py")
+    assert (a.max_restarts, a.shutdown_timeout, a.redirects) == (2, 5.0, StdMask(3))
+
+
+def test_everything_after_script_goes_to_script() -> None:
+    a = parse("--nproc", "2", "t.py", "--nnodes", "5", "-m", "--", "x")
+    assert a.script == "t.py" and a.script_args == ("--nnodes", "5", "-m", "--", "x")
+    assert parse("--", "t.py", "a").script_args == ("a",)
+
+
+def test_pet_env_fallback_and_cli_precedence() -> None:
+    env = {"PET_NPROC_PER_NODE": "2", "PET_TEE": "3", "PET_STANDALONE": "1",
+           "PET_MAX_RESTARTS": "4"}
+    a = parse("t.py", env=env)
+    assert (a.nproc, a.tee, a.standalone, a.max_restarts) == (2, StdMask(3), True, 4)
+    assert parse("--max-restarts", "1", "t.py", env=env).max_restarts == 1
+
+
+def test_nproc_words() -> None:
+    import os
+    assert parse("--nproc", "cpu", "t.py").nproc == len(os.sched_getaffinity(0))
+    assert parse("--nproc", "auto", "t.py").nproc == len(os.sched_getaffinity(0))
+    assert parse_run_args(["--nproc", "gpu", "t.py"], env={}, gpu_count=lambda: 8).nproc == 8
+    with pytest.raises(UsageError, match="no CUDA device"):
+        parse("--nproc", "gpu", "t.py")
+
+
+def test_stream_masks_per_rank() -> None:
+    a = parse("-r", "0:1,1:2", "-t", "12:3", "t.py")
+    assert [a.redirects.for_rank(i) for i in range(3)] == [1, 2, 0]
+    assert a.tee.for_rank(12) == 3  # torchrun's single-digit limit lifted
+
+
+@pytest.mark.parametrize("argv, needle", [
+    ([], "no training script given"),
+    (["--nproc", "0", "t.py"], "--nproc must be at least 1"),
+    (["--nproc", "x", "t.py"], "is not an integer"),
+    (["--bogus", "t.py"], "unrecognized arguments: --bogus"),
+    (["-m", "--no-python", "t.py"], "cannot be used together"),
+    (["--nnodes", "3:2", "t.py"], "MIN is larger than MAX"),
+    (["--nnodes", "2", "t.py"], "multi-node runs are not supported yet"),
+    (["--redirects", "7", "t.py"], "is not a stream mask"),
+    (["--rdzv-conf", "a=", "t.py"], "is not key=value"),
+    (["--shutdown-timeout", "-1", "t.py"], "must be >= 0"),
+    (["--signals-to-handle", "SIGKILL", "t.py"], "cannot be handled"),
+    (["--local-ranks-filter", "a,b", "t.py"], "not a list of integers"),
+])
+def test_bad_input_is_one_clear_line(argv, needle, capsys) -> None:
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert needle in err
+    assert err.count("\n") == 1 and err.startswith("ftrun: error: ") and "Traceback" not in err
+
+
+def test_missing_script_file(capsys, tmp_path) -> None:
+    assert main([str(tmp_path / "nope.py")]) == 2
+    assert "training script not found" in capsys.readouterr().err
+
+
+def test_missing_executable_with_no_python(capsys) -> None:
+    assert main(["--no-python", "definitely-not-a-binary-xyz"]) == 2
+    assert "executable not found" in capsys.readouterr().err
+
+
+def test_bad_pet_flag_value_is_a_usage_error(capsys) -> None:
+    with pytest.raises(UsageError, match="PET_STANDALONE"):
+        parse("t.py", env={"PET_STANDALONE": "true"})
