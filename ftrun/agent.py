@@ -20,13 +20,14 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from ftrun import timeouts
+from ftrun.exits import signal_name
 from ftrun.logs import RunLogs, WorkerStreams
 from ftrun.policy import Action, Decision, decide_group
-from ftrun.procs import Guardian, Spawned, signal_group, signal_name, spawn
+from ftrun.procs import Guardian, Spawned, signal_group, spawn
 from ftrun.report import WorkerExit
 from ftrun.spec import RunSpec, WorkerEnv
 from ftrun.states import WorkerState, check_transition
-from ftrun.store import HostedStore, advertised_addr, host_store
+from ftrun.store import HostedStore, advertised_addr
 
 EventSink = Callable[[str, Mapping[str, object]], None]
 
@@ -108,10 +109,11 @@ class Agent:
     def _run_attempts(self) -> RunResult:
         restarts = 0
         while True:
-            hosted = host_store(self._static_port() or 0)
+            hosted = HostedStore(self._static_port() or 0)
             self._restarts = restarts
             try:
                 self._start_group(restarts, hosted)
+                hosted.serve()  # imports torch while the workers import theirs
                 outcome = self._supervise()
                 if outcome.signum is not None:
                     return self._shutdown_on_signal(outcome, restarts)

@@ -3,7 +3,7 @@
 Owns: `Action`, `Decision` and the decision functions. No I/O, no clocks read here: callers
 pass `now` where time matters, and every decision carries a human-readable reason that
 `ftrun status` and the event log show as is.
-Must not import: anything but the standard library and `ftrun.procs.describe_exit`.
+Must not import: anything but the standard library and `ftrun.exits`.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import enum
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from ftrun.procs import describe_exit
+from ftrun.exits import describe_exit
 
 
 class Action(str, enum.Enum):

@@ -1,8 +1,8 @@
 """Spawning, watching and signalling worker processes.
 
 Owns: starting a worker in its own session with a parent-death signal, a pollable handle on
-its exit (pidfd), group signalling, the guardian that kills worker groups if the agent
-itself is SIGKILLed, and naming exit statuses.
+its exit (pidfd), group signalling, and the guardian that kills worker groups if the agent
+itself is SIGKILLed.
 Must not import: torch, typer, rich, the agent.
 """
 
@@ -89,19 +89,6 @@ def signal_group(pid: int, sig: int) -> bool:
         return True
     except (ProcessLookupError, PermissionError):
         return False
-
-
-def describe_exit(returncode: int) -> str:
-    if returncode < 0:
-        return f"{returncode} ({signal_name(-returncode)})"
-    return str(returncode)
-
-
-def signal_name(signum: int) -> str:
-    try:
-        return signal.Signals(signum).name
-    except ValueError:
-        return f"signal {signum}"
 
 
 class Guardian:

@@ -16,7 +16,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ftrun.procs import describe_exit
+from ftrun.exits import describe_exit
 
 _HINTS = {
     -signal.SIGKILL: "SIGKILL that no one here sent: most often the kernel's OOM killer "

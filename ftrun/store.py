@@ -1,42 +1,61 @@
 """The c10d TCPStore the agent hosts at MASTER_ADDR:MASTER_PORT.
 
-Owns: creating a fresh store server for every attempt (so a restart never reads the keys of
-the attempt before it, the hang of pytorch#135712), choosing the address workers are told to
-use, and tearing the server down.
-Must not import: typer, rich, the agent. Imports torch lazily (only the agent calls this).
+Owns: binding the store's port before torch is imported (so workers start while the agent
+is still importing torch: the server is created later on the already-listening socket),
+creating a fresh store server for every attempt (so a restart never reads the keys of the
+attempt before it, the hang of pytorch#135712), and choosing the address workers use.
+Must not import: typer, rich, the agent. Imports torch lazily, in `serve()` only.
 """
 
 from __future__ import annotations
 
 import socket
-from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
 from ftrun import timeouts
 from ftrun.errors import StoreError
 
+_BACKLOG = 1024
 
-@dataclass
+
 class HostedStore:
-    store: Any  # torch.distributed.TCPStore (server side)
-    port: int
+    """A listening socket now, a TCPStore server once `serve()` has run."""
+
+    def __init__(self, port: int) -> None:
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(("0.0.0.0", port))
+            sock.listen(_BACKLOG)
+        except OSError as exc:
+            sock.close()
+            raise StoreError(f"cannot host the rendezvous store on port {port}: {exc.strerror}",
+                             hint="pick another --master-port, or omit it to use a free port"
+                             ) from exc
+        sock.set_inheritable(False)
+        self._sock: socket.socket | None = sock
+        self.port: int = sock.getsockname()[1]
+        self.store: Any = None  # torch.distributed.TCPStore, server side
+
+    def serve(self, timeout_s: float = timeouts.STORE_SERVER_START_S) -> Any:
+        """Start the TCPStore server on the bound socket (idempotent)."""
+        if self.store is None:
+            from torch.distributed import TCPStore
+
+            assert self._sock is not None
+            fd = self._sock.detach()  # the store owns the descriptor from here on
+            self._sock = None
+            self.store = TCPStore("0.0.0.0", self.port, None, True,
+                                  timedelta(seconds=timeout_s), wait_for_workers=False,
+                                  multi_tenant=False, master_listen_fd=fd)
+        return self.store
 
     def close(self) -> None:
-        self.store = None  # the server socket closes with the last reference
-
-
-def host_store(port: int, timeout_s: float = timeouts.STORE_SERVER_START_S) -> HostedStore:
-    """Start a TCPStore server on `port` (0 picks a free one), listening on every interface."""
-    from torch.distributed import TCPStore
-
-    try:
-        store = TCPStore("0.0.0.0", port, None, True, timedelta(seconds=timeout_s),
-                         wait_for_workers=False, multi_tenant=False)
-    except Exception as exc:  # torch raises DistNetworkError / RuntimeError subclasses
-        raise StoreError(f"cannot host the rendezvous store on port {port}: {exc}",
-                         hint="pick another --master-port, or omit it to use a free port") from exc
-    return HostedStore(store=store, port=int(store.port))
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+        self.store = None  # the server stops with its last reference
 
 
 def advertised_addr(local_addr: str | None) -> str:

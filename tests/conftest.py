@@ -2,8 +2,8 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import pytest
 
@@ -46,3 +46,9 @@ def pid_alive(pid: int) -> bool:
 @pytest.fixture
 def fixture_path() -> Callable[[str], str]:
     return lambda name: str(FIXTURES / name)
+
+
+@pytest.fixture(autouse=True)
+def _private_tmpdir(tmp_path, monkeypatch) -> None:
+    """Launchers started by a test keep their temporary log directories inside the test's."""
+    monkeypatch.setenv("TMPDIR", str(tmp_path))

@@ -9,8 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from conftest import FIXTURES, run_ftrun
+from conftest import FIXTURES
 
 FTRUN_ONLY = {"FTRUN_ATTEMPT", "FTRUN_CONTROL", "FTRUN_FT_MODE", "FTRUN_WORKER_ID"}
 DIFFERENT_EACH_RUN = {"MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_ERROR_FILE"}

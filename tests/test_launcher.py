@@ -3,12 +3,10 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
-
 from conftest import FIXTURES, ftrun_cmd, pid_alive, run_ftrun, wait_for
 
 BEHAVE = str(FIXTURES / "behave.py")
@@ -55,7 +53,8 @@ def test_run_path_reports_the_traceback(tmp_path) -> None:
 
 @pytest.mark.parametrize("code", [0, 3])
 def test_exit_code(code) -> None:
-    r = run_ftrun("--nproc", "2", BEHAVE, "--exit-rank", f"1:{code}", "--sleep", "0" if code == 0 else "30")
+    sleep = "0" if code == 0 else "30"  # a sibling still running gets terminated
+    r = run_ftrun("--nproc", "2", BEHAVE, "--exit-rank", f"1:{code}", "--sleep", sleep)
     assert r.returncode == (0 if code == 0 else 1)
     if code:
         assert "rank 1 exited with 3; no restarts allowed" in r.stderr
@@ -194,10 +193,16 @@ def test_temporary_log_dir_removed_after_clean_success(tmp_path) -> None:
 
 
 @pytest.mark.slow
-def test_gloo_restart_comes_up_on_a_fresh_store(tmp_path) -> None:
-    """torchrun's shared store makes this restart hang (pytorch#135712); ftrun must finish."""
-    r = run_ftrun("--nproc", "2", "--max-restarts", "1", str(FIXTURES / "gloo_restart.py"),
-                  str(tmp_path), timeout=90)
+@pytest.mark.parametrize("fixed_port", [False, True], ids=["free-port", "master-port"])
+def test_gloo_restart_comes_up_on_a_fresh_store(tmp_path, fixed_port) -> None:
+    """torchrun's shared store makes this restart hang (pytorch#135712); ftrun must finish,
+    also when the store has to come back on the same --master-port."""
+    from test_env_compat import free_port
+
+    port = ["--master-port", str(free_port())] if fixed_port else []
+    r = run_ftrun("--nproc", "2", "--max-restarts", "1", *port,
+                  str(FIXTURES / "gloo_restart.py"), str(tmp_path), timeout=90)
     assert r.returncode == 0, r.stderr
     done = [(tmp_path / f"done_{i}").read_text().split() for i in (0, 1)]
     assert [d[0] for d in done] == ["1", "1"]
+

@@ -1,0 +1,74 @@
+"""Each layer imports only from layers below it; the worker side and `status` stay light."""
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+PKG = Path(__file__).parent.parent / "ftrun"
+
+LAYERS = [  # lowest first
+    {"errors", "timeouts", "spec", "states", "exits"},
+    {"policy"},
+    {"procs", "store", "logs", "report", "_run_path"},
+    {"worker", "transfer"},
+    {"agent", "control"},
+    {"cli", "launch_args", "render", "__main__", "__init__"},
+]
+WORKER_SIDE = {"worker", "transfer"}
+HEAVY_FOR_WORKERS = {"typer", "rich", "pynvml", "psutil"}
+
+
+def layer_of(module: str) -> int:
+    for i, names in enumerate(LAYERS):
+        if module in names:
+            return i
+    raise AssertionError(f"ftrun/{module}.py is in no layer: add it to LAYERS")
+
+
+def imports_of(path: Path) -> set[str]:
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            found.add(node.module)
+            if node.module == "ftrun":
+                found.update(f"ftrun.{a.name}" for a in node.names)
+        elif isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+    return found
+
+
+def test_layers_import_only_downwards() -> None:
+    for path in PKG.glob("*.py"):
+        me = path.stem
+        for imp in imports_of(path):
+            if imp.startswith("ftrun.") and imp.count(".") == 1:
+                other = imp.split(".")[1]
+                if me == "__init__" or other == me:
+                    continue
+                assert layer_of(other) <= layer_of(me), f"{me} imports {other} (upwards)"
+
+
+def test_worker_side_never_imports_launcher_or_ui() -> None:
+    for me in WORKER_SIDE:
+        path = PKG / f"{me}.py"
+        if not path.exists():
+            continue
+        roots = {imp.split(".")[0] for imp in imports_of(path)}
+        assert not roots & HEAVY_FOR_WORKERS, f"{me} imports {roots & HEAVY_FOR_WORKERS}"
+        assert "ftrun.agent" not in imports_of(path) and "ftrun.cli" not in imports_of(path)
+
+
+def _modules_after(code: str) -> set[str]:
+    out = subprocess.run([sys.executable, "-c", f"{code}\nimport sys; print(' '.join(sys.modules))"],
+                         capture_output=True, text=True, check=True, timeout=60)
+    return set(out.stdout.split())
+
+
+def test_import_ftrun_is_light() -> None:
+    mods = _modules_after("import ftrun")
+    assert not {"torch", "typer", "rich", "pynvml"} & mods
+
+
+def test_cli_module_does_not_import_torch() -> None:
+    mods = _modules_after("import ftrun.cli, ftrun.launch_args")
+    assert "torch" not in mods
