@@ -59,8 +59,9 @@ def test_worker_side_never_imports_launcher_or_ui() -> None:
 
 
 def _modules_after(code: str) -> set[str]:
-    out = subprocess.run([sys.executable, "-c", f"{code}\nimport sys; print(' '.join(sys.modules))"],
-                         capture_output=True, text=True, check=True, timeout=60)
+    probe = f"{code}\nimport sys; print(' '.join(sys.modules))"
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                         check=True, timeout=60)
     return set(out.stdout.split())
 
 
