@@ -1,9 +1,12 @@
 """ftrun: a torchrun replacement with native fault tolerance.
 
 Importing this package from a training script must stay cheap: it pulls no torch,
-typer, rich or NVML until a worker-side function is called.
+typer, rich or NVML until `ftrun.init()` runs.
 """
 
 from __future__ import annotations
 
+from ftrun.worker import FaultTolerant, init
+
+__all__ = ["FaultTolerant", "init"]
 __version__ = "0.1.0"

@@ -8,6 +8,7 @@ Must not import: typer, rich, the CLI or the worker library. Torch only through 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import selectors
 import signal
@@ -24,6 +25,7 @@ from ftrun.exits import signal_name
 from ftrun.logs import RunLogs, WorkerStreams
 from ftrun.policy import Action, Decision, decide_group
 from ftrun.procs import Guardian, Spawned, signal_group, spawn
+from ftrun.recovery import FaultTolerance
 from ftrun.report import WorkerExit
 from ftrun.spec import RunSpec, WorkerEnv
 from ftrun.states import WorkerState, check_transition
@@ -71,6 +73,7 @@ class _Outcome:
     decision: Decision | None = None
     signum: int | None = None
     first_failure: int | None = None
+    cause: WorkerExit | None = None
     exits: list[WorkerExit] = field(default_factory=list)
 
 
@@ -86,7 +89,10 @@ class Agent:
         self._old_handlers: dict[int, object] = {}
         self._wakeup_r, self._wakeup_w = socket.socketpair()
         self._workers: list[Worker] = []
-        self._restarts = 0
+        self.restarts = 0
+        self.ft: FaultTolerance | None = None
+        self._sel: selectors.BaseSelector | None = None
+        self._hosted: HostedStore | None = None
 
     # ----------------------------------------------------------------- top level
     def run(self) -> RunResult:
@@ -110,16 +116,20 @@ class Agent:
         restarts = 0
         while True:
             hosted = HostedStore(self._static_port() or 0)
-            self._restarts = restarts
+            self.restarts = restarts
+            self._hosted = hosted
             try:
                 self._start_group(restarts, hosted)
-                hosted.serve()  # imports torch while the workers import theirs
+                store = hosted.serve()  # imports torch while the workers import theirs
+                if self.spec.on_fault != "restart":
+                    self.ft = FaultTolerance(self, store, hosted.port)
                 outcome = self._supervise()
                 if outcome.signum is not None:
                     return self._shutdown_on_signal(outcome, restarts)
                 assert outcome.decision is not None
                 decision = outcome.decision
                 if decision.action is Action.SUCCEED:
+                    self._stop_workers(signal.SIGTERM, self.spec.shutdown_timeout)  # spares
                     self._close_streams()
                     return RunResult(0, decision.reason, exits=tuple(outcome.exits),
                                      restarts_used=restarts, log_dir=self.logs.run_dir)
@@ -133,10 +143,12 @@ class Agent:
                     self.emit("restart", {"reason": decision.reason, "attempt": restarts})
                     continue
                 exits = tuple(w.exit for w in self._workers if w.exit is not None)
-                cause = next(e for e in exits if e.rank == decision.culprit)
-                return RunResult(1, decision.reason, cause=cause, exits=exits,
+                return RunResult(1, decision.reason, cause=outcome.cause, exits=exits,
                                  restarts_used=restarts, log_dir=self.logs.run_dir)
             finally:
+                if self.ft is not None:
+                    self.ft.close()
+                    self.ft = None
                 hosted.close()
 
     # ----------------------------------------------------------------- environment
@@ -158,16 +170,20 @@ class Agent:
         self.master_addr = self.spec.master_addr if static else local
 
     def worker_env(self, local_rank: int, restarts: int, port: int,
-                   streams: WorkerStreams) -> WorkerEnv:
+                   streams: WorkerStreams, rank: int | None = None,
+                   worker_id: int | None = None) -> WorkerEnv:
         n = self.spec.nproc
+        rank = local_rank if rank is None else rank
         return WorkerEnv(
-            rank=local_rank, local_rank=local_rank, world_size=n, local_world_size=n,
-            group_rank=0, group_world_size=1, role_rank=local_rank, role_name=self.spec.role,
+            rank=rank, local_rank=local_rank, world_size=n, local_world_size=n,
+            group_rank=0, group_world_size=1, role_rank=rank, role_name=self.spec.role,
             role_world_size=n, master_addr=self.master_addr, master_port=port,
             restart_count=restarts, max_restarts=self.spec.max_restarts, run_id=self.run_id,
             use_agent_store=True,
             nccl_async_error_handling=self.base_env.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
-            error_file=streams.error_file, worker_id=local_rank, attempt=restarts,
+            error_file=streams.error_file,
+            worker_id=local_rank if worker_id is None else worker_id, attempt=restarts,
+            ft_mode="restart" if self.spec.on_fault == "restart" else "inprocess",
         )
 
     def worker_argv(self, local_rank: int) -> list[str]:
@@ -189,39 +205,81 @@ class Agent:
     def _start_group(self, restarts: int, hosted: HostedStore) -> None:
         self._workers = []
         for local_rank in range(self.spec.nproc):
-            streams = self.logs.streams_for(restarts, local_rank, rank=local_rank)
-            wenv = self.worker_env(local_rank, restarts, hosted.port, streams)
-            env = {**self.base_env, **wenv.to_env()}
-            try:
-                spawned = spawn(self.worker_argv(local_rank), env, streams.stdout, streams.stderr)
-            except OSError as exc:
-                streams.close()
-                raise _spawn_error(self.spec, exc) from exc
-            streams.after_spawn()
-            self._guardian.watch(spawned.pid)
-            self._workers.append(Worker(local_rank, local_rank, local_rank, spawned, streams))
+            self.spawn_worker(local_rank, rank=local_rank, local_rank=local_rank)
         self.emit("started", {"attempt": restarts, "world_size": self.spec.nproc,
                               "pids": [w.spawned.pid for w in self._workers],
                               "master": f"{self.master_addr}:{hosted.port}"})
 
+    def spawn_worker(self, worker_id: int, rank: int, local_rank: int,
+                     spare: bool = False) -> Worker:
+        """Start one worker of the current attempt (a first member, a replacement, a spare)."""
+        assert self._hosted is not None
+        streams = self.logs.streams_for(self.restarts, local_rank, rank=rank)
+        wenv = self.worker_env(local_rank, self.restarts, self._hosted.port, streams, rank=rank,
+                               worker_id=worker_id)
+        env = {**self.base_env, **wenv.to_env(), "FTRUN_SPARE": "1" if spare else "0"}
+        try:
+            spawned = spawn(self.worker_argv(local_rank), env, streams.stdout, streams.stderr)
+        except OSError as exc:
+            streams.close()
+            raise _spawn_error(self.spec, exc) from exc
+        streams.after_spawn()
+        self._guardian.watch(spawned.pid)
+        worker = Worker(rank, local_rank, worker_id, spawned, streams)
+        self._workers.append(worker)
+        if self._sel is not None and spawned.pidfd is not None:
+            self._sel.register(spawned.pidfd, selectors.EVENT_READ, worker)
+        return worker
+
+    def wake(self) -> None:
+        """Interrupt the event loop from another thread (the request reader)."""
+        with contextlib.suppress(OSError):
+            self._wakeup_w.send(b"\0")
+
     def _supervise(self) -> _Outcome:
         outcome = _Outcome()
         with self._selector() as sel:
-            while True:
-                if self._signals:
-                    outcome.signum = self._signals.pop(0)
-                    return outcome
-                for worker in self._reap_ready(sel, timeout=None):
-                    assert worker.exit is not None
-                    outcome.exits.append(worker.exit)
-                    if worker.exit.failed and outcome.first_failure is None:
-                        outcome.first_failure = worker.rank
-                codes = {w.rank: (w.exit.returncode if w.exit else None) for w in self._workers}
-                decision = decide_group(codes, outcome.first_failure, self._restarts,
-                                        self.spec.max_restarts)
-                if decision.action is not Action.WAIT:
-                    outcome.decision = decision
-                    return outcome
+            self._sel = sel
+            try:
+                while outcome.decision is None:
+                    if self._signals:
+                        outcome.signum = self._signals.pop(0)
+                        return outcome
+                    ended = self._reap_ready(sel, timeout=None)
+                    if self.ft is not None:
+                        self.ft.handle_requests()
+                    for worker in ended:
+                        self._on_exit(worker, outcome)
+                    if outcome.decision is None:
+                        outcome.decision = self._group_decision(outcome)
+            finally:
+                self._sel = None
+        return outcome
+
+    def _on_exit(self, worker: Worker, outcome: _Outcome) -> None:
+        assert worker.exit is not None
+        outcome.exits.append(worker.exit)
+        if self.ft is not None and self.ft.owns(worker):
+            decision = self.ft.on_exit(worker)
+            if decision is not None and outcome.decision is None:
+                outcome.decision, outcome.cause = decision, worker.exit
+            return
+        if worker.exit.failed and outcome.first_failure is None:
+            outcome.first_failure = worker.rank
+            outcome.cause = worker.exit
+
+    def _group_decision(self, outcome: _Outcome) -> Decision | None:
+        if self.ft is not None and outcome.first_failure is None:
+            if self.ft.done():
+                return Decision(Action.SUCCEED, "every member finished")
+            if self.ft.hello:
+                return None
+        members = self._workers if self.ft is None else [
+            w for w in self._workers if w.worker_id in self.ft.members]
+        codes = {w.rank: (w.exit.returncode if w.exit else None) for w in members}
+        decision = decide_group(codes, outcome.first_failure, self.restarts,
+                                self.spec.max_restarts)
+        return None if decision.action is Action.WAIT else decision
 
     def _selector(self) -> selectors.DefaultSelector:
         sel = selectors.DefaultSelector()
@@ -241,9 +299,9 @@ class Agent:
         ended = []
         for w in self._workers:
             if w.alive and w.spawned.popen.poll() is not None:
-                self._record_exit(w)
                 if w.spawned.pidfd is not None:
-                    sel.unregister(w.spawned.pidfd)
+                    sel.unregister(w.spawned.pidfd)  # before close(): the fd number is reused
+                self._record_exit(w)
                 ended.append(w)
         return ended
 

@@ -95,6 +95,12 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
         help="signals forwarded to the workers before shutdown")
     opt("event-log-handler", default="null", help="kept for compatibility")
     flag("virtual-local-rank", help="kept for compatibility; refused when set")
+    opt("on-fault", default="replace", choices=["replace", "shrink", "restart"],
+        help="scripts using the ftrun API: replace the lost rank (world size held), shrink "
+        "and grow back, or restart every worker as torchrun does (default replace)")
+    opt("min-nproc", default="1", help="shrink: the fewest workers to go on with")
+    opt("spares", default="0", help="hot spare workers, started and waiting")
+    opt("max-faults", default="100", help="faults recovered in-process before giving up")
     p.add_argument("training_script", nargs="?", help="the training script (or module)")
     p.add_argument("training_script_args", nargs=argparse.REMAINDER)
     return p
@@ -148,6 +154,10 @@ def parse_run_args(
         local_addr=ns.local_addr,
         shutdown_timeout=_shutdown_timeout(ns.shutdown_timeout, env),
         signals_to_handle=_parse_signals(ns.signals_to_handle),
+        on_fault=ns.on_fault,
+        min_nproc=_int(ns.min_nproc, "--min-nproc", minimum=1),
+        spares=_int(ns.spares, "--spares", minimum=0),
+        max_faults=_int(ns.max_faults, "--max-faults", minimum=0),
     )
 
 

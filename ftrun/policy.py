@@ -51,3 +51,51 @@ def decide_group(exits: Mapping[int, int | None], first_failure: int | None,
     if exits and all(code == 0 for code in exits.values()):
         return Decision(Action.SUCCEED, f"all {len(exits)} workers exited 0")
     return Decision(Action.WAIT, "workers running")
+
+
+class FaultAction(str, enum.Enum):
+    REPLACE = "replace"  # same world size: a spare or a new process takes the lost rank
+    SHRINK = "shrink"  # go on without it now; grow back when a replacement is ready
+    RESTART_GROUP = "restart-group"  # in-process recovery impossible: torchrun semantics
+    FAIL = "fail"
+
+
+@dataclass(frozen=True)
+class FaultDecision:
+    action: FaultAction
+    reason: str
+    members: tuple[int, ...] = ()  # the next generation's members, rank order
+    joiners: tuple[int, ...] = ()  # members that must heal from a peer
+    spare_used: int | None = None
+
+
+def decide_fault(lost: int, why: str, members: tuple[int, ...], on_fault: str, min_nproc: int,
+                 spares: tuple[int, ...], new_worker_id: int, faults: int, max_faults: int,
+                 restarts_left: int) -> FaultDecision:
+    """A member of the current generation is gone. Pure: the agent does what this says."""
+    survivors = tuple(m for m in members if m != lost)
+    head = f"worker {lost} (rank {members.index(lost)}) {why}"
+    if faults > max_faults:
+        return _give_up(f"{head}; fault budget exhausted ({max_faults}, --max-faults)",
+                        restarts_left)
+    if not survivors:
+        return _give_up(f"{head}; no replica left to heal from", restarts_left)
+    if on_fault == "replace":
+        joiner = spares[0] if spares else new_worker_id
+        how = f"spare worker {joiner}" if spares else f"new worker {joiner}"
+        rank = members.index(lost)
+        new_members = survivors[:rank] + (joiner,) + survivors[rank:]
+        return FaultDecision(FaultAction.REPLACE, f"{head}; {how} takes rank {rank}",
+                             new_members, (joiner,), spares[0] if spares else None)
+    if len(survivors) < min_nproc:
+        return _give_up(f"{head}; {len(survivors)} left is below --min-nproc {min_nproc}",
+                        restarts_left)
+    return FaultDecision(FaultAction.SHRINK,
+                         f"{head}; continuing with {len(survivors)}, replacement to follow",
+                         survivors)
+
+
+def _give_up(reason: str, restarts_left: int) -> FaultDecision:
+    if restarts_left > 0:
+        return FaultDecision(FaultAction.RESTART_GROUP, f"{reason}; restarting all workers")
+    return FaultDecision(FaultAction.FAIL, reason)

@@ -28,6 +28,14 @@ def _notice_text(kind: str, f: Mapping[str, object]) -> str | None:
         return str(f["text"])
     if kind == "failure":
         return str(f["reason"])
+    if kind == "fault":
+        return str(f["reason"])
+    if kind == "generation":
+        return f"generation {f['generation']}: {f['world_size']} workers ({f['reason']})"
+    if kind == "recovered" and f.get("fault_at"):
+        ms = (float(str(f["first_commit"])) - float(str(f["fault_at"]))) * 1000
+        return (f"worker {f['worker']} committed step {f['step']} in generation "
+                f"{f['generation']}, {ms:.0f} ms after the fault")
     if kind == "restart":
         return f"restart {f['attempt']} starting"
     if kind == "signal":

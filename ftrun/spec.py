@@ -73,6 +73,10 @@ class RunSpec:
     local_addr: str | None = None
     shutdown_timeout: float = 30.0
     signals_to_handle: tuple[str, ...] = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
+    on_fault: str = "replace"  # replace | shrink | restart (for scripts using the ftrun API)
+    min_nproc: int = 1
+    spares: int = 0
+    max_faults: int = 100
 
     @property
     def entry_name(self) -> str:

@@ -9,12 +9,12 @@ PKG = Path(__file__).parent.parent / "ftrun"
 LAYERS = [  # lowest first
     {"errors", "timeouts", "spec", "states", "exits"},
     {"policy"},
-    {"procs", "store", "logs", "report", "_run_path"},
-    {"worker", "transfer"},
-    {"agent", "control"},
+    {"procs", "store", "logs", "report", "rendezvous", "_run_path"},
+    {"comm", "worker", "transfer"},
+    {"recovery", "agent", "control"},
     {"cli", "launch_args", "render", "__main__", "__init__"},
 ]
-WORKER_SIDE = {"worker", "transfer"}
+WORKER_SIDE = {"comm", "worker", "transfer"}
 HEAVY_FOR_WORKERS = {"typer", "rich", "pynvml", "psutil"}
 
 

@@ -1,0 +1,228 @@
+"""One generation's communicator on the worker side, and collectives that can be abandoned.
+
+Owns: building a process group for a generation (the native reconfigure path where torch
+offers it, a fresh gloo/nccl group under the generation's never-used store prefix otherwise),
+waiting on a collective while watching for a newer generation (gloo's abort() does not cancel
+a pending op, so the op is abandoned, its reference kept, and the group rebuilt), and the
+generation watcher thread.
+Must not import: typer, rich, NVML, the agent. Torch is imported lazily by the worker.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+from ftrun import timeouts
+from ftrun.rendezvous import Generation, Store, gen_key
+
+
+class Abandoned(Exception):
+    """A newer generation was published while this worker waited: drop the operation."""
+
+
+class CommError(Exception):
+    """A collective or the group itself failed (a peer died, a timeout)."""
+
+
+class Interrupt:
+    """What a waiting worker wakes up for: an op completing, or an urgent new generation."""
+
+    def __init__(self) -> None:
+        self.wake = threading.Event()
+        self.newest: Generation | None = None  # newest generation seen by the watcher
+        self.urgent_above = -1  # an urgent generation with a number above this abandons
+        self.store_lost: str | None = None
+
+    def check(self, current: int) -> None:
+        if self.store_lost:
+            raise CommError(f"the agent's store is gone: {self.store_lost}")
+        if self.urgent_above > current:
+            raise Abandoned(f"generation {self.urgent_above} published")
+
+
+@dataclass
+class Group:
+    """A process group for one generation, with this worker's rank in it."""
+
+    gen: Generation
+    rank: int
+    pg: Any  # torch ProcessGroup backend (or None for a world of one)
+    graveyard: list[Any] = field(default_factory=list)  # abandoned works and groups
+
+    @property
+    def size(self) -> int:
+        return self.gen.world_size
+
+    def wait(self, work: Any, interrupt: Interrupt, timeout_s: float = timeouts.COLLECTIVE_S
+             ) -> None:
+        """Wait for `work` unless a newer urgent generation arrives first."""
+        interrupt.wake.clear()
+        errors: list[BaseException] | None = None
+        try:
+            fut = work.get_future()
+            fut.add_done_callback(lambda _f: interrupt.wake.set())
+            done = fut.done
+        except RuntimeError:  # gloo send/recv: no future, and they progress only in wait()
+            finished, errors = _wait_in_thread(work, interrupt.wake, timeout_s)
+            done = finished.is_set
+        deadline = time.monotonic() + timeout_s
+        while not done():
+            try:
+                interrupt.check(self.gen.number)
+            except (Abandoned, CommError):
+                self.graveyard.append(work)  # never let a destructor block on it
+                raise
+            left = deadline - time.monotonic()
+            if left <= 0:
+                self.graveyard.append(work)
+                raise CommError(f"collective timed out after {timeout_s:.0f}s")
+            interrupt.wake.wait(min(left, 1.0))
+        try:
+            if errors is None:
+                work.wait()
+            elif errors:
+                raise errors[0]
+        except RuntimeError as exc:  # gloo/nccl report peer failures as RuntimeError
+            raise CommError(str(exc).splitlines()[0][:200]) from None
+
+    def run(self, make_work: Callable[[], Any], interrupt: Interrupt,
+            timeout_s: float = timeouts.COLLECTIVE_S) -> None:
+        try:
+            work = make_work()
+        except RuntimeError as exc:
+            raise CommError(str(exc).splitlines()[0][:200]) from None
+        self.wait(work, interrupt, timeout_s)
+
+    def allreduce(self, tensor: Any, interrupt: Interrupt) -> None:
+        if self.pg is not None:
+            self.run(lambda: self.pg.allreduce([tensor]), interrupt)
+
+    def abandon(self) -> None:
+        """Drop this group without blocking: keep the object referenced, never destroy it."""
+        if self.pg is not None:
+            with contextlib.suppress(RuntimeError, AttributeError):
+                self.pg.abort()
+            self.graveyard.append(self.pg)
+
+
+def _wait_in_thread(work: Any, wake: threading.Event, timeout_s: float
+                    ) -> tuple[threading.Event, list[BaseException]]:
+    """Run the blocking wait() on a helper thread (once: a second wait() on a gloo send waits
+    for a second send). If the op is abandoned, the thread ends with the op's own timeout."""
+    finished = threading.Event()
+    errors: list[BaseException] = []
+
+    def waiter() -> None:
+        try:
+            work.wait(timedelta(seconds=timeout_s))
+        except RuntimeError as exc:
+            errors.append(exc)
+        finally:
+            finished.set()
+            wake.set()
+
+    threading.Thread(target=waiter, name="ftrun-p2p-wait", daemon=True).start()
+    return finished, errors
+
+
+def build_group(store: Store, gen: Generation, rank: int, backend: str, device: Any,
+                interrupt: Interrupt, timeout_s: float = timeouts.PG_INIT_S) -> Group:
+    """Construct the generation's group in a helper thread, so that an urgent newer generation
+    can abandon a construction that waits for a peer that will never come."""
+    if gen.world_size == 1:
+        return Group(gen, rank, None)
+    result: dict[str, Any] = {}
+    done = threading.Event()
+
+    def construct() -> None:
+        try:
+            result["pg"] = _new_pg(store, gen, rank, backend, device, timeout_s)
+        except Exception as exc:  # reported to the waiting thread below
+            result["error"] = exc
+        finally:
+            done.set()
+            interrupt.wake.set()
+
+    interrupt.wake.clear()
+    threading.Thread(target=construct, name=f"ftrun-pg-{gen.number}", daemon=True).start()
+    deadline = time.monotonic() + timeout_s + 5.0
+    while not done.is_set():
+        interrupt.check(gen.number)
+        if time.monotonic() > deadline:
+            raise CommError(f"building generation {gen.number}'s group timed out")
+        interrupt.wake.wait(0.5)
+    if "error" in result:
+        raise CommError(f"building generation {gen.number}'s group failed: {result['error']}")
+    return Group(gen, rank, result["pg"])
+
+
+def _new_pg(store: Store, gen: Generation, rank: int, backend: str, device: Any,
+            timeout_s: float) -> Any:
+    import torch.distributed as dist
+
+    prefixed = dist.PrefixStore(gen.pg_prefix, store)  # type: ignore[arg-type]
+    timeout = timedelta(seconds=timeout_s)
+    if backend == "nccl":
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = timeout
+        return dist.ProcessGroupNCCL(prefixed, rank, gen.world_size, opts)
+    return dist.ProcessGroupGloo(prefixed, rank, gen.world_size, timeout)
+
+
+class GenerationWatcher:
+    """A thread blocked on the store for the next generation key, with its own connection,
+    so the training loop never polls the store."""
+
+    def __init__(self, connect: Callable[[], Store], start_after: int, interrupt: Interrupt,
+                 on_generation: Callable[[Generation], None] | None = None) -> None:
+        self._connect = connect
+        self._next = start_after + 1
+        self._interrupt = interrupt
+        self._on_generation = on_generation
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="ftrun-gen-watch", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _loop(self) -> None:
+        try:
+            store = self._connect()
+        except Exception as exc:
+            self._lost(exc)
+            return
+        while not self._stop.is_set():
+            key = gen_key(self._next)
+            try:
+                store.wait([key], timedelta(seconds=timeouts.WATCH_POLL_S))
+            except Exception as exc:
+                if _is_timeout(exc):
+                    continue
+                self._lost(exc)
+                return
+            gen = Generation.from_json(store.get(key))
+            self._next += 1
+            intr = self._interrupt
+            intr.newest = gen
+            if gen.urgent:
+                intr.urgent_above = max(intr.urgent_above, gen.number)
+            if self._on_generation is not None:
+                self._on_generation(gen)
+            intr.wake.set()
+
+    def _lost(self, exc: Exception) -> None:
+        if not self._stop.is_set():
+            self._interrupt.store_lost = str(exc).splitlines()[0][:200] if str(exc) else "lost"
+            self._interrupt.wake.set()
+
+
+def _is_timeout(exc: Exception) -> bool:
+    text = str(exc).lower()
+    return "timeout" in text or "timed out" in text

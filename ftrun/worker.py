@@ -1,0 +1,334 @@
+"""The worker API a training script uses: init, wrap, register, steps, batch_slice, commit.
+
+Owns: this worker's view of the job (generation, rank, committed step), gradient all-reduce
+over the live group, the commit rule (a step is applied only if every collective of it
+succeeded), recovery at the next step boundary (rebuild the group, align on the highest
+committed step, heal from an up-to-date peer), and a plain mode for runs outside ftrun.
+Must not import: typer, rich, NVML, the agent or the CLI. Torch is imported when init() runs.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from ftrun import timeouts
+from ftrun.comm import Abandoned, CommError, GenerationWatcher, Group, Interrupt, build_group
+from ftrun.errors import WorkerApiError
+from ftrun.rendezvous import Generation, heal_plan, latest_number, post_request, read_generation
+from ftrun.spec import WorkerEnv
+from ftrun.transfer import pack, recv_state, send_state, unpack
+
+SPARE_ENV = "FTRUN_SPARE"
+
+
+def init(backend: str | None = None, seed: int = 0) -> FaultTolerant:
+    """Join the job. Under ftrun: fault tolerant. Under torchrun or plain python: the same API
+    over torch.distributed's default group (or a world of one), without recovery."""
+    import torch
+
+    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    if os.environ.get("FTRUN_FT_MODE") == "inprocess" and "FTRUN_WORKER_ID" in os.environ:
+        return FaultTolerant(backend, seed, WorkerEnv.from_env())
+    return FaultTolerant(backend, seed, None)
+
+
+class FaultTolerant:
+    def __init__(self, backend: str, seed: int, wenv: WorkerEnv | None) -> None:
+        import torch
+
+        self.backend = backend
+        self.seed = seed
+        self._ft = wenv is not None
+        self._models: list[Any] = []
+        self._objects: dict[str, Any] = {}
+        self._interrupt = Interrupt()
+        self._broken: str | None = None  # why the current step or group failed
+        self._pending_switch = False
+        self._need_align = False
+        self._commit_pending = False
+        self._flat: Any = None
+        self._report_first_commit: dict[str, Any] | None = None
+        self.committed = 0
+        self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        cuda = backend == "nccl" and torch.cuda.is_available()
+        self.device = torch.device("cuda", self.local_rank) if cuda else torch.device("cpu")
+        if cuda:
+            torch.cuda.set_device(self.device)
+        if wenv is None:
+            self._group = _plain_group(backend)
+            return
+        self.worker_id = wenv.worker_id
+        self._store = _connect(wenv)
+        post_request(self._store, "hello", worker=self.worker_id, pid=os.getpid(),
+                     spare=os.environ.get(SPARE_ENV) == "1")
+        gen = self._first_generation()
+        self._watcher = GenerationWatcher(lambda: _connect(wenv), gen.number, self._interrupt)
+        self._group = Group(gen, -1, None)
+        self._need_align = gen.number > 0
+        self._switch_to(gen)
+
+    # ---------------------------------------------------------------- live view
+    @property
+    def rank(self) -> int:
+        return self._group.rank
+
+    @property
+    def world_size(self) -> int:
+        return self._group.size
+
+    @property
+    def generation(self) -> int:
+        return self._group.gen.number
+
+    # ---------------------------------------------------------------- user API
+    def wrap(self, model: Any) -> Any:
+        """Gradients of `model` are averaged over the live group at each commit."""
+        self._models.append(model)
+        self._flat = None
+        return model
+
+    def register(self, **objects: Any) -> None:
+        """State a joining replica pulls from a healthy one (anything with state_dict())."""
+        for name, obj in objects.items():
+            if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
+                raise WorkerApiError(f"ft.register({name}=...) needs state_dict/load_state_dict")
+        self._objects.update(objects)
+
+    def steps(self, total: int) -> Iterator[int]:
+        """Yield the next uncommitted step until `total` steps are committed."""
+        while True:
+            self._reconcile()
+            if self.committed >= total:
+                if self._finished():
+                    return
+                continue
+            self._commit_pending = True
+            yield self.committed
+            if self._commit_pending:
+                raise WorkerApiError("each step must end with ft.commit(optimizer)")
+
+    def batch_slice(self, global_batch: int) -> slice:
+        """This rank's contiguous share of a global batch, from the live membership."""
+        base, extra = divmod(global_batch, self.world_size)
+        start = self.rank * base + min(self.rank, extra)
+        return slice(start, start + base + (1 if self.rank < extra else 0))
+
+    def seed_for(self, step: int) -> int:
+        """A seed from (seed, step, rank): a replacement reproduces what the lost rank did."""
+        return (self.seed * 1_000_003 + step) * 65_537 + self.rank
+
+    def commit(self, optimizer: Any) -> bool:
+        """Average gradients; step the optimizer only if that succeeded. Grads are zeroed."""
+        self._commit_pending = False
+        switch = False
+        if self._broken is None:
+            try:
+                switch = self._sync_gradients()
+            except (CommError, Abandoned) as exc:
+                self._broken = str(exc)
+        ok = self._broken is None
+        if ok:
+            optimizer.step()
+            self.committed += 1
+            self._pending_switch = self._pending_switch or switch
+            if self._report_first_commit is not None:
+                self._post("recovered", **self._report_first_commit, first_commit=time.time())
+                self._report_first_commit = None
+        optimizer.zero_grad()
+        return ok
+
+    def close(self) -> None:
+        if self._ft:
+            self._watcher.stop()
+
+    # ---------------------------------------------------------------- gradients
+    def _params(self) -> list[Any]:
+        return [p for m in self._models for p in m.parameters() if p.requires_grad]
+
+    def _sync_gradients(self) -> bool:
+        """One all-reduce of every gradient plus a flag element: True when some rank has seen
+        a planned (non-urgent) generation, so that every rank switches at the same step."""
+        import torch
+
+        params = self._params()
+        if self._flat is None:
+            total = sum(p.numel() for p in params) + 1
+            self._flat = torch.zeros(total, dtype=torch.float32, device=self.device)
+        flat, offset = self._flat, 0
+        for p in params:
+            n = p.numel()
+            if p.grad is None:
+                flat[offset:offset + n].zero_()
+            else:
+                flat[offset:offset + n].copy_(p.grad.reshape(-1))
+            offset += n
+        newest = self._interrupt.newest
+        flat[-1] = 1.0 if newest is not None and newest.number > self.generation else 0.0
+        if self.world_size > 1:
+            self._group.allreduce(flat, self._interrupt)
+            flat[:-1].div_(self.world_size)
+        offset = 0
+        for p in params:
+            n = p.numel()
+            view = flat[offset:offset + n].view_as(p)
+            if p.grad is None:
+                p.grad = view.clone()
+            else:
+                p.grad.copy_(view)
+            offset += n
+        return bool(flat[-1].item() > 0)
+
+    # ---------------------------------------------------------------- recovery
+    def _reconcile(self) -> None:
+        if not self._ft:
+            if self._broken:
+                raise CommError(self._broken)
+            return
+        urgent = self._interrupt.urgent_above > self.generation
+        if not (self._broken or self._pending_switch or self._need_align or urgent):
+            return
+        noticed = time.time()
+        while True:
+            try:
+                target = self._target_generation()
+                if target.number != self.generation:
+                    self._switch_to(target)
+                rebuilt = time.time()
+                self._align()
+                break
+            except Abandoned:
+                continue
+            except CommError as exc:
+                self._broken = str(exc)
+        gen = self._group.gen
+        self._broken, self._pending_switch, self._need_align = None, False, False
+        self._report_first_commit = {
+            "worker": self.worker_id, "generation": gen.number, "fault_at": gen.fault_at,
+            "published_at": gen.published_at, "noticed": noticed, "rebuilt": rebuilt,
+            "healed": time.time(), "step": self.committed}
+
+    def _target_generation(self) -> Generation:
+        newest = self._interrupt.newest
+        if newest is not None and newest.number > self.generation:
+            return newest
+        if self._pending_switch:  # a peer saw it first; our watcher will too, read it now
+            number = latest_number(self._store, timeouts.GENERATION_WAIT_S)
+            if number > self.generation:
+                return read_generation(self._store, number, timeouts.GENERATION_WAIT_S)
+        if self._broken:
+            return self._await_newer(self._broken)
+        return self._group.gen
+
+    def _await_newer(self, why: str) -> Generation:
+        """The group failed: the agent publishes a newer generation when it sees the fault;
+        if it saw none (a lone communicator error), ask it for one."""
+        start = time.monotonic()
+        asked = False
+        while True:
+            newest = self._interrupt.newest
+            if newest is not None and newest.number > self.generation:
+                return newest
+            if self._interrupt.store_lost:
+                raise WorkerApiError(f"lost the agent ({self._interrupt.store_lost})")
+            waited = time.monotonic() - start
+            if not asked and waited > timeouts.FAULT_CONFIRM_S:
+                self._post("comm_failed", worker=self.worker_id, generation=self.generation,
+                           error=why)
+                asked = True
+            if waited > timeouts.FAULT_CONFIRM_S + timeouts.GENERATION_WAIT_S:
+                raise WorkerApiError(f"no new generation after a failure ({why})",
+                                     hint="the ftrun agent did not respond")
+            self._interrupt.wake.clear()
+            if self._interrupt.newest is None or self._interrupt.newest.number <= self.generation:
+                self._interrupt.wake.wait(0.5)
+
+    def _switch_to(self, gen: Generation) -> None:
+        rank = gen.rank_of(self.worker_id)
+        if rank is None:
+            print(f"ftrun: worker {self.worker_id} left the job (generation {gen.number}: "
+                  f"{gen.reason})", file=sys.stderr, flush=True)
+            raise SystemExit(0)
+        self._group.abandon()
+        old_graveyard = self._group.graveyard
+        self._group = build_group(self._store, gen, rank, self.backend, self.device,
+                                  self._interrupt)
+        self._group.graveyard.extend(old_graveyard)
+        self._need_align = True
+        os.environ.update(RANK=str(rank), WORLD_SIZE=str(gen.world_size))
+
+    def _align(self) -> None:
+        """Agree on the highest committed step; those behind load a peer's state."""
+        import torch
+
+        group = self._group
+        if group.size == 1:
+            return
+        steps = torch.zeros(group.size, dtype=torch.int64)
+        steps[group.rank] = self.committed
+        group.allreduce(steps, self._interrupt)
+        committed = [int(s) for s in steps.tolist()]
+        plan = heal_plan(committed)
+        if plan and not self._objects:
+            raise WorkerApiError("a replica must heal but nothing is registered",
+                                 hint="call ft.register(model=..., optimizer=...) before steps()")
+        payload = None
+        for dst, src in sorted(plan.items()):
+            if src == group.rank:
+                payload = payload if payload is not None else pack(self._objects, {})
+                send_state(group, dst, payload, self._interrupt)
+            elif dst == group.rank:
+                unpack(recv_state(group, src, self._interrupt), self._objects)
+        self.committed = max(committed)
+
+    def _finished(self) -> bool:
+        """Every member reached the end: one last collective so no one leaves a peer behind."""
+        if not self._ft or self.world_size == 1:
+            return True
+        import torch
+
+        try:
+            self._group.allreduce(torch.ones(1), self._interrupt)
+            return True
+        except (CommError, Abandoned) as exc:
+            self._broken = str(exc)
+            return False
+
+    def _first_generation(self) -> Generation:
+        spare = os.environ.get(SPARE_ENV) == "1"
+        wait_s = timeouts.SPARE_ASSIGNMENT_S if spare else timeouts.GENERATION_WAIT_S
+        gen = read_generation(self._store, latest_number(self._store, wait_s), wait_s)
+        while gen.rank_of(self.worker_id) is None:
+            gen = read_generation(self._store, gen.number + 1, wait_s)
+        return gen
+
+    def _post(self, kind: str, **fields: Any) -> None:
+        try:
+            post_request(self._store, kind, **fields)
+        except Exception as exc:  # the agent is gone; the next collective will say so
+            self._interrupt.store_lost = str(exc)[:200]
+
+
+def _connect(wenv: WorkerEnv) -> Any:
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    return TCPStore(wenv.master_addr, wenv.master_port, None, False,
+                    timedelta(seconds=timeouts.STORE_CLIENT_CONNECT_S))
+
+
+def _plain_group(backend: str) -> Group:
+    """Outside ftrun: torchrun's default group, or a world of one."""
+    import torch.distributed as dist
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group(backend)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    pg = dist.group.WORLD if dist.is_initialized() and world > 1 else None
+    gen = Generation(0, tuple(range(world)), reason="plain")
+    return Group(gen, rank, pg)
