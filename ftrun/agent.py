@@ -133,7 +133,8 @@ class Agent:
                     self._close_streams()
                     return RunResult(0, decision.reason, exits=tuple(outcome.exits),
                                      restarts_used=restarts, log_dir=self.logs.run_dir)
-                self.emit("failure", {"reason": decision.reason, "rank": decision.culprit})
+                if self.ft is None or not self.ft.hello:  # FT faults were announced already
+                    self.emit("failure", {"reason": decision.reason, "rank": decision.culprit})
                 stop_sig = self._stop_workers(signal.SIGTERM, self.spec.shutdown_timeout)
                 self._close_streams()
                 if stop_sig is not None:

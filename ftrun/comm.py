@@ -11,10 +11,11 @@ Must not import: typer, rich, NVML, the agent. Torch is imported lazily by the w
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -46,14 +47,20 @@ class Interrupt:
             raise Abandoned(f"generation {self.urgent_above} published")
 
 
+def keep_forever(obj: Any) -> None:
+    """Leak `obj` on purpose. Destroying a gloo group or work with an op still pending blocks
+    until the op's timeout, and at interpreter exit it aborts the process ("terminate called
+    without an active exception"); an abandoned one is therefore never destroyed."""
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(obj))
+
+
 @dataclass
 class Group:
     """A process group for one generation, with this worker's rank in it."""
 
     gen: Generation
     rank: int
-    pg: Any  # torch ProcessGroup backend (or None for a world of one)
-    graveyard: list[Any] = field(default_factory=list)  # abandoned works and groups
+    pg: Any  # torch ProcessGroup backend (or None for a world of one / not built yet)
 
     @property
     def size(self) -> int:
@@ -76,11 +83,11 @@ class Group:
             try:
                 interrupt.check(self.gen.number)
             except (Abandoned, CommError):
-                self.graveyard.append(work)  # never let a destructor block on it
+                keep_forever(work)
                 raise
             left = deadline - time.monotonic()
             if left <= 0:
-                self.graveyard.append(work)
+                keep_forever(work)
                 raise CommError(f"collective timed out after {timeout_s:.0f}s")
             interrupt.wake.wait(min(left, 1.0))
         try:
@@ -108,7 +115,8 @@ class Group:
         if self.pg is not None:
             with contextlib.suppress(RuntimeError, AttributeError):
                 self.pg.abort()
-            self.graveyard.append(self.pg)
+            keep_forever(self.pg)
+            self.pg = None
 
 
 def _wait_in_thread(work: Any, wake: threading.Event, timeout_s: float

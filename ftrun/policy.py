@@ -71,14 +71,15 @@ class FaultDecision:
 
 def decide_fault(lost: int, why: str, members: tuple[int, ...], on_fault: str, min_nproc: int,
                  spares: tuple[int, ...], new_worker_id: int, faults: int, max_faults: int,
-                 restarts_left: int) -> FaultDecision:
-    """A member of the current generation is gone. Pure: the agent does what this says."""
+                 restarts_left: int, unhealed: frozenset[int] = frozenset()) -> FaultDecision:
+    """A member of the current generation is gone. Pure: the agent does what this says.
+    `unhealed` are joiners that hold no committed state yet: they cannot be a healing source."""
     survivors = tuple(m for m in members if m != lost)
     head = f"worker {lost} (rank {members.index(lost)}) {why}"
     if faults > max_faults:
         return _give_up(f"{head}; fault budget exhausted ({max_faults}, --max-faults)",
                         restarts_left)
-    if not survivors:
+    if not [m for m in survivors if m not in unhealed]:
         return _give_up(f"{head}; no replica left to heal from", restarts_left)
     if on_fault == "replace":
         joiner = spares[0] if spares else new_worker_id

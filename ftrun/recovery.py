@@ -35,6 +35,7 @@ class FaultTolerance:
         self.spares: list[int] = []  # ready spares, oldest first
         self.awaiting_join: set[int] = set()  # shrink mode: replacements not yet in the job
         self.finished: set[int] = set()
+        self.unhealed: set[int] = set()  # joiners that have not committed a step yet
         self.faults = 0
         self.next_worker_id = self.spec.nproc
         self.requests: queue.SimpleQueue[dict[str, Any]] = queue.SimpleQueue()
@@ -57,6 +58,7 @@ class FaultTolerance:
         gen = Generation(self.number, members, reason, urgent, time.time(), fault_at, joiners)
         publish(self.store, gen)
         self.members = members
+        self.unhealed.update(joiners)
         self.agent.emit("generation", {"generation": self.number, "world_size": len(members),
                                        "reason": reason, "urgent": urgent})
 
@@ -94,7 +96,8 @@ class FaultTolerance:
         live = tuple(m for m in self.members if m not in self.finished)
         d = decide_fault(w.worker_id, why, live, self.spec.on_fault, self.spec.min_nproc,
                          tuple(self.spares), self.next_worker_id, self.faults,
-                         self.spec.max_faults, self.spec.max_restarts - self.agent.restarts)
+                         self.spec.max_faults, self.spec.max_restarts - self.agent.restarts,
+                         frozenset(self.unhealed))
         self.agent.emit("fault", {"worker": w.worker_id, "rank": w.rank, "why": why,
                                   "decision": d.action.value, "reason": d.reason})
         fault_at = w.exit.wall_time
@@ -125,7 +128,9 @@ class FaultTolerance:
                       joiners=(wid,))
 
     def done(self) -> bool:
-        return all(m in self.finished for m in self.members) and not self.awaiting_join
+        """Every member holding state finished; joiners still on their way are not needed."""
+        stateful = [m for m in self.members if m not in self.unhealed]
+        return bool(stateful) and all(m in self.finished for m in stateful)
 
     # ------------------------------------------------------------ requests
     def handle_requests(self) -> None:
@@ -146,7 +151,9 @@ class FaultTolerance:
                 live = tuple(m for m in self.members if m not in self.finished)
                 self._publish(live, f"worker {wid} reported a communicator failure: "
                               f"{req.get('error', '')}", True, time.time())
-            elif kind == "recovered" and int(req["generation"]) not in self._reported:
+            elif kind == "recovered":
+                self.unhealed.discard(wid)
+            if kind == "recovered" and int(req["generation"]) not in self._reported:
                 self._reported.add(int(req["generation"]))  # the first member to commit
                 self.agent.emit("recovered", req)
 

@@ -12,6 +12,9 @@ from typing import TextIO
 
 from ftrun.report import WorkerExit, failure_block
 
+_PHASES = (("published", "published_at"), ("noticed", "noticed"), ("rebuilt", "rebuilt"),
+           ("healed", "healed"), ("committed", "first_commit"))
+
 
 def use_rich(stream: TextIO) -> bool:
     return stream.isatty()
@@ -33,9 +36,11 @@ def _notice_text(kind: str, f: Mapping[str, object]) -> str | None:
     if kind == "generation":
         return f"generation {f['generation']}: {f['world_size']} workers ({f['reason']})"
     if kind == "recovered" and f.get("fault_at"):
-        ms = (float(str(f["first_commit"])) - float(str(f["fault_at"]))) * 1000
-        return (f"worker {f['worker']} committed step {f['step']} in generation "
-                f"{f['generation']}, {ms:.0f} ms after the fault")
+        t0 = float(str(f["fault_at"]))
+        phases = ", ".join(f"{name} +{(float(str(f[key])) - t0) * 1000:.0f}"
+                           for name, key in _PHASES if f.get(key))
+        return (f"generation {f['generation']} committed step {f['step']} "
+                f"(ms after the fault: {phases})")
     if kind == "restart":
         return f"restart {f['attempt']} starting"
     if kind == "signal":

@@ -9,12 +9,15 @@ Must not import: typer, rich, NVML, the agent. Torch is imported lazily.
 from __future__ import annotations
 
 import io
+import os
+import signal
 from collections.abc import Mapping
 from typing import Any
 
 from ftrun import timeouts
 from ftrun.comm import Group, Interrupt
 
+DRILL_KILL_MID_TRANSFER = "FTRUN_DRILL_KILL_MID_TRANSFER"  # a worker id
 _TAG_SIZE = 1
 _TAG_DATA = 2
 
@@ -45,6 +48,8 @@ def send_state(group: Group, dst: int, payload: Any, interrupt: Interrupt) -> No
 
     size = torch.tensor([payload.numel()], dtype=torch.int64)
     group.run(lambda: group.pg.send([size], dst, _TAG_SIZE), interrupt, timeouts.STATE_TRANSFER_S)
+    if os.environ.get(DRILL_KILL_MID_TRANSFER) == os.environ.get("FTRUN_WORKER_ID", "-"):
+        os.kill(os.getpid(), signal.SIGKILL)  # a fault drill: the source dies mid-transfer
     group.run(lambda: group.pg.send([payload], dst, _TAG_DATA), interrupt,
               timeouts.STATE_TRANSFER_S)
 

@@ -62,14 +62,18 @@ class FaultTolerant:
             self._group = _plain_group(backend)
             return
         self.worker_id = wenv.worker_id
+        if os.environ.get(SPARE_ENV) == "1":
+            _warm_up()
         self._store = _connect(wenv)
         post_request(self._store, "hello", worker=self.worker_id, pid=os.getpid(),
                      spare=os.environ.get(SPARE_ENV) == "1")
         gen = self._first_generation()
         self._watcher = GenerationWatcher(lambda: _connect(wenv), gen.number, self._interrupt)
-        self._group = Group(gen, -1, None)
+        rank = gen.rank_of(self.worker_id)
+        assert rank is not None
+        self._group = Group(gen, rank, None)  # built at the first steps() iteration
         self._need_align = gen.number > 0
-        self._switch_to(gen)
+        os.environ.update(RANK=str(rank), WORLD_SIZE=str(gen.world_size))
 
     # ---------------------------------------------------------------- live view
     @property
@@ -189,13 +193,14 @@ class FaultTolerant:
                 raise CommError(self._broken)
             return
         urgent = self._interrupt.urgent_above > self.generation
-        if not (self._broken or self._pending_switch or self._need_align or urgent):
+        unbuilt = self._group.pg is None and self.world_size > 1
+        if not (self._broken or self._pending_switch or self._need_align or urgent or unbuilt):
             return
         noticed = time.time()
         while True:
             try:
                 target = self._target_generation()
-                if target.number != self.generation:
+                if target.number != self.generation or self._group.pg is None:
                     self._switch_to(target)
                 rebuilt = time.time()
                 self._align()
@@ -253,11 +258,10 @@ class FaultTolerant:
                   f"{gen.reason})", file=sys.stderr, flush=True)
             raise SystemExit(0)
         self._group.abandon()
-        old_graveyard = self._group.graveyard
+        self._group = Group(gen, rank, None)
         self._group = build_group(self._store, gen, rank, self.backend, self.device,
                                   self._interrupt)
-        self._group.graveyard.extend(old_graveyard)
-        self._need_align = True
+        self._need_align = gen.number > 0
         os.environ.update(RANK=str(rank), WORLD_SIZE=str(gen.world_size))
 
     def _align(self) -> None:
@@ -310,6 +314,23 @@ class FaultTolerant:
             post_request(self._store, kind, **fields)
         except Exception as exc:  # the agent is gone; the next collective will say so
             self._interrupt.store_lost = str(exc)[:200]
+
+
+def _warm_up() -> None:
+    """A spare pays torch's lazy first-use costs while it waits, not after it is called in:
+    the first optimizer built in a process costs ~1 s (torch._dynamo is imported)."""
+    import io
+
+    import torch
+
+    param = torch.nn.Parameter(torch.zeros(2))
+    for opt in (torch.optim.SGD([param], lr=0.1, momentum=0.9), torch.optim.AdamW([param])):
+        param.sum().backward()
+        opt.step()
+        opt.zero_grad()
+        buffer = io.BytesIO()
+        torch.save(opt.state_dict(), buffer)
+        torch.load(io.BytesIO(buffer.getvalue()), weights_only=False)
 
 
 def _connect(wenv: WorkerEnv) -> Any:

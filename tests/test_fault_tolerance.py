@@ -1,0 +1,122 @@
+"""In-process recovery with real processes, a real TCPStore and gloo on CPU (3 workers).
+
+Every faulty run is compared with one fault-free run of the same script: in replace mode the
+final parameters must be bitwise equal, on every replica."""
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import FIXTURES, run_ftrun
+
+pytestmark = pytest.mark.slow
+SCRIPT = str(FIXTURES / "ft_train.py")
+STEPS = ("--steps", "40")
+
+
+def run(out: Path, *flags: str, script_args: tuple[str, ...] = (), env=None, nproc: int = 3):
+    out.mkdir()
+    r = run_ftrun("--nproc", str(nproc), *flags, SCRIPT, "--out", str(out), *STEPS,
+                  *script_args, timeout=150, env=env)
+    return r
+
+
+def params(out: Path) -> dict[int, dict[str, torch.Tensor]]:
+    return {int(p.stem.split("_")[1]): torch.load(p) for p in out.glob("params_*.pt")}
+
+
+def logs(out: Path) -> dict[int, dict]:
+    return {int(p.stem.split("_")[1]): json.loads(p.read_text()) for p in out.glob("log_*.json")}
+
+
+def bitwise_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> dict[str, torch.Tensor]:
+    out = tmp_path_factory.mktemp("ref") / "run"
+    r = run(out)
+    assert r.returncode == 0, r.stderr
+    ps = params(out)
+    assert sorted(ps) == [0, 1, 2]
+    assert bitwise_equal(ps[0], ps[1]) and bitwise_equal(ps[0], ps[2])
+    return ps[0]
+
+
+def check_survivors_kept_their_pids(out: Path, survivors: list[int]) -> None:
+    lg = logs(out)
+    for wid in survivors:
+        assert int((out / f"start_{wid}.pid").read_text()) == lg[wid]["pid"]
+        steps = [e["step"] for e in lg[wid]["log"] if e["ok"]]
+        assert steps == list(range(40)), f"worker {wid} committed {steps}"
+
+
+def test_replace_is_bitwise_equal_to_the_fault_free_run(reference, tmp_path) -> None:
+    r = run(tmp_path / "o", script_args=("--die", "1:10"))
+    assert r.returncode == 0, r.stderr
+    assert "worker 1 (rank 1) exited with -9 (SIGKILL); new worker 3 takes rank 1" in r.stderr
+    ps = params(tmp_path / "o")
+    assert sorted(ps) == [0, 2, 3]
+    assert all(bitwise_equal(p, reference) for p in ps.values())
+    check_survivors_kept_their_pids(tmp_path / "o", [0, 2])
+    assert "generation 1 committed step 10" in r.stderr
+
+
+def test_two_faults_in_a_row(reference, tmp_path) -> None:
+    r = run(tmp_path / "o", script_args=("--die", "1:8", "--die", "2:16"))
+    assert r.returncode == 0, r.stderr
+    ps = params(tmp_path / "o")
+    assert sorted(ps) == [0, 3, 4]
+    assert all(bitwise_equal(p, reference) for p in ps.values())
+    check_survivors_kept_their_pids(tmp_path / "o", [0])
+
+
+def test_fault_during_recovery_the_replacement_dies_before_joining(reference, tmp_path) -> None:
+    r = run(tmp_path / "o", script_args=("--die", "1:10", "--die-joiner"))
+    assert r.returncode == 0, r.stderr
+    assert "new worker 4 takes rank 1" in r.stderr  # the replacement of the replacement
+    ps = params(tmp_path / "o")
+    assert sorted(ps) == [0, 2, 4]
+    assert all(bitwise_equal(p, reference) for p in ps.values())
+
+
+def test_healing_source_killed_mid_transfer(reference, tmp_path) -> None:
+    r = run(tmp_path / "o", script_args=("--die", "1:10"),
+            env={"FTRUN_DRILL_KILL_MID_TRANSFER": "0"})
+    assert r.returncode == 0, r.stderr
+    assert "worker 0 (rank 0) exited with -9 (SIGKILL)" in r.stderr
+    ps = params(tmp_path / "o")
+    assert len(ps) == 3 and 0 not in ps and 2 in ps
+    assert all(bitwise_equal(p, reference) for p in ps.values())
+    check_survivors_kept_their_pids(tmp_path / "o", [2])
+
+
+def test_shrink_then_grow(tmp_path) -> None:
+    r = run(tmp_path / "o", "--on-fault", "shrink", script_args=("--die", "1:10", "--steps", "120"))
+    assert r.returncode == 0, r.stderr
+    assert "continuing with 2, replacement to follow" in r.stderr
+    assert "worker 3 joins as rank 2" in r.stderr
+    ps, lg = params(tmp_path / "o"), logs(tmp_path / "o")
+    assert sorted(ps) == [0, 2, 3] and bitwise_equal(ps[0], ps[2]) and bitwise_equal(ps[0], ps[3])
+    worlds = [e["world"] for e in lg[0]["log"] if e["ok"]]
+    assert worlds[:10] == [3] * 10 and 2 in worlds and worlds[-1] == 3
+    assert [e["step"] for e in lg[0]["log"] if e["ok"]] == list(range(120))  # each step once
+
+
+def test_hot_spare_takes_the_lost_rank(tmp_path) -> None:
+    args = ("--steps", "80", "--step-time", "0.05")
+    ref = run(tmp_path / "ref", script_args=args)
+    assert ref.returncode == 0, ref.stderr
+    r = run(tmp_path / "o", "--spares", "1", script_args=(*args, "--die", "1:60"))
+    assert r.returncode == 0, r.stderr
+    assert "spare worker 3 takes rank 1" in r.stderr
+    ps = params(tmp_path / "o")
+    assert sorted(ps) == [0, 2, 3]
+    assert all(bitwise_equal(p, params(tmp_path / "ref")[0]) for p in ps.values())
+
+
+def test_every_replica_lost_stops_with_a_clear_report(tmp_path) -> None:
+    r = run(tmp_path / "o", nproc=1, script_args=("--die", "0:5"))
+    assert r.returncode == 1
+    assert "no replica left to heal from" in r.stderr and "FAILED" in r.stderr
