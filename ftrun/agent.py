@@ -218,7 +218,8 @@ class Agent:
         streams = self.logs.streams_for(self.restarts, local_rank, rank=rank)
         wenv = self.worker_env(local_rank, self.restarts, self._hosted.port, streams, rank=rank,
                                worker_id=worker_id)
-        env = {**self.base_env, **wenv.to_env(), "FTRUN_SPARE": "1" if spare else "0"}
+        env = {**self.base_env, **wenv.to_env(), "FTRUN_SPARE": "1" if spare else "0",
+               "FTRUN_COMM": self.spec.comm}
         try:
             spawned = spawn(self.worker_argv(local_rank), env, streams.stdout, streams.stderr)
         except OSError as exc:

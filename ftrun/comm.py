@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-from ftrun import timeouts
-from ftrun.rendezvous import Generation, Store, gen_key
+from ftrun import _exit, timeouts
+from ftrun.rendezvous import PREFIX, Generation, Store, gen_key
 
 
 class Abandoned(Exception):
@@ -52,6 +52,7 @@ def keep_forever(obj: Any) -> None:
     until the op's timeout, and at interpreter exit it aborts the process ("terminate called
     without an active exception"); an abandoned one is therefore never destroyed."""
     ctypes.pythonapi.Py_IncRef(ctypes.py_object(obj))
+    _exit.arm()
 
 
 @dataclass
@@ -61,6 +62,7 @@ class Group:
     gen: Generation
     rank: int
     pg: Any  # torch ProcessGroup backend (or None for a world of one / not built yet)
+    shared: bool = False  # the reconfigurable default group: reused, never abandoned
 
     @property
     def size(self) -> int:
@@ -116,7 +118,7 @@ class Group:
             with contextlib.suppress(RuntimeError, AttributeError):
                 self.pg.abort()
             keep_forever(self.pg)
-            self.pg = None
+        self.pg = None
 
 
 def _wait_in_thread(work: Any, wake: threading.Event, timeout_s: float
@@ -140,7 +142,8 @@ def _wait_in_thread(work: Any, wake: threading.Event, timeout_s: float
 
 
 def build_group(store: Store, gen: Generation, rank: int, backend: str, device: Any,
-                interrupt: Interrupt, timeout_s: float = timeouts.PG_INIT_S) -> Group:
+                interrupt: Interrupt, native: NativeGroup | None = None,
+                timeout_s: float = timeouts.PG_INIT_S) -> Group:
     """Construct the generation's group in a helper thread, so that an urgent newer generation
     can abandon a construction that waits for a peer that will never come."""
     if gen.world_size == 1:
@@ -150,7 +153,10 @@ def build_group(store: Store, gen: Generation, rank: int, backend: str, device: 
 
     def construct() -> None:
         try:
-            result["pg"] = _new_pg(store, gen, rank, backend, device, timeout_s)
+            if native is not None:
+                result["pg"] = native.reconfigure(gen, timeout_s)
+            else:
+                result["pg"] = _new_pg(store, gen, rank, backend, device, timeout_s)
         except Exception as exc:  # reported to the waiting thread below
             result["error"] = exc
         finally:
@@ -167,7 +173,7 @@ def build_group(store: Store, gen: Generation, rank: int, backend: str, device: 
         interrupt.wake.wait(0.5)
     if "error" in result:
         raise CommError(f"building generation {gen.number}'s group failed: {result['error']}")
-    return Group(gen, rank, result["pg"])
+    return Group(gen, rank, result["pg"], shared=native is not None)
 
 
 def _new_pg(store: Store, gen: Generation, rank: int, backend: str, device: Any,
@@ -234,3 +240,46 @@ class GenerationWatcher:
 def _is_timeout(exc: Exception) -> bool:
     text = str(exc).lower()
     return "timeout" in text or "timed out" in text
+
+
+def native_reconfigure_supported(backend: str) -> bool:
+    """torch >= 2.15 with gloo (or the nccl2 backend) can re-form a group in place."""
+    import torch.distributed as dist
+
+    return backend == "gloo" and hasattr(dist, "_reconfigure")
+
+
+class NativeGroup:
+    """torch's in-process reconfigure of the default group (`init_process_group(...,
+    enable_reconfigure=True)`, `dist._reconfigure`): `dist.get_rank()` and friends follow the
+    live membership. Each generation exchanges handles under its own store keys and uses its
+    number as the reconfigure uuid, so no uuid is ever reused."""
+
+    def __init__(self, store: Store, worker_id: int, backend: str) -> None:
+        import torch.distributed as dist
+
+        self.store, self.worker_id = store, worker_id
+        self._busy = threading.Lock()
+        dist.init_process_group(
+            backend, store=dist.PrefixStore(f"{PREFIX}native/", store),  # type: ignore[arg-type]
+            rank=worker_id, world_size=worker_id + 1, enable_reconfigure=True,
+            timeout=timedelta(seconds=timeouts.COLLECTIVE_S))
+
+    def reconfigure(self, gen: Generation, timeout_s: float) -> Any:
+        import torch.distributed as dist
+
+        # an abandoned reconfigure still running on its thread must end (it is bounded by
+        # timeout_s) before the group can be reconfigured again
+        if not self._busy.acquire(timeout=timeout_s):
+            raise CommError("the previous reconfigure is still running")
+        try:
+            key = f"{gen.pg_prefix}handle/"
+            self.store.set(key + str(self.worker_id), dist._get_reconfigure_handle())
+            keys = [key + str(m) for m in gen.members]
+            self.store.wait(keys, timedelta(seconds=timeout_s))
+            handles = [self.store.get(k).decode() for k in keys]
+            dist._reconfigure(gen.number + 1, handles,
+                              timeout=timedelta(seconds=timeout_s)).wait()
+            return dist.group.WORLD
+        finally:
+            self._busy.release()

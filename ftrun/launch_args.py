@@ -101,6 +101,9 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
     opt("min-nproc", default="1", help="shrink: the fewest workers to go on with")
     opt("spares", default="0", help="hot spare workers, started and waiting")
     opt("max-faults", default="100", help="faults recovered in-process before giving up")
+    opt("comm", default="auto", choices=["auto", "native", "fresh"],
+        help="how survivors re-form their communicator: torch's native reconfigure of the "
+        "default group, or a fresh group per generation (auto: native where supported)")
     p.add_argument("training_script", nargs="?", help="the training script (or module)")
     p.add_argument("training_script_args", nargs=argparse.REMAINDER)
     return p
@@ -158,6 +161,7 @@ def parse_run_args(
         min_nproc=_int(ns.min_nproc, "--min-nproc", minimum=1),
         spares=_int(ns.spares, "--spares", minimum=0),
         max_faults=_int(ns.max_faults, "--max-faults", minimum=0),
+        comm=ns.comm,
     )
 
 

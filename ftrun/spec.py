@@ -77,6 +77,7 @@ class RunSpec:
     min_nproc: int = 1
     spares: int = 0
     max_faults: int = 100
+    comm: str = "auto"  # auto | native | fresh
 
     @property
     def entry_name(self) -> str:

@@ -15,14 +15,24 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from ftrun import timeouts
-from ftrun.comm import Abandoned, CommError, GenerationWatcher, Group, Interrupt, build_group
+from ftrun import _exit, timeouts
+from ftrun.comm import (
+    Abandoned,
+    CommError,
+    GenerationWatcher,
+    Group,
+    Interrupt,
+    NativeGroup,
+    build_group,
+    native_reconfigure_supported,
+)
 from ftrun.errors import WorkerApiError
 from ftrun.rendezvous import Generation, heal_plan, latest_number, post_request, read_generation
 from ftrun.spec import WorkerEnv
 from ftrun.transfer import pack, recv_state, send_state, unpack
 
 SPARE_ENV = "FTRUN_SPARE"
+COMM_ENV = "FTRUN_COMM"
 
 
 def init(backend: str | None = None, seed: int = 0) -> FaultTolerant:
@@ -62,9 +72,12 @@ class FaultTolerant:
             self._group = _plain_group(backend)
             return
         self.worker_id = wenv.worker_id
+        _exit.install()
+        _exit.arm()
         if os.environ.get(SPARE_ENV) == "1":
             _warm_up()
         self._store = _connect(wenv)
+        self._native = _native_group(self._store, wenv.worker_id, backend)
         post_request(self._store, "hello", worker=self.worker_id, pid=os.getpid(),
                      spare=os.environ.get(SPARE_ENV) == "1")
         gen = self._first_generation()
@@ -260,7 +273,7 @@ class FaultTolerant:
         self._group.abandon()
         self._group = Group(gen, rank, None)
         self._group = build_group(self._store, gen, rank, self.backend, self.device,
-                                  self._interrupt)
+                                  self._interrupt, self._native)
         self._need_align = gen.number > 0
         os.environ.update(RANK=str(rank), WORLD_SIZE=str(gen.world_size))
 
@@ -314,6 +327,15 @@ class FaultTolerant:
             post_request(self._store, kind, **fields)
         except Exception as exc:  # the agent is gone; the next collective will say so
             self._interrupt.store_lost = str(exc)[:200]
+
+
+def _native_group(store: Any, worker_id: int, backend: str) -> NativeGroup | None:
+    """`FTRUN_COMM` (set by the agent from --comm): native reconfigure or a fresh group per
+    generation. Every member of a job uses the same path."""
+    mode = os.environ.get(COMM_ENV, "auto")
+    if mode == "fresh" or (mode == "auto" and not native_reconfigure_supported(backend)):
+        return None
+    return NativeGroup(store, worker_id, backend)
 
 
 def _warm_up() -> None:

@@ -52,8 +52,9 @@ def check_survivors_kept_their_pids(out: Path, survivors: list[int]) -> None:
         assert steps == list(range(40)), f"worker {wid} committed {steps}"
 
 
-def test_replace_is_bitwise_equal_to_the_fault_free_run(reference, tmp_path) -> None:
-    r = run(tmp_path / "o", script_args=("--die", "1:10"))
+@pytest.mark.parametrize("comm", ["native", "fresh"])
+def test_replace_is_bitwise_equal_to_the_fault_free_run(reference, tmp_path, comm) -> None:
+    r = run(tmp_path / "o", "--comm", comm, script_args=("--die", "1:10"))
     assert r.returncode == 0, r.stderr
     assert "worker 1 (rank 1) exited with -9 (SIGKILL); new worker 3 takes rank 1" in r.stderr
     ps = params(tmp_path / "o")
@@ -61,6 +62,11 @@ def test_replace_is_bitwise_equal_to_the_fault_free_run(reference, tmp_path) -> 
     assert all(bitwise_equal(p, reference) for p in ps.values())
     check_survivors_kept_their_pids(tmp_path / "o", [0, 2])
     assert "generation 1 committed step 10" in r.stderr
+    entries = [e for lg in logs(tmp_path / "o").values() for e in lg["log"]]
+    if comm == "native":  # torch's default group follows the live membership
+        assert all(e["dist_rank"] == e["rank"] for e in entries if e["ok"])
+    else:
+        assert all(e["dist_rank"] is None for e in entries)
 
 
 def test_two_faults_in_a_row(reference, tmp_path) -> None:

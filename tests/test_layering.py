@@ -7,7 +7,7 @@ from pathlib import Path
 PKG = Path(__file__).parent.parent / "ftrun"
 
 LAYERS = [  # lowest first
-    {"errors", "timeouts", "spec", "states", "exits"},
+    {"errors", "timeouts", "spec", "states", "exits", "_exit"},
     {"policy"},
     {"procs", "store", "logs", "report", "rendezvous", "_run_path"},
     {"comm", "worker", "transfer"},

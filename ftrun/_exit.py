@@ -1,0 +1,66 @@
+"""A clean process exit for fault-tolerant workers.
+
+Owns: remembering the exit status a script asked for, and, at interpreter exit, ending the
+process with it through os._exit once stdio is flushed. An FT worker has threads blocked in
+C++ calls (the generation watcher's store wait, waits on abandoned ops) and may hold leaked
+gloo groups whose C++ threads still run; tearing C++ statics down under them crashed exits
+here (SIGSEGV, or SIGABRT "terminate called without an active exception"), which the agent
+would take for a new fault.
+Known limit: the status of `sys.exit(n)` and of an uncaught exception is kept; a bare
+`raise SystemExit(n)` at top level is not visible to Python code at exit and leaves with 0.
+atexit handlers registered after `ftrun.init()` run; earlier ones are skipped.
+Must not import: torch, typer, rich, other ftrun modules.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+import sys
+from types import TracebackType
+from typing import Any
+
+_state: dict[str, Any] = {"armed": False, "installed": False, "code": 0}
+
+
+def arm() -> None:
+    """Called when something was abandoned: from now on the exit skips C++ teardown."""
+    _state["armed"] = True
+
+
+def install() -> None:
+    if _state["installed"]:
+        return
+    _state["installed"] = True
+    real_exit, real_hook = sys.exit, sys.excepthook
+
+    def exit_(status: object = None) -> None:
+        _state["code"] = _code_of(status)
+        real_exit(status)  # type: ignore[arg-type]
+
+    def hook(kind: type[BaseException], value: BaseException, tb: TracebackType | None) -> None:
+        _state["code"] = _code_of(value.code) if isinstance(value, SystemExit) else 1
+        real_hook(kind, value, tb)
+
+    sys.exit = exit_  # type: ignore[assignment]
+    sys.excepthook = hook
+    atexit.register(_leave)
+
+
+def _code_of(status: object) -> int:
+    if status is None:
+        return 0
+    if isinstance(status, int):
+        return status
+    print(status, file=sys.stderr)
+    return 1
+
+
+def _leave() -> None:
+    if not _state["armed"]:
+        return
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):
+            stream.flush()
+    os._exit(_state["code"])
