@@ -40,6 +40,7 @@ class FaultTolerance:
         self.next_worker_id = self.spec.nproc
         self.requests: queue.SimpleQueue[dict[str, Any]] = queue.SimpleQueue()
         self._reported: set[int] = set()
+        self._refills = 0  # spares used, to be replaced after the recovery
         self._stop = threading.Event()
         publish(store, Generation(0, self.members, reason="start", published_at=time.time()))
         self._reader = threading.Thread(target=self._read_requests, args=(port,),
@@ -109,13 +110,13 @@ class FaultTolerance:
                 self._spawn(rank=rank, local_rank=w.local_rank)
             self._publish(d.members, d.reason, True, fault_at, d.joiners)
             if d.spare_used is not None:
-                self._spawn(spare=True)
+                self._refills += 1
             return None
         if d.action is FaultAction.SHRINK:
             self._publish(d.members, d.reason, True, fault_at)
             if self.spares:
                 self._grow(self.spares.pop(0))
-                self._spawn(spare=True)
+                self._refills += 1
             else:
                 self.awaiting_join.add(self._spawn(local_rank=w.local_rank))
             return None
@@ -156,6 +157,14 @@ class FaultTolerance:
             if kind == "recovered" and int(req["generation"]) not in self._reported:
                 self._reported.add(int(req["generation"]))  # the first member to commit
                 self.agent.emit("recovered", req)
+                self._refill()
+
+    def _refill(self) -> None:
+        """New spares start once the job has recovered: importing torch takes a core for
+        seconds, which the recovering step should not have to share."""
+        while self._refills:
+            self._refills -= 1
+            self._spawn(spare=True)
 
     def _read_requests(self, port: int) -> None:
         from torch.distributed import TCPStore

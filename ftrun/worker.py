@@ -27,6 +27,7 @@ from ftrun.comm import (
     native_reconfigure_supported,
 )
 from ftrun.errors import WorkerApiError
+from ftrun.grads import FlatGrads
 from ftrun.rendezvous import Generation, heal_plan, latest_number, post_request, read_generation
 from ftrun.spec import WorkerEnv
 from ftrun.transfer import pack, recv_state, send_state, unpack
@@ -78,8 +79,14 @@ class FaultTolerant:
             _warm_up()
         self._store = _connect(wenv)
         self._native = _native_group(self._store, wenv.worker_id, backend)
-        post_request(self._store, "hello", worker=self.worker_id, pid=os.getpid(),
-                     spare=os.environ.get(SPARE_ENV) == "1")
+        if os.environ.get(SPARE_ENV) == "1":
+            # a hot spare returns at once, so the script builds its model now; steps()
+            # announces it ready and waits there to be called in
+            start = latest_number(self._store, timeouts.GENERATION_WAIT_S)
+            self._group = Group(Generation(start, ()), -1, None)
+            self._watcher = GenerationWatcher(lambda: _connect(wenv), start, self._interrupt)
+            return
+        post_request(self._store, "hello", worker=self.worker_id, pid=os.getpid(), spare=False)
         gen = self._first_generation()
         self._watcher = GenerationWatcher(lambda: _connect(wenv), gen.number, self._interrupt)
         rank = gen.rank_of(self.worker_id)
@@ -155,7 +162,7 @@ class FaultTolerant:
             if self._report_first_commit is not None:
                 self._post("recovered", **self._report_first_commit, first_commit=time.time())
                 self._report_first_commit = None
-        optimizer.zero_grad()
+        optimizer.zero_grad(set_to_none=False)  # keeps grads as views of the flat buffer
         return ok
 
     def close(self) -> None:
@@ -169,35 +176,17 @@ class FaultTolerant:
     def _sync_gradients(self) -> bool:
         """One all-reduce of every gradient plus a flag element: True when some rank has seen
         a planned (non-urgent) generation, so that every rank switches at the same step."""
-        import torch
-
-        params = self._params()
         if self._flat is None:
-            total = sum(p.numel() for p in params) + 1
-            self._flat = torch.zeros(total, dtype=torch.float32, device=self.device)
-        flat, offset = self._flat, 0
-        for p in params:
-            n = p.numel()
-            if p.grad is None:
-                flat[offset:offset + n].zero_()
-            else:
-                flat[offset:offset + n].copy_(p.grad.reshape(-1))
-            offset += n
+            self._flat = FlatGrads(self._params(), self.device)
+        flat = self._flat.gather()
         newest = self._interrupt.newest
-        flat[-1] = 1.0 if newest is not None and newest.number > self.generation else 0.0
+        self._flat.flag.fill_(1.0 if newest is not None and newest.number > self.generation
+                              else 0.0)
         if self.world_size > 1:
             self._group.allreduce(flat, self._interrupt)
             flat[:-1].div_(self.world_size)
-        offset = 0
-        for p in params:
-            n = p.numel()
-            view = flat[offset:offset + n].view_as(p)
-            if p.grad is None:
-                p.grad = view.clone()
-            else:
-                p.grad.copy_(view)
-            offset += n
-        return bool(flat[-1].item() > 0)
+        self._flat.scatter()
+        return bool(self._flat.flag.item() > 0)
 
     # ---------------------------------------------------------------- recovery
     def _reconcile(self) -> None:
@@ -205,6 +194,8 @@ class FaultTolerant:
             if self._broken:
                 raise CommError(self._broken)
             return
+        if self.rank < 0:
+            self._await_assignment()
         urgent = self._interrupt.urgent_above > self.generation
         unbuilt = self._group.pg is None and self.world_size > 1
         if not (self._broken or self._pending_switch or self._need_align or urgent or unbuilt):
@@ -314,9 +305,27 @@ class FaultTolerant:
             self._broken = str(exc)
             return False
 
+    def _await_assignment(self) -> None:
+        """A hot spare, model built: tell the agent, then wait for a generation with us in."""
+        self._post("hello", worker=self.worker_id, pid=os.getpid(), spare=True)
+        deadline = time.monotonic() + timeouts.SPARE_ASSIGNMENT_S
+        intr = self._interrupt
+        while True:
+            newest = intr.newest
+            if newest is not None and newest.rank_of(self.worker_id) is not None:
+                self._need_align = True
+                return
+            if intr.store_lost:
+                raise WorkerApiError(f"lost the agent ({intr.store_lost})")
+            if time.monotonic() > deadline:
+                raise WorkerApiError("this spare was never called in",
+                                     hint="raise timeouts.SPARE_ASSIGNMENT_S")
+            intr.wake.clear()
+            if intr.newest is newest:
+                intr.wake.wait(1.0)
+
     def _first_generation(self) -> Generation:
-        spare = os.environ.get(SPARE_ENV) == "1"
-        wait_s = timeouts.SPARE_ASSIGNMENT_S if spare else timeouts.GENERATION_WAIT_S
+        wait_s = timeouts.GENERATION_WAIT_S
         gen = read_generation(self._store, latest_number(self._store, wait_s), wait_s)
         while gen.rank_of(self.worker_id) is None:
             gen = read_generation(self._store, gen.number + 1, wait_s)

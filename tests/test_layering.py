@@ -10,11 +10,11 @@ LAYERS = [  # lowest first
     {"errors", "timeouts", "spec", "states", "exits", "_exit"},
     {"policy"},
     {"procs", "store", "logs", "report", "rendezvous", "_run_path"},
-    {"comm", "worker", "transfer"},
+    {"comm", "grads", "worker", "transfer"},
     {"recovery", "agent", "control"},
     {"cli", "launch_args", "render", "__main__", "__init__"},
 ]
-WORKER_SIDE = {"comm", "worker", "transfer"}
+WORKER_SIDE = {"comm", "grads", "worker", "transfer"}
 HEAVY_FOR_WORKERS = {"typer", "rich", "pynvml", "psutil"}
 
 
