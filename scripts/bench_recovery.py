@@ -5,8 +5,8 @@ same machine, one invocation.
 
 Per ftrun policy (replace with a hot spare, shrink, replace with a cold replacement) and for
 torchrun (DDP, checkpoint every 10 steps, --max-restarts 1, restart from the checkpoint):
-  recovery  kill -> first step committed after it (any rank)
-  lost      committed steps that had to be computed again (kill step - last checkpoint)
+  recovery  kill -> the first commit of the killed step or a later one (any rank)
+  lost      committed steps computed twice by a rank (torchrun: kill step - last checkpoint)
   step      median steady-state step time of a fault-free run (ftrun API vs DDP)
 and each as an ftrun/torchrun ratio. torchrun runs with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1:
 with its default shared store its restarts hang on gloo (pytorch#135712), see bench_launch.py.
@@ -50,10 +50,13 @@ def measure(kind: str, nproc: int, flags: list[str], steps: int, kill: int) -> d
     kills = [e for e in events if e["ev"] == "kill"]
     if kills:
         k = kills[0]
-        after = [e for e in commits if e["t"] > k["t"]]
+        after = [e for e in commits if e["t"] > k["t"] and e["step"] >= k["step"]]
         result["recovery_s"] = after[0]["t"] - k["t"]
-        redone = [e["step"] for e in after if e["step"] < k["step"]]
-        result["lost_steps"] = float(k["step"] - min(redone)) if redone else 0.0
+        # committed work done twice: a (rank, step) committed more than once
+        seen: dict[int, list[int]] = {}
+        for e in commits:
+            seen.setdefault(e["rank"], []).append(e["step"])
+        result["lost_steps"] = float(max(len(v) - len(set(v)) for v in seen.values()))
     return result
 
 
