@@ -15,14 +15,17 @@ import signal
 import socket
 import string
 import sys
+import tempfile
 import time
 import uuid
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from ftrun import timeouts
 from ftrun.exits import signal_name
+from ftrun.journal import FaultRecord, Journal
 from ftrun.logs import RunLogs, WorkerStreams
+from ftrun.observe import Observer
 from ftrun.policy import Action, Decision, decide_group
 from ftrun.procs import Guardian, Spawned, signal_group, spawn
 from ftrun.recovery import FaultTolerance
@@ -66,6 +69,7 @@ class RunResult:
     restarts_used: int = 0
     log_dir: str | None = None
     signal_received: str | None = None
+    faults: tuple[FaultRecord, ...] = ()
 
 
 @dataclass
@@ -82,7 +86,8 @@ class Agent:
                  emit: EventSink = _ignore) -> None:
         self.spec = spec
         self.base_env = dict(os.environ if env is None else env)
-        self.emit = emit
+        self._sink = emit
+        self.emit: EventSink = emit  # replaced by the journal's once the run has a log dir
         self.run_id = spec.rdzv_id if spec.rdzv_id != "none" or self._static_port() else ""
         self.run_id = self.run_id or str(uuid.uuid4())
         self._signals: list[int] = []
@@ -102,11 +107,22 @@ class Agent:
         try:
             self._prepare_env()
             self.logs = RunLogs(self.spec, self.run_id)
+            events = os.path.join(self.logs.run_dir, "events.jsonl") if self.logs.run_dir else None
+            self.journal = Journal(self._sink, events)
+            self.emit = self.journal.emit
+            self.progress_dir = (os.path.join(self.logs.run_dir, "progress") if self.logs.run_dir
+                                 else tempfile.mkdtemp(prefix="ftrun_progress_"))
+            os.makedirs(self.progress_dir, exist_ok=True)
+            self.observer = Observer(self, self.progress_dir)
             result = self._run_attempts()
+            result = replace(result, faults=tuple(self.journal.faults))
             removed = self.logs.cleanup(result.exit_code == 0)
             return result if not removed else _with_log_dir(result, None)
         finally:
             self._kill_all(signal.SIGKILL)
+            if hasattr(self, "observer"):
+                self.observer.close()
+                self.journal.close()
             self._restore_signal_handlers()
             guardian.close()
             self._wakeup_r.close()
@@ -218,8 +234,8 @@ class Agent:
         streams = self.logs.streams_for(self.restarts, local_rank, rank=rank)
         wenv = self.worker_env(local_rank, self.restarts, self._hosted.port, streams, rank=rank,
                                worker_id=worker_id)
-        env = {**self.base_env, **wenv.to_env(), "FTRUN_SPARE": "1" if spare else "0",
-               "FTRUN_COMM": self.spec.comm}
+        wenv = replace(wenv, spare=spare, comm=self.spec.comm, progress_dir=self.progress_dir)
+        env = {**self.base_env, **wenv.to_env()}
         try:
             spawned = spawn(self.worker_argv(local_rank), env, streams.stdout, streams.stderr)
         except OSError as exc:
@@ -232,6 +248,19 @@ class Agent:
         if self._sel is not None and spawned.pidfd is not None:
             self._sel.register(spawned.pidfd, selectors.EVENT_READ, worker)
         return worker
+
+    def live_members(self) -> list[Worker]:
+        """Workers of the current generation in rank order (all live workers without FT)."""
+        if self.ft is None or not self.ft.hello:
+            return sorted((w for w in self._workers if w.alive), key=lambda w: w.rank)
+        by_id = {w.worker_id: w for w in self._workers}
+        return [by_id[m] for m in self.ft.members if m in by_id and by_id[m].alive]
+
+    def worker_by_id(self, worker_id: int) -> Worker | None:
+        return next((w for w in self._workers if w.worker_id == worker_id), None)
+
+    def workers_snapshot(self) -> list[Worker]:
+        return [w for w in list(self._workers) if w.alive]
 
     def wake(self) -> None:
         """Interrupt the event loop from another thread (the request reader)."""
@@ -250,6 +279,7 @@ class Agent:
                     ended = self._reap_ready(sel, timeout=None)
                     if self.ft is not None:
                         self.ft.handle_requests()
+                    self.observer.apply_drills()
                     for worker in ended:
                         self._on_exit(worker, outcome)
                     if outcome.decision is None:
@@ -407,7 +437,6 @@ class Agent:
 
 
 def _with_log_dir(result: RunResult, log_dir: str | None) -> RunResult:
-    from dataclasses import replace
     return replace(result, log_dir=log_dir)
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import shutil
 import sys
+import time
 from collections.abc import Sequence
 
 from ftrun.errors import EXIT_FAILURE, FtrunError, UsageError
@@ -35,7 +36,32 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_FAILURE
 
 
+SUBCOMMANDS = ("status", "inject-fault")
+
+
+def _subcommand(args: list[str]) -> int:
+    from ftrun.commands import app
+
+    try:
+        app(args, prog_name="ftrun", standalone_mode=False)
+    except SystemExit as exc:
+        return int(exc.code or 0)
+    except Exception as exc:  # click's (typer vendors its own copy): one line, exit 2
+        if type(exc).__name__ == "Exit":
+            return int(getattr(exc, "exit_code", 0))
+        if type(exc).__name__ == "Abort":
+            return EXIT_FAILURE
+        if hasattr(exc, "format_message"):
+            print(f"ftrun: error: {exc.format_message()} (see ftrun {args[0]} --help)",
+                  file=sys.stderr)
+            return int(getattr(exc, "exit_code", 2))
+        raise
+    return 0
+
+
 def _launch(args: list[str]) -> int:
+    if args and args[0] in SUBCOMMANDS:
+        return _subcommand(args)
     from ftrun.launch_args import parse_run_args
 
     spec = parse_run_args(args, gpu_count=_cuda_device_count)
@@ -45,7 +71,9 @@ def _launch(args: list[str]) -> int:
     from ftrun.agent import Agent
     from ftrun.report import copy_to_parent_error_file
 
+    started = time.time()
     result = Agent(spec, emit=render.notice).run()
+    render.print_run_summary(result.faults, time.time() - started)
     if result.cause is not None:
         copy_to_parent_error_file(result.cause, os.environ.get("TORCHELASTIC_ERROR_FILE"))
         render.print_failure(spec.entry_name, result.cause, result.exits, result.restarts_used,

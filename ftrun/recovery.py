@@ -61,7 +61,8 @@ class FaultTolerance:
         self.members = members
         self.unhealed.update(joiners)
         self.agent.emit("generation", {"generation": self.number, "world_size": len(members),
-                                       "reason": reason, "urgent": urgent})
+                                       "reason": reason, "urgent": urgent,
+                                       "published_at": gen.published_at})
 
     def _spawn(self, spare: bool = False, rank: int = -1, local_rank: int | None = None) -> int:
         wid = self.next_worker_id
@@ -99,8 +100,9 @@ class FaultTolerance:
                          tuple(self.spares), self.next_worker_id, self.faults,
                          self.spec.max_faults, self.spec.max_restarts - self.agent.restarts,
                          frozenset(self.unhealed))
-        self.agent.emit("fault", {"worker": w.worker_id, "rank": w.rank, "why": why,
-                                  "decision": d.action.value, "reason": d.reason})
+        self.agent.emit("fault", {"worker": w.worker_id, "rank": live.index(w.worker_id),
+                                  "why": why, "decision": d.action.value, "reason": d.reason,
+                                  "detected_at": w.exit.wall_time})
         fault_at = w.exit.wall_time
         if d.action is FaultAction.REPLACE:
             rank = d.members.index(d.joiners[0])
@@ -150,8 +152,12 @@ class FaultTolerance:
                     self._grow(wid)
             elif kind == "comm_failed" and int(req["generation"]) == self.number:
                 live = tuple(m for m in self.members if m not in self.finished)
-                self._publish(live, f"worker {wid} reported a communicator failure: "
-                              f"{req.get('error', '')}", True, time.time())
+                reason = f"worker {wid} reported a communicator failure: {req.get('error', '')}"
+                self.faults += 1
+                self.agent.emit("fault", {"worker": wid, "rank": live.index(wid) if wid in live
+                                          else -1, "why": "comm", "decision": "rebuild",
+                                          "reason": reason, "detected_at": time.time()})
+                self._publish(live, reason, True, time.time())
             elif kind == "recovered":
                 self.unhealed.discard(wid)
             if kind == "recovered" and int(req["generation"]) not in self._reported:

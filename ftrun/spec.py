@@ -111,7 +111,9 @@ _ENV_NAMES: dict[str, str] = {
     "nccl_async_error_handling": "TORCH_NCCL_ASYNC_ERROR_HANDLING",
     "error_file": "TORCHELASTIC_ERROR_FILE",
     "worker_id": "FTRUN_WORKER_ID",
-    "control_path": "FTRUN_CONTROL",
+    "spare": "FTRUN_SPARE",
+    "comm": "FTRUN_COMM",
+    "progress_dir": "FTRUN_PROGRESS_DIR",
     "attempt": "FTRUN_ATTEMPT",
     "ft_mode": "FTRUN_FT_MODE",
 }
@@ -139,7 +141,9 @@ class WorkerEnv:
     nccl_async_error_handling: str
     error_file: str
     worker_id: int
-    control_path: str = ""
+    spare: bool = False  # a hot spare: waits in steps() to be called in
+    comm: str = "auto"  # how communicators are re-formed: auto | native | fresh
+    progress_dir: str = ""  # where the progress/drill slot lives ("" = none)
     attempt: int = 0
     ft_mode: str = "restart"
 

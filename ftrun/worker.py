@@ -10,6 +10,7 @@ Must not import: typer, rich, NVML, the agent or the CLI. Torch is imported when
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import time
 from collections.abc import Iterator
@@ -28,12 +29,10 @@ from ftrun.comm import (
 )
 from ftrun.errors import WorkerApiError
 from ftrun.grads import FlatGrads
+from ftrun.progress import Reporter
 from ftrun.rendezvous import Generation, heal_plan, latest_number, post_request, read_generation
 from ftrun.spec import WorkerEnv
 from ftrun.transfer import pack, recv_state, send_state, unpack
-
-SPARE_ENV = "FTRUN_SPARE"
-COMM_ENV = "FTRUN_COMM"
 
 
 def init(backend: str | None = None, seed: int = 0) -> FaultTolerant:
@@ -63,6 +62,8 @@ class FaultTolerant:
         self._commit_pending = False
         self._flat: Any = None
         self._report_first_commit: dict[str, Any] | None = None
+        self._progress: Reporter | None = None
+        self._slow = 0.0
         self.committed = 0
         self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         cuda = backend == "nccl" and torch.cuda.is_available()
@@ -75,11 +76,13 @@ class FaultTolerant:
         self.worker_id = wenv.worker_id
         _exit.install()
         _exit.arm()
-        if os.environ.get(SPARE_ENV) == "1":
+        if wenv.spare:
             _warm_up()
+        if wenv.progress_dir:
+            self._progress = Reporter(wenv.progress_dir, wenv.worker_id)
         self._store = _connect(wenv)
-        self._native = _native_group(self._store, wenv.worker_id, backend)
-        if os.environ.get(SPARE_ENV) == "1":
+        self._native = _native_group(self._store, wenv, backend)
+        if wenv.spare:
             # a hot spare returns at once, so the script builds its model now; steps()
             # announces it ready and waits there to be called in
             start = latest_number(self._store, timeouts.GENERATION_WAIT_S)
@@ -131,6 +134,7 @@ class FaultTolerant:
                     return
                 continue
             self._commit_pending = True
+            self._before_step()
             yield self.committed
             if self._commit_pending:
                 raise WorkerApiError("each step must end with ft.commit(optimizer)")
@@ -155,15 +159,47 @@ class FaultTolerant:
             except (CommError, Abandoned) as exc:
                 self._broken = str(exc)
         ok = self._broken is None
+        if self._slow:
+            time.sleep(self._slow)
         if ok:
             optimizer.step()
             self.committed += 1
+            if self._progress is not None:
+                self._progress.committed(self.committed, self.rank, self.generation, time.time())
             self._pending_switch = self._pending_switch or switch
             if self._report_first_commit is not None:
                 self._post("recovered", **self._report_first_commit, first_commit=time.time())
                 self._report_first_commit = None
         optimizer.zero_grad(set_to_none=False)  # keeps grads as views of the flat buffer
         return ok
+
+    def _before_step(self) -> None:
+        if self._progress is None:
+            return
+        self._progress.step_started(self.committed, self.rank, self.generation, time.time())
+        drill = self._progress.due_drill(self.committed)
+        if drill is not None:
+            self._apply_drill(*drill)
+
+    def _apply_drill(self, kind: str, arg: float) -> None:
+        """A fault drill from `ftrun inject-fault`, acted out inside this worker."""
+        print(f"ftrun: drill: {kind} on worker {self.worker_id} at step {self.committed}",
+              file=sys.stderr, flush=True)
+        if kind in ("kill", "segv", "hang"):
+            sig = {"kill": signal.SIGKILL, "segv": signal.SIGSEGV, "hang": signal.SIGSTOP}[kind]
+            os.kill(os.getpid(), sig)
+        elif kind == "exit":
+            sys.stdout.flush()
+            os._exit(1)
+        elif kind == "exception":
+            raise RuntimeError(f"ftrun drill: exception injected at step {self.committed}")
+        elif kind == "slow":
+            self._slow = arg
+        elif kind == "comm":
+            self._group.abandon()
+            self._broken = "ftrun drill: communicator failure injected"
+            self._post("comm_failed", worker=self.worker_id, generation=self.generation,
+                       error=self._broken)
 
     def close(self) -> None:
         if self._ft:
@@ -215,6 +251,8 @@ class FaultTolerant:
                 self._broken = str(exc)
         gen = self._group.gen
         self._broken, self._pending_switch, self._need_align = None, False, False
+        if gen.number == 0:
+            return  # the first group of the run: nothing was recovered
         self._report_first_commit = {
             "worker": self.worker_id, "generation": gen.number, "fault_at": gen.fault_at,
             "published_at": gen.published_at, "noticed": noticed, "rebuilt": rebuilt,
@@ -338,13 +376,12 @@ class FaultTolerant:
             self._interrupt.store_lost = str(exc)[:200]
 
 
-def _native_group(store: Any, worker_id: int, backend: str) -> NativeGroup | None:
-    """`FTRUN_COMM` (set by the agent from --comm): native reconfigure or a fresh group per
-    generation. Every member of a job uses the same path."""
-    mode = os.environ.get(COMM_ENV, "auto")
-    if mode == "fresh" or (mode == "auto" and not native_reconfigure_supported(backend)):
+def _native_group(store: Any, wenv: WorkerEnv, backend: str) -> NativeGroup | None:
+    """--comm: native reconfigure or a fresh group per generation; every member of a job
+    uses the same path."""
+    if wenv.comm == "fresh" or (wenv.comm == "auto" and not native_reconfigure_supported(backend)):
         return None
-    return NativeGroup(store, worker_id, backend)
+    return NativeGroup(store, wenv.worker_id, backend)
 
 
 def _warm_up() -> None:

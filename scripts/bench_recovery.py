@@ -45,7 +45,7 @@ def measure(kind: str, nproc: int, flags: list[str], steps: int, kill: int) -> d
             events = [json.loads(line) for line in f]
     commits = sorted((e for e in events if e["ev"] == "step"), key=lambda e: e["t"])
     first_rank = [e for e in commits if e["rank"] == 0]
-    gaps = [b["t"] - a["t"] for a, b in zip(first_rank, first_rank[1:])]
+    gaps = [b["t"] - a["t"] for a, b in zip(first_rank, first_rank[1:], strict=False)]
     result = {"step_s": statistics.median(gaps[len(gaps) // 4:])}
     kills = [e for e in events if e["ev"] == "kill"]
     if kills:

@@ -9,9 +9,9 @@ PKG = Path(__file__).parent.parent / "ftrun"
 LAYERS = [  # lowest first
     {"errors", "timeouts", "spec", "states", "exits", "_exit"},
     {"policy"},
-    {"procs", "store", "logs", "report", "rendezvous", "_run_path"},
+    {"procs", "store", "logs", "report", "rendezvous", "progress", "control", "_run_path"},
     {"comm", "grads", "worker", "transfer"},
-    {"recovery", "agent", "control"},
+    {"journal", "recovery", "observe", "agent"},
     {"cli", "launch_args", "render", "__main__", "__init__"},
 ]
 WORKER_SIDE = {"comm", "grads", "worker", "transfer"}

@@ -1,0 +1,122 @@
+"""What happened in a run: the event log (JSON lines), fault records with recovery phases,
+the `ftrun status` document and the end-of-run summary figures.
+
+Owns: `Journal` (every agent event goes through it: written to `<run dir>/events.jsonl`,
+passed on to the console sink, and folded into `FaultRecord`s), and the pure helpers that
+turn records into the status document and the drill/run summary.
+Must not import: torch, typer, rich, the CLI.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass, field
+from typing import IO, Any
+
+EventSink = Callable[[str, Mapping[str, object]], None]
+PHASES = ("detected", "published", "rebuilt", "healed", "first_commit")
+
+
+@dataclass
+class FaultRecord:
+    id: int
+    kind: str  # kill, segv, exit, exception, hang, slow, comm, or "exit N"/"SIGNAL" if not a drill
+    worker: int
+    rank: int
+    at: float  # wall clock of the fault (injection time for drills, else detection)
+    decision: str = ""
+    reason: str = ""
+    injected: bool = False
+    generation: int | None = None
+    recovered: bool = False
+    recovery_ms: float | None = None
+    phases_ms: dict[str, float] = field(default_factory=dict)
+    lost_steps: int = 0
+
+
+class Journal:
+    def __init__(self, sink: EventSink, log_path: str | None = None) -> None:
+        self._sink = sink
+        self._file: IO[str] | None = open(log_path, "a") if log_path else None  # noqa: SIM115
+        self.faults: list[FaultRecord] = []
+        self._drills: dict[int, tuple[str, float]] = {}  # worker -> (kind, injected at)
+        self.started_at = time.time()
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+    def emit(self, kind: str, fields: Mapping[str, object]) -> None:
+        if self._file is not None:
+            self._file.write(json.dumps({"t": time.time(), "event": kind, **fields},
+                                        default=str) + "\n")
+            self._file.flush()
+        getattr(self, f"_on_{kind.replace('-', '_')}", lambda f: None)(fields)
+        self._sink(kind, fields)
+
+    def drill_injected(self, worker: int, kind: str, at: float) -> None:
+        self._drills[worker] = (kind, at)
+
+    # -------------------------------------------------------------- folding events
+    def _on_fault(self, f: Mapping[str, object]) -> None:
+        worker = int(str(f["worker"]))
+        detected = float(str(f.get("detected_at", time.time())))
+        drill = self._drills.pop(worker, None)
+        kind, at = drill if drill else (str(f.get("why", "fault")), detected)
+        rec = FaultRecord(id=len(self.faults) + 1, kind=kind, worker=worker,
+                          rank=int(str(f["rank"])), at=at, decision=str(f["decision"]),
+                          reason=str(f["reason"]), injected=drill is not None)
+        rec.phases_ms["detected"] = round((detected - at) * 1000, 1)
+        self.faults.append(rec)
+
+    def _on_generation(self, f: Mapping[str, object]) -> None:
+        if not f.get("urgent"):
+            return
+        for rec in reversed(self.faults):
+            if rec.generation is None and rec.decision in ("replace", "shrink", "rebuild"):
+                rec.generation = int(str(f["generation"]))
+                rec.phases_ms["published"] = round((float(str(f["published_at"])) - rec.at)
+                                                   * 1000, 1)
+                return
+
+    def _on_recovered(self, f: Mapping[str, object]) -> None:
+        gen = int(str(f["generation"]))
+        for rec in self.faults:
+            if rec.generation == gen and not rec.recovered:
+                for name, key in (("rebuilt", "rebuilt"), ("healed", "healed"),
+                                  ("first_commit", "first_commit")):
+                    if f.get(key):
+                        rec.phases_ms[name] = round((float(str(f[key])) - rec.at) * 1000, 1)
+                rec.recovered = True
+                rec.recovery_ms = rec.phases_ms.get("first_commit")
+
+
+def summarize(faults: list[FaultRecord], run_seconds: float) -> dict[str, Any]:
+    """Figures for a drill table or the end-of-run summary."""
+    times = sorted(r.recovery_ms for r in faults if r.recovery_ms is not None)
+    lost_s = sum(times) / 1000.0
+    return {
+        "faults": len(faults),
+        "recovered": sum(r.recovered for r in faults),
+        "p50_ms": _pct(times, 50), "p95_ms": _pct(times, 95),
+        "max_ms": times[-1] if times else None,
+        "lost_steps": sum(r.lost_steps for r in faults),
+        "time_lost_s": round(lost_s, 3),
+        "goodput": round(1 - lost_s / run_seconds, 4) if run_seconds > 0 else None,
+    }
+
+
+def _pct(values: list[float], p: int) -> float | None:
+    if not values:
+        return None
+    if len(values) == 1:
+        return values[0]
+    return round(statistics.quantiles(values, n=100, method="inclusive")[p - 1], 1)
+
+
+def fault_docs(faults: list[FaultRecord]) -> list[dict[str, Any]]:
+    return [asdict(r) for r in faults]

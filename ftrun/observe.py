@@ -1,0 +1,137 @@
+"""The agent's window to the outside: `ftrun status` answers and `ftrun inject-fault` drills.
+
+Owns: the run's control server, reading the workers' progress slots, building the status
+document, validating drill requests (one-line errors) and applying them from the agent's
+main loop: signals the agent sends itself, or drill slots a worker acts on at a step.
+Must not import: torch, typer, rich, the CLI.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import time
+from typing import TYPE_CHECKING, Any
+
+from ftrun.control import ControlServer, RunInfo, run_dir
+from ftrun.errors import FtrunError
+from ftrun.journal import fault_docs, summarize
+from ftrun.progress import DRILL_KINDS, Slot, slot_path
+
+if TYPE_CHECKING:
+    from ftrun.agent import Agent, Worker
+
+AGENT_SIGNALS = {"kill": signal.SIGKILL, "segv": signal.SIGSEGV, "hang": signal.SIGSTOP}
+WORKER_ONLY = ("exit", "exception", "slow", "comm")
+
+
+class Observer:
+    def __init__(self, agent: Agent, progress_dir: str) -> None:
+        self.agent = agent
+        self.progress_dir = progress_dir
+        self._slots: dict[int, Slot] = {}
+        self._drill_seq = 0
+        self.drills: queue.SimpleQueue[dict[str, Any]] = queue.SimpleQueue()
+        sock = os.path.join(run_dir(), f"{agent.run_id}.sock")
+        self.info = RunInfo(agent.run_id, os.getpid(), agent.spec.script, time.time(), sock,
+                            agent.logs.run_dir)
+        self.server = ControlServer(self.info, self.handle)
+
+    def close(self) -> None:
+        self.server.close()
+        for slot in self._slots.values():
+            slot.close()
+
+    # ------------------------------------------------------------ requests (server thread)
+    def handle(self, req: dict[str, Any]) -> dict[str, Any]:
+        op = req.get("op")
+        if op == "status":
+            return {"ok": True, **self.status()}
+        if op == "inject":
+            target = self._validate(req)
+            self.drills.put({**req, "worker": target.worker_id})
+            self.agent.wake()
+            return {"ok": True, "worker": target.worker_id, "pid": target.spawned.pid,
+                    "rank": target.rank}
+        raise FtrunError(f"unknown request {op!r}", hint="upgrade the ftrun client")
+
+    def _validate(self, req: dict[str, Any]) -> Worker:
+        kind = str(req.get("kind"))
+        if kind == "xid" or req.get("gpu") is not None:
+            raise FtrunError("GPU faults need the simulated GPU backend, which this ftrun "
+                             "does not have yet", hint="drill with --rank and a process kind")
+        if kind not in DRILL_KINDS:
+            raise FtrunError(f"unknown fault kind {kind!r}",
+                             hint="use one of " + ", ".join(DRILL_KINDS))
+        ft = self.agent.ft
+        if kind in WORKER_ONLY and (ft is None or not ft.hello):
+            raise FtrunError(f"--kind {kind} needs a script that uses the ftrun worker API",
+                             hint="use --kind kill, segv or hang for a plain script")
+        rank = int(req.get("rank", -1))
+        members = self.agent.live_members()
+        if not 0 <= rank < len(members):
+            raise FtrunError(f"no rank {rank} in this job (world size {len(members)})",
+                             hint=f"use --rank 0..{len(members) - 1}")
+        return members[rank]
+
+    # ------------------------------------------------------------ drills (main loop)
+    def apply_drills(self) -> None:
+        while True:
+            try:
+                req = self.drills.get_nowait()
+            except queue.Empty:
+                return
+            worker = self.agent.worker_by_id(int(req["worker"]))
+            if worker is None or not worker.alive:
+                continue
+            kind, at_step = str(req["kind"]), int(req.get("at_step", -1))
+            self.agent.journal.drill_injected(worker.worker_id, kind, time.time())
+            if kind in AGENT_SIGNALS and at_step < 0:
+                os.kill(worker.spawned.pid, AGENT_SIGNALS[kind])
+            else:
+                self._drill_seq += 1
+                slot = self._slot(worker.worker_id)
+                slot.write_drill(self._drill_seq, kind, at_step, float(req.get("arg", 0.0)))
+            self.agent.emit("drill", {"worker": worker.worker_id, "rank": worker.rank,
+                                      "kind": kind, "at_step": at_step})
+
+    # ------------------------------------------------------------ status
+    def _slot(self, worker_id: int) -> Slot:
+        if worker_id not in self._slots:
+            self._slots[worker_id] = Slot(slot_path(self.progress_dir, worker_id), create=True)
+        return self._slots[worker_id]
+
+    def status(self) -> dict[str, Any]:
+        agent, now = self.agent, time.time()
+        ft = agent.ft
+        workers = []
+        for w in agent.workers_snapshot():
+            p = self._slot(w.worker_id).read() if ft is not None else None
+            has = p is not None and p.generation >= 0
+            role = "member"
+            if ft is not None:
+                role = ("spare" if w.worker_id in ft.spares else
+                        "joining" if w.worker_id in ft.unhealed else
+                        "member" if w.worker_id in ft.members else "gone")
+            workers.append({
+                "worker_id": w.worker_id, "rank": p.rank if has and p else w.rank,
+                "local_rank": w.local_rank, "pid": w.spawned.pid, "state": w.state.value,
+                "role": role, "step": p.step if has and p else None,
+                "committed_step": p.step - 1 if has and p else None,
+                "step_time_ms": round(p.step_time * 1000, 1) if has and p else None,
+                "since_progress_s": round(now - max(p.last_commit, p.step_started), 2)
+                if has and p and p.last_commit else None,
+                "gpu": None, "health": None,
+            })
+        faults = agent.journal.faults
+        return {
+            "run_id": agent.run_id, "script": agent.spec.script, "pid": os.getpid(),
+            "started_at": self.info.started_at, "uptime_s": round(now - self.info.started_at, 1),
+            "generation": ft.number if ft else 0,
+            "world_size": len(ft.members) if ft else agent.spec.nproc,
+            "policy": agent.spec.on_fault, "spares": agent.spec.spares,
+            "attempt": agent.restarts, "log_dir": self.info.log_dir,
+            "ft_api": bool(ft and ft.hello), "workers": workers, "faults": fault_docs(faults),
+            "summary": summarize(faults, now - self.info.started_at),
+        }

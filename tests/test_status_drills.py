@@ -1,0 +1,139 @@
+"""`ftrun status` and `ftrun inject-fault`: argument handling, rendering, and drills against a
+real running job (gloo, CPU)."""
+import json
+import os
+import stat
+import subprocess
+
+import pytest
+from conftest import FIXTURES, ftrun_cmd, wait_for
+
+from ftrun.cli import main
+from ftrun.journal import FaultRecord, Journal, summarize
+
+
+@pytest.fixture(autouse=True)
+def private_run_dir(tmp_path, monkeypatch):
+    d = tmp_path / "run"
+    monkeypatch.setenv("FTRUN_RUN_DIR", str(d))
+    return d
+
+
+def ftrun_out(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(ftrun_cmd(*args), capture_output=True, text=True, timeout=60,
+                          env=os.environ.copy())
+
+
+def test_status_with_no_job(capsys) -> None:
+    assert main(["status"]) == 1
+    err = capsys.readouterr().err
+    assert err == ("ftrun: error: no ftrun job is running for this user "
+                   "(start one with `ftrun --nproc N script.py`)\n")
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["inject-fault", "--kind", "kill"], "exactly one of --rank or --gpu"),
+    (["inject-fault", "--kind", "kill", "--rank", "0", "--gpu", "1"], "exactly one of"),
+    (["inject-fault", "--kind", "melt", "--rank", "0"], "unknown fault kind 'melt'"),
+    (["inject-fault", "--rank", "0"], "Missing option '--kind'"),
+    (["inject-fault", "--kind", "kill", "--rank", "0", "--count", "3"], "needs --every"),
+    (["status", "--bogus"], "No such option: --bogus"),
+])
+def test_inject_fault_usage_errors(argv, needle, capsys) -> None:
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert needle in err and err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_journal_folds_events_into_fault_phases(tmp_path) -> None:
+    seen = []
+    j = Journal(lambda k, f: seen.append(k), str(tmp_path / "events.jsonl"))
+    j.drill_injected(3, "kill", 100.0)
+    j.emit("fault", {"worker": 3, "rank": 1, "why": "exited with -9", "decision": "replace",
+                     "reason": "r", "detected_at": 100.005})
+    j.emit("generation", {"generation": 1, "urgent": True, "published_at": 100.006,
+                          "world_size": 3, "reason": "r"})
+    j.emit("recovered", {"generation": 1, "rebuilt": 100.02, "healed": 100.03,
+                         "first_commit": 100.1, "worker": 0})
+    (rec,) = j.faults
+    assert (rec.kind, rec.injected, rec.recovered, rec.recovery_ms) == ("kill", True, True, 100.0)
+    assert rec.phases_ms == {"detected": 5.0, "published": 6.0, "rebuilt": 20.0, "healed": 30.0,
+                             "first_commit": 100.0}
+    j.close()
+    lines = [json.loads(x) for x in (tmp_path / "events.jsonl").read_text().splitlines()]
+    assert [x["event"] for x in lines] == ["fault", "generation", "recovered"] == seen
+
+
+def test_summary_percentiles() -> None:
+    recs = [FaultRecord(id=i, kind="kill", worker=i, rank=0, at=0.0, recovery_ms=float(v))
+            for i, v in enumerate([100, 200, 300, 400])]
+    s = summarize(recs, run_seconds=10.0)
+    assert (s["p50_ms"], s["max_ms"], s["time_lost_s"], s["goodput"]) == (250.0, 400.0, 1.0, 0.9)
+
+
+def test_status_rendering_of_a_document(capsys) -> None:
+    from ftrun.render import print_status
+
+    print_status({"run_id": "abc", "script": "t.py", "uptime_s": 3.0, "generation": 2,
+                  "world_size": 2, "policy": "shrink", "spares": 0,
+                  "workers": [{"rank": 0, "local_rank": 0, "worker_id": 0, "pid": 11,
+                               "state": "running", "role": "member", "step": 5,
+                               "committed_step": 4, "step_time_ms": 20.0,
+                               "since_progress_s": 0.01, "gpu": None}],
+                  "faults": [{"id": 1, "kind": "kill", "rank": 1, "decision": "shrink",
+                              "recovered": True, "recovery_ms": 42.0, "reason": "gone",
+                              "phases_ms": {"detected": 1.0, "first_commit": 42.0}}]})
+    out = capsys.readouterr().out
+    assert "shrink" in out and "42" in out and "#1: gone" in out and "running" in out
+
+
+@pytest.mark.slow
+def test_status_and_drills_on_a_running_job(tmp_path, private_run_dir) -> None:
+    job = subprocess.Popen(
+        ftrun_cmd("--nproc", "3", "--log-dir", str(tmp_path / "logs"),
+                  str(FIXTURES / "ft_train.py"), "--steps", "100000", "--step-time", "0.01"),
+        env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE, text=True)
+    try:
+        def steps() -> object:
+            r = ftrun_out("status", "--json")
+            if r.returncode:
+                return None
+            doc = json.loads(r.stdout)
+            return doc if all((w["step"] or 0) > 5 for w in doc["workers"]) else None
+
+        doc = wait_for(steps, 60, "a running job with progress")
+        assert {"run_id", "generation", "world_size", "workers", "faults"} <= set(doc)
+        assert sorted(w["rank"] for w in doc["workers"]) == [0, 1, 2]
+        assert all({"rank", "pid", "state", "step"} <= set(w) for w in doc["workers"])
+        # the socket and its directory are private to this user
+        socks = list(private_run_dir.glob("*.sock"))
+        assert len(socks) == 1
+        assert stat.S_IMODE(socks[0].stat().st_mode) == 0o600
+        assert stat.S_IMODE(private_run_dir.stat().st_mode) == 0o700
+        assert "world size" in ftrun_out("status").stdout
+
+        for kind, extra in (("kill", []), ("comm", []), ("exception", ["--at-step", "0"]),
+                            ("segv", []), ("exit", [])):
+            r = ftrun_out("inject-fault", "--rank", "1", "--kind", kind, *extra)
+            assert r.returncode == 0, r.stderr
+            assert "yes" in r.stdout, f"{kind}: not recovered\n{r.stdout}"
+        r = ftrun_out("inject-fault", "--rank", "7", "--kind", "kill")
+        assert r.returncode == 1 and "no rank 7 in this job (world size 3)" in r.stderr
+        r = ftrun_out("inject-fault", "--gpu", "0", "--kind", "xid", "--xid", "79")
+        assert r.returncode == 1 and "simulated GPU backend" in r.stderr
+
+        doc = json.loads(ftrun_out("status", "--json").stdout)
+        faults = doc["faults"]
+        assert [f["kind"] for f in faults] == ["kill", "comm", "exception", "segv", "exit"]
+        for f in faults:
+            assert f["recovered"] and f["rank"] == 1 and f["recovery_ms"] > 0
+            assert set(f["phases_ms"]) >= {"detected", "published", "rebuilt", "first_commit"}
+        assert doc["generation"] == 5 and doc["world_size"] == 3
+    finally:
+        job.terminate()
+        _, err = job.communicate(timeout=60)
+    assert "survived 5/5 faults" in err
+    events = next((tmp_path / "logs").iterdir()) / "events.jsonl"
+    kinds = [json.loads(line)["event"] for line in events.read_text().splitlines()]
+    assert kinds.count("fault") == 5 and kinds.count("recovered") == 5 and "drill" in kinds
