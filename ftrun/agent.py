@@ -136,16 +136,16 @@ class Agent:
             self._hosted = hosted
             try:
                 self._start_group(restarts, hosted)
-                store = hosted.serve()  # imports torch while the workers import theirs
+                hosted.serve()  # imports torch while the workers import theirs
                 if self.spec.on_fault != "restart":
-                    self.ft = FaultTolerance(self, store, hosted.port)
+                    self.ft = FaultTolerance(self, hosted.store, hosted.port)
                 outcome = self._supervise()
                 if outcome.signum is not None:
                     return self._shutdown_on_signal(outcome, restarts)
                 assert outcome.decision is not None
                 decision = outcome.decision
                 if decision.action is Action.SUCCEED:
-                    self._stop_workers(signal.SIGTERM, self.spec.shutdown_timeout)  # spares
+                    self._stop_workers(signal.SIGKILL, 0.0)  # idle spares hold no state
                     self._close_streams()
                     return RunResult(0, decision.reason, exits=tuple(outcome.exits),
                                      restarts_used=restarts, log_dir=self.logs.run_dir)
@@ -231,7 +231,9 @@ class Agent:
                      spare: bool = False) -> Worker:
         """Start one worker of the current attempt (a first member, a replacement, a spare)."""
         assert self._hosted is not None
-        streams = self.logs.streams_for(self.restarts, local_rank, rank=rank)
+        streams = self.logs.streams_for(self.restarts, local_rank, rank=rank,
+                                        worker_id=worker_id if worker_id >= self.spec.nproc
+                                        else None)
         wenv = self.worker_env(local_rank, self.restarts, self._hosted.port, streams, rank=rank,
                                worker_id=worker_id)
         wenv = replace(wenv, spare=spare, comm=self.spec.comm, progress_dir=self.progress_dir)
@@ -278,7 +280,7 @@ class Agent:
                         return outcome
                     ended = self._reap_ready(sel, timeout=None)
                     if self.ft is not None:
-                        self.ft.handle_requests()
+                        outcome.decision = self.ft.handle_requests()
                     self.observer.apply_drills()
                     for worker in ended:
                         self._on_exit(worker, outcome)
@@ -291,6 +293,11 @@ class Agent:
     def _on_exit(self, worker: Worker, outcome: _Outcome) -> None:
         assert worker.exit is not None
         outcome.exits.append(worker.exit)
+        if self.ft is not None and not self.ft.owns(worker):
+            self.ft.catch_up()  # its hello may still be queued
+            decision = self.ft.handle_requests()
+            if decision is not None and outcome.decision is None:
+                outcome.decision = decision
         if self.ft is not None and self.ft.owns(worker):
             decision = self.ft.on_exit(worker)
             if decision is not None and outcome.decision is None:
@@ -348,6 +355,8 @@ class Agent:
         else:
             w.move(WorkerState.SUCCEEDED if code == 0 else WorkerState.FAILED)
         w.spawned.close()
+        signal_group(w.spawned.pid, signal.SIGKILL)  # what it left in its group goes too
+        self._guardian.forget(w.spawned.pid)
         self.emit("exit", {"rank": w.rank, "pid": w.spawned.pid, "returncode": code,
                            "by_launcher": by_launcher})
 
@@ -373,7 +382,6 @@ class Agent:
                 kill_deadline = time.monotonic() + timeouts.KILL_REAP_S
                 while any(w.alive for w in self._workers) and time.monotonic() < kill_deadline:
                     self._reap_ready(sel, timeout=kill_deadline - time.monotonic())
-        self._sweep_groups()
         return received
 
     def _kill_all(self, sig: int) -> None:
@@ -382,12 +390,6 @@ class Agent:
                 if w.state is not WorkerState.STOPPING:
                     w.move(WorkerState.STOPPING)
                 signal_group(w.spawned.pid, sig)
-
-    def _sweep_groups(self) -> None:
-        """Workers are gone; end whatever they left in their process groups."""
-        for w in self._workers:
-            signal_group(w.spawned.pid, signal.SIGKILL)
-            self._guardian.forget(w.spawned.pid)
 
     def _close_streams(self) -> None:
         for w in self._workers:
@@ -441,6 +443,12 @@ def _with_log_dir(result: RunResult, log_dir: str | None) -> RunResult:
 
 
 def _spawn_error(spec: RunSpec, exc: OSError) -> Exception:
-    from ftrun.errors import UsageError
-    return UsageError(f"cannot start {spec.script!r}: {exc.strerror}",
-                      hint="check the path, or drop --no-python to run it with python")
+    import errno
+
+    from ftrun.errors import FtrunError, UsageError
+
+    if exc.errno in (errno.ENOENT, errno.EACCES, errno.ENOEXEC):
+        return UsageError(f"cannot start {spec.script!r}: {exc.strerror}",
+                          hint="check the path, or drop --no-python to run it with python")
+    return FtrunError(f"cannot start a worker: {exc.strerror}",
+                      hint="the machine is out of processes or memory")

@@ -75,9 +75,14 @@ def _launch(args: list[str]) -> int:
     result = Agent(spec, emit=render.notice).run()
     render.print_run_summary(result.faults, time.time() - started)
     if result.cause is not None:
-        copy_to_parent_error_file(result.cause, os.environ.get("TORCHELASTIC_ERROR_FILE"))
         render.print_failure(spec.entry_name, result.cause, result.exits, result.restarts_used,
                              spec.max_restarts, result.log_dir)
+        parent = os.environ.get("TORCHELASTIC_ERROR_FILE")
+        try:
+            copy_to_parent_error_file(result.cause, parent)
+        except OSError as exc:
+            print(f"ftrun: could not write TORCHELASTIC_ERROR_FILE {parent}: {exc.strerror}",
+                  file=sys.stderr)
     return result.exit_code
 
 

@@ -141,11 +141,12 @@ def _wait_in_thread(work: Any, wake: threading.Event, timeout_s: float
     return finished, errors
 
 
-def build_group(store: Store, gen: Generation, rank: int, backend: str, device: Any,
-                interrupt: Interrupt, native: NativeGroup | None = None,
+def build_group(connect: Callable[[], Store], gen: Generation, rank: int, backend: str,
+                device: Any, interrupt: Interrupt, native: NativeGroup | None = None,
                 timeout_s: float = timeouts.PG_INIT_S) -> Group:
-    """Construct the generation's group in a helper thread, so that an urgent newer generation
-    can abandon a construction that waits for a peer that will never come."""
+    """Construct the generation's group in a helper thread, on a store connection of its own,
+    so that any newer generation can abandon a construction that waits for a peer that will
+    never come, without blocking the worker's other store traffic."""
     if gen.world_size == 1:
         return Group(gen, rank, None)
     result: dict[str, Any] = {}
@@ -154,9 +155,9 @@ def build_group(store: Store, gen: Generation, rank: int, backend: str, device: 
     def construct() -> None:
         try:
             if native is not None:
-                result["pg"] = native.reconfigure(gen, timeout_s)
+                result["pg"] = native.reconfigure(connect(), gen, timeout_s)
             else:
-                result["pg"] = _new_pg(store, gen, rank, backend, device, timeout_s)
+                result["pg"] = _new_pg(connect(), gen, rank, backend, device)
         except Exception as exc:  # reported to the waiting thread below
             result["error"] = exc
         finally:
@@ -168,6 +169,9 @@ def build_group(store: Store, gen: Generation, rank: int, backend: str, device: 
     deadline = time.monotonic() + timeout_s + 5.0
     while not done.is_set():
         interrupt.check(gen.number)
+        newest = interrupt.newest
+        if newest is not None and newest.number > gen.number:  # even a planned one: every
+            raise Abandoned(f"generation {newest.number} published")  # member converges
         if time.monotonic() > deadline:
             raise CommError(f"building generation {gen.number}'s group timed out")
         interrupt.wake.wait(0.5)
@@ -176,12 +180,11 @@ def build_group(store: Store, gen: Generation, rank: int, backend: str, device: 
     return Group(gen, rank, result["pg"], shared=native is not None)
 
 
-def _new_pg(store: Store, gen: Generation, rank: int, backend: str, device: Any,
-            timeout_s: float) -> Any:
+def _new_pg(store: Store, gen: Generation, rank: int, backend: str, device: Any) -> Any:
     import torch.distributed as dist
 
     prefixed = dist.PrefixStore(gen.pg_prefix, store)  # type: ignore[arg-type]
-    timeout = timedelta(seconds=timeout_s)
+    timeout = timedelta(seconds=timeouts.COLLECTIVE_S)  # gloo's per-op timeout, too
     if backend == "nccl":
         opts = dist.ProcessGroupNCCL.Options()
         opts._timeout = timeout
@@ -246,7 +249,7 @@ def native_reconfigure_supported(backend: str) -> bool:
     """torch >= 2.15 with gloo (or the nccl2 backend) can re-form a group in place."""
     import torch.distributed as dist
 
-    return backend == "gloo" and hasattr(dist, "_reconfigure")
+    return backend == "gloo" and hasattr(dist, "_supports_reconfigure")
 
 
 class NativeGroup:
@@ -256,16 +259,17 @@ class NativeGroup:
     number as the reconfigure uuid, so no uuid is ever reused."""
 
     def __init__(self, store: Store, worker_id: int, backend: str) -> None:
+        """`store`: a connection of the group's own (its rendezvous blocks on it)."""
         import torch.distributed as dist
 
-        self.store, self.worker_id = store, worker_id
+        self.worker_id = worker_id
         self._busy = threading.Lock()
         dist.init_process_group(
             backend, store=dist.PrefixStore(f"{PREFIX}native/", store),  # type: ignore[arg-type]
             rank=worker_id, world_size=worker_id + 1, enable_reconfigure=True,
             timeout=timedelta(seconds=timeouts.COLLECTIVE_S))
 
-    def reconfigure(self, gen: Generation, timeout_s: float) -> Any:
+    def reconfigure(self, store: Store, gen: Generation, timeout_s: float) -> Any:
         import torch.distributed as dist
 
         # an abandoned reconfigure still running on its thread must end (it is bounded by
@@ -274,10 +278,10 @@ class NativeGroup:
             raise CommError("the previous reconfigure is still running")
         try:
             key = f"{gen.pg_prefix}handle/"
-            self.store.set(key + str(self.worker_id), dist._get_reconfigure_handle())
+            store.set(key + str(self.worker_id), dist._get_reconfigure_handle())
             keys = [key + str(m) for m in gen.members]
-            self.store.wait(keys, timedelta(seconds=timeout_s))
-            handles = [self.store.get(k).decode() for k in keys]
+            store.wait(keys, timedelta(seconds=timeout_s))
+            handles = [store.get(k).decode() for k in keys]
             dist._reconfigure(gen.number + 1, handles,
                               timeout=timedelta(seconds=timeout_s)).wait()
             return dist.group.WORLD

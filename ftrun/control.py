@@ -78,14 +78,18 @@ class ControlServer:
         with open(self._meta, "w") as f:
             json.dump(info.__dict__, f)
         self._closed = False
-        threading.Thread(target=self._serve, name="ftrun-control", daemon=True).start()
+        self._thread = threading.Thread(target=self._serve, name="ftrun-control", daemon=True)
+        self._thread.start()
 
     def close(self) -> None:
         self._closed = True
         for path in (self.info.socket, self._meta):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)  # wakes the blocked accept()
         self._sock.close()
+        self._thread.join(timeouts.THREAD_JOIN_S)
 
     def _serve(self) -> None:
         while not self._closed:

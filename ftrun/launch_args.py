@@ -123,6 +123,11 @@ def parse_run_args(
                          hint="drop one of them")
     if ns.virtual_local_rank:
         raise UsageError("--virtual-local-rank is not supported yet", hint="drop the flag")
+    if ns.rdzv_backend == "static" and ns.rdzv_endpoint:  # torchrun: host[:port] of the store
+        host, _, port = ns.rdzv_endpoint.rpartition(":") if ":" in ns.rdzv_endpoint else (
+            ns.rdzv_endpoint, "", "")
+        ns.master_addr = host.strip("[]") or ns.master_addr
+        ns.master_port = port or ns.master_port or "29500"
     nmin, nmax = _parse_nnodes(str(ns.nnodes))
     if nmax > 1:
         raise UsageError(f"--nnodes {ns.nnodes}: multi-node runs are not supported yet",

@@ -7,6 +7,7 @@ Must not import: torch, typer, rich, the agent.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import string
@@ -73,15 +74,20 @@ class RunLogs:
             self.run_dir = tempfile.mkdtemp(prefix=f"{run_id}_", dir=self.base)
         self.wrote_logs = False
 
-    def worker_dir(self, attempt: int, local_rank: int) -> str | None:
+    def worker_dir(self, attempt: int, local_rank: int, worker_id: int | None = None
+                   ) -> str | None:
+        """torchrun's `attempt_<n>/<local_rank>`; a replacement started during the attempt
+        gets `<local_rank>.w<worker id>` so it never overwrites the lost worker's files."""
         if self.run_dir is None:
             return None
-        path = os.path.join(self.run_dir, f"attempt_{attempt}", str(local_rank))
+        name = str(local_rank) if worker_id is None else f"{local_rank}.w{worker_id}"
+        path = os.path.join(self.run_dir, f"attempt_{attempt}", name)
         os.makedirs(path, exist_ok=True)
         return path
 
-    def streams_for(self, attempt: int, local_rank: int, rank: int) -> WorkerStreams:
-        wdir = self.worker_dir(attempt, local_rank)
+    def streams_for(self, attempt: int, local_rank: int, rank: int,
+                    worker_id: int | None = None) -> WorkerStreams:
+        wdir = self.worker_dir(attempt, local_rank, worker_id)
         streams = WorkerStreams(
             stdout=None, stderr=None, log_dir=wdir,
             error_file=os.path.join(wdir, "error.json") if wdir else "",
@@ -145,12 +151,17 @@ def _pump(read_fd: int, file: IO[bytes] | None, console_fd: int, prefix: bytes) 
             chunk = pipe.read(65536)
             if not chunk:
                 break
+            # a failed write (a full disk, a closed console pipe) must never stop the
+            # draining, or the worker blocks on a full pipe
             if file is not None:
-                file.write(chunk)
+                with contextlib.suppress(OSError):
+                    file.write(chunk)
             pending += chunk
             if b"\n" in pending:
                 complete, _, pending = pending.rpartition(b"\n")
                 lines = complete.split(b"\n")
-                _write_console(console_fd, b"".join(prefix + ln + b"\n" for ln in lines))
+                with contextlib.suppress(OSError):
+                    _write_console(console_fd, b"".join(prefix + ln + b"\n" for ln in lines))
     if pending:
-        _write_console(console_fd, prefix + pending + b"\n")
+        with contextlib.suppress(OSError):
+            _write_console(console_fd, prefix + pending + b"\n")

@@ -81,7 +81,7 @@ def decide_fault(lost: int, why: str, members: tuple[int, ...], on_fault: str, m
                         restarts_left)
     if not [m for m in survivors if m not in unhealed]:
         return _give_up(f"{head}; no replica left to heal from", restarts_left)
-    if on_fault == "replace":
+    if on_fault == "replace" or spares:  # shrink with a ready spare: no need to shrink
         joiner = spares[0] if spares else new_worker_id
         how = f"spare worker {joiner}" if spares else f"new worker {joiner}"
         rank = members.index(lost)

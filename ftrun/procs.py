@@ -29,12 +29,13 @@ def _libc() -> ctypes.CDLL | None:
 
 
 _LIBC = _libc()
+_PRCTL = _LIBC.prctl if _LIBC is not None else None  # resolved here, not in the forked child
 
 
 def _child_setup(parent_pid: int) -> None:
     """Runs in the child between fork and exec: die with the agent, never outlive it."""
-    if _LIBC is not None:
-        _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if _PRCTL is not None:
+        _PRCTL(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     if os.getppid() != parent_pid:  # the agent died before prctl took effect
         os._exit(137)
 

@@ -8,6 +8,7 @@ Must not import: typer, rich, the CLI or the worker library.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import queue
 import threading
@@ -18,7 +19,9 @@ from typing import TYPE_CHECKING, Any
 from ftrun import timeouts
 from ftrun.exits import describe_exit
 from ftrun.policy import Action, Decision, FaultAction, decide_fault
-from ftrun.rendezvous import Generation, publish, request_key
+from ftrun.rendezvous import REQUEST_QUEUE, Generation, publish
+
+_STOP = "_stop"  # the agent's own sentinel that ends the request reader
 
 if TYPE_CHECKING:
     from ftrun.agent import Agent, Worker
@@ -33,6 +36,7 @@ class FaultTolerance:
         self.number = 0
         self.hello: set[int] = set()
         self.spares: list[int] = []  # ready spares, oldest first
+        self.starting_spares: set[int] = set()  # spawned, not ready yet
         self.awaiting_join: set[int] = set()  # shrink mode: replacements not yet in the job
         self.finished: set[int] = set()
         self.unhealed: set[int] = set()  # joiners that have not committed a step yet
@@ -40,17 +44,24 @@ class FaultTolerance:
         self.next_worker_id = self.spec.nproc
         self.requests: queue.SimpleQueue[dict[str, Any]] = queue.SimpleQueue()
         self._reported: set[int] = set()
-        self._refills = 0  # spares used, to be replaced after the recovery
+        self._refills: list[int] = []  # local ranks for spares to start after the recovery
+        self.received = 0
         self._stop = threading.Event()
         publish(store, Generation(0, self.members, reason="start", published_at=time.time()))
         self._reader = threading.Thread(target=self._read_requests, args=(port,),
                                         name="ftrun-requests", daemon=True)
         self._reader.start()
-        for _ in range(self.spec.spares):
-            self._spawn(spare=True)
 
-    def close(self) -> None:
+    def close(self, timeout_s: float = timeouts.THREAD_JOIN_S) -> None:
+        """The attempt is over. The reader is woken by a sentinel and joined (a thread left
+        inside a C++ call aborts the interpreter's exit, and killing the store under it makes
+        c10d print a stack), then the store server is dropped so its port is free again."""
         self._stop.set()
+        if self.store is not None:
+            with contextlib.suppress(Exception):
+                self.store.queue_push(REQUEST_QUEUE, json.dumps({"kind": _STOP}))
+            self._reader.join(timeout_s)
+        self.store = None
 
     # ------------------------------------------------------------ generations
     def _publish(self, members: tuple[int, ...], reason: str, urgent: bool,
@@ -70,6 +81,8 @@ class FaultTolerance:
         if local_rank is None:
             local_rank = self.spec.nproc + (wid - self.spec.nproc) % max(self.spec.spares, 1)
         self.agent.spawn_worker(wid, rank=rank, local_rank=local_rank, spare=spare)
+        if spare:
+            self.starting_spares.add(wid)
         return wid
 
     # ------------------------------------------------------------ worker exits
@@ -80,10 +93,21 @@ class FaultTolerance:
         """A worker that uses the ftrun API ended. None: handled, training goes on."""
         assert w.exit is not None
         wid, code = w.worker_id, w.exit.returncode
-        if wid in self.spares:
-            self.spares.remove(wid)
+        if wid in self.awaiting_join:  # a shrink-mode replacement died before joining
+            self.awaiting_join.discard(wid)
+            self.faults += 1
+            self.agent.emit("notice", {"text": f"replacement worker {wid} exited with "
+                                               f"{describe_exit(code)} before joining"})
+            if self.faults <= self.spec.max_faults:
+                self.awaiting_join.add(self._spawn(local_rank=w.local_rank))
+            return None
+        if wid in self.spares or wid in self.starting_spares:
+            self.spares = [s for s in self.spares if s != wid]
+            self.starting_spares.discard(wid)
             if code != 0:
-                self._spawn(spare=True)
+                self.agent.emit("notice", {"text": f"spare worker {wid} exited with "
+                                                   f"{describe_exit(code)}; starting another"})
+                self._spawn(spare=True, local_rank=w.local_rank)
             return None
         if wid not in self.members:
             return None  # replaced or evicted earlier; its end is expected
@@ -108,19 +132,14 @@ class FaultTolerance:
             rank = d.members.index(d.joiners[0])
             if d.spare_used is not None:
                 self.spares.remove(d.spare_used)
+                self._refills.append(w.local_rank)  # the lost worker's device goes to the spare
             else:
                 self._spawn(rank=rank, local_rank=w.local_rank)
             self._publish(d.members, d.reason, True, fault_at, d.joiners)
-            if d.spare_used is not None:
-                self._refills += 1
             return None
         if d.action is FaultAction.SHRINK:
             self._publish(d.members, d.reason, True, fault_at)
-            if self.spares:
-                self._grow(self.spares.pop(0))
-                self._refills += 1
-            else:
-                self.awaiting_join.add(self._spawn(local_rank=w.local_rank))
+            self.awaiting_join.add(self._spawn(local_rank=w.local_rank))
             return None
         action = Action.RESTART_GROUP if d.action is FaultAction.RESTART_GROUP else Action.FAIL
         return Decision(action, d.reason, w.rank)
@@ -136,16 +155,21 @@ class FaultTolerance:
         return bool(stateful) and all(m in self.finished for m in stateful)
 
     # ------------------------------------------------------------ requests
-    def handle_requests(self) -> None:
+    def handle_requests(self) -> Decision | None:
+        """Act on what workers asked; a Decision when the run cannot go on in-process."""
         while True:
             try:
                 req = self.requests.get_nowait()
             except queue.Empty:
-                return
+                return None
             kind, wid = req.get("kind"), int(req.get("worker", -1))
             if kind == "hello":
+                if not self.hello:  # the script uses the API: now spares are worth starting
+                    for _ in range(self.spec.spares):
+                        self._spawn(spare=True)
                 self.hello.add(wid)
                 if req.get("spare") and wid not in self.members:
+                    self.starting_spares.discard(wid)
                     self.spares.append(wid)
                 if wid in self.awaiting_join:
                     self.awaiting_join.discard(wid)
@@ -154,9 +178,15 @@ class FaultTolerance:
                 live = tuple(m for m in self.members if m not in self.finished)
                 reason = f"worker {wid} reported a communicator failure: {req.get('error', '')}"
                 self.faults += 1
+                over = self.faults > self.spec.max_faults
+                if over:
+                    reason += f"; fault budget exhausted ({self.spec.max_faults}, --max-faults)"
                 self.agent.emit("fault", {"worker": wid, "rank": live.index(wid) if wid in live
-                                          else -1, "why": "comm", "decision": "rebuild",
+                                          else -1, "why": "comm",
+                                          "decision": "fail" if over else "rebuild",
                                           "reason": reason, "detected_at": time.time()})
+                if over:
+                    return Decision(Action.FAIL, reason)
                 self._publish(live, reason, True, time.time())
             elif kind == "recovered":
                 self.unhealed.discard(wid)
@@ -169,27 +199,35 @@ class FaultTolerance:
         """New spares start once the job has recovered: importing torch takes a core for
         seconds, which the recovering step should not have to share."""
         while self._refills:
-            self._refills -= 1
-            self._spawn(spare=True)
+            self._spawn(spare=True, local_rank=self._refills.pop(0))
 
     def _read_requests(self, port: int) -> None:
         from torch.distributed import TCPStore
 
         try:
             client = TCPStore("127.0.0.1", port, None, False,
-                              timedelta(seconds=timeouts.STORE_CLIENT_CONNECT_S))
+                              timedelta(seconds=timeouts.WATCH_POLL_S))
         except Exception:
             return
-        index = 1
         while not self._stop.is_set():
-            key = request_key(index)
             try:
-                client.wait([key], timedelta(seconds=timeouts.WATCH_POLL_S))
-                doc = json.loads(client.get(key))
+                raw = client.queue_pop(REQUEST_QUEUE, True)
             except Exception as exc:
                 if self._stop.is_set() or "timeout" not in str(exc).lower():
                     return  # the attempt ended and took its store with it
                 continue
-            index += 1
+            doc = json.loads(raw)
+            if doc.get("kind") == _STOP:
+                return
             self.requests.put(doc)
+            self.received += 1
             self.agent.wake()
+
+    def catch_up(self, timeout_s: float = timeouts.REQUEST_CATCH_UP_S) -> None:
+        """Before judging an exit: let the reader take what is already queued (a worker that
+        said hello and died at once must be recovered, not restarted with everyone)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and self.store is not None:
+            if self.store.queue_len(REQUEST_QUEUE) == 0:
+                break
+            time.sleep(0.002)

@@ -15,19 +15,11 @@ from typing import Any, Protocol
 
 PREFIX = "ftrun/"
 LATEST_KEY = PREFIX + "gen/latest"
-REQUEST_COUNT_KEY = PREFIX + "req/count"
+REQUEST_QUEUE = PREFIX + "requests"
 
 
 def gen_key(number: int) -> str:
     return f"{PREFIX}gen/{number}"
-
-
-def request_key(index: int) -> str:
-    return f"{PREFIX}req/{index}"
-
-
-def assign_key(worker_id: int) -> str:
-    return f"{PREFIX}assign/{worker_id}"
 
 
 class Store(Protocol):
@@ -92,10 +84,10 @@ def latest_number(store: Store, timeout_s: float) -> int:
     return int(store.get(LATEST_KEY))
 
 
-def post_request(store: Store, kind: str, **fields_: Any) -> None:
-    """Worker -> agent: a tiny queue in the store (an index counter plus one key each)."""
-    index = store.add(REQUEST_COUNT_KEY, 1)
-    store.set(request_key(index), json.dumps({"kind": kind, **fields_}))
+def post_request(store: Any, kind: str, **fields_: Any) -> None:
+    """Worker -> agent, through the store's queue (one atomic push: a worker killed midway
+    leaves no hole for the reader to wait on)."""
+    store.queue_push(REQUEST_QUEUE, json.dumps({"kind": kind, **fields_}))
 
 
 def heal_plan(committed: list[int]) -> dict[int, int]:

@@ -22,5 +22,7 @@ SPARE_ASSIGNMENT_S = 24 * 3600.0  # a hot spare waiting to be used
 
 # Control channel / CLI
 CONTROL_REQUEST_S = 2.0
+THREAD_JOIN_S = 5.0  # a helper thread ending once what it blocks on is closed
+REQUEST_CATCH_UP_S = 0.5  # the agent letting queued worker requests in before judging an exit
 WATCH_POLL_S = 3600.0  # watcher threads re-arm their blocking store waits (c10d logs each expiry)
 FAULT_CONFIRM_S = 10.0  # a worker whose collective failed waits this long for a new generation

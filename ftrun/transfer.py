@@ -34,7 +34,8 @@ def pack(objects: Mapping[str, Any], extra: Mapping[str, Any]) -> Any:
 def unpack(payload: Any, objects: Mapping[str, Any]) -> dict[str, Any]:
     import torch
 
-    doc = torch.load(io.BytesIO(payload.numpy().tobytes()), weights_only=False)
+    doc = torch.load(io.BytesIO(payload.numpy().tobytes()), weights_only=False,
+                     map_location="cpu")  # load_state_dict moves tensors to their params
     missing = set(objects) - set(doc["objects"])
     if missing:
         raise RuntimeError(f"the healing source registered no state for {sorted(missing)}")
@@ -43,10 +44,12 @@ def unpack(payload: Any, objects: Mapping[str, Any]) -> dict[str, Any]:
     return dict(doc["extra"])
 
 
-def send_state(group: Group, dst: int, payload: Any, interrupt: Interrupt) -> None:
+def send_state(group: Group, dst: int, payload: Any, interrupt: Interrupt, device: Any) -> None:
+    """`device`: where the group's tensors must live (cuda for nccl, cpu for gloo)."""
     import torch
 
-    size = torch.tensor([payload.numel()], dtype=torch.int64)
+    payload = payload.to(device)
+    size = torch.tensor([payload.numel()], dtype=torch.int64, device=device)
     group.run(lambda: group.pg.send([size], dst, _TAG_SIZE), interrupt, timeouts.STATE_TRANSFER_S)
     if os.environ.get(DRILL_KILL_MID_TRANSFER) == os.environ.get("FTRUN_WORKER_ID", "-"):
         os.kill(os.getpid(), signal.SIGKILL)  # a fault drill: the source dies mid-transfer
@@ -54,12 +57,12 @@ def send_state(group: Group, dst: int, payload: Any, interrupt: Interrupt) -> No
               timeouts.STATE_TRANSFER_S)
 
 
-def recv_state(group: Group, src: int, interrupt: Interrupt) -> Any:
+def recv_state(group: Group, src: int, interrupt: Interrupt, device: Any) -> Any:
     import torch
 
-    size = torch.zeros(1, dtype=torch.int64)
+    size = torch.zeros(1, dtype=torch.int64, device=device)
     group.run(lambda: group.pg.recv([size], src, _TAG_SIZE), interrupt, timeouts.STATE_TRANSFER_S)
-    payload = torch.empty(int(size.item()), dtype=torch.uint8)
+    payload = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
     group.run(lambda: group.pg.recv([payload], src, _TAG_DATA), interrupt,
               timeouts.STATE_TRANSFER_S)
-    return payload
+    return payload.cpu()

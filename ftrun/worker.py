@@ -67,6 +67,10 @@ class FaultTolerant:
         self.committed = 0
         self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         cuda = backend == "nccl" and torch.cuda.is_available()
+        if cuda and wenv is not None:
+            # torchrun's default (1) kills the process on a NCCL error; in-process recovery
+            # needs the communicator aborted and the error raised (2, CleanUpOnly)
+            os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "2"
         self.device = torch.device("cuda", self.local_rank) if cuda else torch.device("cpu")
         if cuda:
             torch.cuda.set_device(self.device)
@@ -80,8 +84,9 @@ class FaultTolerant:
             _warm_up()
         if wenv.progress_dir:
             self._progress = Reporter(wenv.progress_dir, wenv.worker_id)
+        self._connect = lambda: _connect(wenv)
         self._store = _connect(wenv)
-        self._native = _native_group(self._store, wenv, backend)
+        self._native = _native_group(self._connect(), wenv, backend)
         if wenv.spare:
             # a hot spare returns at once, so the script builds its model now; steps()
             # announces it ready and waits there to be called in
@@ -159,6 +164,11 @@ class FaultTolerant:
             except (CommError, Abandoned) as exc:
                 self._broken = str(exc)
         ok = self._broken is None
+        if not ok:
+            # an abandoned all-reduce is not cancelled and may still write into the buffer:
+            # never let it near a later step's gradients
+            self._flat = None
+            optimizer.zero_grad(set_to_none=True)
         if self._slow:
             time.sleep(self._slow)
         if ok:
@@ -301,7 +311,7 @@ class FaultTolerant:
             raise SystemExit(0)
         self._group.abandon()
         self._group = Group(gen, rank, None)
-        self._group = build_group(self._store, gen, rank, self.backend, self.device,
+        self._group = build_group(self._connect, gen, rank, self.backend, self.device,
                                   self._interrupt, self._native)
         self._need_align = gen.number > 0
         os.environ.update(RANK=str(rank), WORLD_SIZE=str(gen.world_size))
@@ -313,7 +323,7 @@ class FaultTolerant:
         group = self._group
         if group.size == 1:
             return
-        steps = torch.zeros(group.size, dtype=torch.int64)
+        steps = torch.zeros(group.size, dtype=torch.int64, device=self.device)
         steps[group.rank] = self.committed
         group.allreduce(steps, self._interrupt)
         committed = [int(s) for s in steps.tolist()]
@@ -325,9 +335,9 @@ class FaultTolerant:
         for dst, src in sorted(plan.items()):
             if src == group.rank:
                 payload = payload if payload is not None else pack(self._objects, {})
-                send_state(group, dst, payload, self._interrupt)
+                send_state(group, dst, payload, self._interrupt, self.device)
             elif dst == group.rank:
-                unpack(recv_state(group, src, self._interrupt), self._objects)
+                unpack(recv_state(group, src, self._interrupt, self.device), self._objects)
         self.committed = max(committed)
 
     def _finished(self) -> bool:
@@ -337,7 +347,7 @@ class FaultTolerant:
         import torch
 
         try:
-            self._group.allreduce(torch.ones(1), self._interrupt)
+            self._group.allreduce(torch.ones(1, device=self.device), self._interrupt)
             return True
         except (CommError, Abandoned) as exc:
             self._broken = str(exc)

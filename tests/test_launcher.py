@@ -70,7 +70,8 @@ def test_restart_then_success_counts_restarts(tmp_path) -> None:
     assert r.returncode == 0, r.stderr
     assert r.stderr.count("restart ") == 2
     run_dir = next((tmp_path / "logs").iterdir())
-    assert sorted(p.name for p in run_dir.iterdir()) == ["attempt_0", "attempt_1", "attempt_2"]
+    attempts = sorted(p.name for p in run_dir.iterdir() if p.name.startswith("attempt_"))
+    assert attempts == ["attempt_0", "attempt_1", "attempt_2"]
 
 
 def test_restarts_exhausted(tmp_path) -> None:

@@ -12,7 +12,7 @@ LAYERS = [  # lowest first
     {"procs", "store", "logs", "report", "rendezvous", "progress", "control", "_run_path"},
     {"comm", "grads", "worker", "transfer"},
     {"journal", "recovery", "observe", "agent"},
-    {"cli", "launch_args", "render", "__main__", "__init__"},
+    {"cli", "commands", "launch_args", "render", "__main__", "__init__"},
 ]
 WORKER_SIDE = {"comm", "grads", "worker", "transfer"}
 HEAVY_FOR_WORKERS = {"typer", "rich", "pynvml", "psutil"}

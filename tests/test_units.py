@@ -1,0 +1,96 @@
+"""Pure pieces: state edges, decisions, healing plans, the env contract, generation records."""
+import itertools
+
+import pytest
+
+from ftrun.policy import Action, FaultAction, decide_fault, decide_group
+from ftrun.rendezvous import Generation, heal_plan
+from ftrun.spec import WorkerEnv
+from ftrun.states import TransitionError, WorkerState, allowed, check_transition
+
+EDGES = {
+    (WorkerState.RUNNING, WorkerState.STOPPING), (WorkerState.RUNNING, WorkerState.SUCCEEDED),
+    (WorkerState.RUNNING, WorkerState.FAILED), (WorkerState.STOPPING, WorkerState.TERMINATED),
+    (WorkerState.STOPPING, WorkerState.SUCCEEDED), (WorkerState.STOPPING, WorkerState.FAILED),
+}
+
+
+@pytest.mark.parametrize("src, dst", list(itertools.product(WorkerState, WorkerState)))
+def test_every_worker_state_edge(src, dst) -> None:
+    assert allowed(src, dst) == ((src, dst) in EDGES)
+    if (src, dst) not in EDGES:
+        with pytest.raises(TransitionError):
+            check_transition(src, dst)
+
+
+@pytest.mark.parametrize("exits, first, used, max_r, action", [
+    ({0: None, 1: None}, None, 0, 0, Action.WAIT),
+    ({0: 0, 1: None}, None, 0, 0, Action.WAIT),
+    ({0: 0, 1: 0}, None, 0, 0, Action.SUCCEED),
+    ({0: None, 1: 3}, 1, 0, 0, Action.FAIL),
+    ({0: None, 1: 3}, 1, 0, 2, Action.RESTART_GROUP),
+    ({0: None, 1: -9}, 1, 2, 2, Action.FAIL),
+])
+def test_decide_group(exits, first, used, max_r, action) -> None:
+    d = decide_group(exits, first, used, max_r)
+    assert d.action is action and d.reason
+
+
+def fault(**kw):
+    args = dict(lost=1, why="exited with -9 (SIGKILL)", members=(0, 1, 2), on_fault="replace",
+                min_nproc=1, spares=(), new_worker_id=3, faults=1, max_faults=10,
+                restarts_left=0)
+    args.update(kw)
+    return decide_fault(**args)
+
+
+def test_replace_keeps_the_rank_with_a_new_worker_or_a_spare() -> None:
+    d = fault()
+    assert (d.action, d.members, d.joiners, d.spare_used) == (FaultAction.REPLACE, (0, 3, 2),
+                                                              (3,), None)
+    d = fault(spares=(7,))
+    assert (d.members, d.spare_used) == ((0, 7, 2), 7) and "spare worker 7 takes rank 1" in d.reason
+
+
+def test_shrink_and_its_bounds() -> None:
+    d = fault(on_fault="shrink")
+    assert (d.action, d.members) == (FaultAction.SHRINK, (0, 2))
+    assert fault(on_fault="shrink", spares=(7,)).action is FaultAction.REPLACE
+    assert fault(on_fault="shrink", min_nproc=3).action is FaultAction.FAIL
+    assert fault(on_fault="shrink", min_nproc=3, restarts_left=1).action is \
+        FaultAction.RESTART_GROUP
+
+
+def test_give_up_when_no_state_is_left_or_the_budget_is_spent() -> None:
+    d = fault(members=(1,))
+    assert d.action is FaultAction.FAIL and "no replica left" in d.reason
+    assert fault(members=(1, 3), unhealed=frozenset({3})).action is FaultAction.FAIL
+    assert fault(faults=11).action is FaultAction.FAIL
+
+
+@pytest.mark.parametrize("steps, plan", [
+    ([5, 5, 5], {}),
+    ([5, 0, 5], {1: 0}),
+    ([5, 0, 0, 5], {1: 0, 2: 3}),  # sources spread round-robin
+    ([4, 5, 3], {0: 1, 2: 1}),
+    ([], {}),
+])
+def test_heal_plan(steps, plan) -> None:
+    assert heal_plan(steps) == plan
+
+
+def test_generation_round_trip() -> None:
+    g = Generation(3, (0, 4, 2), "r", True, 1.5, 1.0, (4,))
+    assert Generation.from_json(g.to_json()) == g
+    assert (g.rank_of(4), g.rank_of(9), g.world_size, g.pg_prefix) == (1, None, 3, "ftrun/pg/3/")
+
+
+def test_worker_env_round_trip() -> None:
+    w = WorkerEnv(rank=1, local_rank=1, world_size=2, local_world_size=2, group_rank=0,
+                  group_world_size=1, role_rank=1, role_name="default", role_world_size=2,
+                  master_addr="h", master_port=5, restart_count=0, max_restarts=0, run_id="x",
+                  use_agent_store=True, nccl_async_error_handling="1", error_file="", worker_id=4,
+                  spare=True)
+    env = w.to_env()
+    assert env["TORCHELASTIC_USE_AGENT_STORE"] == "True" and env["FTRUN_SPARE"] == "True"
+    assert WorkerEnv.from_env(env) == w
