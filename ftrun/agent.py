@@ -23,6 +23,7 @@ from dataclasses import dataclass, field, replace
 
 from ftrun import timeouts
 from ftrun.exits import signal_name
+from ftrun.health import CHECK_EVERY_S, HealthWatch
 from ftrun.journal import FaultRecord, Journal
 from ftrun.logs import RunLogs, WorkerStreams
 from ftrun.observe import Observer
@@ -114,12 +115,15 @@ class Agent:
                                  else tempfile.mkdtemp(prefix="ftrun_progress_"))
             os.makedirs(self.progress_dir, exist_ok=True)
             self.observer = Observer(self, self.progress_dir)
+            self.health = HealthWatch(self)
             result = self._run_attempts()
             result = replace(result, faults=tuple(self.journal.faults))
             removed = self.logs.cleanup(result.exit_code == 0)
             return result if not removed else _with_log_dir(result, None)
         finally:
             self._kill_all(signal.SIGKILL)
+            if hasattr(self, "health"):
+                self.health.close()
             if hasattr(self, "observer"):
                 self.observer.close()
                 self.journal.close()
@@ -278,7 +282,8 @@ class Agent:
                     if self._signals:
                         outcome.signum = self._signals.pop(0)
                         return outcome
-                    ended = self._reap_ready(sel, timeout=None)
+                    ended = self._reap_ready(sel, timeout=CHECK_EVERY_S if self.ft else None)
+                    self.health.tick()
                     if self.ft is not None:
                         outcome.decision = self.ft.handle_requests()
                     self.observer.apply_drills()

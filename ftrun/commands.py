@@ -15,6 +15,8 @@ import typer
 
 from ftrun import control, render
 from ftrun.errors import FtrunError, UsageError
+from ftrun.gpuhealth import GpuSample as _Sample
+from ftrun.gpuhealth import Health, classify
 from ftrun.progress import DRILL_KINDS
 
 app = typer.Typer(add_completion=False, no_args_is_help=False, pretty_exceptions_enable=False,
@@ -59,8 +61,12 @@ def inject_fault(
     """Break a running job on purpose and print how it recovered, phase by phase."""
     if (rank is None) == (gpu is None):
         raise UsageError("give exactly one of --rank or --gpu", hint="e.g. --rank 1")
-    if kind not in (*DRILL_KINDS, "xid"):
-        raise UsageError(f"unknown fault kind {kind!r}", hint="use " + ", ".join(DRILL_KINDS))
+    if kind not in (*DRILL_KINDS, "xid", "ecc", "thermal"):
+        raise UsageError(f"unknown fault kind {kind!r}",
+                         hint="use " + ", ".join((*DRILL_KINDS, "xid", "ecc", "thermal")))
+    if gpu is not None and kind not in ("xid", "ecc", "thermal"):
+        raise UsageError(f"--gpu takes --kind xid, ecc or thermal, not {kind}",
+                         hint="e.g. --gpu 0 --kind xid --xid 79")
     if count < 1 or every < 0 or (count > 1 and every <= 0):
         raise UsageError("--count N needs --every SECONDS > 0", hint="e.g. --every 5 --count 3")
     info = control.find_run(run_id)
@@ -70,9 +76,13 @@ def inject_fault(
             time.sleep(every)
         reply = control.request(info, {"op": "inject", "kind": kind, "rank": rank, "gpu": gpu,
                                        "at_step": at_step, "arg": delay, "xid": xid})
-        print(f"ftrun: injected {kind} into rank {reply['rank']} (worker {reply['worker']}, "
-              f"pid {reply['pid']})", flush=True)
-    if kind in ("slow",):
+        if gpu is not None:
+            print(f"ftrun: injected {kind} {xid or ''} into GPU {gpu} ({reply['uuid']})",
+                  flush=True)
+        else:
+            print(f"ftrun: injected {kind} into rank {reply['rank']} (worker "
+                  f"{reply['worker']}, pid {reply['pid']})", flush=True)
+    if kind in ("slow", "thermal") or (kind == "xid" and xid_is_benign(xid)):
         return
     faults = _wait_for_recoveries(info, before, count)
     render.print_drill(faults)
@@ -91,3 +101,8 @@ def _wait_for_recoveries(info: control.RunInfo, before: int, count: int) -> list
             break
         time.sleep(0.2)
     return faults
+
+
+def xid_is_benign(xid: int | None) -> bool:
+    """An XID that fails no GPU (an application error, info): no recovery to wait for."""
+    return xid is None or classify(None, _Sample(), (xid,)).health is not Health.FAILED

@@ -59,7 +59,9 @@ class Journal:
         self._sink(kind, fields)
 
     def drill_injected(self, worker: int, kind: str, at: float) -> None:
-        self._drills[worker] = (kind, at)
+        """The next fault of `worker` is this drill (the first one named wins: a SIGSTOP drill
+        stays a "hang" dated from the injection, when the hang detector later kills it)."""
+        self._drills.setdefault(worker, (kind, at))
 
     # -------------------------------------------------------------- folding events
     def _on_fault(self, f: Mapping[str, object]) -> None:

@@ -104,6 +104,13 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
     opt("comm", default="auto", choices=["auto", "native", "fresh"],
         help="how survivors re-form their communicator: torch's native reconfigure of the "
         "default group, or a fresh group per generation (auto: native where supported)")
+    opt("gpu-backend", default="auto", choices=["auto", "nvml", "sim", "none"],
+        help="GPU health: NVML, simulated GPUs (drills on CPU machines), or none")
+    opt("hang-timeout", default=None,
+        help="seconds without progress before a worker is declared hung (default: ten "
+        "typical steps, at least 10 s)")
+    opt("straggler-factor", default="1.5", help="a rank this many times slower is flagged")
+    flag("evict-stragglers", help="replace a flagged straggler")
     p.add_argument("training_script", nargs="?", help="the training script (or module)")
     p.add_argument("training_script_args", nargs=argparse.REMAINDER)
     return p
@@ -167,6 +174,11 @@ def parse_run_args(
         spares=_int(ns.spares, "--spares", minimum=0),
         max_faults=_int(ns.max_faults, "--max-faults", minimum=0),
         comm=ns.comm,
+        gpu_backend=ns.gpu_backend,
+        hang_timeout=None if ns.hang_timeout is None else _float(ns.hang_timeout,
+                                                                 "--hang-timeout", positive=True),
+        straggler_factor=_float(ns.straggler_factor, "--straggler-factor", positive=True),
+        evict_stragglers=ns.evict_stragglers,
     )
 
 

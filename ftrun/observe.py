@@ -17,13 +17,14 @@ from typing import TYPE_CHECKING, Any
 from ftrun.control import ControlServer, RunInfo, run_dir
 from ftrun.errors import FtrunError
 from ftrun.journal import fault_docs, summarize
-from ftrun.progress import DRILL_KINDS, Slot, slot_path
+from ftrun.progress import DRILL_KINDS, Progress, Slot, slot_path
 
 if TYPE_CHECKING:
     from ftrun.agent import Agent, Worker
 
 AGENT_SIGNALS = {"kill": signal.SIGKILL, "segv": signal.SIGSEGV, "hang": signal.SIGSTOP}
 WORKER_ONLY = ("exit", "exception", "slow", "comm")
+GPU_KINDS = ("xid", "ecc", "thermal")
 
 
 class Observer:
@@ -48,6 +49,10 @@ class Observer:
         op = req.get("op")
         if op == "status":
             return {"ok": True, **self.status()}
+        if op == "inject" and req.get("gpu") is not None:
+            uuid = self.agent.health.inject(int(req["gpu"]), str(req.get("kind")),
+                                            req.get("xid"))
+            return {"ok": True, "gpu": int(req["gpu"]), "uuid": uuid}
         if op == "inject":
             target = self._validate(req)
             self.drills.put({**req, "worker": target.worker_id})
@@ -58,9 +63,8 @@ class Observer:
 
     def _validate(self, req: dict[str, Any]) -> Worker:
         kind = str(req.get("kind"))
-        if kind == "xid" or req.get("gpu") is not None:
-            raise FtrunError("GPU faults need the simulated GPU backend, which this ftrun "
-                             "does not have yet", hint="drill with --rank and a process kind")
+        if kind in GPU_KINDS:
+            raise FtrunError(f"--kind {kind} breaks a GPU", hint="use --gpu N instead of --rank")
         if kind not in DRILL_KINDS:
             raise FtrunError(f"unknown fault kind {kind!r}",
                              hint="use one of " + ", ".join(DRILL_KINDS))
@@ -97,6 +101,9 @@ class Observer:
                                       "kind": kind, "at_step": at_step})
 
     # ------------------------------------------------------------ status
+    def progress(self, worker_id: int) -> Progress:
+        return self._slot(worker_id).read()
+
     def _slot(self, worker_id: int) -> Slot:
         if worker_id not in self._slots:
             self._slots[worker_id] = Slot(slot_path(self.progress_dir, worker_id), create=True)
@@ -122,7 +129,9 @@ class Observer:
                 "step_time_ms": round(p.step_time * 1000, 1) if has and p else None,
                 "since_progress_s": round(now - max(p.last_commit, p.step_started), 2)
                 if has and p and p.last_commit else None,
-                "gpu": None, "health": None,
+                "gpu": agent.health.gpu_of(w.local_rank)[0],
+                "health": agent.health.gpu_of(w.local_rank)[1],
+                "straggler": agent.health.stragglers.get(w.worker_id),
             })
         faults = agent.journal.faults
         return {

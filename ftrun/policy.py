@@ -100,3 +100,73 @@ def _give_up(reason: str, restarts_left: int) -> FaultDecision:
     if restarts_left > 0:
         return FaultDecision(FaultAction.RESTART_GROUP, f"{reason}; restarting all workers")
     return FaultDecision(FaultAction.FAIL, reason)
+
+
+@dataclass(frozen=True)
+class Liveness:
+    """What the agent knows of one member's progress (from its progress slot and /proc)."""
+
+    worker: int
+    rank: int
+    step: int
+    idle_s: float  # since its last sign of progress (a step started or committed)
+    in_commit_s: float | None  # how long it has waited in the commit's all-reduce, if it is
+    stopped: bool  # the process is stopped (SIGSTOP, a debugger)
+    compute_s: float  # EMA of step start -> commit
+    step_s: float  # EMA of commit -> commit
+
+
+@dataclass(frozen=True)
+class Hang:
+    worker: int | None  # None: no one is to blame, the communicator itself is stuck
+    reason: str
+
+
+def hang_timeout(members: list[Liveness], floor_s: float, override_s: float | None) -> float:
+    """--hang-timeout, else ten typical steps, never below the floor."""
+    if override_s:
+        return override_s
+    steps = sorted(m.step_s for m in members if m.step_s > 0)
+    return max(floor_s, 10 * steps[len(steps) // 2]) if steps else floor_s
+
+
+def find_hang(members: list[Liveness], timeout_s: float) -> Hang | None:
+    """A frozen member (its peers wait in the all-reduce while it makes no progress outside
+    it), or, when every member waits in the same all-reduce, the communicator."""
+    stalled = [m for m in members if m.idle_s > timeout_s]
+    if not stalled:
+        return None
+    for m in stalled:
+        if m.stopped:
+            return Hang(m.worker, f"rank {m.rank} is stopped and made no progress for "
+                                  f"{m.idle_s:.1f}s")
+    waiting = [m for m in members if m.in_commit_s is not None]
+    outside = [m for m in stalled if m.in_commit_s is None]
+    if waiting and outside:
+        m = max(outside, key=lambda m: m.idle_s)
+        return Hang(m.worker, f"rank {m.rank} made no progress for {m.idle_s:.1f}s while "
+                              f"{len(waiting)} peers wait for it in the all-reduce")
+    if len(waiting) == len(members) and all((m.in_commit_s or 0.0) > timeout_s for m in waiting):
+        steps = {m.step for m in waiting}
+        if len(steps) > 1:  # someone is in a different collective: the odd one out
+            odd = min(waiting, key=lambda m: sum(o.step == m.step for o in waiting))
+            return Hang(odd.worker, f"rank {odd.rank} waits in step {odd.step}'s all-reduce, "
+                                    f"its peers in another step's (a skipped collective)")
+        return Hang(None, f"every rank has waited {timeout_s:.1f}s in step "
+                          f"{steps.pop()}'s all-reduce: rebuilding the communicator")
+    return None
+
+
+def find_straggler(members: list[Liveness], factor: float, min_gap_s: float = 0.05
+                   ) -> tuple[int, str] | None:
+    """A rank whose compute time is `factor` times its peers' median (and noticeably so)."""
+    if len(members) < 2 or any(m.compute_s <= 0 for m in members):
+        return None
+    worst = max(members, key=lambda m: m.compute_s)
+    others = sorted(m.compute_s for m in members if m is not worst)
+    median = others[len(others) // 2]
+    if worst.compute_s > factor * median and worst.compute_s - median > min_gap_s:
+        return worst.worker, (f"rank {worst.rank} computes a step in "
+                              f"{worst.compute_s * 1000:.0f} ms, its peers in "
+                              f"{median * 1000:.0f} ms ({worst.compute_s / median:.1f}x)")
+    return None

@@ -16,8 +16,10 @@ from dataclasses import dataclass
 
 ENV = "FTRUN_PROGRESS_DIR"
 # committed step, last commit (wall), step-time EMA, in-step start (wall), rank, generation,
-# drill sequence, drill kind code, drill at-step, drill argument
-_LAYOUT = struct.Struct("<qddd qq qqqd")
+# drill sequence, drill kind code, drill at-step, drill argument,
+# entered the commit's all-reduce at (wall, 0 = not in it), compute-time EMA (step start to
+# commit: what tells a straggler, since all-reduces make every rank's step time equal)
+_LAYOUT = struct.Struct("<qddd qq qqqd dd")
 SIZE = _LAYOUT.size
 DRILL_KINDS = ("kill", "segv", "exit", "exception", "hang", "slow", "comm")
 
@@ -34,6 +36,8 @@ class Progress:
     drill_kind: int = -1
     drill_at: int = -1
     drill_arg: float = 0.0
+    commit_started: float = 0.0
+    compute_time: float = 0.0
 
 
 class Slot:
@@ -78,16 +82,25 @@ class Reporter:
         self.slot = Slot(slot_path(directory, worker_id), create=True)
         self._seen_drill = self.slot.read().drill_seq
         self._ema = 0.0
+        self._compute = 0.0
         self._last = 0.0
 
     def step_started(self, step: int, rank: int, generation: int, now: float) -> None:
+        struct.pack_into("<d", self.slot._map, 80, 0.0)
         self.slot.write_progress(step, self._last, self._ema, now, rank, generation)
+
+    def commit_started(self, now: float) -> None:
+        started = self.slot.read().step_started
+        compute = max(0.0, now - started)
+        self._compute = compute if not self._compute else 0.8 * self._compute + 0.2 * compute
+        struct.pack_into("<dd", self.slot._map, 80, now, self._compute)
 
     def committed(self, step: int, rank: int, generation: int, now: float) -> None:
         if self._last:
             dt = now - self._last
             self._ema = dt if not self._ema else 0.8 * self._ema + 0.2 * dt
         self._last = now
+        struct.pack_into("<d", self.slot._map, 80, 0.0)
         self.slot.write_progress(step, now, self._ema, now, rank, generation)
 
     def due_drill(self, step: int) -> tuple[str, float] | None:

@@ -134,15 +134,24 @@ class FaultTolerance:
                 self.spares.remove(d.spare_used)
                 self._refills.append(w.local_rank)  # the lost worker's device goes to the spare
             else:
-                self._spawn(rank=rank, local_rank=w.local_rank)
+                self._spawn(rank=rank, local_rank=self.agent.health.pick_local_rank(w.local_rank))
             self._publish(d.members, d.reason, True, fault_at, d.joiners)
             return None
         if d.action is FaultAction.SHRINK:
             self._publish(d.members, d.reason, True, fault_at)
-            self.awaiting_join.add(self._spawn(local_rank=w.local_rank))
+            self.awaiting_join.add(
+                self._spawn(local_rank=self.agent.health.pick_local_rank(w.local_rank)))
             return None
         action = Action.RESTART_GROUP if d.action is FaultAction.RESTART_GROUP else Action.FAIL
         return Decision(action, d.reason, w.rank)
+
+    def rebuild(self, reason: str) -> None:
+        """No member is to blame but the group is stuck: same members, a new communicator."""
+        live = tuple(m for m in self.members if m not in self.finished)
+        self.faults += 1
+        self.agent.emit("fault", {"worker": -1, "rank": -1, "why": "comm", "decision": "rebuild",
+                                  "reason": reason, "detected_at": time.time()})
+        self._publish(live, reason, True, time.time())
 
     def _grow(self, wid: int) -> None:
         members = tuple(m for m in self.members if m not in self.finished) + (wid,)

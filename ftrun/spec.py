@@ -78,6 +78,10 @@ class RunSpec:
     spares: int = 0
     max_faults: int = 100
     comm: str = "auto"  # auto | native | fresh
+    gpu_backend: str = "auto"  # auto | nvml | sim | none
+    hang_timeout: float | None = None  # seconds; None: derived from step times
+    straggler_factor: float = 1.5
+    evict_stragglers: bool = False
 
     @property
     def entry_name(self) -> str:

@@ -26,3 +26,9 @@ THREAD_JOIN_S = 5.0  # a helper thread ending once what it blocks on is closed
 REQUEST_CATCH_UP_S = 0.5  # the agent letting queued worker requests in before judging an exit
 WATCH_POLL_S = 3600.0  # watcher threads re-arm their blocking store waits (c10d logs each expiry)
 FAULT_CONFIRM_S = 10.0  # a worker whose collective failed waits this long for a new generation
+
+# GPU health
+GPU_POLL_S = 5.0  # periodic NVML readings
+GPU_EVENT_WAIT_S = 1.0  # one nvmlEventSetWait
+GPU_POLL_DEADLINE_S = 20.0  # an NVML call longer than this marks its GPU unresponsive (XID 119)
+HANG_FLOOR_S = 10.0  # a worker is declared hung after at least this long without progress

@@ -159,6 +159,8 @@ class FaultTolerant:
         self._commit_pending = False
         switch = False
         if self._broken is None:
+            if self._progress is not None:
+                self._progress.commit_started(time.time())
             try:
                 switch = self._sync_gradients()
             except (CommError, Abandoned) as exc:
