@@ -171,8 +171,6 @@ class FaultTolerant:
             # never let it near a later step's gradients
             self._flat = None
             optimizer.zero_grad(set_to_none=True)
-        if self._slow:
-            time.sleep(self._slow)
         if ok:
             optimizer.step()
             self.committed += 1
@@ -192,6 +190,8 @@ class FaultTolerant:
         drill = self._progress.due_drill(self.committed)
         if drill is not None:
             self._apply_drill(*drill)
+        if self._slow:  # a "slow" drill: this rank computes slower from now on
+            time.sleep(self._slow)
 
     def _apply_drill(self, kind: str, arg: float) -> None:
         """A fault drill from `ftrun inject-fault`, acted out inside this worker."""

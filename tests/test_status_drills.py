@@ -4,6 +4,7 @@ import json
 import os
 import stat
 import subprocess
+import time
 
 import pytest
 from conftest import FIXTURES, ftrun_cmd, wait_for
@@ -137,3 +138,52 @@ def test_status_and_drills_on_a_running_job(tmp_path, private_run_dir) -> None:
     events = next((tmp_path / "logs").iterdir()) / "events.jsonl"
     kinds = [json.loads(line)["event"] for line in events.read_text().splitlines()]
     assert kinds.count("fault") == 5 and kinds.count("recovered") == 5 and "drill" in kinds
+
+
+@pytest.mark.slow
+def test_silent_faults_gpu_hang_stuck_straggler(tmp_path, private_run_dir) -> None:
+    job = subprocess.Popen(
+        ftrun_cmd("--nproc", "3", "--gpu-backend", "sim", "--hang-timeout", "1.5",
+                  str(FIXTURES / "ft_train.py"), "--steps", "100000", "--step-time", "0.01"),
+        env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE, text=True)
+
+    def status() -> dict:
+        return json.loads(ftrun_out("status", "--json").stdout)
+
+    def members() -> dict[int, dict]:
+        return {w["rank"]: w for w in status()["workers"] if w["role"] == "member"}
+
+    try:
+        wait_for(lambda: ftrun_out("status", "--json").returncode == 0
+                 and all((w["step"] or 0) > 5 for w in status()["workers"]), 60, "progress")
+        gpu1 = members()[1]["gpu"]
+        # an application XID does not fail the GPU
+        r = ftrun_out("inject-fault", "--gpu", "1", "--kind", "xid", "--xid", "13")
+        assert r.returncode == 0
+        time.sleep(1.0)  # a negative check: give a wrong verdict the time to show
+        assert status()["faults"] == [] and members()[1]["health"] == "healthy"
+        # XID 79: the worker on GPU 1 is replaced and GPU 1 is never used again
+        r = ftrun_out("inject-fault", "--gpu", "1", "--kind", "xid", "--xid", "79")
+        assert r.returncode == 0 and "yes" in r.stdout, r.stdout + r.stderr
+        assert gpu1 not in {w["gpu"] for w in members().values()}
+        # a frozen worker (SIGSTOP) is found within the hang timeout; survivors keep their pids
+        before = {rank: w["pid"] for rank, w in members().items()}
+        r = ftrun_out("inject-fault", "--rank", "2", "--kind", "hang")
+        assert r.returncode == 0 and "yes" in r.stdout, r.stdout + r.stderr
+        f = status()["faults"][-1]
+        assert f["kind"] == "hang" and f["phases_ms"]["detected"] < 1500 + 2000
+        after = {rank: w["pid"] for rank, w in members().items()}
+        assert after[0] == before[0] and after[1] == before[1] and after[2] != before[2]
+        # a main thread stuck outside any collective is found too
+        ftrun_out("inject-fault", "--rank", "0", "--kind", "slow", "--delay", "1000")
+        wait_for(lambda: len(status()["faults"]) == 3 and status()["faults"][-1]["recovered"],
+                 60, "the stuck worker replaced")
+        # a consistently slow rank is flagged, not killed
+        ftrun_out("inject-fault", "--rank", "1", "--kind", "slow", "--delay", "0.15")
+        flagged = wait_for(lambda: members()[1]["straggler"], 30, "a straggler flag")
+        assert "rank 1 computes a step in" in flagged and len(status()["faults"]) == 3
+    finally:
+        job.terminate()
+        _, err = job.communicate(timeout=60)
+    assert "survived 3/3 faults" in err
