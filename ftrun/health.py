@@ -32,7 +32,10 @@ class HealthWatch:
     def __init__(self, agent: Agent) -> None:
         self.agent = agent
         spec = agent.spec
-        count = spec.nproc + spec.spares + (1 if spec.spares == 0 else 0)
+        # simulated GPUs: one per worker and spare, one free for a replacement, or
+        # FTRUN_SIM_GPUS (drills that exclude several GPUs need more)
+        count = int(os.environ.get("FTRUN_SIM_GPUS", 0)) or (
+            spec.nproc + spec.spares + (1 if spec.spares == 0 else 0))
         backend, message = open_backend(spec.gpu_backend, count)
         if message:
             agent.emit("notice", {"text": message})
