@@ -105,16 +105,23 @@ def status_tables(doc: Mapping[str, Any]) -> list[Any]:
                                                 "step_time_ms", "since_progress_s", "gpu")))
     out: list[Any] = [head, workers]
     if doc["faults"]:
-        faults = Table(title="faults", title_justify="left")
-        for col in ("#", "kind", "rank", "decision", "recovered", "ms", *PHASE_COLUMNS):
-            faults.add_column(col)
-        for f in doc["faults"][-10:]:
-            faults.add_row(str(f["id"]), f["kind"], str(f["rank"]), f["decision"],
-                           "yes" if f["recovered"] else "no", _fmt(f["recovery_ms"]),
-                           *(_fmt(f["phases_ms"].get(p)) for p in PHASE_KEYS))
-        out.append(faults)
+        out.append(fault_table("faults", doc["faults"][-10:]))
         out += [f"  #{f['id']}: {f['reason']}" for f in doc["faults"][-5:]]
     return out
+
+
+def fault_table(title: str, faults: Sequence[Mapping[str, Any]]) -> Any:
+    """One row per fault: what, where, the decision, and the recovery phases in ms."""
+    from rich.table import Table
+
+    table = Table(title=title, title_justify="left")
+    for col in ("#", "kind", "rank", "decision", "recovered", "ms", *PHASE_COLUMNS):
+        table.add_column(col)
+    for f in faults:
+        table.add_row(str(f["id"]), f["kind"], str(f["rank"]), f["decision"],
+                      "yes" if f["recovered"] else "no", _fmt(f["recovery_ms"]),
+                      *(_fmt(f["phases_ms"].get(p)) for p in PHASE_KEYS))
+    return table
 
 
 PHASE_KEYS = ("detected", "published", "rebuilt", "healed", "first_commit")
@@ -153,17 +160,9 @@ def print_drill(faults: Sequence[Mapping[str, Any]], stream: TextIO | None = Non
         print("ftrun: no fault was recorded (the job may have ended first)", file=stream)
         return
     from rich.console import Console
-    from rich.table import Table
 
-    table = Table(title="drill", title_justify="left")
-    for col in ("#", "kind", "rank", "decision", "recovered", "ms", *PHASE_COLUMNS):
-        table.add_column(col)
-    for f in faults:
-        table.add_row(str(f["id"]), f["kind"], str(f["rank"]), f["decision"],
-                      "yes" if f["recovered"] else "no", _fmt(f["recovery_ms"]),
-                      *(_fmt(f["phases_ms"].get(p)) for p in PHASE_KEYS))
     console = Console(file=stream, force_terminal=stream.isatty(), width=140)
-    console.print(table)
+    console.print(fault_table("drill", faults))
     s = summarize([FaultRecord(**dict(f)) for f in faults], 0.0)
     console.print(f"recovery p50 {_fmt(s['p50_ms'], ' ms')}, p95 {_fmt(s['p95_ms'], ' ms')}, "
                   f"max {_fmt(s['max_ms'], ' ms')}; committed steps lost: {s['lost_steps']}")

@@ -100,7 +100,10 @@ def main() -> None:
 
     print(f"[env] torch {torch.__version__}, cuda {torch.version.cuda}, nccl "
           f"{torch.cuda.nccl.version()}, devices {torch.cuda.device_count()}")
-    nccl_section(min(a.nproc, max(torch.cuda.device_count(), 1)))
+    if torch.cuda.device_count() < 2:
+        print("[nccl] skipped: in-process recovery needs 2 GPUs (NCCL puts one rank per GPU)")
+    else:
+        nccl_section(min(a.nproc, torch.cuda.device_count()))
     print("gpu_check: all expectations met")
 
 

@@ -11,7 +11,7 @@ LAYERS = [  # lowest first
     {"policy", "gpuhealth"},
     {"procs", "store", "logs", "report", "rendezvous", "progress", "control", "gpu", "_run_path"},
     {"comm", "grads", "worker", "transfer"},
-    {"journal", "recovery", "observe", "agent"},
+    {"journal", "recovery", "observe", "health", "agent"},
     {"cli", "commands", "launch_args", "render", "__main__", "__init__"},
 ]
 WORKER_SIDE = {"comm", "grads", "worker", "transfer"}
