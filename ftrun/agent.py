@@ -8,13 +8,9 @@ Must not import: typer, rich, the CLI or the worker library. Torch only through 
 
 from __future__ import annotations
 
-import contextlib
 import os
 import selectors
 import signal
-import socket
-import string
-import sys
 import tempfile
 import time
 import uuid
@@ -31,9 +27,11 @@ from ftrun.policy import Action, Decision, decide_group
 from ftrun.procs import Guardian, Spawned, signal_group, spawn
 from ftrun.recovery import FaultTolerance
 from ftrun.report import WorkerExit
-from ftrun.spec import RunSpec, WorkerEnv
+from ftrun.spec import RunSpec
 from ftrun.states import WorkerState, check_transition
 from ftrun.store import HostedStore, advertised_addr
+from ftrun.wakeup import Wakeup
+from ftrun.workerspec import spawn_error, worker_argv, worker_env
 
 EventSink = Callable[[str, Mapping[str, object]], None]
 
@@ -91,9 +89,7 @@ class Agent:
         self.emit: EventSink = emit  # replaced by the journal's once the run has a log dir
         self.run_id = spec.rdzv_id if spec.rdzv_id != "none" or self._static_port() else ""
         self.run_id = self.run_id or str(uuid.uuid4())
-        self._signals: list[int] = []
-        self._old_handlers: dict[int, object] = {}
-        self._wakeup_r, self._wakeup_w = socket.socketpair()
+        self._wakeup = Wakeup()
         self._workers: list[Worker] = []
         self.restarts = 0
         self.ft: FaultTolerance | None = None
@@ -104,7 +100,7 @@ class Agent:
     def run(self) -> RunResult:
         guardian = Guardian()  # before any thread or socket exists
         self._guardian = guardian
-        self._install_signal_handlers()
+        self._wakeup.install(self.spec.signals_to_handle)
         try:
             self._prepare_env()
             self.logs = RunLogs(self.spec, self.run_id)
@@ -114,23 +110,22 @@ class Agent:
             self.progress_dir = (os.path.join(self.logs.run_dir, "progress") if self.logs.run_dir
                                  else tempfile.mkdtemp(prefix="ftrun_progress_"))
             os.makedirs(self.progress_dir, exist_ok=True)
-            self.observer = Observer(self, self.progress_dir)
             self.health = HealthWatch(self)
+            self.observer = Observer(self, self.progress_dir)
             result = self._run_attempts()
             result = replace(result, faults=tuple(self.journal.faults))
             removed = self.logs.cleanup(result.exit_code == 0)
             return result if not removed else _with_log_dir(result, None)
         finally:
             self._kill_all(signal.SIGKILL)
-            if hasattr(self, "health"):
-                self.health.close()
             if hasattr(self, "observer"):
                 self.observer.close()
+            if hasattr(self, "health"):
+                self.health.close()
+            if hasattr(self, "journal"):
                 self.journal.close()
-            self._restore_signal_handlers()
             guardian.close()
-            self._wakeup_r.close()
-            self._wakeup_w.close()
+            self._wakeup.close()
 
     def _run_attempts(self) -> RunResult:
         restarts = 0
@@ -190,38 +185,6 @@ class Agent:
         local = advertised_addr(self.spec.local_addr)
         self.master_addr = self.spec.master_addr if static else local
 
-    def worker_env(self, local_rank: int, restarts: int, port: int,
-                   streams: WorkerStreams, rank: int | None = None,
-                   worker_id: int | None = None) -> WorkerEnv:
-        n = self.spec.nproc
-        rank = local_rank if rank is None else rank
-        return WorkerEnv(
-            rank=rank, local_rank=local_rank, world_size=n, local_world_size=n,
-            group_rank=0, group_world_size=1, role_rank=rank, role_name=self.spec.role,
-            role_world_size=n, master_addr=self.master_addr, master_port=port,
-            restart_count=restarts, max_restarts=self.spec.max_restarts, run_id=self.run_id,
-            use_agent_store=True,
-            nccl_async_error_handling=self.base_env.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
-            error_file=streams.error_file,
-            worker_id=local_rank if worker_id is None else worker_id, attempt=restarts,
-            ft_mode="restart" if self.spec.on_fault == "restart" else "inprocess",
-        )
-
-    def worker_argv(self, local_rank: int) -> list[str]:
-        s = self.spec
-        python = self.base_env.get("PYTHON_EXEC", sys.executable)
-        if s.no_python:
-            head: list[str] = []
-            args = [s.script, *s.script_args]
-        elif s.run_path:
-            head = [python, "-u", "-m", "ftrun._run_path"]
-            args = [s.script, *s.script_args]
-        else:
-            head = [python, "-u"] + (["-m"] if s.module else [])
-            args = [s.script, *s.script_args]
-        macros = {"local_rank": str(local_rank)}
-        return head + [string.Template(a).safe_substitute(macros) for a in args]
-
     # ----------------------------------------------------------------- workers
     def _start_group(self, restarts: int, hosted: HostedStore) -> None:
         self._workers = []
@@ -238,15 +201,19 @@ class Agent:
         streams = self.logs.streams_for(self.restarts, local_rank, rank=rank,
                                         worker_id=worker_id if worker_id >= self.spec.nproc
                                         else None)
-        wenv = self.worker_env(local_rank, self.restarts, self._hosted.port, streams, rank=rank,
-                               worker_id=worker_id)
-        wenv = replace(wenv, spare=spare, comm=self.spec.comm, progress_dir=self.progress_dir)
+        wenv = worker_env(self.spec, self.base_env, rank=rank, local_rank=local_rank,
+                          worker_id=worker_id, restarts=self.restarts, run_id=self.run_id,
+                          master_addr=self.master_addr, port=self._hosted.port,
+                          error_file=streams.error_file, spare=spare,
+                          progress_dir=self.progress_dir)
         env = {**self.base_env, **wenv.to_env()}
+        self.observer.reset_slot(worker_id)  # no progress of an earlier attempt's worker
         try:
-            spawned = spawn(self.worker_argv(local_rank), env, streams.stdout, streams.stderr)
+            spawned = spawn(worker_argv(self.spec, self.base_env, local_rank), env,
+                            streams.stdout, streams.stderr)
         except OSError as exc:
             streams.close()
-            raise _spawn_error(self.spec, exc) from exc
+            raise spawn_error(self.spec, exc) from exc
         streams.after_spawn()
         self._guardian.watch(spawned.pid)
         worker = Worker(rank, local_rank, worker_id, spawned, streams)
@@ -270,8 +237,7 @@ class Agent:
 
     def wake(self) -> None:
         """Interrupt the event loop from another thread (the request reader)."""
-        with contextlib.suppress(OSError):
-            self._wakeup_w.send(b"\0")
+        self._wakeup.wake()
 
     def _supervise(self) -> _Outcome:
         outcome = _Outcome()
@@ -279,8 +245,8 @@ class Agent:
             self._sel = sel
             try:
                 while outcome.decision is None:
-                    if self._signals:
-                        outcome.signum = self._signals.pop(0)
+                    outcome.signum = self._wakeup.pop_signal()
+                    if outcome.signum is not None:
                         return outcome
                     ended = self._reap_ready(sel, timeout=CHECK_EVERY_S if self.ft else None)
                     self.health.tick()
@@ -327,7 +293,7 @@ class Agent:
 
     def _selector(self) -> selectors.DefaultSelector:
         sel = selectors.DefaultSelector()
-        sel.register(self._wakeup_r, selectors.EVENT_READ, None)
+        sel.register(self._wakeup.reader, selectors.EVENT_READ, None)
         for w in self._workers:
             if w.alive and w.spawned.pidfd is not None:
                 sel.register(w.spawned.pidfd, selectors.EVENT_READ, w)
@@ -339,7 +305,7 @@ class Agent:
         wait = 0.05 if polling and (timeout is None or timeout > 0.05) else timeout
         for key, _ in sel.select(wait):
             if key.data is None:
-                self._drain_wakeup()
+                self._wakeup.drain()
         ended = []
         for w in self._workers:
             if w.alive and w.spawned.popen.poll() is not None:
@@ -377,9 +343,8 @@ class Agent:
         with self._selector() as sel:
             while any(w.alive for w in self._workers):
                 left = deadline - time.monotonic()
-                if left <= 0 or self._signals:
-                    if self._signals:
-                        received = self._signals.pop(0)
+                received = self._wakeup.pop_signal()
+                if left <= 0 or received is not None:
                     break
                 self._reap_ready(sel, timeout=left)
             if any(w.alive for w in self._workers):
@@ -399,30 +364,6 @@ class Agent:
     def _close_streams(self) -> None:
         for w in self._workers:
             w.streams.close()
-
-    # ----------------------------------------------------------------- signals
-    def _install_signal_handlers(self) -> None:
-        self._wakeup_r.setblocking(False)
-        self._wakeup_w.setblocking(False)
-        self._old_wakeup = signal.set_wakeup_fd(self._wakeup_w.fileno(), warn_on_full_buffer=False)
-        for name in self.spec.signals_to_handle:
-            signum = getattr(signal, name)
-            self._old_handlers[signum] = signal.signal(signum, self._on_signal)
-
-    def _on_signal(self, signum: int, frame: object) -> None:
-        self._signals.append(signum)
-
-    def _restore_signal_handlers(self) -> None:
-        for signum, handler in self._old_handlers.items():
-            signal.signal(signum, handler)  # type: ignore[arg-type]
-        signal.set_wakeup_fd(self._old_wakeup)
-
-    def _drain_wakeup(self) -> None:
-        try:
-            while self._wakeup_r.recv(4096):
-                pass
-        except BlockingIOError:
-            pass
 
     def _shutdown_on_signal(self, outcome: _Outcome, restarts: int) -> RunResult:
         assert outcome.signum is not None
@@ -445,15 +386,3 @@ class Agent:
 
 def _with_log_dir(result: RunResult, log_dir: str | None) -> RunResult:
     return replace(result, log_dir=log_dir)
-
-
-def _spawn_error(spec: RunSpec, exc: OSError) -> Exception:
-    import errno
-
-    from ftrun.errors import FtrunError, UsageError
-
-    if exc.errno in (errno.ENOENT, errno.EACCES, errno.ENOEXEC):
-        return UsageError(f"cannot start {spec.script!r}: {exc.strerror}",
-                          hint="check the path, or drop --no-python to run it with python")
-    return FtrunError(f"cannot start a worker: {exc.strerror}",
-                      hint="the machine is out of processes or memory")

@@ -70,7 +70,8 @@ def inject_fault(
     if count < 1 or every < 0 or (count > 1 and every <= 0):
         raise UsageError("--count N needs --every SECONDS > 0", hint="e.g. --every 5 --count 3")
     info = control.find_run(run_id)
-    before = len(control.request(info, {"op": "status"})["faults"])
+    first = control.request(info, {"op": "status"})
+    before = len(first["faults"])
     for i in range(count):
         if i:
             time.sleep(every)
@@ -84,6 +85,10 @@ def inject_fault(
                   f"{reply['worker']}, pid {reply['pid']})", flush=True)
     if kind in ("slow", "thermal") or (kind == "xid" and xid_is_benign(xid)):
         return
+    if not first.get("ft_api"):  # a plain script: torchrun semantics, no in-process record
+        print("ftrun: the job does not use the ftrun worker API: it restarts or stops as "
+              "torchrun would; see `ftrun status`")
+        return
     faults = _wait_for_recoveries(info, before, count)
     render.print_drill(faults)
 
@@ -96,7 +101,8 @@ def _wait_for_recoveries(info: control.RunInfo, before: int, count: int) -> list
             faults = control.request(info, {"op": "status"})["faults"][before:]
         except FtrunError:
             break  # the job ended (a drill can end it: that is the report)
-        if len(faults) >= count and all(f["recovered"] or f["decision"] == "fail"
+        if len(faults) >= count and all(f["recovered"] or f["decision"] in ("fail",
+                                                                            "restart-group")
                                         for f in faults):
             break
         time.sleep(0.2)

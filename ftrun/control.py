@@ -114,6 +114,9 @@ class ControlServer:
             reply = self._handler(request)
         except FtrunError as exc:
             reply = {"ok": False, "error": exc.message, "hint": exc.hint}
+        except Exception as exc:  # the server must outlive any one bad request
+            reply = {"ok": False, "error": f"internal error: {type(exc).__name__}: {exc}",
+                     "hint": "try again; set FTRUN_DEBUG=1 on the job for details"}
         _send(conn, reply)
 
 

@@ -163,11 +163,14 @@ class NvmlBackend:
         n = self.nvml
         try:
             d = n.nvmlEventSetWait_v2(self._events, int(timeout_s * 1000))
-        except n.NVMLError:
-            return []  # timeout (the usual case) or an error the poll will see
+        except n.NVMLError as exc:
+            if getattr(exc, "value", None) != getattr(n, "NVML_ERROR_TIMEOUT", 10):
+                time.sleep(timeout_s)  # a lost GPU fails every wait at once: do not spin
+            return []  # the poll reports what is wrong
         if not d.eventType & n.nvmlEventTypeXidCriticalError:
             return []
-        return [(_text(n.nvmlDeviceGetUUID(d.device)), int(d.eventData))]
+        uuid = next((u for u, h in self._handles.items() if h == d.device), None)
+        return [(uuid, int(d.eventData))] if uuid else []
 
     def close(self) -> None:
         with contextlib.suppress(Exception):
@@ -240,9 +243,10 @@ class GpuMonitor:
 
     def close(self) -> None:
         self._stop.set()
-        self.backend.close()
-        for t in self._threads:
+        for t in self._threads:  # before the backend frees what they may be waiting in
             t.join(timeouts.THREAD_JOIN_S)
+        if not any(t.is_alive() for t in self._threads):
+            self.backend.close()
 
     def _update(self, uuid: str, sample: GpuSample, xids: tuple[int, ...] = ()) -> None:
         with self._lock:
@@ -259,15 +263,28 @@ class GpuMonitor:
 
     def _events_loop(self) -> None:
         while not self._stop.is_set():
-            for uuid, xid in self.backend.wait_events(timeouts.GPU_EVENT_WAIT_S):
-                self._update(uuid, self.backend.sample(uuid), (xid,))
+            try:
+                for uuid, xid in self.backend.wait_events(timeouts.GPU_EVENT_WAIT_S):
+                    self._update(uuid, self.backend.sample(uuid), (xid,))
+            except Exception:  # one bad GPU must not end event watching for all of them
+                self._stop.wait(timeouts.GPU_EVENT_WAIT_S)
 
     def _poll_loop(self) -> None:
+        errors: dict[str, int] = {}
         while not self._stop.wait(self._poll_s):
             for g in self.backend.devices():
+                verdict = self.verdicts.get(g.uuid)
+                if verdict is not None and verdict.health.value == "failed":
+                    continue  # after XID 119 every call on it can block for ~45 s
                 self._polling = (g.uuid, time.monotonic())
                 sample = self.backend.sample(g.uuid)
                 self._polling = None
+                if sample.unresponsive:  # one odd NVML error is not a failed GPU; three are
+                    errors[g.uuid] = errors.get(g.uuid, 0) + 1
+                    if errors[g.uuid] < 3:
+                        continue
+                else:
+                    errors.pop(g.uuid, None)
                 self._update(g.uuid, sample)
 
     def _watchdog(self) -> None:

@@ -55,7 +55,7 @@ def classify(prev: GpuSample | None, cur: GpuSample, xids: tuple[int, ...] = ())
         (bool(cur.recovery_action), f"driver asks for: "
          f"{RECOVERY_ACTIONS.get(cur.recovery_action or 0, cur.recovery_action)}"),
         (bool(cur.remap_failure), "row remapping failed"),
-        (_grew(prev, cur), "new uncorrected ECC errors"),
+        (_grew(prev, cur) and not _contained(cur, xids), "new uncorrected ECC errors"),
     ):
         if failed:
             return Verdict(Health.FAILED, why)
@@ -75,6 +75,11 @@ def classify(prev: GpuSample | None, cur: GpuSample, xids: tuple[int, ...] = ())
     if degraded:
         return Verdict(Health.DEGRADED, "; ".join(degraded))
     return Verdict(Health.HEALTHY, "ok")
+
+
+def _contained(cur: GpuSample, xids: tuple[int, ...]) -> bool:
+    """XID 94: the error hit one process and its page was offlined; the GPU goes on."""
+    return 94 in xids and not cur.recovery_action and not cur.remap_failure
 
 
 def _grew(prev: GpuSample | None, cur: GpuSample) -> bool:

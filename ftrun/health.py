@@ -47,6 +47,8 @@ class HealthWatch:
         self.monitor = GpuMonitor(backend, self._on_change) if backend else None
         self.stragglers: dict[int, str] = {}
         self._hits: dict[int, int] = {}
+        self._cpu: dict[int, tuple[int, float]] = {}  # pid -> (utime+stime ticks, seen at)
+        self._killed: set[int] = set()  # pids already sent SIGKILL
         self._next = 0.0
 
     def close(self) -> None:
@@ -127,8 +129,18 @@ class HealthWatch:
                 worker=w.worker_id, rank=p.rank, step=p.step,
                 idle_s=now - max(p.last_commit, p.step_started),
                 in_commit_s=now - p.commit_started if p.commit_started else None,
-                stopped=_stopped(w.spawned.pid), compute_s=p.compute_time, step_s=p.step_time))
+                stopped=_stopped(w.spawned.pid), compute_s=p.compute_time, step_s=p.step_time,
+                cpu_idle_s=self._cpu_idle(w.spawned.pid, now)))
         return out
+
+    def _cpu_idle(self, pid: int, now: float) -> float:
+        """Seconds since the process last used CPU (as far as these checks can tell)."""
+        ticks = _cpu_ticks(pid)
+        last = self._cpu.get(pid)
+        if last is None or last[0] != ticks:
+            self._cpu[pid] = (ticks, now)
+            return 0.0
+        return now - last[1]
 
     def _on_hang(self, worker: int | None, reason: str) -> None:
         ft = self.agent.ft
@@ -137,7 +149,8 @@ class HealthWatch:
             ft.rebuild(reason)
             return
         w = self.agent.worker_by_id(worker)
-        if w is not None and w.alive:
+        if w is not None and w.alive and w.spawned.pid not in self._killed:
+            self._killed.add(w.spawned.pid)
             self.agent.journal.drill_injected(worker, "hang", time.time())
             self.agent.emit("notice", {"text": f"hang: {reason}; killing worker {worker}"})
             os.kill(w.spawned.pid, signal.SIGKILL)
@@ -155,6 +168,15 @@ class HealthWatch:
         if evict and w is not None and w.alive:
             self.agent.journal.drill_injected(found[0], "straggler", time.time())
             os.kill(w.spawned.pid, signal.SIGKILL)
+
+
+def _cpu_ticks(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return int(fields[11]) + int(fields[12])  # utime + stime
+    except (OSError, IndexError, ValueError):
+        return -1
 
 
 def _stopped(pid: int) -> bool:

@@ -72,7 +72,7 @@ class Journal:
         rec = FaultRecord(id=len(self.faults) + 1, kind=kind, worker=worker,
                           rank=int(str(f["rank"])), at=at, decision=str(f["decision"]),
                           reason=str(f["reason"]), injected=drill is not None)
-        rec.phases_ms["detected"] = round((detected - at) * 1000, 1)
+        rec.phases_ms = {"detected": round((detected - at) * 1000, 1)}
         self.faults.append(rec)
 
     def _on_generation(self, f: Mapping[str, object]) -> None:
@@ -81,20 +81,22 @@ class Journal:
         for rec in reversed(self.faults):
             if rec.generation is None and rec.decision in ("replace", "shrink", "rebuild"):
                 rec.generation = int(str(f["generation"]))
-                rec.phases_ms["published"] = round((float(str(f["published_at"])) - rec.at)
-                                                   * 1000, 1)
+                ms = round((float(str(f["published_at"])) - rec.at) * 1000, 1)
+                rec.phases_ms = {**rec.phases_ms, "published": ms}  # copy: status reads it
                 return
 
     def _on_recovered(self, f: Mapping[str, object]) -> None:
         gen = int(str(f["generation"]))
-        for rec in self.faults:
-            if rec.generation == gen and not rec.recovered:
+        for rec in self.faults:  # faults close together are all recovered by the newest gen
+            if rec.generation is not None and rec.generation <= gen and not rec.recovered:
+                phases = dict(rec.phases_ms)
                 for name, key in (("rebuilt", "rebuilt"), ("healed", "healed"),
                                   ("first_commit", "first_commit")):
                     if f.get(key):
-                        rec.phases_ms[name] = round((float(str(f[key])) - rec.at) * 1000, 1)
+                        phases[name] = round((float(str(f[key])) - rec.at) * 1000, 1)
+                rec.phases_ms = phases
                 rec.recovered = True
-                rec.recovery_ms = rec.phases_ms.get("first_commit")
+                rec.recovery_ms = phases.get("first_commit")
 
 
 def summarize(faults: list[FaultRecord], run_seconds: float) -> dict[str, Any]:

@@ -34,7 +34,8 @@ class Observer:
         self._slots: dict[int, Slot] = {}
         self._drill_seq = 0
         self.drills: queue.SimpleQueue[dict[str, Any]] = queue.SimpleQueue()
-        sock = os.path.join(run_dir(), f"{agent.run_id}.sock")
+        name = agent.run_id if agent.run_id != "none" else f"none-{os.getpid()}"
+        sock = os.path.join(run_dir(), f"{name}.sock")
         self.info = RunInfo(agent.run_id, os.getpid(), agent.spec.script, time.time(), sock,
                             agent.logs.run_dir)
         self.server = ControlServer(self.info, self.handle)
@@ -69,9 +70,11 @@ class Observer:
             raise FtrunError(f"unknown fault kind {kind!r}",
                              hint="use one of " + ", ".join(DRILL_KINDS))
         ft = self.agent.ft
-        if kind in WORKER_ONLY and (ft is None or not ft.hello):
-            raise FtrunError(f"--kind {kind} needs a script that uses the ftrun worker API",
-                             hint="use --kind kill, segv or hang for a plain script")
+        api = ft is not None and bool(ft.hello)
+        if (kind in WORKER_ONLY or int(req.get("at_step", -1)) >= 0) and not api:
+            raise FtrunError(f"--kind {kind} {'--at-step ' if kind not in WORKER_ONLY else ''}"
+                             "needs a script that uses the ftrun worker API",
+                             hint="use --kind kill, segv or hang without --at-step")
         rank = int(req.get("rank", -1))
         members = self.agent.live_members()
         if not 0 <= rank < len(members):
@@ -101,6 +104,11 @@ class Observer:
                                       "kind": kind, "at_step": at_step})
 
     # ------------------------------------------------------------ status
+    def reset_slot(self, worker_id: int) -> None:
+        """A worker id starts afresh (ids restart with every attempt)."""
+        self._slot(worker_id).write_progress(-1, 0.0, 0.0, 0.0, -1, -1)
+        self._slot(worker_id).write_drill(0, "kill", -1, 0.0)
+
     def progress(self, worker_id: int) -> Progress:
         return self._slot(worker_id).read()
 

@@ -114,6 +114,7 @@ class Liveness:
     stopped: bool  # the process is stopped (SIGSTOP, a debugger)
     compute_s: float  # EMA of step start -> commit
     step_s: float  # EMA of commit -> commit
+    cpu_idle_s: float = 0.0  # since its CPU time last advanced (a busy rank is not hung)
 
 
 @dataclass(frozen=True)
@@ -141,8 +142,10 @@ def find_hang(members: list[Liveness], timeout_s: float) -> Hang | None:
             return Hang(m.worker, f"rank {m.rank} is stopped and made no progress for "
                                   f"{m.idle_s:.1f}s")
     waiting = [m for m in members if m.in_commit_s is not None]
-    outside = [m for m in stalled if m.in_commit_s is None]
-    if waiting and outside:
+    # outside the all-reduce, idle (no CPU: a checkpoint save or a compile is not a hang),
+    # while a peer has waited for it longer than the timeout
+    outside = [m for m in stalled if m.in_commit_s is None and m.cpu_idle_s > timeout_s]
+    if outside and max((m.in_commit_s or 0.0) for m in waiting or [outside[0]]) > timeout_s:
         m = max(outside, key=lambda m: m.idle_s)
         return Hang(m.worker, f"rank {m.rank} made no progress for {m.idle_s:.1f}s while "
                               f"{len(waiting)} peers wait for it in the all-reduce")

@@ -99,15 +99,20 @@ class FaultTolerance:
             self.agent.emit("notice", {"text": f"replacement worker {wid} exited with "
                                                f"{describe_exit(code)} before joining"})
             if self.faults <= self.spec.max_faults:
-                self.awaiting_join.add(self._spawn(local_rank=w.local_rank))
+                self.awaiting_join.add(
+                    self._spawn(local_rank=self.agent.health.pick_local_rank(w.local_rank)))
             return None
         if wid in self.spares or wid in self.starting_spares:
             self.spares = [s for s in self.spares if s != wid]
             self.starting_spares.discard(wid)
             if code != 0:
+                self.faults += 1
+                if self.faults > self.spec.max_faults:
+                    return None  # spares keep dying: stop replacing them
                 self.agent.emit("notice", {"text": f"spare worker {wid} exited with "
                                                    f"{describe_exit(code)}; starting another"})
-                self._spawn(spare=True, local_rank=w.local_rank)
+                self._spawn(spare=True,
+                            local_rank=self.agent.health.pick_local_rank(w.local_rank))
             return None
         if wid not in self.members:
             return None  # replaced or evicted earlier; its end is expected
@@ -149,6 +154,10 @@ class FaultTolerance:
         """No member is to blame but the group is stuck: same members, a new communicator."""
         live = tuple(m for m in self.members if m not in self.finished)
         self.faults += 1
+        if self.faults > self.spec.max_faults:
+            self.agent.emit("notice", {"text": f"{reason}; fault budget exhausted "
+                                               f"({self.spec.max_faults}): not rebuilding"})
+            return
         self.agent.emit("fault", {"worker": -1, "rank": -1, "why": "comm", "decision": "rebuild",
                                   "reason": reason, "detected_at": time.time()})
         self._publish(live, reason, True, time.time())
@@ -208,7 +217,8 @@ class FaultTolerance:
         """New spares start once the job has recovered: importing torch takes a core for
         seconds, which the recovering step should not have to share."""
         while self._refills:
-            self._spawn(spare=True, local_rank=self._refills.pop(0))
+            self._spawn(spare=True,
+                        local_rank=self.agent.health.pick_local_rank(self._refills.pop(0)))
 
     def _read_requests(self, port: int) -> None:
         from torch.distributed import TCPStore

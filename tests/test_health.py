@@ -157,9 +157,14 @@ def test_find_hang() -> None:
     assert find_hang(ok, 5) is None
     stopped = [live(0, idle_s=6, in_commit_s=6), live(1, idle_s=6, stopped=True), live(2)]
     assert find_hang(stopped, 5).worker == 1
-    stuck = [live(0, idle_s=6, in_commit_s=6), live(1, idle_s=6), live(2, idle_s=6, in_commit_s=6)]
+    stuck = [live(0, idle_s=6, in_commit_s=6), live(1, idle_s=6, cpu_idle_s=6),
+             live(2, idle_s=6, in_commit_s=6)]
     h = find_hang(stuck, 5)
     assert h.worker == 1 and "peers wait for it" in h.reason
+    busy = [live(0, idle_s=6, in_commit_s=6), live(1, idle_s=6, cpu_idle_s=0.2)]
+    assert find_hang(busy, 5) is None  # a long checkpoint save or compile is not a hang
+    fresh = [live(0, idle_s=6, in_commit_s=1), live(1, idle_s=6, cpu_idle_s=6)]
+    assert find_hang(fresh, 5) is None  # its peers have not waited long yet
     skipped = [live(0, idle_s=6, in_commit_s=6), live(1, idle_s=6, in_commit_s=6, step=11),
                live(2, idle_s=6, in_commit_s=6)]
     assert find_hang(skipped, 5).worker == 1
