@@ -9,7 +9,7 @@ PKG = Path(__file__).parent.parent / "ftrun"
 LAYERS = [  # lowest first
     {"errors", "timeouts", "spec", "states", "exits", "_exit", "xid"},
     {"policy", "gpuhealth"},
-    {"procs", "store", "logs", "report", "rendezvous", "progress", "control", "gpu", "_run_path"},
+    {"procs", "store", "logs", "report", "rendezvous", "progress", "control", "gpu", "wakeup", "workerspec", "_run_path"},
     {"comm", "grads", "worker", "transfer"},
     {"journal", "recovery", "observe", "health", "agent"},
     {"cli", "commands", "launch_args", "render", "__main__", "__init__"},
