@@ -23,12 +23,11 @@ from ftrun.comm import (
     GenerationWatcher,
     Group,
     Interrupt,
-    NativeGroup,
     build_group,
-    native_reconfigure_supported,
 )
 from ftrun.errors import WorkerApiError
 from ftrun.grads import FlatGrads
+from ftrun.joining import connect, native_group, plain_group, warm_up
 from ftrun.progress import Reporter
 from ftrun.rendezvous import Generation, heal_plan, latest_number, post_request, read_generation
 from ftrun.spec import WorkerEnv
@@ -75,28 +74,28 @@ class FaultTolerant:
         if cuda:
             torch.cuda.set_device(self.device)
         if wenv is None:
-            self._group = _plain_group(backend)
+            self._group = plain_group(backend)
             return
         self.worker_id = wenv.worker_id
         _exit.install()
         _exit.arm()
         if wenv.spare:
-            _warm_up()
+            warm_up()
         if wenv.progress_dir:
             self._progress = Reporter(wenv.progress_dir, wenv.worker_id)
-        self._connect = lambda: _connect(wenv)
-        self._store = _connect(wenv)
-        self._native = _native_group(self._connect(), wenv, backend)
+        self._connect = lambda: connect(wenv)
+        self._store = connect(wenv)
+        self._native = native_group(self._connect(), wenv, backend)
         if wenv.spare:
             # a hot spare returns at once, so the script builds its model now; steps()
             # announces it ready and waits there to be called in
             start = latest_number(self._store, timeouts.GENERATION_WAIT_S)
             self._group = Group(Generation(start, ()), -1, None)
-            self._watcher = GenerationWatcher(lambda: _connect(wenv), start, self._interrupt)
+            self._watcher = GenerationWatcher(lambda: connect(wenv), start, self._interrupt)
             return
         post_request(self._store, "hello", worker=self.worker_id, pid=os.getpid(), spare=False)
         gen = self._first_generation()
-        self._watcher = GenerationWatcher(lambda: _connect(wenv), gen.number, self._interrupt)
+        self._watcher = GenerationWatcher(lambda: connect(wenv), gen.number, self._interrupt)
         rank = gen.rank_of(self.worker_id)
         assert rank is not None
         self._group = Group(gen, rank, None)  # built at the first steps() iteration
@@ -386,50 +385,3 @@ class FaultTolerant:
             post_request(self._store, kind, **fields)
         except Exception as exc:  # the agent is gone; the next collective will say so
             self._interrupt.store_lost = str(exc)[:200]
-
-
-def _native_group(store: Any, wenv: WorkerEnv, backend: str) -> NativeGroup | None:
-    """--comm: native reconfigure or a fresh group per generation; every member of a job
-    uses the same path."""
-    if wenv.comm == "fresh" or (wenv.comm == "auto" and not native_reconfigure_supported(backend)):
-        return None
-    return NativeGroup(store, wenv.worker_id, backend)
-
-
-def _warm_up() -> None:
-    """A spare pays torch's lazy first-use costs while it waits, not after it is called in:
-    the first optimizer built in a process costs ~1 s (torch._dynamo is imported)."""
-    import io
-
-    import torch
-
-    param = torch.nn.Parameter(torch.zeros(2))
-    for opt in (torch.optim.SGD([param], lr=0.1, momentum=0.9), torch.optim.AdamW([param])):
-        param.sum().backward()
-        opt.step()
-        opt.zero_grad()
-        buffer = io.BytesIO()
-        torch.save(opt.state_dict(), buffer)
-        torch.load(io.BytesIO(buffer.getvalue()), weights_only=False)
-
-
-def _connect(wenv: WorkerEnv) -> Any:
-    from datetime import timedelta
-
-    from torch.distributed import TCPStore
-
-    return TCPStore(wenv.master_addr, wenv.master_port, None, False,
-                    timedelta(seconds=timeouts.STORE_CLIENT_CONNECT_S))
-
-
-def _plain_group(backend: str) -> Group:
-    """Outside ftrun: torchrun's default group, or a world of one."""
-    import torch.distributed as dist
-
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world > 1 and not dist.is_initialized():
-        dist.init_process_group(backend)
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    pg = dist.group.WORLD if dist.is_initialized() and world > 1 else None
-    gen = Generation(0, tuple(range(world)), reason="plain")
-    return Group(gen, rank, pg)

@@ -9,12 +9,13 @@ PKG = Path(__file__).parent.parent / "ftrun"
 LAYERS = [  # lowest first
     {"errors", "timeouts", "spec", "states", "exits", "_exit", "xid"},
     {"policy", "gpuhealth"},
-    {"procs", "store", "logs", "report", "rendezvous", "progress", "control", "gpu", "wakeup", "workerspec", "_run_path"},
-    {"comm", "grads", "worker", "transfer"},
+    {"procs", "store", "logs", "report", "rendezvous", "progress", "control", "gpu", "wakeup",
+     "workerspec", "_run_path"},
+    {"comm", "grads", "joining", "worker", "transfer"},
     {"journal", "recovery", "observe", "health", "agent"},
     {"cli", "commands", "launch_args", "render", "__main__", "__init__"},
 ]
-WORKER_SIDE = {"comm", "grads", "worker", "transfer"}
+WORKER_SIDE = {"comm", "grads", "joining", "worker", "transfer"}
 HEAVY_FOR_WORKERS = {"typer", "rich", "pynvml", "psutil"}
 
 
