@@ -45,6 +45,7 @@ class FaultTolerance:
         self.requests: queue.SimpleQueue[dict[str, Any]] = queue.SimpleQueue()
         self._reported: set[int] = set()
         self._refills: list[int] = []  # local ranks for spares to start after the recovery
+        self._joiners_to_start: list[int] = []  # shrink mode: replacements, likewise
         self.received = 0
         self._stop = threading.Event()
         publish(store, Generation(0, self.members, reason="start", published_at=time.time()))
@@ -144,8 +145,7 @@ class FaultTolerance:
             return None
         if d.action is FaultAction.SHRINK:
             self._publish(d.members, d.reason, True, fault_at)
-            self.awaiting_join.add(
-                self._spawn(local_rank=self.agent.health.pick_local_rank(w.local_rank)))
+            self._joiners_to_start.append(w.local_rank)  # after the survivors' first commit
             return None
         action = Action.RESTART_GROUP if d.action is FaultAction.RESTART_GROUP else Action.FAIL
         return Decision(action, d.reason, w.rank)
@@ -214,11 +214,15 @@ class FaultTolerance:
                 self._refill()
 
     def _refill(self) -> None:
-        """New spares start once the job has recovered: importing torch takes a core for
-        seconds, which the recovering step should not have to share."""
+        """New spares and shrink-mode replacements start once the job has recovered:
+        importing torch takes a core for seconds, which the recovering step should not
+        have to share."""
         while self._refills:
             self._spawn(spare=True,
                         local_rank=self.agent.health.pick_local_rank(self._refills.pop(0)))
+        while self._joiners_to_start:
+            local_rank = self.agent.health.pick_local_rank(self._joiners_to_start.pop(0))
+            self.awaiting_join.add(self._spawn(local_rank=local_rank))
 
     def _read_requests(self, port: int) -> None:
         from torch.distributed import TCPStore

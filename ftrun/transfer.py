@@ -1,15 +1,17 @@
 """Healing: sending a live replica's state to the members that are behind.
 
-Owns: packing the registered objects' state (model, optimizer, anything with state_dict())
-into one byte tensor and moving it point-to-point over the generation's group, abandonably.
-Bitwise exact: the receiver loads exactly the sender's tensors.
+Owns: flattening the registered objects' state (model, optimizer, anything with state_dict())
+into one buffer per dtype plus a small pickled skeleton (keys, shapes, the non-tensor values),
+moving them point-to-point over the generation's group, abandonably, and rebuilding the state
+on the receiver from views of the received buffers. No tensor is pickled: bitwise exact and
+without torch.save/torch.load's copies.
 Must not import: typer, rich, NVML, the agent. Torch is imported lazily.
 """
 
 from __future__ import annotations
 
-import io
 import os
+import pickle
 import signal
 from collections.abc import Mapping
 from typing import Any
@@ -18,51 +20,108 @@ from ftrun import timeouts
 from ftrun.comm import Group, Interrupt
 
 DRILL_KILL_MID_TRANSFER = "FTRUN_DRILL_KILL_MID_TRANSFER"  # a worker id
-_TAG_SIZE = 1
-_TAG_DATA = 2
+_MAX_PARTS = 16  # the skeleton plus one buffer per dtype
+_TAG_SIZES, _TAG_PARTS = 1, 2
 
 
-def pack(objects: Mapping[str, Any], extra: Mapping[str, Any]) -> Any:
+class _Ref:
+    """Where a tensor sits in the flat buffers: (dtype part, offset, shape)."""
+
+    def __init__(self, part: int, offset: int, shape: tuple[int, ...]) -> None:
+        self.part, self.offset, self.shape = part, offset, shape
+
+
+def pack(objects: Mapping[str, Any], extra: Mapping[str, Any]) -> list[Any]:
+    """[skeleton bytes as uint8, flat buffer per dtype...]"""
     import torch
 
-    buffer = io.BytesIO()
-    torch.save({"objects": {k: o.state_dict() for k, o in objects.items()}, "extra": dict(extra)},
-               buffer)
-    return torch.frombuffer(bytearray(buffer.getbuffer()), dtype=torch.uint8)
+    groups: dict[Any, list[Any]] = {}
+    sizes: dict[Any, int] = {}
+
+    def strip(value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            part = list(groups).index(value.dtype) if value.dtype in groups else len(groups)
+            groups.setdefault(value.dtype, []).append(value.detach().reshape(-1))
+            offset = sizes.get(value.dtype, 0)
+            sizes[value.dtype] = offset + value.numel()
+            return _Ref(part, offset, tuple(value.shape))
+        if isinstance(value, dict):
+            return type(value)((k, strip(v)) for k, v in value.items())
+        if isinstance(value, tuple) and hasattr(value, "_fields"):  # a namedtuple
+            return type(value)(*(strip(v) for v in value))
+        if isinstance(value, (list, tuple)):
+            return type(value)(strip(v) for v in value)
+        return value
+
+    skeleton = strip({k: o.state_dict() for k, o in objects.items()})
+    flats = [torch.cat(ts) if ts else torch.empty(0, dtype=d) for d, ts in groups.items()]
+    meta = pickle.dumps({"skeleton": skeleton, "extra": dict(extra),
+                         "dtypes": [str(d).removeprefix("torch.") for d in groups]})
+    if len(flats) + 1 > _MAX_PARTS:
+        raise RuntimeError(f"state uses {len(flats)} dtypes; at most {_MAX_PARTS - 1}")
+    return [torch.frombuffer(bytearray(meta), dtype=torch.uint8), *flats]
 
 
-def unpack(payload: Any, objects: Mapping[str, Any]) -> dict[str, Any]:
-    import torch
+def unpack(parts: list[Any], objects: Mapping[str, Any]) -> dict[str, Any]:
+    meta = pickle.loads(parts[0].numpy().tobytes())
+    flats = parts[1:]
 
-    doc = torch.load(io.BytesIO(payload.numpy().tobytes()), weights_only=False,
-                     map_location="cpu")  # load_state_dict moves tensors to their params
-    missing = set(objects) - set(doc["objects"])
+    def fill(value: Any) -> Any:
+        if isinstance(value, _Ref):
+            n = 1
+            for d in value.shape:
+                n *= d
+            return flats[value.part][value.offset:value.offset + n].view(value.shape)
+        if isinstance(value, dict):
+            return type(value)((k, fill(v)) for k, v in value.items())
+        if isinstance(value, tuple) and hasattr(value, "_fields"):  # a namedtuple
+            return type(value)(*(fill(v) for v in value))
+        if isinstance(value, (list, tuple)):
+            return type(value)(fill(v) for v in value)
+        return value
+
+    state = fill(meta["skeleton"])
+    missing = set(objects) - set(state)
     if missing:
         raise RuntimeError(f"the healing source registered no state for {sorted(missing)}")
     for name, obj in objects.items():
-        obj.load_state_dict(doc["objects"][name])
-    return dict(doc["extra"])
+        obj.load_state_dict(state[name])  # copies into the receiver's own tensors
+    return dict(meta["extra"])
 
 
-def send_state(group: Group, dst: int, payload: Any, interrupt: Interrupt, device: Any) -> None:
+def send_state(group: Group, dst: int, parts: list[Any], interrupt: Interrupt,
+               device: Any) -> None:
     """`device`: where the group's tensors must live (cuda for nccl, cpu for gloo)."""
     import torch
 
-    payload = payload.to(device)
-    size = torch.tensor([payload.numel()], dtype=torch.int64, device=device)
-    group.run(lambda: group.pg.send([size], dst, _TAG_SIZE), interrupt, timeouts.STATE_TRANSFER_S)
+    sizes = torch.zeros(_MAX_PARTS + 1, dtype=torch.int64)
+    sizes[0] = len(parts)
+    for i, p in enumerate(parts):
+        sizes[i + 1] = p.numel()
+    _p2p(group, "send", sizes.to(device), dst, _TAG_SIZES, interrupt)
     if os.environ.get(DRILL_KILL_MID_TRANSFER) == os.environ.get("FTRUN_WORKER_ID", "-"):
         os.kill(os.getpid(), signal.SIGKILL)  # a fault drill: the source dies mid-transfer
-    group.run(lambda: group.pg.send([payload], dst, _TAG_DATA), interrupt,
-              timeouts.STATE_TRANSFER_S)
+    for i, p in enumerate(parts):
+        _p2p(group, "send", p.to(device), dst, _TAG_PARTS + i, interrupt)
 
 
-def recv_state(group: Group, src: int, interrupt: Interrupt, device: Any) -> Any:
+def recv_state(group: Group, src: int, interrupt: Interrupt, device: Any) -> list[Any]:
     import torch
 
-    size = torch.zeros(1, dtype=torch.int64, device=device)
-    group.run(lambda: group.pg.recv([size], src, _TAG_SIZE), interrupt, timeouts.STATE_TRANSFER_S)
-    payload = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
-    group.run(lambda: group.pg.recv([payload], src, _TAG_DATA), interrupt,
-              timeouts.STATE_TRANSFER_S)
-    return payload.cpu()
+    sizes = torch.zeros(_MAX_PARTS + 1, dtype=torch.int64, device=device)
+    _p2p(group, "recv", sizes, src, _TAG_SIZES, interrupt)
+    counts = [int(x) for x in sizes.cpu().tolist()]
+    meta = torch.empty(counts[1], dtype=torch.uint8, device=device)
+    _p2p(group, "recv", meta, src, _TAG_PARTS, interrupt)
+    dtypes = pickle.loads(meta.cpu().numpy().tobytes())["dtypes"]
+    parts = [meta.cpu()]
+    for i, name in enumerate(dtypes):
+        buf = torch.empty(counts[i + 2], dtype=getattr(torch, name), device=device)
+        _p2p(group, "recv", buf, src, _TAG_PARTS + i + 1, interrupt)
+        parts.append(buf.cpu() if buf.device.type != "cpu" else buf)
+    return parts
+
+
+def _p2p(group: Group, op: str, tensor: Any, peer: int, tag: int, interrupt: Interrupt) -> None:
+    call = getattr(group.pg, op)
+    group.run(lambda: call([tensor], peer, tag), interrupt, timeouts.STATE_TRANSFER_S)

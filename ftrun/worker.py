@@ -332,7 +332,7 @@ class FaultTolerant:
         if plan and not self._objects:
             raise WorkerApiError("a replica must heal but nothing is registered",
                                  hint="call ft.register(model=..., optimizer=...) before steps()")
-        payload = None
+        payload: list[Any] | None = None
         for dst, src in sorted(plan.items()):
             if src == group.rank:
                 payload = payload if payload is not None else pack(self._objects, {})
@@ -356,6 +356,9 @@ class FaultTolerant:
 
     def _await_assignment(self) -> None:
         """A hot spare, model built: tell the agent, then wait for a generation with us in."""
+        if self._models:  # allocate and touch the gradient buffer now, not on the first step
+            self._flat = FlatGrads(self._params(), self.device)
+            self._flat.gather()
         self._post("hello", worker=self.worker_id, pid=os.getpid(), spare=True)
         deadline = time.monotonic() + timeouts.SPARE_ASSIGNMENT_S
         intr = self._interrupt
