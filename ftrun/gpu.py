@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-import os
 import threading
 import time
 from collections.abc import Callable
@@ -293,6 +292,3 @@ class GpuMonitor:
             if polling and time.monotonic() - polling[1] > timeouts.GPU_POLL_DEADLINE_S:
                 self._update(polling[0], GpuSample(unresponsive=True))
 
-
-def env_visible_devices() -> str | None:
-    return os.environ.get("CUDA_VISIBLE_DEVICES")

@@ -1,7 +1,6 @@
 """What went wrong, in words: worker failures, the root cause, hints, the error-file contract.
 
-Owns: `WorkerExit` records, reading torch's `@record` error files, choosing the root cause
-by the agent's monotonic order of detection, hints for common exit statuses, the plain-text
+Owns: `WorkerExit` records, reading torch's `@record` error files, choosing hints for common exit statuses, the plain-text
 failure block, and copying the root cause to the launcher's own TORCHELASTIC_ERROR_FILE.
 Must not import: torch, typer, rich, the agent.
 """
@@ -69,12 +68,6 @@ def read_error_file(path: str) -> ErrorFileInfo | None:
         tb = extra.get("py_callstack", "") if isinstance(extra, dict) else ""
         return ErrorFileInfo(message=str(msg.get("message", "")), traceback=str(tb), raw=raw)
     return ErrorFileInfo(message=str(msg or ""), traceback=str(msg or ""), raw=raw)
-
-
-def root_cause(exits: Sequence[WorkerExit]) -> WorkerExit | None:
-    """The first failure the agent saw; siblings it terminated itself never qualify."""
-    failures = [e for e in exits if e.failed]
-    return min(failures, key=lambda e: e.detected_at) if failures else None
 
 
 def hint_for(returncode: int, has_error_file: bool) -> str:
