@@ -1,7 +1,8 @@
 """What went wrong, in words: worker failures, the root cause, hints, the error-file contract.
 
-Owns: `WorkerExit` records, reading torch's `@record` error files, choosing hints for common exit statuses, the plain-text
-failure block, and copying the root cause to the launcher's own TORCHELASTIC_ERROR_FILE.
+Owns: `WorkerExit` records, reading torch's `@record` error files, hints for common exit
+statuses, the plain-text failure block, and copying the root cause (the first failure the
+agent saw) to the launcher's own TORCHELASTIC_ERROR_FILE.
 Must not import: torch, typer, rich, the agent.
 """
 
