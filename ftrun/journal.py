@@ -34,7 +34,8 @@ class FaultRecord:
     recovered: bool = False
     recovery_ms: float | None = None
     phases_ms: dict[str, float] = field(default_factory=dict)
-    lost_steps: int = 0
+    lost_steps: int = 0  # committed before the fault, minus the step training resumed from
+    committed_before: int = -1
 
 
 class Journal:
@@ -71,7 +72,8 @@ class Journal:
         kind, at = drill if drill else (str(f.get("why", "fault")), detected)
         rec = FaultRecord(id=len(self.faults) + 1, kind=kind, worker=worker,
                           rank=int(str(f["rank"])), at=at, decision=str(f["decision"]),
-                          reason=str(f["reason"]), injected=drill is not None)
+                          reason=str(f["reason"]), injected=drill is not None,
+                          committed_before=int(str(f.get("committed_before", -1))))
         rec.phases_ms = {"detected": round((detected - at) * 1000, 1)}
         self.faults.append(rec)
 
@@ -95,6 +97,8 @@ class Journal:
                     if f.get(key):
                         phases[name] = round((float(str(f[key])) - rec.at) * 1000, 1)
                 rec.phases_ms = phases
+                if f.get("step") is not None and rec.committed_before >= 0:
+                    rec.lost_steps = max(0, rec.committed_before - int(str(f["step"])))
                 rec.recovered = True
                 rec.recovery_ms = phases.get("first_commit")
 

@@ -130,7 +130,7 @@ class FaultTolerance:
                          tuple(self.spares), self.next_worker_id, self.faults,
                          self.spec.max_faults, self.spec.max_restarts - self.agent.restarts,
                          frozenset(self.unhealed))
-        self.agent.emit("fault", {"worker": w.worker_id, "rank": live.index(w.worker_id),
+        self._emit_fault({"worker": w.worker_id, "rank": live.index(w.worker_id),
                                   "why": why, "decision": d.action.value, "reason": d.reason,
                                   "detected_at": w.exit.wall_time})
         fault_at = w.exit.wall_time
@@ -150,6 +150,12 @@ class FaultTolerance:
         action = Action.RESTART_GROUP if d.action is FaultAction.RESTART_GROUP else Action.FAIL
         return Decision(action, d.reason, w.rank)
 
+    def _emit_fault(self, fields: dict[str, Any]) -> None:
+        """A fault event, with the highest step any member had committed before it: the
+        journal compares it with the step training resumes from (committed work lost)."""
+        steps = [self.agent.observer.progress(m).step for m in self.members]
+        self.agent.emit("fault", {**fields, "committed_before": max(steps, default=-1)})
+
     def rebuild(self, reason: str) -> None:
         """No member is to blame but the group is stuck: same members, a new communicator."""
         live = tuple(m for m in self.members if m not in self.finished)
@@ -158,7 +164,7 @@ class FaultTolerance:
             self.agent.emit("notice", {"text": f"{reason}; fault budget exhausted "
                                                f"({self.spec.max_faults}): not rebuilding"})
             return
-        self.agent.emit("fault", {"worker": -1, "rank": -1, "why": "comm", "decision": "rebuild",
+        self._emit_fault({"worker": -1, "rank": -1, "why": "comm", "decision": "rebuild",
                                   "reason": reason, "detected_at": time.time()})
         self._publish(live, reason, True, time.time())
 
@@ -199,7 +205,7 @@ class FaultTolerance:
                 over = self.faults > self.spec.max_faults
                 if over:
                     reason += f"; fault budget exhausted ({self.spec.max_faults}, --max-faults)"
-                self.agent.emit("fault", {"worker": wid, "rank": live.index(wid) if wid in live
+                self._emit_fault({"worker": wid, "rank": live.index(wid) if wid in live
                                           else -1, "why": "comm",
                                           "decision": "fail" if over else "rebuild",
                                           "reason": reason, "detected_at": time.time()})

@@ -51,13 +51,14 @@ def test_journal_folds_events_into_fault_phases(tmp_path) -> None:
     j = Journal(lambda k, f: seen.append(k), str(tmp_path / "events.jsonl"))
     j.drill_injected(3, "kill", 100.0)
     j.emit("fault", {"worker": 3, "rank": 1, "why": "exited with -9", "decision": "replace",
-                     "reason": "r", "detected_at": 100.005})
+                     "reason": "r", "detected_at": 100.005, "committed_before": 41})
     j.emit("generation", {"generation": 1, "urgent": True, "published_at": 100.006,
                           "world_size": 3, "reason": "r"})
     j.emit("recovered", {"generation": 1, "rebuilt": 100.02, "healed": 100.03,
-                         "first_commit": 100.1, "worker": 0})
+                         "first_commit": 100.1, "worker": 0, "step": 39})
     (rec,) = j.faults
     assert (rec.kind, rec.injected, rec.recovered, rec.recovery_ms) == ("kill", True, True, 100.0)
+    assert rec.lost_steps == 2  # 41 committed before, training resumed from step 39
     assert rec.phases_ms == {"detected": 5.0, "published": 6.0, "rebuilt": 20.0, "healed": 30.0,
                              "first_commit": 100.0}
     j.close()
@@ -129,6 +130,7 @@ def test_status_and_drills_on_a_running_job(tmp_path, private_run_dir) -> None:
         assert [f["kind"] for f in faults] == ["kill", "comm", "exception", "segv", "exit"]
         for f in faults:
             assert f["recovered"] and f["rank"] == 1 and f["recovery_ms"] > 0
+            assert f["committed_before"] > 0 and f["lost_steps"] == 0
             assert set(f["phases_ms"]) >= {"detected", "published", "rebuilt", "first_commit"}
         assert doc["generation"] == 5 and doc["world_size"] == 3
     finally:
