@@ -25,7 +25,7 @@ _state: dict[str, Any] = {"armed": False, "installed": False, "code": 0}
 
 
 def arm() -> None:
-    """Called when something was abandoned: from now on the exit skips C++ teardown."""
+    """From now on the exit skips C++ teardown (an FT worker arms this in ftrun.init())."""
     _state["armed"] = True
 
 

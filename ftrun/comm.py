@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-from ftrun import _exit, timeouts
+from ftrun import timeouts
 from ftrun.rendezvous import PREFIX, Generation, Store, gen_key
 
 
@@ -52,7 +52,6 @@ def keep_forever(obj: Any) -> None:
     until the op's timeout, and at interpreter exit it aborts the process ("terminate called
     without an active exception"); an abandoned one is therefore never destroyed."""
     ctypes.pythonapi.Py_IncRef(ctypes.py_object(obj))
-    _exit.arm()
 
 
 @dataclass

@@ -46,7 +46,6 @@ class FaultTolerance:
         self._reported: set[int] = set()
         self._refills: list[int] = []  # local ranks for spares to start after the recovery
         self._joiners_to_start: list[int] = []  # shrink mode: replacements, likewise
-        self.received = 0
         self._stop = threading.Event()
         publish(store, Generation(0, self.members, reason="start", published_at=time.time()))
         self._reader = threading.Thread(target=self._read_requests, args=(port,),
@@ -249,7 +248,6 @@ class FaultTolerance:
             if doc.get("kind") == _STOP:
                 return
             self.requests.put(doc)
-            self.received += 1
             self.agent.wake()
 
     def catch_up(self, timeout_s: float = timeouts.REQUEST_CATCH_UP_S) -> None:

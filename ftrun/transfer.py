@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import pickle
 import signal
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from ftrun import timeouts
@@ -35,28 +35,21 @@ def pack(objects: Mapping[str, Any], extra: Mapping[str, Any]) -> list[Any]:
     """[skeleton bytes as uint8, flat buffer per dtype...]"""
     import torch
 
-    groups: dict[Any, list[Any]] = {}
+    parts: dict[Any, list[Any]] = {}  # dtype -> flattened tensors, in order
     sizes: dict[Any, int] = {}
 
-    def strip(value: Any) -> Any:
-        if isinstance(value, torch.Tensor):
-            part = list(groups).index(value.dtype) if value.dtype in groups else len(groups)
-            groups.setdefault(value.dtype, []).append(value.detach().reshape(-1))
-            offset = sizes.get(value.dtype, 0)
-            sizes[value.dtype] = offset + value.numel()
-            return _Ref(part, offset, tuple(value.shape))
-        if isinstance(value, dict):
-            return type(value)((k, strip(v)) for k, v in value.items())
-        if isinstance(value, tuple) and hasattr(value, "_fields"):  # a namedtuple
-            return type(value)(*(strip(v) for v in value))
-        if isinstance(value, (list, tuple)):
-            return type(value)(strip(v) for v in value)
-        return value
+    def strip(t: Any) -> _Ref:
+        part = list(parts).index(t.dtype) if t.dtype in parts else len(parts)
+        parts.setdefault(t.dtype, []).append(t.detach().reshape(-1))
+        offset = sizes.get(t.dtype, 0)
+        sizes[t.dtype] = offset + t.numel()
+        return _Ref(part, offset, tuple(t.shape))
 
-    skeleton = strip({k: o.state_dict() for k, o in objects.items()})
-    flats = [torch.cat(ts) if ts else torch.empty(0, dtype=d) for d, ts in groups.items()]
+    state = {k: o.state_dict() for k, o in objects.items()}
+    skeleton = _map_leaves(state, lambda v: isinstance(v, torch.Tensor), strip)
+    flats = [torch.cat(ts) for ts in parts.values()]
     meta = pickle.dumps({"skeleton": skeleton, "extra": dict(extra),
-                         "dtypes": [str(d).removeprefix("torch.") for d in groups]})
+                         "dtypes": [str(d).removeprefix("torch.") for d in parts]})
     if len(flats) + 1 > _MAX_PARTS:
         raise RuntimeError(f"state uses {len(flats)} dtypes; at most {_MAX_PARTS - 1}")
     return [torch.frombuffer(bytearray(meta), dtype=torch.uint8), *flats]
@@ -66,27 +59,32 @@ def unpack(parts: list[Any], objects: Mapping[str, Any]) -> dict[str, Any]:
     meta = pickle.loads(parts[0].numpy().tobytes())
     flats = parts[1:]
 
-    def fill(value: Any) -> Any:
-        if isinstance(value, _Ref):
-            n = 1
-            for d in value.shape:
-                n *= d
-            return flats[value.part][value.offset:value.offset + n].view(value.shape)
-        if isinstance(value, dict):
-            return type(value)((k, fill(v)) for k, v in value.items())
-        if isinstance(value, tuple) and hasattr(value, "_fields"):  # a namedtuple
-            return type(value)(*(fill(v) for v in value))
-        if isinstance(value, (list, tuple)):
-            return type(value)(fill(v) for v in value)
-        return value
+    def fill(ref: _Ref) -> Any:
+        n = 1
+        for d in ref.shape:
+            n *= d
+        return flats[ref.part][ref.offset:ref.offset + n].view(ref.shape)
 
-    state = fill(meta["skeleton"])
+    state = _map_leaves(meta["skeleton"], lambda v: isinstance(v, _Ref), fill)
     missing = set(objects) - set(state)
     if missing:
         raise RuntimeError(f"the healing source registered no state for {sorted(missing)}")
     for name, obj in objects.items():
         obj.load_state_dict(state[name])  # copies into the receiver's own tensors
     return dict(meta["extra"])
+
+
+def _map_leaves(value: Any, is_leaf: Callable[[Any], bool], fn: Callable[[Any], Any]) -> Any:
+    """Rebuild a state-dict tree (dicts, lists, tuples, namedtuples) with `fn` at its leaves."""
+    if is_leaf(value):
+        return fn(value)
+    if isinstance(value, dict):
+        return type(value)((k, _map_leaves(v, is_leaf, fn)) for k, v in value.items())
+    if isinstance(value, tuple) and hasattr(value, "_fields"):  # a namedtuple
+        return type(value)(*(_map_leaves(v, is_leaf, fn) for v in value))
+    if isinstance(value, (list, tuple)):
+        return type(value)(_map_leaves(v, is_leaf, fn) for v in value)
+    return value
 
 
 def send_state(group: Group, dst: int, parts: list[Any], interrupt: Interrupt,

@@ -94,3 +94,24 @@ def test_worker_env_round_trip() -> None:
     env = w.to_env()
     assert env["TORCHELASTIC_USE_AGENT_STORE"] == "True" and env["FTRUN_SPARE"] == "True"
     assert WorkerEnv.from_env(env) == w
+
+
+def test_state_transfer_pack_unpack_is_exact() -> None:
+    import torch
+
+    from ftrun.transfer import pack, unpack
+
+    torch.manual_seed(0)
+    src = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3))
+    opt = torch.optim.AdamW(src.parameters())
+    src(torch.randn(5, 4)).sum().backward()
+    opt.step()
+    dst = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3))
+    dst_opt = torch.optim.AdamW(dst.parameters())
+    parts = pack({"model": src, "opt": opt}, {"step": 7})
+    assert len(parts) == 3  # skeleton, float32, int64 (BatchNorm's num_batches_tracked)
+    assert unpack(parts, {"model": dst, "opt": dst_opt}) == {"step": 7}
+    for k, v in src.state_dict().items():
+        assert torch.equal(v, dst.state_dict()[k])
+    a, b = opt.state_dict()["state"], dst_opt.state_dict()["state"]
+    assert all(torch.equal(a[i][k], b[i][k]) for i in a for k in a[i])
