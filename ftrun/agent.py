@@ -15,20 +15,22 @@ import tempfile
 import time
 import uuid
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
+from typing import Any
 
 from ftrun import timeouts
 from ftrun.exits import signal_name
 from ftrun.health import CHECK_EVERY_S, HealthWatch
-from ftrun.journal import FaultRecord, Journal
-from ftrun.logs import RunLogs, WorkerStreams
+from ftrun.journal import Journal
+from ftrun.logs import RunLogs
 from ftrun.observe import Observer
 from ftrun.policy import Action, Decision, decide_group
-from ftrun.procs import Guardian, Spawned, signal_group, spawn
+from ftrun.procs import Guardian, signal_group, spawn
 from ftrun.recovery import FaultTolerance
 from ftrun.report import WorkerExit
+from ftrun.roster import Outcome, RemoteWorker, RunResult, Worker
 from ftrun.spec import RunSpec
-from ftrun.states import WorkerState, check_transition
+from ftrun.states import WorkerState
 from ftrun.store import HostedStore, advertised_addr
 from ftrun.wakeup import Wakeup
 from ftrun.workerspec import spawn_error, worker_argv, worker_env
@@ -38,46 +40,6 @@ EventSink = Callable[[str, Mapping[str, object]], None]
 
 def _ignore(kind: str, fields: Mapping[str, object]) -> None:
     pass
-
-
-@dataclass
-class Worker:
-    rank: int
-    local_rank: int
-    worker_id: int
-    spawned: Spawned
-    streams: WorkerStreams
-    state: WorkerState = WorkerState.RUNNING
-    exit: WorkerExit | None = None
-
-    def move(self, state: WorkerState) -> None:
-        check_transition(self.state, state)
-        self.state = state
-
-    @property
-    def alive(self) -> bool:
-        return self.exit is None
-
-
-@dataclass(frozen=True)
-class RunResult:
-    exit_code: int
-    reason: str
-    cause: WorkerExit | None = None
-    exits: tuple[WorkerExit, ...] = ()
-    restarts_used: int = 0
-    log_dir: str | None = None
-    signal_received: str | None = None
-    faults: tuple[FaultRecord, ...] = ()
-
-
-@dataclass
-class _Outcome:
-    decision: Decision | None = None
-    signum: int | None = None
-    first_failure: int | None = None
-    cause: WorkerExit | None = None
-    exits: list[WorkerExit] = field(default_factory=list)
 
 
 class Agent:
@@ -95,6 +57,9 @@ class Agent:
         self.ft: FaultTolerance | None = None
         self._sel: selectors.BaseSelector | None = None
         self._hosted: HostedStore | None = None
+        self.worker_port = 0  # where workers reach this attempt's store
+        self._next_id = spec.nproc
+        self.group_rank, self.group_world_size, self.world_size = 0, 1, spec.nproc
 
     # ----------------------------------------------------------------- top level
     def run(self) -> RunResult:
@@ -134,10 +99,12 @@ class Agent:
             self.restarts = restarts
             self._hosted = hosted
             try:
+                self.worker_port = hosted.port
                 self._start_group(restarts, hosted)
                 hosted.serve()  # imports torch while the workers import theirs
                 if self.spec.on_fault != "restart":
                     self.ft = FaultTolerance(self, hosted.store, hosted.port)
+                    self._ft_started()
                 outcome = self._supervise()
                 if outcome.signum is not None:
                     return self._shutdown_on_signal(outcome, restarts)
@@ -190,22 +157,22 @@ class Agent:
         self._workers = []
         for local_rank in range(self.spec.nproc):
             self.spawn_worker(local_rank, rank=local_rank, local_rank=local_rank)
-        self.emit("started", {"attempt": restarts, "world_size": self.spec.nproc,
+        self.emit("started", {"attempt": restarts, "world_size": self.world_size,
                               "pids": [w.spawned.pid for w in self._workers],
                               "master": f"{self.master_addr}:{hosted.port}"})
 
     def spawn_worker(self, worker_id: int, rank: int, local_rank: int,
                      spare: bool = False) -> Worker:
         """Start one worker of the current attempt (a first member, a replacement, a spare)."""
-        assert self._hosted is not None
         streams = self.logs.streams_for(self.restarts, local_rank, rank=rank,
                                         worker_id=worker_id if worker_id >= self.spec.nproc
                                         else None)
         wenv = worker_env(self.spec, self.base_env, rank=rank, local_rank=local_rank,
                           worker_id=worker_id, restarts=self.restarts, run_id=self.run_id,
-                          master_addr=self.master_addr, port=self._hosted.port,
+                          master_addr=self.master_addr, port=self.worker_port,
                           error_file=streams.error_file, spare=spare,
-                          progress_dir=self.progress_dir)
+                          progress_dir=self.progress_dir, world_size=self.world_size,
+                          group_rank=self.group_rank, group_world_size=self.group_world_size)
         env = {**self.base_env, **wenv.to_env()}
         self.observer.reset_slot(worker_id)  # no progress of an earlier attempt's worker
         try:
@@ -221,6 +188,50 @@ class Agent:
         if self._sel is not None and spawned.pidfd is not None:
             self._sel.register(spawned.pidfd, selectors.EVENT_READ, worker)
         return worker
+
+    # ------------------------------------------------ hooks a multi-node agent overrides
+    def allocate_id(self, node: int) -> int:
+        """A worker id never used in this attempt (ids restart with every attempt)."""
+        self._next_id += 1
+        return self._next_id - 1
+
+    def place(self, worker_id: int, rank: int, local_rank: int, spare: bool) -> None:
+        """Start a worker of the current attempt on its node (here: this one)."""
+        self.spawn_worker(worker_id, rank, self.health.pick_local_rank(local_rank), spare)
+
+    def node_alive(self, node: int) -> bool:
+        return True
+
+    def live_nodes(self) -> list[int]:
+        return [0]
+
+    def committed_step(self, worker_id: int) -> int:
+        return self.observer.progress(worker_id).step
+
+    def initial_members(self) -> tuple[int, ...]:
+        return tuple(range(self.spec.nproc))
+
+    def all_workers(self) -> list[Worker | RemoteWorker]:
+        return list(self._workers)
+
+    def _remote_exits(self) -> list[RemoteWorker]:
+        return []
+
+    def _tick(self) -> Decision | None:
+        self.health.tick()
+        return None
+
+    def _ft_started(self) -> None:
+        pass
+
+    def suspect(self) -> None:
+        """A worker saw a peer's connection break (multi-node: check the nodes now)."""
+
+    def control_name(self) -> str:
+        return self.run_id if self.run_id != "none" else f"none-{os.getpid()}"
+
+    def decorate_status(self, doc: dict[str, Any]) -> dict[str, Any]:
+        return doc
 
     def live_members(self) -> list[Worker]:
         """Workers of the current generation in rank order (all live workers without FT)."""
@@ -239,8 +250,8 @@ class Agent:
         """Interrupt the event loop from another thread (the request reader)."""
         self._wakeup.wake()
 
-    def _supervise(self) -> _Outcome:
-        outcome = _Outcome()
+    def _supervise(self) -> Outcome:
+        outcome = Outcome()
         with self._selector() as sel:
             self._sel = sel
             try:
@@ -248,8 +259,11 @@ class Agent:
                     outcome.signum = self._wakeup.pop_signal()
                     if outcome.signum is not None:
                         return outcome
-                    ended = self._reap_ready(sel, timeout=CHECK_EVERY_S if self.ft else None)
-                    self.health.tick()
+                    ended: list[Worker | RemoteWorker] = [*self._reap_ready(
+                        sel, timeout=self._idle_wait())]
+                    ended += self._remote_exits()
+                    ticked = self._tick()
+                    outcome.decision = outcome.decision or ticked
                     if self.ft is not None:
                         outcome.decision = self.ft.handle_requests()
                     self.observer.apply_drills()
@@ -261,7 +275,10 @@ class Agent:
                 self._sel = None
         return outcome
 
-    def _on_exit(self, worker: Worker, outcome: _Outcome) -> None:
+    def _idle_wait(self) -> float | None:
+        return CHECK_EVERY_S if self.ft else None
+
+    def _on_exit(self, worker: Worker | RemoteWorker, outcome: Outcome) -> None:
         assert worker.exit is not None
         outcome.exits.append(worker.exit)
         if self.ft is not None and not self.ft.owns(worker):
@@ -278,14 +295,14 @@ class Agent:
             outcome.first_failure = worker.rank
             outcome.cause = worker.exit
 
-    def _group_decision(self, outcome: _Outcome) -> Decision | None:
+    def _group_decision(self, outcome: Outcome) -> Decision | None:
         if self.ft is not None and outcome.first_failure is None:
             if self.ft.done():
                 return Decision(Action.SUCCEED, "every member finished")
             if self.ft.hello:
                 return None
-        members = self._workers if self.ft is None else [
-            w for w in self._workers if w.worker_id in self.ft.members]
+        members = self.all_workers() if self.ft is None else [
+            w for w in self.all_workers() if w.worker_id in self.ft.members]
         codes = {w.rank: (w.exit.returncode if w.exit else None) for w in members}
         decision = decide_group(codes, outcome.first_failure, self.restarts,
                                 self.spec.max_restarts)
@@ -365,7 +382,7 @@ class Agent:
         for w in self._workers:
             w.streams.close()
 
-    def _shutdown_on_signal(self, outcome: _Outcome, restarts: int) -> RunResult:
+    def _shutdown_on_signal(self, outcome: Outcome, restarts: int) -> RunResult:
         assert outcome.signum is not None
         sig = outcome.signum
         alive = sum(w.alive for w in self._workers)

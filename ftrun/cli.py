@@ -12,8 +12,13 @@ import shutil
 import sys
 import time
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from ftrun.errors import EXIT_FAILURE, FtrunError, UsageError
+
+if TYPE_CHECKING:
+    from ftrun.agent import Agent
+    from ftrun.spec import RunSpec
 
 DEBUG_ENV = "FTRUN_DEBUG"
 
@@ -68,11 +73,10 @@ def _launch(args: list[str]) -> int:
     _check_entrypoint(spec.script, spec.module, spec.no_python)
 
     from ftrun import render
-    from ftrun.agent import Agent
     from ftrun.report import copy_to_parent_error_file
 
     started = time.time()
-    result = Agent(spec, emit=render.notice).run()
+    result = _agent_for(spec).run()
     render.print_run_summary(result.faults, time.time() - started)
     if result.cause is not None:
         render.print_failure(spec.entry_name, result.cause, result.exits, result.restarts_used,
@@ -84,6 +88,25 @@ def _launch(args: list[str]) -> int:
             print(f"ftrun: could not write TORCHELASTIC_ERROR_FILE {parent}: {exc.strerror}",
                   file=sys.stderr)
     return result.exit_code
+
+
+def _agent_for(spec: RunSpec) -> Agent:
+    """One node: the agent. Many: the coordinator where the store is served, else a follower."""
+    from ftrun import render
+    from ftrun.agent import Agent
+    from ftrun.cluster import endpoint_of, is_multinode, try_host
+
+    if not is_multinode(spec):
+        return Agent(spec, emit=render.notice)
+    ep = endpoint_of(spec)
+    hosted = try_host(spec, ep)
+    if hosted is not None:
+        from ftrun.coordinator import Coordinator
+
+        return Coordinator(spec, hosted, ep, emit=render.notice)
+    from ftrun.follower import Follower
+
+    return Follower(spec, ep, emit=render.notice)
 
 
 def _check_entrypoint(script: str, module: bool, no_python: bool) -> None:

@@ -149,12 +149,12 @@ def build_group(connect: Callable[[], Store], gen: Generation, rank: int, backen
     if gen.world_size == 1:
         return Group(gen, rank, None)
     result: dict[str, Any] = {}
-    done = threading.Event()
+    done, cancel = threading.Event(), threading.Event()
 
     def construct() -> None:
         try:
             if native is not None:
-                result["pg"] = native.reconfigure(connect(), gen, timeout_s)
+                result["pg"] = native.reconfigure(connect(), gen, timeout_s, cancel)
             else:
                 result["pg"] = _new_pg(connect(), gen, rank, backend, device)
         except Exception as exc:  # reported to the waiting thread below
@@ -166,14 +166,18 @@ def build_group(connect: Callable[[], Store], gen: Generation, rank: int, backen
     interrupt.wake.clear()
     threading.Thread(target=construct, name=f"ftrun-pg-{gen.number}", daemon=True).start()
     deadline = time.monotonic() + timeout_s + 5.0
-    while not done.is_set():
-        interrupt.check(gen.number)
-        newest = interrupt.newest
-        if newest is not None and newest.number > gen.number:  # even a planned one: every
-            raise Abandoned(f"generation {newest.number} published")  # member converges
-        if time.monotonic() > deadline:
-            raise CommError(f"building generation {gen.number}'s group timed out")
-        interrupt.wake.wait(0.5)
+    try:
+        while not done.is_set():
+            interrupt.check(gen.number)
+            newest = interrupt.newest
+            if newest is not None and newest.number > gen.number:  # even a planned one: every
+                raise Abandoned(f"generation {newest.number} published")  # member converges
+            if time.monotonic() > deadline:
+                raise CommError(f"building generation {gen.number}'s group timed out")
+            interrupt.wake.wait(0.5)
+    except BaseException:
+        cancel.set()  # a native handle exchange waiting for a lost member stops at once
+        raise
     if "error" in result:
         raise CommError(f"building generation {gen.number}'s group failed: {result['error']}")
     return Group(gen, rank, result["pg"], shared=native is not None)
@@ -251,6 +255,9 @@ def native_reconfigure_supported(backend: str) -> bool:
     return backend == "gloo" and hasattr(dist, "_supports_reconfigure")
 
 
+HANDLE_POLL_S = 0.01
+
+
 class NativeGroup:
     """torch's in-process reconfigure of the default group (`init_process_group(...,
     enable_reconfigure=True)`, `dist._reconfigure`): `dist.get_rank()` and friends follow the
@@ -268,7 +275,8 @@ class NativeGroup:
             rank=worker_id, world_size=worker_id + 1, enable_reconfigure=True,
             timeout=timedelta(seconds=timeouts.COLLECTIVE_S))
 
-    def reconfigure(self, store: Store, gen: Generation, timeout_s: float) -> Any:
+    def reconfigure(self, store: Store, gen: Generation, timeout_s: float,
+                    cancel: threading.Event) -> Any:
         import torch.distributed as dist
 
         # an abandoned reconfigure still running on its thread must end (it is bounded by
@@ -279,10 +287,17 @@ class NativeGroup:
             key = f"{gen.pg_prefix}handle/"
             store.set(key + str(self.worker_id), dist._get_reconfigure_handle())
             keys = [key + str(m) for m in gen.members]
-            store.wait(keys, timedelta(seconds=timeout_s))
+            deadline = time.monotonic() + timeout_s
+            while not store.check(keys):  # polled, not waited: a newer generation cancels it
+                if cancel.is_set() or time.monotonic() > deadline:
+                    raise CommError(f"generation {gen.number}: not every member published "
+                                    "its handle" + (" (abandoned)" if cancel.is_set() else ""))
+                time.sleep(HANDLE_POLL_S)
             handles = [store.get(k).decode() for k in keys]
+            # every member was alive a moment ago: connecting is quick, so its wait is short
+            connect_s = min(timeout_s, timeouts.RECONFIGURE_CONNECT_S)
             dist._reconfigure(gen.number + 1, handles,
-                              timeout=timedelta(seconds=timeout_s)).wait()
+                              timeout=timedelta(seconds=connect_s)).wait()
             return dist.group.WORLD
         finally:
             self._busy.release()

@@ -135,10 +135,8 @@ def parse_run_args(
             ns.rdzv_endpoint, "", "")
         ns.master_addr = host.strip("[]") or ns.master_addr
         ns.master_port = port or ns.master_port or "29500"
+    _slurm_defaults(ns, env)
     nmin, nmax = _parse_nnodes(str(ns.nnodes))
-    if nmax > 1:
-        raise UsageError(f"--nnodes {ns.nnodes}: multi-node runs are not supported yet",
-                         hint="run on one node (--nnodes 1) for now")
     if ns.rdzv_backend not in ("static", "c10d"):
         raise UsageError(f"--rdzv-backend {ns.rdzv_backend!r} is not supported",
                          hint="use static or c10d")
@@ -180,6 +178,31 @@ def parse_run_args(
         straggler_factor=_float(ns.straggler_factor, "--straggler-factor", positive=True),
         evict_stragglers=ns.evict_stragglers,
     )
+
+
+def _slurm_defaults(ns: argparse.Namespace, env: Mapping[str, str]) -> None:
+    """Under `srun ftrun ...` (one task per node), SLURM already knows what torchrun asks
+    for: the node count, this node's rank and the first node, which serves the store."""
+    nodes = env.get("SLURM_STEP_NUM_NODES") or ""
+    if not nodes.isdigit() or int(nodes) < 2 or ns.nnodes != "1:1":
+        return  # not a multi-node step, or the user said it themselves
+    ns.nnodes = nodes
+    if ns.node_rank == "0":
+        ns.node_rank = env.get("SLURM_NODEID", "0")
+    first = first_host(env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST", ""))
+    if ns.rdzv_backend == "static" and ns.master_addr == "127.0.0.1" and first:
+        ns.master_addr = first
+    ns.master_port = ns.master_port or "29500"
+
+
+def first_host(nodelist: str) -> str:
+    """The first host of a SLURM node list: `gpu[03-05,9],cpu1` -> `gpu03`."""
+    head = nodelist.split(",")[0] if "[" not in nodelist.split(",")[0] else \
+        nodelist[:nodelist.index("]") + 1]
+    if "[" not in head:
+        return head.strip()
+    prefix, _, ranges = head.partition("[")
+    return prefix + ranges.rstrip("]").split(",")[0].split("-")[0]
 
 
 def resolve_nproc(value: str, gpu_count: Callable[[], int] | None = None) -> int:

@@ -34,8 +34,7 @@ class Observer:
         self._slots: dict[int, Slot] = {}
         self._drill_seq = 0
         self.drills: queue.SimpleQueue[dict[str, Any]] = queue.SimpleQueue()
-        name = agent.run_id if agent.run_id != "none" else f"none-{os.getpid()}"
-        sock = os.path.join(run_dir(), f"{name}.sock")
+        sock = os.path.join(run_dir(), f"{agent.control_name()}.sock")
         self.info = RunInfo(agent.run_id, os.getpid(), agent.spec.script, time.time(), sock,
                             agent.logs.run_dir)
         self.server = ControlServer(self.info, self.handle)
@@ -118,11 +117,15 @@ class Observer:
         return self._slots[worker_id]
 
     def status(self) -> dict[str, Any]:
+        """The job as `ftrun status` shows it (a multi-node agent adds the other nodes)."""
+        return self.agent.decorate_status(self.local_status())
+
+    def local_status(self) -> dict[str, Any]:
         agent, now = self.agent, time.time()
         ft = agent.ft
         workers = []
         for w in agent.workers_snapshot():
-            p = self._slot(w.worker_id).read() if ft is not None else None
+            p = self._slot(w.worker_id).read()
             has = p is not None and p.generation >= 0
             role = "member"
             if ft is not None:

@@ -96,6 +96,34 @@ def decide_fault(lost: int, why: str, members: tuple[int, ...], on_fault: str, m
                          survivors)
 
 
+def decide_node_loss(node: str, lost: tuple[int, ...], members: tuple[int, ...],
+                     nodes_left: int, min_nodes: int, faults: int, max_faults: int,
+                     restarts_left: int, unhealed: frozenset[int] = frozenset()
+                     ) -> FaultDecision:
+    """A whole node is gone (agent dead or unreachable): its workers leave together, in one
+    generation, and the job goes on with the other nodes until a node joins again."""
+    survivors = tuple(m for m in members if m not in lost)
+    gone = len(members) - len(survivors)
+    head = f"{node} lost with {gone} member{'s' if gone != 1 else ''}"
+    if faults > max_faults:
+        return _give_up(f"{head}; fault budget exhausted ({max_faults}, --max-faults)",
+                        restarts_left)
+    if nodes_left < min_nodes:
+        return _give_up(f"{head}; {nodes_left} node{'s' if nodes_left != 1 else ''} left is "
+                        f"below --nnodes minimum {min_nodes}", restarts_left)
+    if not [m for m in survivors if m not in unhealed]:
+        return _give_up(f"{head}; no replica left to heal from", restarts_left)
+    return FaultDecision(FaultAction.SHRINK, f"{head}; continuing with {len(survivors)} "
+                         f"workers on {nodes_left} node{'s' if nodes_left != 1 else ''}",
+                         survivors)
+
+
+def find_lost_nodes(ages: Mapping[int, float], lost_after_s: float) -> list[tuple[int, str]]:
+    """Nodes whose heartbeat has not moved for `lost_after_s` (ages in seconds, per node)."""
+    return [(node, f"no heartbeat for {age:.1f} s") for node, age in sorted(ages.items())
+            if age >= lost_after_s]
+
+
 def _give_up(reason: str, restarts_left: int) -> FaultDecision:
     if restarts_left > 0:
         return FaultDecision(FaultAction.RESTART_GROUP, f"{reason}; restarting all workers")

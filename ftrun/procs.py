@@ -111,16 +111,21 @@ class Guardian:
         self.pid = pid
 
     def watch(self, pgid: int) -> None:
-        os.write(self._write_fd, f"+{pgid}\n".encode())
+        self._tell(f"+{pgid}\n")
 
     def forget(self, pgid: int) -> None:
-        os.write(self._write_fd, f"-{pgid}\n".encode())
+        self._tell(f"-{pgid}\n")
+
+    def _tell(self, line: str) -> None:
+        """Best effort: PDEATHSIG still covers the workers if the guardian was killed."""
+        with contextlib.suppress(BrokenPipeError):
+            os.write(self._write_fd, line.encode())
 
     def close(self) -> None:
         """Normal shutdown: the groups are already reaped, so the guardian just exits."""
         if self._write_fd < 0:
             return
-        os.write(self._write_fd, b"=\n")
+        self._tell("=\n")
         os.close(self._write_fd)
         self._write_fd = -1
         with contextlib.suppress(ChildProcessError):
@@ -129,6 +134,10 @@ class Guardian:
 
 def _guardian_main(read_fd: int) -> None:  # pragma: no cover - runs in the forked child
     os.setsid()  # survive a SIGKILL sent to the agent's process group
+    for name in os.listdir("/proc/self/fd"):  # a listening store socket must die with the agent
+        if int(name) > 2 and int(name) != read_fd:
+            with contextlib.suppress(OSError):
+                os.close(int(name))
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
         signal.signal(sig, signal.SIG_IGN)
     groups: set[int] = set()

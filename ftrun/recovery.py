@@ -18,13 +18,23 @@ from typing import TYPE_CHECKING, Any
 
 from ftrun import timeouts
 from ftrun.exits import describe_exit
-from ftrun.policy import Action, Decision, FaultAction, decide_fault
-from ftrun.rendezvous import REQUEST_QUEUE, Generation, publish
+from ftrun.policy import (
+    Action,
+    Decision,
+    FaultAction,
+    FaultDecision,
+    decide_fault,
+    decide_node_loss,
+)
+from ftrun.rendezvous import REQUEST_QUEUE, Generation, node_of, publish
 
 _STOP = "_stop"  # the agent's own sentinel that ends the request reader
 
 if TYPE_CHECKING:
-    from ftrun.agent import Agent, Worker
+    from ftrun.agent import Agent
+    from ftrun.roster import RemoteWorker, Worker
+
+    AnyWorker = Worker | RemoteWorker
 
 
 class FaultTolerance:
@@ -32,7 +42,7 @@ class FaultTolerance:
         self.agent = agent
         self.spec = agent.spec
         self.store = store
-        self.members: tuple[int, ...] = tuple(range(self.spec.nproc))
+        self.members: tuple[int, ...] = agent.initial_members()
         self.number = 0
         self.hello: set[int] = set()
         self.spares: list[int] = []  # ready spares, oldest first
@@ -41,11 +51,11 @@ class FaultTolerance:
         self.finished: set[int] = set()
         self.unhealed: set[int] = set()  # joiners that have not committed a step yet
         self.faults = 0
-        self.next_worker_id = self.spec.nproc
         self.requests: queue.SimpleQueue[dict[str, Any]] = queue.SimpleQueue()
         self._reported: set[int] = set()
-        self._refills: list[int] = []  # local ranks for spares to start after the recovery
-        self._joiners_to_start: list[int] = []  # shrink mode: replacements, likewise
+        self._refills: list[tuple[int, int]] = []  # (node, local rank): spares to start
+        self._joiners_to_start: list[tuple[int, int]] = []  # shrink mode: replacements
+        self._ready_joiners: list[int] = []  # said hello; join with the rest of their node
         self._stop = threading.Event()
         publish(store, Generation(0, self.members, reason="start", published_at=time.time()))
         self._reader = threading.Thread(target=self._read_requests, args=(port,),
@@ -75,21 +85,25 @@ class FaultTolerance:
                                        "reason": reason, "urgent": urgent,
                                        "published_at": gen.published_at})
 
-    def _spawn(self, spare: bool = False, rank: int = -1, local_rank: int | None = None) -> int:
-        wid = self.next_worker_id
-        self.next_worker_id += 1
-        if local_rank is None:
-            local_rank = self.spec.nproc + (wid - self.spec.nproc) % max(self.spec.spares, 1)
-        self.agent.spawn_worker(wid, rank=rank, local_rank=local_rank, spare=spare)
+    def _spawn(self, node: int, local_rank: int, spare: bool = False, rank: int = -1,
+               wid: int | None = None) -> int:
+        """Start a worker on `node`; `local_rank` is the preferred device (the node's agent
+        moves it off an excluded GPU)."""
+        wid = self.agent.allocate_id(node) if wid is None else wid
+        self.agent.place(wid, rank=rank, local_rank=local_rank, spare=spare)
         if spare:
             self.starting_spares.add(wid)
         return wid
 
+    def _start_spares(self, node: int) -> None:
+        for i in range(self.spec.spares):
+            self._spawn(node, self.spec.nproc + i, spare=True)
+
     # ------------------------------------------------------------ worker exits
-    def owns(self, w: Worker) -> bool:
+    def owns(self, w: AnyWorker) -> bool:
         return w.worker_id in self.hello or w.worker_id not in self.members
 
-    def on_exit(self, w: Worker) -> Decision | None:
+    def on_exit(self, w: AnyWorker) -> Decision | None:
         """A worker that uses the ftrun API ended. None: handled, training goes on."""
         assert w.exit is not None
         wid, code = w.worker_id, w.exit.returncode
@@ -98,9 +112,8 @@ class FaultTolerance:
             self.faults += 1
             self.agent.emit("notice", {"text": f"replacement worker {wid} exited with "
                                                f"{describe_exit(code)} before joining"})
-            if self.faults <= self.spec.max_faults:
-                self.awaiting_join.add(
-                    self._spawn(local_rank=self.agent.health.pick_local_rank(w.local_rank)))
+            if self.faults <= self.spec.max_faults and self.agent.node_alive(node_of(wid)):
+                self.awaiting_join.add(self._spawn(node_of(wid), w.local_rank))
             return None
         if wid in self.spares or wid in self.starting_spares:
             self.spares = [s for s in self.spares if s != wid]
@@ -111,8 +124,8 @@ class FaultTolerance:
                     return None  # spares keep dying: stop replacing them
                 self.agent.emit("notice", {"text": f"spare worker {wid} exited with "
                                                    f"{describe_exit(code)}; starting another"})
-                self._spawn(spare=True,
-                            local_rank=self.agent.health.pick_local_rank(w.local_rank))
+                if self.agent.node_alive(node_of(wid)):
+                    self._spawn(node_of(wid), w.local_rank, spare=True)
             return None
         if wid not in self.members:
             return None  # replaced or evicted earlier; its end is expected
@@ -122,11 +135,14 @@ class FaultTolerance:
         self.faults += 1
         return self._on_member_fault(w, f"exited with {describe_exit(code)}")
 
-    def _on_member_fault(self, w: Worker, why: str) -> Decision | None:
+    def _on_member_fault(self, w: AnyWorker, why: str) -> Decision | None:
         assert w.exit is not None
         live = tuple(m for m in self.members if m not in self.finished)
+        node = node_of(w.worker_id)
+        new_id = self.agent.allocate_id(node)
+        near = tuple(sorted(self.spares, key=lambda s: node_of(s) != node))  # same node first
         d = decide_fault(w.worker_id, why, live, self.spec.on_fault, self.spec.min_nproc,
-                         tuple(self.spares), self.next_worker_id, self.faults,
+                         near, new_id, self.faults,
                          self.spec.max_faults, self.spec.max_restarts - self.agent.restarts,
                          frozenset(self.unhealed))
         self._emit_fault({"worker": w.worker_id, "rank": live.index(w.worker_id),
@@ -137,14 +153,14 @@ class FaultTolerance:
             rank = d.members.index(d.joiners[0])
             if d.spare_used is not None:
                 self.spares.remove(d.spare_used)
-                self._refills.append(w.local_rank)  # the lost worker's device goes to the spare
+                self._refills.append((node, w.local_rank))  # the lost device goes to a spare
             else:
-                self._spawn(rank=rank, local_rank=self.agent.health.pick_local_rank(w.local_rank))
+                self._spawn(node, w.local_rank, rank=rank, wid=new_id)
             self._publish(d.members, d.reason, True, fault_at, d.joiners)
             return None
         if d.action is FaultAction.SHRINK:
             self._publish(d.members, d.reason, True, fault_at)
-            self._joiners_to_start.append(w.local_rank)  # after the survivors' first commit
+            self._joiners_to_start.append((node, w.local_rank))  # after the first commit
             return None
         action = Action.RESTART_GROUP if d.action is FaultAction.RESTART_GROUP else Action.FAIL
         return Decision(action, d.reason, w.rank)
@@ -152,7 +168,7 @@ class FaultTolerance:
     def _emit_fault(self, fields: dict[str, Any]) -> None:
         """A fault event, with the highest step any member had committed before it: the
         journal compares it with the step training resumes from (committed work lost)."""
-        steps = [self.agent.observer.progress(m).step for m in self.members]
+        steps = [self.agent.committed_step(m) for m in self.members]
         self.agent.emit("fault", {**fields, "committed_before": max(steps, default=-1)})
 
     def rebuild(self, reason: str) -> None:
@@ -167,10 +183,56 @@ class FaultTolerance:
                                   "reason": reason, "detected_at": time.time()})
         self._publish(live, reason, True, time.time())
 
-    def _grow(self, wid: int) -> None:
-        members = tuple(m for m in self.members if m not in self.finished) + (wid,)
-        self._publish(members, f"worker {wid} joins as rank {len(members) - 1}", False,
-                      joiners=(wid,))
+    def _grow(self, wids: tuple[int, ...]) -> None:
+        members = tuple(m for m in self.members if m not in self.finished) + wids
+        ranks = ", ".join(str(members.index(w)) for w in wids)
+        who = f"worker {wids[0]}" if len(wids) == 1 else f"workers {', '.join(map(str, wids))}"
+        self._publish(members, f"{who} join{'s' if len(wids) == 1 else ''} as rank"
+                      f"{'s' if len(wids) > 1 else ''} {ranks}", False, joiners=wids)
+
+    def add_joiners(self, wids: list[int]) -> None:
+        """A node joined a running job: its workers enter together once each said hello."""
+        self.awaiting_join.update(wids)
+
+    def _joined(self, wid: int) -> None:
+        self.awaiting_join.discard(wid)
+        self._ready_joiners.append(wid)
+        node = node_of(wid)
+        if any(node_of(w) == node for w in self.awaiting_join):
+            return  # the rest of its node is still starting
+        batch = tuple(w for w in self._ready_joiners if node_of(w) == node)
+        self._ready_joiners = [w for w in self._ready_joiners if node_of(w) != node]
+        self._grow(batch)
+
+    def on_node_lost(self, node: int, label: str, lost: list[AnyWorker], nodes_left: int,
+                     last_seen: float) -> Decision | None:
+        """Every worker of `node` is gone at once: one decision, one generation."""
+        ids = {w.worker_id for w in lost}
+        for wid in ids:
+            self.awaiting_join.discard(wid)
+            self.starting_spares.discard(wid)
+        self.spares = [s for s in self.spares if s not in ids]
+        self._ready_joiners = [w for w in self._ready_joiners if w not in ids]
+        self._refills = [r for r in self._refills if r[0] != node]
+        self._joiners_to_start = [r for r in self._joiners_to_start if r[0] != node]
+        live = tuple(m for m in self.members if m not in self.finished)
+        lost_members = tuple(m for m in live if m in ids)
+        if not lost_members:
+            return None
+        self.faults += 1
+        d: FaultDecision = decide_node_loss(
+            label, lost_members, live, nodes_left, self.spec.nnodes_min, self.faults,
+            self.spec.max_faults, self.spec.max_restarts - self.agent.restarts,
+            frozenset(self.unhealed))
+        now = time.time()
+        self._emit_fault({"worker": lost_members[0], "rank": live.index(lost_members[0]),
+                          "why": f"{label} lost", "decision": d.action.value,
+                          "reason": d.reason, "detected_at": now, "node": node})
+        if d.action is FaultAction.SHRINK:
+            self._publish(d.members, d.reason, True, min(last_seen, now))
+            return None
+        action = Action.RESTART_GROUP if d.action is FaultAction.RESTART_GROUP else Action.FAIL
+        return Decision(action, d.reason, None)
 
     def done(self) -> bool:
         """Every member holding state finished; joiners still on their way are not needed."""
@@ -188,15 +250,14 @@ class FaultTolerance:
             kind, wid = req.get("kind"), int(req.get("worker", -1))
             if kind == "hello":
                 if not self.hello:  # the script uses the API: now spares are worth starting
-                    for _ in range(self.spec.spares):
-                        self._spawn(spare=True)
+                    for node in self.agent.live_nodes():
+                        self._start_spares(node)
                 self.hello.add(wid)
                 if req.get("spare") and wid not in self.members:
                     self.starting_spares.discard(wid)
                     self.spares.append(wid)
                 if wid in self.awaiting_join:
-                    self.awaiting_join.discard(wid)
-                    self._grow(wid)
+                    self._joined(wid)
             elif kind == "comm_failed" and int(req["generation"]) == self.number:
                 live = tuple(m for m in self.members if m not in self.finished)
                 reason = f"worker {wid} reported a communicator failure: {req.get('error', '')}"
@@ -211,6 +272,8 @@ class FaultTolerance:
                 if over:
                     return Decision(Action.FAIL, reason)
                 self._publish(live, reason, True, time.time())
+            elif kind == "suspect":
+                self.agent.suspect()
             elif kind == "recovered":
                 self.unhealed.discard(wid)
             if kind == "recovered" and int(req["generation"]) not in self._reported:
@@ -223,11 +286,11 @@ class FaultTolerance:
         importing torch takes a core for seconds, which the recovering step should not
         have to share."""
         while self._refills:
-            self._spawn(spare=True,
-                        local_rank=self.agent.health.pick_local_rank(self._refills.pop(0)))
+            node, local_rank = self._refills.pop(0)
+            self._spawn(node, local_rank, spare=True)
         while self._joiners_to_start:
-            local_rank = self.agent.health.pick_local_rank(self._joiners_to_start.pop(0))
-            self.awaiting_join.add(self._spawn(local_rank=local_rank))
+            node, local_rank = self._joiners_to_start.pop(0)
+            self.awaiting_join.add(self._spawn(node, local_rank))
 
     def _read_requests(self, port: int) -> None:
         from torch.distributed import TCPStore

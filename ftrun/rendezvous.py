@@ -16,6 +16,11 @@ from typing import Any, Protocol
 PREFIX = "ftrun/"
 LATEST_KEY = PREFIX + "gen/latest"
 REQUEST_QUEUE = PREFIX + "requests"
+WORKER_ID_STRIDE = 10_000  # node k's worker ids are k*STRIDE + n: unique across the job
+
+
+def node_of(worker_id: int) -> int:
+    return worker_id // WORKER_ID_STRIDE
 
 
 def gen_key(number: int) -> str:

@@ -13,10 +13,19 @@ STORE_CLIENT_CONNECT_S = 60.0  # worker -> agent store connection
 STORE_SERVER_START_S = 30.0  # agent binding its TCPStore
 LOG_DRAIN_S = 2.0  # reader threads flushing a dead worker's last output
 
+# Multi-node (each overridable with --rdzv-conf heartbeat=, node_timeout=, join_timeout=,
+# last_call_timeout=)
+NODE_HEARTBEAT_S = 0.1  # a follower agent bumps its heartbeat counter this often
+NODE_LOST_S = 5.0  # no heartbeat for this long: the node is lost (host gone, agent frozen)
+NODE_JOIN_S = 600.0  # the coordinator waiting for --nnodes MIN nodes (torchrun's join_timeout)
+LAST_CALL_S = 1.0  # after MIN nodes joined, how long more nodes (up to MAX) may still join
+STORE_LOST_S = 10.0  # a follower's store round trip longer than this: the coordinator is gone
+
 # Worker library
 COLLECTIVE_S = 300.0  # one collective, before the step is given up
 GENERATION_WAIT_S = 120.0  # a worker waiting for the agent to publish the next generation
 PG_INIT_S = 60.0  # building one process group
+RECONFIGURE_CONNECT_S = 10.0  # native reconfigure, once every member's handle is published
 STATE_TRANSFER_S = 300.0  # one healing transfer
 SPARE_ASSIGNMENT_S = 24 * 3600.0  # a hot spare waiting to be used
 

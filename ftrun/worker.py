@@ -285,11 +285,14 @@ class FaultTolerant:
         """The group failed: the agent publishes a newer generation when it sees the fault;
         if it saw none (a lone communicator error), ask it for one."""
         start = time.monotonic()
-        asked = False
+        asked = suspected = False
         while True:
             newest = self._interrupt.newest
             if newest is not None and newest.number > self.generation:
                 return newest
+            if not suspected:  # a peer's connection broke: a node may be gone, look now
+                self._post("suspect", worker=self.worker_id, generation=self.generation)
+                suspected = True
             if self._interrupt.store_lost:
                 raise WorkerApiError(f"lost the agent ({self._interrupt.store_lost})")
             waited = time.monotonic() - start

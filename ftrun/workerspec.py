@@ -31,12 +31,13 @@ def worker_argv(spec: RunSpec, env: Mapping[str, str], local_rank: int) -> list[
 
 def worker_env(spec: RunSpec, env: Mapping[str, str], *, rank: int, local_rank: int,
                worker_id: int, restarts: int, run_id: str, master_addr: str, port: int,
-               error_file: str, spare: bool, progress_dir: str) -> WorkerEnv:
-    n = spec.nproc
+               error_file: str, spare: bool, progress_dir: str, world_size: int | None = None,
+               group_rank: int = 0, group_world_size: int = 1) -> WorkerEnv:
+    n = spec.nproc if world_size is None else world_size
     return WorkerEnv(
-        rank=rank, local_rank=local_rank, world_size=n, local_world_size=n,
-        group_rank=0, group_world_size=1, role_rank=rank, role_name=spec.role,
-        role_world_size=n, master_addr=master_addr, master_port=port,
+        rank=rank, local_rank=local_rank, world_size=n, local_world_size=spec.nproc,
+        group_rank=group_rank, group_world_size=group_world_size, role_rank=rank,
+        role_name=spec.role, role_world_size=n, master_addr=master_addr, master_port=port,
         restart_count=restarts, max_restarts=spec.max_restarts, run_id=run_id,
         use_agent_store=True,
         nccl_async_error_handling=env.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),

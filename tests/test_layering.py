@@ -10,9 +10,9 @@ LAYERS = [  # lowest first
     {"errors", "timeouts", "spec", "states", "exits", "_exit", "xid"},
     {"policy", "gpuhealth"},
     {"procs", "store", "logs", "report", "rendezvous", "progress", "control", "gpu", "wakeup",
-     "workerspec", "_run_path"},
+     "workerspec", "_run_path", "cluster"},
     {"comm", "grads", "joining", "worker", "transfer"},
-    {"journal", "recovery", "observe", "health", "agent"},
+    {"journal", "roster", "recovery", "observe", "health", "agent", "coordinator", "follower"},
     {"cli", "commands", "launch_args", "render", "__main__", "__init__"},
 ]
 WORKER_SIDE = {"comm", "grads", "joining", "worker", "transfer"}

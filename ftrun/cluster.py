@@ -1,0 +1,235 @@
+"""The agents' own channel across nodes: the c10d rendezvous store and what travels on it.
+
+Owns: deciding which agent hosts the rendezvous store (the one that can bind the endpoint on
+this host; node rank 0 with the static backend), connecting the others, the store's keys,
+the messages between agents (a node joining, a worker's exit, commands to a node), node
+heartbeats, and the two threads that carry them (a queue reader and a heartbeat writer),
+each on a store connection of its own.
+Must not import: typer, rich, the CLI, the agent or the worker library. Torch lazily.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+from ftrun import timeouts
+from ftrun.errors import FtrunError, StoreError
+from ftrun.rendezvous import WORKER_ID_STRIDE
+from ftrun.spec import RunSpec
+from ftrun.store import HostedStore
+
+PREFIX = "ftrun/rdzv/"
+NODE_COUNTER = PREFIX + "nodes"  # c10d: followers draw their node index here (1, 2, ...)
+AGENT_QUEUE = PREFIX + "agents"  # follower -> coordinator: join, exit, left
+STATUS_KEY = PREFIX + "status"  # the coordinator's view of the whole job, for `ftrun status`
+DEFAULT_PORT = 29400  # torchrun's c10d default
+
+
+def command_queue(node: int) -> str:
+    return f"{PREFIX}node/{node}/cmd"
+
+
+def heartbeat_key(node: int) -> str:
+    return f"{PREFIX}node/{node}/beat"
+
+
+def payload_key(node: int) -> str:
+    return f"{PREFIX}node/{node}/workers"
+
+
+def first_worker_id(node: int) -> int:
+    return node * WORKER_ID_STRIDE
+
+
+def is_multinode(spec: RunSpec) -> bool:
+    return spec.nnodes_max > 1
+
+
+def conf_float(spec: RunSpec, key: str, default: float) -> float:
+    raw = dict(spec.rdzv_conf).get(key)
+    if raw is None:
+        return default
+    try:
+        return float(raw)
+    except ValueError:
+        raise FtrunError(f"--rdzv-conf {key}={raw!r} is not a number",
+                         hint=f"e.g. --rdzv-conf {key}={default:g}") from None
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    host: str
+    port: int
+
+    def __str__(self) -> str:
+        return f"{self.host}:{self.port}"
+
+
+def endpoint_of(spec: RunSpec) -> Endpoint:
+    if spec.rdzv_backend == "static":
+        return Endpoint(spec.master_addr, spec.master_port or 29500)
+    text = spec.rdzv_endpoint
+    if not text:
+        raise FtrunError("--rdzv-backend c10d needs --rdzv-endpoint HOST[:PORT]",
+                         hint="name the host that serves the rendezvous store, e.g. node0:29400")
+    host, sep, port = text.rpartition(":")
+    if not sep or not port.isdigit():
+        host, port = text, str(DEFAULT_PORT)
+    return Endpoint(host.strip("[]"), int(port))
+
+
+def _is_local(host: str) -> bool:
+    try:
+        wanted = {str(a[4][0]) for a in socket.getaddrinfo(host, None)}
+    except OSError:
+        return False
+    if any(a.startswith("127.") or a == "::1" for a in wanted):
+        return True
+    mine: set[str] = set()
+    for name in {socket.gethostname(), socket.getfqdn()}:
+        try:
+            mine |= {str(a[4][0]) for a in socket.getaddrinfo(name, None)}
+        except OSError:
+            continue
+    return bool(wanted & mine)
+
+
+def try_host(spec: RunSpec, ep: Endpoint) -> HostedStore | None:
+    """The rendezvous store bound here when this agent is to serve it, else None.
+
+    Static: node rank 0 serves. c10d (as torchrun): the agent on the endpoint host serves;
+    when several agents share that host (tests, one-box trials) the first to bind wins."""
+    if spec.rdzv_backend == "static":
+        return HostedStore(ep.port) if spec.node_rank == 0 else None
+    if not _is_local(ep.host):
+        return None
+    try:
+        return HostedStore(ep.port)
+    except StoreError:
+        return None  # another agent on this host serves it
+
+
+def connect(ep: Endpoint, timeout_s: float) -> Any:
+    """A client connection to the rendezvous store; a clear error when nobody serves it."""
+    from torch.distributed import TCPStore
+
+    try:
+        return TCPStore(ep.host, ep.port, None, False, timedelta(seconds=timeout_s))
+    except Exception as exc:
+        raise FtrunError(f"cannot reach the rendezvous store at {ep} within {timeout_s:g} s "
+                         f"({str(exc).splitlines()[0][:120]})",
+                         hint="start the agent of the endpoint host (node rank 0) first, or "
+                              "check --rdzv-endpoint / --master-addr and the firewall") from None
+
+
+def push(store: Any, queue_key: str, kind: str, **fields: Any) -> None:
+    store.queue_push(queue_key, json.dumps({"kind": kind, **fields}))
+
+
+class QueueReader:
+    """A thread blocked on one store queue: each message goes to `deliver`; a lost store
+    (the coordinator died) goes to `on_lost` once."""
+
+    def __init__(self, ep: Endpoint, queue_key: str, deliver: Callable[[dict[str, Any]], None],
+                 on_lost: Callable[[str], None], name: str) -> None:
+        self._ep, self._key = ep, queue_key
+        self._deliver, self._on_lost = deliver, on_lost
+        self._stop = threading.Event()
+        self._client: Any = None
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def close(self, store: Any) -> None:
+        """Wake the reader with its own sentinel (it is blocked in C++), then join it."""
+        self._stop.set()
+        with contextlib.suppress(Exception):
+            push(store, self._key, "_stop")
+        self._thread.join(timeouts.THREAD_JOIN_S)
+
+    def _run(self) -> None:
+        try:
+            self._client = connect(self._ep, timeouts.STORE_CLIENT_CONNECT_S)
+            self._client.set_timeout(timedelta(seconds=timeouts.WATCH_POLL_S))
+        except Exception as exc:
+            self._on_lost(str(exc))
+            return
+        while not self._stop.is_set():
+            try:
+                raw = self._client.queue_pop(self._key, True)
+            except Exception as exc:
+                if "timeout" in str(exc).lower() and not self._stop.is_set():
+                    continue
+                if not self._stop.is_set():
+                    self._on_lost(str(exc).splitlines()[0][:200])
+                return
+            doc = json.loads(raw)
+            if doc.get("kind") == "_stop":
+                return
+            self._deliver(doc)
+
+
+class Heartbeat:
+    """A follower's pulse: a counter bumped every `interval_s` (a round trip, so a store that
+    stopped answering is noticed within `lost_after_s`), and what its workers are doing."""
+
+    def __init__(self, ep: Endpoint, node: int, interval_s: float, lost_after_s: float,
+                 payload: Callable[[], dict[str, Any]], on_lost: Callable[[str], None]) -> None:
+        self._ep, self._node = ep, node
+        self._interval, self._lost_after = interval_s, lost_after_s
+        self._payload, self._on_lost = payload, on_lost
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="ftrun-heartbeat", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeouts.THREAD_JOIN_S)
+
+    def _run(self) -> None:
+        try:
+            client = connect(self._ep, self._lost_after)
+        except Exception as exc:
+            self._on_lost(str(exc))
+            return
+        while not self._stop.is_set():
+            try:
+                client.set(payload_key(self._node), json.dumps(self._payload()))
+                client.add(heartbeat_key(self._node), 1)
+            except Exception as exc:
+                if not self._stop.is_set():
+                    self._on_lost(str(exc).splitlines()[0][:200])
+                return
+            self._stop.wait(self._interval)
+
+
+class BeatTracker:
+    """The coordinator's clock on each follower: when its counter last moved (monotonic,
+    this host's clock: immune to skew between hosts)."""
+
+    def __init__(self) -> None:
+        self._last: dict[int, tuple[int, float]] = {}
+
+    def watch(self, node: int) -> None:
+        self._last[node] = (-1, time.monotonic())
+
+    def forget(self, node: int) -> None:
+        self._last.pop(node, None)
+
+    def ages(self, store: Any) -> dict[int, float]:
+        now = time.monotonic()
+        out: dict[int, float] = {}
+        for node, (count, seen) in list(self._last.items()):
+            current = int(store.add(heartbeat_key(node), 0))
+            if current != count:
+                self._last[node] = (current, now)
+                seen = now
+            out[node] = now - seen
+        return out

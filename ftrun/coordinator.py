@@ -1,0 +1,380 @@
+"""The coordinating agent of a multi-node job: it serves the rendezvous store and decides.
+
+Owns: the node table (who joined, their heartbeats, which are lost), global rank assignment
+(nodes in join order, this node first, ranks contiguous per node as torchrun assigns them),
+the remote workers as this agent knows them from their node's reports, starting, stopping and
+ending the other nodes' workers through their command queues, admitting a node into a
+running job, and publishing the whole job's status for `ftrun status` on any node.
+Generations and fault decisions stay with `FaultTolerance` and the pure policy.
+Must not import: typer, rich, the CLI or the worker library.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import signal
+import socket
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from ftrun import timeouts
+from ftrun.agent import Agent, EventSink, _ignore
+from ftrun.cluster import (
+    AGENT_QUEUE,
+    STATUS_KEY,
+    BeatTracker,
+    Endpoint,
+    QueueReader,
+    command_queue,
+    conf_float,
+    first_worker_id,
+    payload_key,
+    push,
+)
+from ftrun.errors import FtrunError
+from ftrun.policy import Decision, find_lost_nodes
+from ftrun.rendezvous import node_of
+from ftrun.report import WorkerExit
+from ftrun.roster import RemoteWorker, Worker
+from ftrun.spec import RunSpec
+from ftrun.store import HostedStore
+
+STATUS_EVERY_S = 1.0
+
+
+@dataclass
+class Node:
+    index: int
+    host: str
+    pid: int
+    nproc: int
+    alive: bool = True
+    in_attempt: bool = False  # its workers belong to the current attempt
+
+    @property
+    def label(self) -> str:
+        return f"node {self.index} ({self.host})"
+
+
+class Coordinator(Agent):
+    def __init__(self, spec: RunSpec, rdzv: HostedStore, ep: Endpoint,
+                 env: Mapping[str, str] | None = None, emit: EventSink = _ignore) -> None:
+        super().__init__(spec, env, emit)
+        self.rdzv = rdzv
+        self.ep = ep
+        self.nodes: dict[int, Node] = {}
+        self.remote: dict[int, RemoteWorker] = {}
+        self._inbox: queue.SimpleQueue[dict[str, Any]] = queue.SimpleQueue()
+        self._exited: list[RemoteWorker] = []
+        self._beats = BeatTracker()
+        self._ids: dict[int, int] = {}
+        self._members: tuple[int, ...] = ()
+        self._next_status = 0.0
+        self._suspect_until = 0.0
+        self.beat_s = conf_float(spec, "heartbeat", timeouts.NODE_HEARTBEAT_S)
+        self.lost_after_s = conf_float(spec, "node_timeout", timeouts.NODE_LOST_S)
+        self.suspect_after_s = max(3 * self.beat_s, 0.3)
+        self._reader: QueueReader | None = None
+        self._lost_nodes: list[tuple[int, str, float]] = []  # node, why, silent for (s)
+
+    # ----------------------------------------------------------------- lifecycle
+    def run(self) -> Any:
+        self.rdzv.serve()
+        self._reader = QueueReader(self.ep, AGENT_QUEUE, self._deliver, lambda why: None,
+                                   "ftrun-agents")
+        result = None
+        try:
+            result = super().run()
+            return result
+        finally:
+            code = result.exit_code if result is not None else 1
+            reason = result.reason if result is not None else "the coordinating agent failed"
+            ending = self._alive()
+            for node in ending:
+                self._send(node, "end", code=code, reason=reason)
+            self._await_byes({n.index for n in ending})
+            self._reader.close(self.rdzv.store)
+            self.rdzv.close()
+
+    def _await_byes(self, nodes: set[int]) -> None:
+        """Followers close their store connections before the store goes away (a client
+        blocked on a vanished server makes c10d print a stack trace)."""
+        deadline = time.monotonic() + timeouts.THREAD_JOIN_S + self.spec.shutdown_timeout
+        while nodes and time.monotonic() < deadline:
+            try:
+                msg = self._inbox.get(timeout=0.05)
+            except queue.Empty:
+                continue
+            if msg.get("kind") in ("bye", "left"):
+                nodes.discard(int(msg.get("node", -1)))
+
+    def control_name(self) -> str:
+        return f"{self.run_id}.{os.getpid()}"
+
+    def _static_port(self) -> int | None:
+        return None  # worker stores are per attempt, on a free port; the endpoint is ours
+
+    def _deliver(self, msg: dict[str, Any]) -> None:  # reader thread
+        self._inbox.put(msg)
+        self.wake()
+
+    def _send(self, node: Node, kind: str, **fields: Any) -> None:
+        try:
+            push(self.rdzv.store, command_queue(node.index), kind, **fields)
+        except Exception as exc:  # our own store: only a bug gets here
+            raise FtrunError(f"cannot reach {node.label}'s command queue: {exc}") from exc
+
+    def _alive(self) -> list[Node]:
+        return [n for n in self.nodes.values() if n.alive]
+
+    # ----------------------------------------------------------------- rendezvous
+    def _start_group(self, restarts: int, hosted: HostedStore) -> None:
+        self._gather_nodes(first=restarts == 0)
+        order = sorted(self._alive(), key=lambda n: n.index)
+        self.group_world_size = 1 + len(order)
+        self.world_size = self.spec.nproc + sum(n.nproc for n in order)
+        self.remote = {}
+        self._ids = {}
+        super()._start_group(restarts, hosted)
+        members = list(range(self.spec.nproc))
+        base = self.spec.nproc
+        for position, node in enumerate(order, start=1):
+            first = first_worker_id(node.index)
+            ids = list(range(first, first + node.nproc))
+            self._ids[node.index] = first + node.nproc
+            for i, wid in enumerate(ids):
+                self.remote[wid] = RemoteWorker(base + i, i, wid, node.index)
+            self._send(node, "start", attempt=restarts, addr=self.master_addr,
+                       port=hosted.port, base_rank=base, world_size=self.world_size,
+                       group_rank=position, group_world_size=self.group_world_size,
+                       first_id=first, run_id=self.run_id)
+            node.in_attempt = True
+            members += ids
+            base += node.nproc
+        self._members = tuple(members)
+        for node in order:
+            self._beats.watch(node.index)
+
+    def _gather_nodes(self, first: bool) -> None:
+        """Wait for the nodes of this attempt: MAX, or MIN and then a last call for more."""
+        join_s = conf_float(self.spec, "join_timeout", timeouts.NODE_JOIN_S)
+        last_call_s = conf_float(self.spec, "last_call_timeout", timeouts.LAST_CALL_S)
+        start = time.monotonic()
+        enough_at: float | None = None
+        while True:
+            self._drain_inbox(running=False)
+            count = 1 + len(self._alive())
+            if count >= self.spec.nnodes_max:
+                return
+            now = time.monotonic()
+            if count >= self.spec.nnodes_min:
+                enough_at = enough_at or now
+                if now - enough_at >= last_call_s:
+                    return
+            elif now - start > join_s:
+                raise FtrunError(f"only {count} of {self.spec.nnodes_min} nodes joined the "
+                                 f"rendezvous at {self.ep} within {join_s:g} s",
+                                 hint="start ftrun on the other nodes with the same "
+                                      "--rdzv-endpoint, or lower --nnodes")
+            if self._wakeup.pop_signal() is not None:
+                raise FtrunError("interrupted while waiting for nodes to join")
+            time.sleep(0.02)
+
+    def _drain_inbox(self, running: bool) -> None:
+        while True:
+            try:
+                msg = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            kind, index = msg.get("kind"), int(msg.get("node", -1))
+            if kind == "join":
+                self._on_join(msg, running)
+            elif kind == "exit" and int(msg["worker"]) in self.remote:
+                self._on_remote_exit(msg)
+            elif kind == "spawned" and int(msg["worker"]) in self.remote:
+                self.remote[int(msg["worker"])].pid = int(msg["pid"])
+                self.remote[int(msg["worker"])].local_rank = int(msg["local_rank"])
+            elif kind == "left" and index in self.nodes and self.nodes[index].alive:
+                self._lost_nodes.append((index, f"its agent left ({msg.get('reason', '')})", 0.0))
+
+    def _on_join(self, msg: dict[str, Any], running: bool) -> None:
+        node = Node(int(msg["node"]), str(msg["host"]), int(msg["pid"]), int(msg["nproc"]))
+        if node.index in self.nodes and self.nodes[node.index].alive:
+            self._send(node, "end", code=1, reason=f"node index {node.index} is taken")
+            return
+        self.nodes[node.index] = node
+        self.emit("notice", {"text": f"{node.label} joined with {node.nproc} workers"})
+        if running:
+            self._admit(node)
+
+    def _admit(self, node: Node) -> None:
+        """A node joining a running job: its workers enter at a step boundary and heal."""
+        ft = self.ft
+        full = 1 + sum(n.in_attempt for n in self._alive()) >= self.spec.nnodes_max
+        if ft is None or not ft.hello or full:
+            why = "the job is full" if full else "the script does not use the ftrun API"
+            self.emit("notice", {"text": f"{node.label} waits for the next restart ({why})"})
+            return
+        first = first_worker_id(node.index)
+        ids = list(range(first, first + node.nproc))
+        self._ids[node.index] = first + node.nproc
+        for i, wid in enumerate(ids):
+            self.remote[wid] = RemoteWorker(-1, i, wid, node.index)
+        self._send(node, "start", attempt=self.restarts, addr=self.master_addr,
+                   port=self.worker_port, base_rank=-1, world_size=self.world_size,
+                   group_rank=len(self._alive()), group_world_size=self.group_world_size + 1,
+                   first_id=first, run_id=self.run_id)
+        node.in_attempt = True
+        self._beats.watch(node.index)
+        ft.add_joiners(ids)
+
+    def _on_remote_exit(self, msg: dict[str, Any]) -> None:
+        w = self.remote[int(msg["worker"])]
+        if w.exit is not None:
+            return
+        w.exit = WorkerExit(rank=w.rank, local_rank=w.local_rank, pid=int(msg["pid"]),
+                            returncode=int(msg["returncode"]), detected_at=time.monotonic(),
+                            wall_time=float(msg["wall_time"]),
+                            error_file=str(msg.get("error_file") or ""),
+                            killed_by_launcher=bool(msg.get("by_launcher")))
+        self._exited.append(w)
+
+    # ----------------------------------------------------------------- supervision hooks
+    def _remote_exits(self) -> list[RemoteWorker]:
+        self._drain_inbox(running=True)
+        out, self._exited = self._exited, []
+        return out
+
+    def _idle_wait(self) -> float | None:
+        return self.beat_s
+
+    def _tick(self) -> Decision | None:
+        super()._tick()
+        self._publish_status()
+        ages = self._beats.ages(self.rdzv.store)
+        limit = self.suspect_after_s if time.monotonic() < self._suspect_until \
+            else self.lost_after_s
+        lost = self._lost_nodes + [(n, why, ages[n]) for n, why in find_lost_nodes(ages, limit)]
+        self._lost_nodes = []
+        decision = None
+        for index, why, silent_s in lost:
+            d = self._node_lost(self.nodes[index], why, time.time() - silent_s)
+            decision = decision or d
+        return decision
+
+    def suspect(self) -> None:
+        """A worker saw a peer's connection break: check the heartbeats on a short fuse."""
+        self._suspect_until = time.monotonic() + self.lost_after_s
+
+    def _node_lost(self, node: Node, why: str, last_seen: float) -> Decision | None:
+        """`last_seen`: wall clock of its last sign of life, the fault's best estimate."""
+        if not node.alive:
+            return None
+        node.alive = False
+        self._beats.forget(node.index)
+        self.emit("notice", {"text": f"{node.label} is lost: {why}"})
+        self._send(node, "end", code=1, reason=f"the coordinator declared this node lost ({why})")
+        gone = [w for w in self.remote.values() if w.node == node.index and w.alive]
+        now = time.time()
+        for w in gone:
+            w.exit = WorkerExit(rank=w.rank, local_rank=w.local_rank, pid=w.pid,
+                                returncode=-int(signal.SIGKILL), detected_at=time.monotonic(),
+                                wall_time=now, error_file="", killed_by_launcher=False)
+        if self.ft is not None and self.ft.hello:
+            left = 1 + len(self._alive())
+            return self.ft.on_node_lost(node.index, node.label, list(gone), left, last_seen)
+        self._exited += gone  # torchrun semantics: a failed member restarts or ends the job
+        return None
+
+    def allocate_id(self, node: int) -> int:
+        if node == 0:
+            return super().allocate_id(node)
+        self._ids[node] = self._ids.get(node, first_worker_id(node)) + 1
+        return self._ids[node] - 1
+
+    def place(self, worker_id: int, rank: int, local_rank: int, spare: bool) -> None:
+        node = node_of(worker_id)
+        if node == 0:
+            super().place(worker_id, rank, local_rank, spare)
+            return
+        self.remote[worker_id] = RemoteWorker(rank, local_rank, worker_id, node)
+        self._send(self.nodes[node], "spawn", worker=worker_id, rank=rank,
+                   local_rank=local_rank, spare=spare)
+
+    def node_alive(self, node: int) -> bool:
+        return node == 0 or (node in self.nodes and self.nodes[node].alive)
+
+    def live_nodes(self) -> list[int]:
+        return [0] + [n.index for n in self._alive() if n.in_attempt]
+
+    def committed_step(self, worker_id: int) -> int:
+        node = node_of(worker_id)
+        if node == 0:
+            return super().committed_step(worker_id)
+        try:
+            doc = json.loads(self.rdzv.store.get(payload_key(node)))
+        except Exception:
+            return -1
+        step = next((w.get("step") for w in doc.get("workers", [])
+                     if w.get("worker_id") == worker_id), None)
+        return -1 if step is None else int(step)
+
+    def initial_members(self) -> tuple[int, ...]:
+        return self._members
+
+    def all_workers(self) -> list[Worker | RemoteWorker]:
+        return [*self._workers, *self.remote.values()]
+
+    def _stop_workers(self, sig: int, grace: float) -> int | None:
+        waiting = [n for n in self._alive() if n.in_attempt]
+        for node in waiting:
+            self._send(node, "stop", signal=int(sig), grace=grace)
+            node.in_attempt = False
+        received = super()._stop_workers(sig, grace)
+        deadline = time.monotonic() + grace + timeouts.KILL_REAP_S
+        while time.monotonic() < deadline and any(
+                w.alive and self.nodes[w.node].alive for w in self.remote.values()):
+            self._drain_inbox(running=False)
+            time.sleep(0.02)
+        return received
+
+    # ----------------------------------------------------------------- status
+    def decorate_status(self, doc: dict[str, Any]) -> dict[str, Any]:
+        """This node's status plus every other node's workers, from their last heartbeat."""
+        ft = self.ft
+        workers = list(doc["workers"])
+        for node in self._alive():
+            try:
+                beat = json.loads(self.rdzv.store.get(payload_key(node.index)))
+            except Exception:
+                continue
+            for w in beat.get("workers", []):
+                wid = int(w["worker_id"])
+                if ft is not None:
+                    w["role"] = ("spare" if wid in ft.spares else "joining" if wid in
+                                 ft.unhealed else "member" if wid in ft.members else "gone")
+                workers.append({**w, "node": node.index, "host": node.host})
+        for w in doc["workers"]:
+            w.setdefault("node", 0)
+            w.setdefault("host", socket.gethostname())
+        nodes = [{"node": 0, "host": socket.gethostname(), "pid": os.getpid(),
+                  "alive": True, "role": "coordinator (serves the store)"}]
+        nodes += [{"node": n.index, "host": n.host, "pid": n.pid, "alive": n.alive,
+                   "role": "worker node"} for n in self.nodes.values()]
+        world = len(ft.members) if ft else self.world_size
+        return {**doc, "workers": workers, "nodes": nodes, "world_size": world,
+                "endpoint": str(self.ep)}
+
+    def _publish_status(self) -> None:
+        now = time.monotonic()
+        if now < self._next_status:
+            return
+        self._next_status = now + STATUS_EVERY_S
+        try:
+            self.rdzv.store.set(STATUS_KEY, json.dumps(self.observer.status()))
+        except Exception as exc:  # a status snapshot must never stop the job
+            self.emit("notice", {"text": f"could not publish the job status: {exc}"})

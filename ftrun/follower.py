@@ -1,0 +1,231 @@
+"""A worker node's agent in a multi-node job: it runs what the coordinator decides.
+
+Owns: joining the rendezvous (a node index, a heartbeat), starting this node's workers when
+the coordinator says so (first members, replacements, spares, a late node's joiners),
+reporting every exit at once, stopping on command, and leaving cleanly when the store host
+dies: its workers stopped within a bounded time and one line saying why.
+Must not import: typer, rich, the CLI or the worker library.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import signal
+import socket
+import time
+from collections.abc import Mapping
+from datetime import timedelta
+from typing import Any
+
+from ftrun import timeouts
+from ftrun.agent import Agent, EventSink, _ignore
+from ftrun.cluster import (
+    AGENT_QUEUE,
+    NODE_COUNTER,
+    STATUS_KEY,
+    Endpoint,
+    Heartbeat,
+    QueueReader,
+    command_queue,
+    conf_float,
+    connect,
+    push,
+)
+from ftrun.roster import RunResult, Worker
+from ftrun.spec import RunSpec
+
+LOST_STORE_GRACE_S = 3.0  # workers of a job whose store host died: SIGTERM, then SIGKILL
+
+
+class Follower(Agent):
+    def __init__(self, spec: RunSpec, ep: Endpoint, env: Mapping[str, str] | None = None,
+                 emit: EventSink = _ignore) -> None:
+        super().__init__(spec, env, emit)
+        self.ep = ep
+        self.node = -1
+        self.link: Any = None
+        self._commands: queue.SimpleQueue[dict[str, Any]] = queue.SimpleQueue()
+        self._lost: str | None = None
+
+    def control_name(self) -> str:
+        return f"{self.run_id}.{os.getpid()}"
+
+    def _static_port(self) -> int | None:
+        return None
+
+    # ----------------------------------------------------------------- threads
+    def _deliver(self, msg: dict[str, Any]) -> None:
+        self._commands.put(msg)
+        self.wake()
+
+    def _on_lost(self, why: str) -> None:
+        if self._lost is None:
+            self._lost = why or "connection closed"
+        self.wake()
+
+    def _payload(self) -> dict[str, Any]:
+        return {"workers": self.observer.local_status()["workers"], "time": time.time()}
+
+    def _report(self, kind: str, **fields: Any) -> None:
+        if self._lost is None:
+            try:
+                push(self.link, AGENT_QUEUE, kind, node=self.node, **fields)
+            except Exception as exc:
+                self._on_lost(str(exc).splitlines()[0][:200])
+
+    # ----------------------------------------------------------------- top level
+    def _run_attempts(self) -> RunResult:
+        join_s = conf_float(self.spec, "join_timeout", timeouts.NODE_JOIN_S)
+        self.link = connect(self.ep, join_s)
+        self.link.set_timeout(timedelta(seconds=timeouts.STORE_LOST_S))
+        static = self.spec.rdzv_backend == "static"
+        self.node = self.spec.node_rank if static else int(self.link.add(NODE_COUNTER, 1))
+        reader = QueueReader(self.ep, command_queue(self.node), self._deliver, self._on_lost,
+                             "ftrun-commands")
+        beat = Heartbeat(self.ep, self.node,
+                         conf_float(self.spec, "heartbeat", timeouts.NODE_HEARTBEAT_S),
+                         timeouts.STORE_LOST_S, self._payload, self._on_lost)
+        self._report("join", host=socket.gethostname(), pid=os.getpid(), nproc=self.spec.nproc)
+        self.emit("notice", {"text": f"joined the rendezvous at {self.ep} as node {self.node}"})
+        try:
+            return self._serve()
+        finally:
+            beat.close()
+            reader.close(self.link)
+            self._report("bye")  # the coordinator may close the store now
+
+    def _serve(self) -> RunResult:
+        while True:
+            cmd = self._next_command()
+            if isinstance(cmd, RunResult):
+                return cmd
+            if cmd["kind"] == "end":
+                return self._end(cmd)
+            if cmd["kind"] == "start":
+                self._start(cmd)
+                result = self._follow()
+                if result is not None:
+                    return result
+            elif cmd["kind"] == "stop":
+                self._report("stopped")
+
+    def _next_command(self) -> dict[str, Any] | RunResult:
+        """Wait (no deadline: the heartbeat notices a dead coordinator) for a command."""
+        with self._selector() as sel:
+            while True:
+                sig = self._wakeup.pop_signal()
+                if sig is not None:
+                    self._report("left", reason=f"received {signal.Signals(sig).name}")
+                    return self._signal_result(sig, self.restarts)
+                if self._lost is not None:
+                    return self._lost_result(0)
+                try:
+                    return self._commands.get_nowait()
+                except queue.Empty:
+                    pass
+                for key, _ in sel.select(timeouts.NODE_HEARTBEAT_S):
+                    if key.data is None:
+                        self._wakeup.drain()
+
+    def _start(self, cmd: dict[str, Any]) -> None:
+        self.restarts = int(cmd["attempt"])
+        self.run_id = str(cmd.get("run_id", self.run_id))
+        self.master_addr, self.worker_port = str(cmd["addr"]), int(cmd["port"])
+        self.world_size = int(cmd["world_size"])
+        self.group_rank = int(cmd["group_rank"])
+        self.group_world_size = int(cmd["group_world_size"])
+        base, first = int(cmd["base_rank"]), int(cmd["first_id"])
+        self._workers = []
+        for i in range(self.spec.nproc):
+            w = self.spawn_worker(first + i, rank=base + i if base >= 0 else -1, local_rank=i)
+            self._report("spawned", worker=w.worker_id, pid=w.spawned.pid, local_rank=i)
+        self.emit("started", {"attempt": self.restarts, "world_size": self.world_size,
+                              "pids": [w.spawned.pid for w in self._workers],
+                              "master": f"{self.master_addr}:{self.worker_port}",
+                              "node": self.node})
+
+    def _follow(self) -> RunResult | None:
+        """This node's workers run: report exits, obey commands. None when told to stop."""
+        with self._selector() as sel:
+            self._sel = sel
+            try:
+                while True:
+                    sig = self._wakeup.pop_signal()
+                    if sig is not None:
+                        return self._leave_on_signal(sig)
+                    if self._lost is not None:
+                        alive = sum(w.alive for w in self._workers)
+                        self._stop_workers(signal.SIGTERM, LOST_STORE_GRACE_S)
+                        return self._lost_result(alive)
+                    self._reap_ready(sel, timeout=timeouts.NODE_HEARTBEAT_S)
+                    self.health.tick()
+                    self.observer.apply_drills()
+                    stop, result = self._obey()
+                    if stop:
+                        return result
+            finally:
+                self._sel = None
+
+    def _obey(self) -> tuple[bool, RunResult | None]:
+        """Apply queued commands: (stop following?, the run's result if it ended)."""
+        while True:
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return False, None
+            kind = cmd["kind"]
+            if kind == "spawn":
+                w = self.spawn_worker(int(cmd["worker"]), rank=int(cmd["rank"]),
+                                      local_rank=self.health.pick_local_rank(
+                                          int(cmd["local_rank"])), spare=bool(cmd["spare"]))
+                self._report("spawned", worker=w.worker_id, pid=w.spawned.pid,
+                             local_rank=w.local_rank)
+            elif kind == "stop":
+                self._stop_workers(int(cmd.get("signal", signal.SIGTERM)),
+                                   float(cmd.get("grace", self.spec.shutdown_timeout)))
+                self._close_streams()
+                self._report("stopped")
+                return True, None
+            elif kind == "end":
+                return True, self._end(cmd)
+
+    def _end(self, cmd: dict[str, Any]) -> RunResult:
+        if any(w.alive for w in self._workers):
+            self._stop_workers(signal.SIGTERM, self.spec.shutdown_timeout)
+        self._close_streams()
+        code = int(cmd.get("code", 1))
+        exits = tuple(w.exit for w in self._workers if w.exit is not None)
+        return RunResult(code, f"the coordinator ended the job: {cmd.get('reason', '')}",
+                         exits=exits, restarts_used=self.restarts, log_dir=self.logs.run_dir)
+
+    def _leave_on_signal(self, sig: int) -> RunResult:
+        self._report("left", reason=f"received {signal.Signals(sig).name}")
+        self._stop_workers(sig, self.spec.shutdown_timeout)
+        self._close_streams()
+        return self._signal_result(sig, self.restarts)
+
+    def _lost_result(self, stopped: int) -> RunResult:
+        self._close_streams()
+        return RunResult(1, f"lost the rendezvous store at {self.ep}: the coordinating agent "
+                            f"(or its host) is gone ({self._lost}); stopped {stopped} "
+                            f"worker{'s' if stopped != 1 else ''} of this node",
+                         restarts_used=self.restarts, log_dir=self.logs.run_dir)
+
+    def _record_exit(self, w: Worker) -> None:
+        super()._record_exit(w)
+        assert w.exit is not None
+        self._report("exit", worker=w.worker_id, pid=w.exit.pid, returncode=w.exit.returncode,
+                     wall_time=w.exit.wall_time, error_file=w.exit.error_file,
+                     by_launcher=w.exit.killed_by_launcher)
+
+    def decorate_status(self, doc: dict[str, Any]) -> dict[str, Any]:
+        """The coordinator's view of the whole job (published every second), with this node."""
+        try:
+            client = connect(self.ep, timeouts.CONTROL_REQUEST_S)
+            job = json.loads(client.get(STATUS_KEY))
+        except Exception:
+            return {**doc, "note": "the coordinator's job status is not available yet"}
+        return {**job, "served_by": {"node": self.node, "host": socket.gethostname(),
+                                     "pid": os.getpid()}}
