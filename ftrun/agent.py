@@ -195,6 +195,10 @@ class Agent:
         self._next_id += 1
         return self._next_id - 1
 
+    def peek_id(self, node: int) -> int:
+        """The id `allocate_id(node)` returns next."""
+        return self._next_id
+
     def place(self, worker_id: int, rank: int, local_rank: int, spare: bool) -> None:
         """Start a worker of the current attempt on its node (here: this one)."""
         self.spawn_worker(worker_id, rank, self.health.pick_local_rank(local_rank), spare)

@@ -100,13 +100,19 @@ def _agent_for(spec: RunSpec) -> Agent:
         return Agent(spec, emit=render.notice)
     ep = endpoint_of(spec)
     hosted = try_host(spec, ep)
+    agent: Agent
     if hosted is not None:
         from ftrun.coordinator import Coordinator
 
-        return Coordinator(spec, hosted, ep, emit=render.notice)
-    from ftrun.follower import Follower
+        agent = Coordinator(spec, hosted, ep, emit=render.notice)
+    else:
+        from ftrun.follower import Follower
 
-    return Follower(spec, ep, emit=render.notice)
+        agent = Follower(spec, ep, emit=render.notice)
+    # the agents' store clients outlive peers by design; a vanished peer is reported in one
+    # line, not as c10d's C++ warning with a stack (workers keep the user's setting)
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+    return agent
 
 
 def _check_entrypoint(script: str, module: bool, no_python: bool) -> None:

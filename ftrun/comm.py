@@ -54,6 +54,10 @@ def keep_forever(obj: Any) -> None:
     ctypes.pythonapi.Py_IncRef(ctypes.py_object(obj))
 
 
+HANDLE_POLL_S = 0.01
+NCCL_POLL_S = 0.0005  # a hung NCCL kernel must stay abandonable; a step is ~100s of ms
+
+
 @dataclass
 class Group:
     """A process group for one generation, with this worker's rank in it."""
@@ -67,18 +71,26 @@ class Group:
     def size(self) -> int:
         return self.gen.world_size
 
+    @property
+    def on_gpu(self) -> bool:
+        return "NCCL" in type(self.pg).__name__
+
     def wait(self, work: Any, interrupt: Interrupt, timeout_s: float = timeouts.COLLECTIVE_S
              ) -> None:
         """Wait for `work` unless a newer urgent generation arrives first."""
         interrupt.wake.clear()
         errors: list[BaseException] | None = None
-        try:
-            fut = work.get_future()
-            fut.add_done_callback(lambda _f: interrupt.wake.set())
-            done = fut.done
-        except RuntimeError:  # gloo send/recv: no future, and they progress only in wait()
-            finished, errors = _wait_in_thread(work, interrupt.wake, timeout_s)
-            done = finished.is_set
+        poll_s = 1.0
+        if self.on_gpu:  # NCCL work is "done" once enqueued; its CUDA events say when it ran
+            done, poll_s = work.is_completed, NCCL_POLL_S
+        else:
+            try:
+                fut = work.get_future()
+                fut.add_done_callback(lambda _f: interrupt.wake.set())
+                done = fut.done
+            except RuntimeError:  # gloo send/recv: no future, they progress only in wait()
+                finished, errors = _wait_in_thread(work, interrupt.wake, timeout_s)
+                done = finished.is_set
         deadline = time.monotonic() + timeout_s
         while not done():
             try:
@@ -90,7 +102,7 @@ class Group:
             if left <= 0:
                 keep_forever(work)
                 raise CommError(f"collective timed out after {timeout_s:.0f}s")
-            interrupt.wake.wait(min(left, 1.0))
+            interrupt.wake.wait(min(left, poll_s))
         try:
             if errors is None:
                 work.wait()
@@ -191,7 +203,13 @@ def _new_pg(store: Store, gen: Generation, rank: int, backend: str, device: Any)
     if backend == "nccl":
         opts = dist.ProcessGroupNCCL.Options()
         opts._timeout = timeout
-        return dist.ProcessGroupNCCL(prefixed, rank, gen.world_size, opts)
+        pg = dist.ProcessGroupNCCL(prefixed, rank, gen.world_size, opts)
+        # NCCL connects lazily, in the first collective on the training thread, where a
+        # missing peer blocks for good; connect here, on the abandonable builder thread
+        connect_now = getattr(pg, "eager_connect_single_device", None)
+        if connect_now is not None:
+            connect_now(device)
+        return pg
     return dist.ProcessGroupGloo(prefixed, rank, gen.world_size, timeout)
 
 
@@ -253,9 +271,6 @@ def native_reconfigure_supported(backend: str) -> bool:
     import torch.distributed as dist
 
     return backend == "gloo" and hasattr(dist, "_supports_reconfigure")
-
-
-HANDLE_POLL_S = 0.01
 
 
 class NativeGroup:

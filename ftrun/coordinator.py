@@ -293,8 +293,12 @@ class Coordinator(Agent):
     def allocate_id(self, node: int) -> int:
         if node == 0:
             return super().allocate_id(node)
-        self._ids[node] = self._ids.get(node, first_worker_id(node)) + 1
+        self._ids[node] = self.peek_id(node) + 1
         return self._ids[node] - 1
+
+    def peek_id(self, node: int) -> int:
+        return super().peek_id(node) if node == 0 else self._ids.get(node,
+                                                                      first_worker_id(node))
 
     def place(self, worker_id: int, rank: int, local_rank: int, spare: bool) -> None:
         node = node_of(worker_id)

@@ -12,6 +12,7 @@ from typing import Any
 
 from ftrun import timeouts
 from ftrun.comm import Group, NativeGroup, native_reconfigure_supported
+from ftrun.errors import WorkerApiError
 from ftrun.rendezvous import Generation
 from ftrun.spec import WorkerEnv
 
@@ -19,8 +20,15 @@ from ftrun.spec import WorkerEnv
 def native_group(store: Any, wenv: WorkerEnv, backend: str) -> NativeGroup | None:
     """--comm: native reconfigure or a fresh group per generation; every member of a job
     uses the same path."""
-    if wenv.comm == "fresh" or (wenv.comm == "auto" and not native_reconfigure_supported(backend)):
+    supported = native_reconfigure_supported(backend)
+    if wenv.comm == "fresh" or (wenv.comm == "auto" and not supported):
         return None
+    if not supported:
+        import torch
+
+        raise WorkerApiError(f"--comm native: torch {torch.__version__} has no in-process "
+                             f"reconfigure for {backend}",
+                             hint="use --comm auto (a fresh group per generation instead)")
     return NativeGroup(store, wenv.worker_id, backend)
 
 

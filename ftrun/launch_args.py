@@ -140,6 +140,8 @@ def parse_run_args(
     if ns.rdzv_backend not in ("static", "c10d"):
         raise UsageError(f"--rdzv-backend {ns.rdzv_backend!r} is not supported",
                          hint="use static or c10d")
+    if nmax > 1:
+        _check_multinode(ns, nmin, nmax)
     return RunSpec(
         script=ns.training_script,
         script_args=tuple(ns.training_script_args),
@@ -178,6 +180,18 @@ def parse_run_args(
         straggler_factor=_float(ns.straggler_factor, "--straggler-factor", positive=True),
         evict_stragglers=ns.evict_stragglers,
     )
+
+
+def _check_multinode(ns: argparse.Namespace, nmin: int, nmax: int) -> None:
+    if ns.rdzv_backend == "c10d" and not ns.rdzv_endpoint:
+        raise UsageError("--rdzv-backend c10d needs --rdzv-endpoint HOST[:PORT]",
+                         hint="name the host that serves the store (the same on every node)")
+    if ns.rdzv_backend == "static" and nmin != nmax:
+        raise UsageError(f"--nnodes {ns.nnodes} needs --rdzv-backend c10d",
+                         hint="static rendezvous takes a fixed node count, e.g. --nnodes 2")
+    if ns.rdzv_backend == "static" and _int(ns.node_rank, "--node-rank", 0) >= nmax:
+        raise UsageError(f"--node-rank {ns.node_rank} is not below --nnodes {nmax}",
+                         hint=f"use --node-rank 0..{nmax - 1} (0 serves the store)")
 
 
 def _slurm_defaults(ns: argparse.Namespace, env: Mapping[str, str]) -> None:

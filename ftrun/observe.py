@@ -75,11 +75,22 @@ class Observer:
                              "needs a script that uses the ftrun worker API",
                              hint="use --kind kill, segv or hang without --at-step")
         rank = int(req.get("rank", -1))
-        members = self.agent.live_members()
-        if not 0 <= rank < len(members):
-            raise FtrunError(f"no rank {rank} in this job (world size {len(members)})",
-                             hint=f"use --rank 0..{len(members) - 1}")
-        return members[rank]
+        by_rank = {self._rank_of(w): w for w in self.agent.live_members()}
+        if rank not in by_rank:
+            here = sorted(by_rank)
+            where = "on this node" if self.agent.spec.nnodes_max > 1 else "in this job"
+            raise FtrunError(f"no rank {rank} {where} (ranks here: "
+                             f"{', '.join(map(str, here)) or 'none'})",
+                             hint="run inject-fault on the node that runs that rank" if
+                             self.agent.spec.nnodes_max > 1 else
+                             f"use --rank 0..{len(here) - 1}")
+        return by_rank[rank]
+
+    def _rank_of(self, w: Worker) -> int:
+        """Its rank now: from its progress slot once it reported one (ranks move with the
+        generations), else the rank it was started with."""
+        p = self._slot(w.worker_id).read()
+        return p.rank if p.generation >= 0 and p.rank >= 0 else w.rank
 
     # ------------------------------------------------------------ drills (main loop)
     def apply_drills(self) -> None:

@@ -85,11 +85,10 @@ class FaultTolerance:
                                        "reason": reason, "urgent": urgent,
                                        "published_at": gen.published_at})
 
-    def _spawn(self, node: int, local_rank: int, spare: bool = False, rank: int = -1,
-               wid: int | None = None) -> int:
+    def _spawn(self, node: int, local_rank: int, spare: bool = False, rank: int = -1) -> int:
         """Start a worker on `node`; `local_rank` is the preferred device (the node's agent
         moves it off an excluded GPU)."""
-        wid = self.agent.allocate_id(node) if wid is None else wid
+        wid = self.agent.allocate_id(node)
         self.agent.place(wid, rank=rank, local_rank=local_rank, spare=spare)
         if spare:
             self.starting_spares.add(wid)
@@ -139,7 +138,7 @@ class FaultTolerance:
         assert w.exit is not None
         live = tuple(m for m in self.members if m not in self.finished)
         node = node_of(w.worker_id)
-        new_id = self.agent.allocate_id(node)
+        new_id = self.agent.peek_id(node)  # allocated only if a new worker is started
         near = tuple(sorted(self.spares, key=lambda s: node_of(s) != node))  # same node first
         d = decide_fault(w.worker_id, why, live, self.spec.on_fault, self.spec.min_nproc,
                          near, new_id, self.faults,
@@ -155,7 +154,7 @@ class FaultTolerance:
                 self.spares.remove(d.spare_used)
                 self._refills.append((node, w.local_rank))  # the lost device goes to a spare
             else:
-                self._spawn(node, w.local_rank, rank=rank, wid=new_id)
+                self._spawn(node, w.local_rank, rank=rank)
             self._publish(d.members, d.reason, True, fault_at, d.joiners)
             return None
         if d.action is FaultAction.SHRINK:

@@ -35,23 +35,27 @@ def pack(objects: Mapping[str, Any], extra: Mapping[str, Any]) -> list[Any]:
     """[skeleton bytes as uint8, flat buffer per dtype...]"""
     import torch
 
-    parts: dict[Any, list[Any]] = {}  # dtype -> flattened tensors, in order
+    # one part per (dtype, device): optimizers keep some state on the CPU beside CUDA tensors
+    # (Adam's `step`), and a part is one torch.cat
+    parts: dict[Any, list[Any]] = {}  # (dtype, device) -> flattened tensors, in order
     sizes: dict[Any, int] = {}
 
     def strip(t: Any) -> _Ref:
-        part = list(parts).index(t.dtype) if t.dtype in parts else len(parts)
-        parts.setdefault(t.dtype, []).append(t.detach().reshape(-1))
-        offset = sizes.get(t.dtype, 0)
-        sizes[t.dtype] = offset + t.numel()
+        key = (t.dtype, t.device)
+        part = list(parts).index(key) if key in parts else len(parts)
+        parts.setdefault(key, []).append(t.detach().reshape(-1))
+        offset = sizes.get(key, 0)
+        sizes[key] = offset + t.numel()
         return _Ref(part, offset, tuple(t.shape))
 
     state = {k: o.state_dict() for k, o in objects.items()}
     skeleton = _map_leaves(state, lambda v: isinstance(v, torch.Tensor), strip)
     flats = [torch.cat(ts) for ts in parts.values()]
     meta = pickle.dumps({"skeleton": skeleton, "extra": dict(extra),
-                         "dtypes": [str(d).removeprefix("torch.") for d in parts]})
+                         "dtypes": [str(d).removeprefix("torch.") for d, _ in parts]})
     if len(flats) + 1 > _MAX_PARTS:
-        raise RuntimeError(f"state uses {len(flats)} dtypes; at most {_MAX_PARTS - 1}")
+        raise RuntimeError(f"state uses {len(flats)} dtype/device pairs; at most "
+                           f"{_MAX_PARTS - 1}")
     return [torch.frombuffer(bytearray(meta), dtype=torch.uint8), *flats]
 
 

@@ -37,17 +37,9 @@ from typing import Any, cast
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from ftrun import comm  # noqa: E402  (none of these imports torch)
-from ftrun.gpu import NvmlBackend, SimBackend, _field, uuids_by_local_rank  # noqa: E402
-from ftrun.gpuhealth import Health, classify  # noqa: E402
-from ftrun.joining import connect  # noqa: E402
-from ftrun.rendezvous import Generation as Gen  # noqa: E402
-from ftrun.store import HostedStore  # noqa: E402
-from ftrun.transfer import pack, unpack  # noqa: E402
-
 TRAIN = os.path.join(ROOT, "examples", "train_ddp.py")
 SKIP_RC = 3
-LIMITS = {"env": 60, "nvml": 40, "map": 60, "classify": 40, "nccl-inprocess": 100,
+LIMITS = {"env": 60, "nvml": 40, "map": 60, "classify": 40, "nccl-inprocess": 60,
           "nccl-job": 200, "nccl-2gpu": 120}  # seconds per section, within --budget
 _name, _deadline = "", time.monotonic() + 600  # a child's section and its own deadline
 _jobs: list[subprocess.Popen[bytes]] = []
@@ -159,11 +151,15 @@ def sec_env(a: argparse.Namespace) -> None:
 
 
 def open_gpus(a: argparse.Namespace) -> Any:
+    from ftrun.gpu import NvmlBackend, SimBackend  # in the sections: ftrun may be mid-edit
+
     return SimBackend(2) if a.cpu_dry_run else NvmlBackend()
 
 
 def nvml_calls(n: Any, h: Any) -> dict[str, Callable[[], Any]]:
     """Each NVML call NvmlBackend.sample makes, to time them one by one."""
+    from ftrun.gpu import _field
+
     return {"uuid": lambda: n.nvmlDeviceGetUUID(h),
             "mem_used": lambda: n.nvmlDeviceGetMemoryInfo(h).used,
             "remapped_rows": lambda: n.nvmlDeviceGetRemappedRows(h),
@@ -177,6 +173,8 @@ def nvml_calls(n: Any, h: Any) -> dict[str, Callable[[], Any]]:
 
 
 def sec_nvml(a: argparse.Namespace) -> None:
+    from ftrun.gpu import NvmlBackend
+
     t = time.monotonic()
     b = open_gpus(a)
     say(f"{b.name}: init + enumerate {ms_since(t):.1f} ms: "
@@ -213,6 +211,8 @@ def sec_nvml(a: argparse.Namespace) -> None:
 def sec_map(a: argparse.Namespace) -> None:
     import torch
 
+    from ftrun.gpu import uuids_by_local_rank
+
     b = open_gpus(a)
     gpus = b.devices()
     check(uuids_by_local_rank(b, "0") == [gpus[0].uuid], "CUDA_VISIBLE_DEVICES=0 maps wrong")
@@ -231,6 +231,8 @@ def sec_map(a: argparse.Namespace) -> None:
 
 
 def sec_classify(a: argparse.Namespace) -> None:
+    from ftrun.gpuhealth import Health, classify
+
     b, failed = open_gpus(a), []
     for g in b.devices():
         prev = b.sample(g.uuid)
@@ -250,6 +252,12 @@ def sec_nccl_inprocess(a: argparse.Namespace) -> None:
 
     import torch
     import torch.distributed as dist
+
+    from ftrun import comm
+    from ftrun.joining import connect
+    from ftrun.rendezvous import Generation as Gen
+    from ftrun.store import HostedStore
+    from ftrun.transfer import pack, unpack
 
     backend, dev = "gloo", torch.device("cpu")
     if not a.cpu_dry_run:

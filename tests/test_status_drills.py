@@ -121,7 +121,7 @@ def test_status_and_drills_on_a_running_job(tmp_path, private_run_dir) -> None:
             assert r.returncode == 0, r.stderr
             assert "yes" in r.stdout, f"{kind}: not recovered\n{r.stdout}"
         r = ftrun_out("inject-fault", "--rank", "7", "--kind", "kill")
-        assert r.returncode == 1 and "no rank 7 in this job (world size 3)" in r.stderr
+        assert r.returncode == 1 and "no rank 7 in this job (ranks here: 0, 1, 2)" in r.stderr
         r = ftrun_out("inject-fault", "--gpu", "0", "--kind", "xid", "--xid", "79")
         assert r.returncode == 1 and "only be injected into simulated GPUs" in r.stderr
 

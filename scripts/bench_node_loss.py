@@ -1,0 +1,135 @@
+"""Node-loss recovery, ftrun against torchrun, in the same run, on one machine.
+
+    python scripts/bench_node_loss.py [--nodes 3] [--nproc 1] [--kill-after 20]
+
+Each "node" is one launcher process on loopback (c10d rendezvous on 127.0.0.1), with
+--nproc workers running scripts/bench_recovery_worker.py (~10 M-parameter MLP, gloo).
+After every rank has committed --kill-after steps, the last node's launcher and its workers
+are SIGKILLed together (a host failure). Recovery = from the kill to the first step committed
+after it at or beyond the step reached before it. torchrun: DDP with a checkpoint every 10
+steps, --max-restarts 3, its default c10d timeouts (what a user gets); ftrun: the same model
+through the ftrun API. Prints both and their ratio; every process is gone at the end.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+WORKER = os.path.join(HERE, "bench_recovery_worker.py")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def launcher(kind: str, a: argparse.Namespace, port: int, out: str, run_dir: str) -> list[str]:
+    nnodes = f"{a.nodes - 1}:{a.nodes}"
+    rdzv = ["--nnodes", nnodes, "--nproc-per-node", str(a.nproc), "--rdzv-backend", "c10d",
+            "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "bench"]
+    head = [sys.executable, "-m", "ftrun"] if kind == "ftrun" else [
+        sys.executable, "-m", "torch.distributed.run", "--max-restarts", "3"]
+    mode = "ftrun" if kind == "ftrun" else "ddp"
+    return [*head, *rdzv, WORKER, "--mode", mode, "--out", out, "--steps", str(a.steps),
+            "--batch", str(16 * a.nodes * a.nproc)]
+
+
+def read_events(out: str) -> list[dict[str, float]]:
+    try:
+        with open(os.path.join(out, "events.jsonl")) as f:
+            return [json.loads(line) for line in f if line.strip()]
+    except (OSError, ValueError):
+        return []
+
+
+def measure(kind: str, a: argparse.Namespace) -> dict[str, float | str]:
+    port = free_port()
+    with tempfile.TemporaryDirectory() as out:
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "LOGLEVEL": "ERROR"}
+        procs = []
+        for i in range(a.nodes):
+            node_env = {**env, "FTRUN_RUN_DIR": os.path.join(out, f"run{i}")}
+            procs.append(subprocess.Popen(launcher(kind, a, port, out, ""), env=node_env,
+                                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                          start_new_session=True))
+            if i == 0:
+                time.sleep(1.0)  # the first node serves the store
+        try:
+            return _observe(kind, a, out, procs)
+        finally:
+            for p in procs:
+                _kill_session(p)
+
+
+def _kill_session(p: subprocess.Popen[bytes]) -> None:
+    try:
+        os.killpg(p.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    p.wait(30)
+
+
+def _observe(kind: str, a: argparse.Namespace, out: str,
+             procs: list[subprocess.Popen[bytes]]) -> dict[str, float | str]:
+    world = a.nodes * a.nproc
+    deadline = time.monotonic() + a.timeout
+    while time.monotonic() < deadline:
+        steps = [e for e in read_events(out) if e["ev"] == "step"]
+        ranks = {int(e["rank"]) for e in steps if e["step"] >= a.kill_after}
+        if len(ranks) == world:
+            break
+        time.sleep(0.05)
+    else:
+        return {"error": "never reached the kill step"}
+    reached = max(e["step"] for e in read_events(out) if e["ev"] == "step")
+    killed_at = time.time()
+    _kill_session(procs[-1])  # the last node: launcher and workers together
+    while time.monotonic() < deadline:
+        after = [e for e in read_events(out) if e["ev"] == "step" and e["t"] > killed_at
+                 and e["step"] >= reached]
+        if after:
+            first = min(after, key=lambda e: e["t"])
+            committed = [e for e in read_events(out) if e["ev"] == "step"]
+            resumed = min((e["step"] for e in committed if e["t"] > killed_at), default=reached)
+            return {"recovery_s": first["t"] - killed_at,
+                    "lost_steps": max(0.0, reached - resumed + 1) if resumed <= reached else 0.0}
+        if all(p.poll() is not None for p in procs[:-1]):
+            return {"error": "the surviving launchers exited without recovering"}
+        time.sleep(0.05)
+    return {"error": f"no recovery within {a.timeout:.0f} s"}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--nodes", type=int, default=3)
+    ap.add_argument("--nproc", type=int, default=1)
+    ap.add_argument("--steps", type=int, default=100000)
+    ap.add_argument("--kill-after", type=int, default=20)
+    ap.add_argument("--timeout", type=float, default=240.0)
+    a = ap.parse_args()
+    ft = measure("ftrun", a)
+    tr = measure("torchrun", a)
+    print(f"{a.nodes} nodes x {a.nproc} workers on loopback (c10d), gloo, ~10 M-param MLP; "
+          f"the last node's launcher and workers SIGKILLed after step {a.kill_after}")
+    for name, r in (("ftrun", ft), ("torchrun", tr)):
+        if "error" in r:
+            print(f"{name:8s}: {r['error']}")
+        else:
+            print(f"{name:8s}: recovery {r['recovery_s']:.3f} s, "
+                  f"committed steps lost {r['lost_steps']:.0f}")
+    if "error" not in ft and "error" not in tr:
+        ratio = float(ft["recovery_s"]) / float(tr["recovery_s"])
+        print(f"ratio ftrun/torchrun {ratio:.4f} ({1 / ratio:.0f}x faster)")
+
+
+if __name__ == "__main__":
+    main()

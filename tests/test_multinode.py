@@ -1,0 +1,183 @@
+"""Several agents on one machine (loopback), each a "node" with its own run directory.
+
+Real agents, a real c10d TCPStore served by the coordinating agent, gloo workers. The
+training runs check several things at once: ranks across nodes, a node SIGKILLed mid-run
+(survivors keep their processes and their steps), a late node bringing the world size back,
+bitwise-equal parameters at the end, and no process left behind.
+"""
+import json
+import os
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.conftest import FIXTURES, ftrun_cmd, pid_alive, wait_for
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Node:
+    """One `ftrun` agent process, as if on its own machine (own FTRUN_RUN_DIR)."""
+
+    def __init__(self, tmp: Path, name: str, args: list[str]) -> None:
+        self.run_dir = tmp / f"run_{name}"
+        self.env = {**os.environ, "OMP_NUM_THREADS": "1", "FTRUN_RUN_DIR": str(self.run_dir)}
+        self.stderr_path = tmp / f"{name}.err"
+        self.proc = subprocess.Popen(ftrun_cmd(*args), env=self.env, text=True,
+                                     stdout=subprocess.DEVNULL,
+                                     stderr=open(self.stderr_path, "w"),  # noqa: SIM115
+                                     start_new_session=True)
+
+    def status(self) -> dict[str, Any] | None:
+        r = subprocess.run(ftrun_cmd("status", "--json"), env=self.env, capture_output=True,
+                           text=True, timeout=30)
+        return json.loads(r.stdout) if r.returncode == 0 else None
+
+    def wait(self, timeout: float) -> int:
+        return self.proc.wait(timeout)
+
+    @property
+    def stderr(self) -> str:
+        return self.stderr_path.read_text()
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
+
+
+def wait_listening(port: int, timeout: float) -> None:
+    def up() -> bool:
+        with socket.socket() as s:
+            return s.connect_ex(("127.0.0.1", port)) == 0
+    wait_for(up, timeout, f"the coordinator listening on {port}")
+
+
+def stepping(node: Node, workers: int, step: int) -> dict[str, Any] | None:
+    doc = node.status()
+    if doc and len(doc["workers"]) == workers and all(
+            (w["step"] or 0) >= step for w in doc["workers"]):
+        return doc
+    return None
+
+
+@pytest.fixture
+def nodes(tmp_path: Path):
+    started: list[Node] = []
+
+    def start(name: str, args: list[str]) -> Node:
+        node = Node(tmp_path, name, args)
+        started.append(node)
+        return node
+
+    yield start
+    for node in started:
+        node.kill()
+
+
+@pytest.mark.slow
+def test_node_lost_then_replaced_without_restart(tmp_path: Path, nodes) -> None:
+    port, out = free_port(), tmp_path / "out"
+    out.mkdir()
+    args = ["--nnodes", "2:3", "--nproc", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint",
+            f"127.0.0.1:{port}", "--rdzv-id", "mn", str(FIXTURES / "ft_train.py"),
+            "--steps", "260", "--step-time", "0.03", "--out", str(out)]
+    a = nodes("a", args)
+    wait_listening(port, 30)
+    b, c = nodes("b", args), nodes("c", args)
+    doc = wait_for(lambda: stepping(a, 6, 10), 120, "6 workers on 3 nodes stepping")
+    assert doc["world_size"] == 6 and len(doc["nodes"]) == 3
+    ranks = {w["worker_id"]: w["rank"] for w in doc["workers"]}
+    assert sorted(ranks.values()) == list(range(6))
+    assert ranks[0] == 0 and ranks[1] == 1  # the coordinator's node comes first
+    by_node: dict[int, list[dict[str, Any]]] = {}
+    for w in doc["workers"]:
+        by_node.setdefault(w["node"], []).append(w)
+    for ws in by_node.values():  # contiguous ranks per node, local rank order
+        assert [w["rank"] for w in sorted(ws, key=lambda w: w["local_rank"])] == \
+            list(range(min(w["rank"] for w in ws), min(w["rank"] for w in ws) + 2))
+    c_node = next(n["node"] for n in doc["nodes"] if n["pid"] == c.proc.pid)
+    c_pids = [w["pid"] for w in by_node[c_node]]
+    survivors = {w["worker_id"]: w["pid"] for w in doc["workers"] if w["node"] != c_node}
+
+    c.kill()  # the agent and (through it) its workers, as a host failure would
+    wait_for(lambda: not any(pid_alive(p) for p in c_pids), 15, "the lost node's workers gone")
+    shrunk = wait_for(lambda: (d := a.status()) and d["world_size"] == 4 and d, 30,
+                      "the job shrinking to 4 workers")
+    assert shrunk["generation"] >= 1
+
+    d = nodes("d", args)
+    wait_for(lambda: (s := a.status()) and s["world_size"] == 6 and s["generation"] >= 2, 120,
+             "the late node's workers joining")
+
+    for node in (a, b, d):
+        assert node.wait(180) == 0, node.stderr
+    assert "Traceback" not in a.stderr + b.stderr + d.stderr
+    assert "lost with 2 members" in a.stderr
+
+    logs = {int(p.stem.split("_")[1]): json.loads(p.read_text()) for p in out.glob("log_*.json")}
+    for wid, pid in survivors.items():  # same processes from start to end: no restart
+        assert logs[wid]["pid"] == pid
+        steps = [e["step"] for e in logs[wid]["log"] if e["ok"]]
+        assert steps == list(range(260)), f"worker {wid} committed a step twice or skipped one"
+        worlds = [e["world"] for e in logs[wid]["log"]]
+        assert 4 in worlds and worlds[0] == 6 and worlds[-1] == 6
+    import torch
+
+    finals = [torch.load(out / f"params_{w}.pt") for w in logs]  # the lost node wrote none
+    assert len(finals) == 6
+    for other in finals[1:]:
+        assert all(torch.equal(finals[0][k], other[k]) for k in finals[0])
+
+
+@pytest.mark.slow
+def test_store_host_death_ends_every_agent(tmp_path: Path, nodes) -> None:
+    port = free_port()
+    args = ["--nnodes", "2", "--nproc", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint",
+            f"127.0.0.1:{port}", str(FIXTURES / "ft_train.py"), "--steps", "100000",
+            "--step-time", "0.05"]
+    a = nodes("a", args)
+    wait_listening(port, 30)
+    b = nodes("b", args)
+    doc = wait_for(lambda: stepping(b, 4, 3), 120, "4 workers stepping (seen from node b)")
+    assert doc["served_by"]["pid"] == b.proc.pid  # node b answers for the whole job
+    pids = [w["pid"] for w in doc["workers"]]
+
+    a.kill()
+    start = time.monotonic()
+    code = b.wait(60)
+    took = time.monotonic() - start
+    assert code == 1
+    assert "lost the rendezvous store" in b.stderr and "Traceback" not in b.stderr
+    wait_for(lambda: not any(pid_alive(p) for p in pids), 10, "every worker gone")
+    print(f"follower exited {took:.1f} s after the store host died")
+
+
+def test_plain_script_ranks_across_nodes_static(tmp_path: Path, nodes) -> None:
+    """torchrun's static rendezvous: node ranks given, ranks node_rank*nproc + local_rank."""
+    port, out = free_port(), tmp_path / "env"
+    out.mkdir()
+    common = ["--nnodes", "2", "--nproc", "2", "--master-addr", "127.0.0.1", "--master-port",
+              str(port)]
+    a = nodes("a", [*common, "--node-rank", "0", str(FIXTURES / "dump_env.py"), str(out)])
+    wait_listening(port, 30)
+    b = nodes("b", [*common, "--node-rank", "1", str(FIXTURES / "dump_env.py"), str(out)])
+    assert a.wait(90) == 0, a.stderr
+    assert b.wait(30) == 0, b.stderr
+    envs = {r: json.loads((out / f"env_{r}.json").read_text())["env"] for r in range(4)}
+    for rank, env in envs.items():
+        assert env["WORLD_SIZE"] == "4" and env["LOCAL_WORLD_SIZE"] == "2"
+        assert env["GROUP_RANK"] == str(rank // 2) and env["LOCAL_RANK"] == str(rank % 2)
+        assert env["GROUP_WORLD_SIZE"] == "2" and env["ROLE_RANK"] == str(rank)
+        assert env["ROLE_WORLD_SIZE"] == "4"
+    assert len({(e["MASTER_ADDR"], e["MASTER_PORT"]) for e in envs.values()}) == 1
+    assert envs[0]["MASTER_PORT"] != str(port)  # workers get the attempt's own store

@@ -1,0 +1,94 @@
+"""The pure parts of multi-node: node-loss decisions, heartbeat ages, SLURM and endpoints."""
+import pytest
+
+from ftrun.cluster import BeatTracker, endpoint_of
+from ftrun.launch_args import first_host, parse_run_args
+from ftrun.policy import FaultAction, decide_node_loss, find_lost_nodes
+from ftrun.rendezvous import WORKER_ID_STRIDE, node_of
+
+MEMBERS = (0, 1, 10_000, 10_001, 20_000, 20_001)
+
+
+def test_a_lost_node_leaves_in_one_generation() -> None:
+    d = decide_node_loss("node 1", (10_000, 10_001), MEMBERS, nodes_left=2, min_nodes=2,
+                         faults=1, max_faults=10, restarts_left=0)
+    assert d.action is FaultAction.SHRINK
+    assert d.members == (0, 1, 20_000, 20_001)
+    assert "node 1 lost with 2 members" in d.reason and "on 2 nodes" in d.reason
+
+
+@pytest.mark.parametrize("nodes_left, min_nodes, faults, unhealed, restarts, action, needle", [
+    (1, 2, 1, frozenset(), 0, FaultAction.FAIL, "below --nnodes minimum 2"),
+    (1, 2, 1, frozenset(), 1, FaultAction.RESTART_GROUP, "restarting all workers"),
+    (2, 1, 11, frozenset(), 0, FaultAction.FAIL, "fault budget exhausted"),
+    (2, 1, 1, frozenset({0, 1, 20_000, 20_001}), 0, FaultAction.FAIL, "no replica left"),
+])
+def test_node_loss_limits(nodes_left, min_nodes, faults, unhealed, restarts, action,
+                          needle) -> None:
+    d = decide_node_loss("node 1", (10_000, 10_001), MEMBERS, nodes_left, min_nodes, faults,
+                         10, restarts, unhealed)
+    assert d.action is action and needle in d.reason
+
+
+def test_lost_nodes_by_heartbeat_age() -> None:
+    assert find_lost_nodes({1: 0.05, 2: 0.4, 3: 6.0}, 5.0) == [(3, "no heartbeat for 6.0 s")]
+    assert [n for n, _ in find_lost_nodes({1: 0.05, 2: 0.4}, 0.3)] == [2]
+
+
+class FakeCounterStore:
+    """The one store call BeatTracker makes: add(key, 0) reads a counter."""
+
+    def __init__(self) -> None:
+        self.counts: dict[str, int] = {}
+
+    def add(self, key: str, amount: int) -> int:
+        self.counts[key] = self.counts.get(key, 0) + amount
+        return self.counts[key]
+
+
+def test_beat_tracker_ages_reset_when_the_counter_moves() -> None:
+    store, beats = FakeCounterStore(), BeatTracker()
+    beats.watch(1)
+    beats.watch(2)
+    assert set(beats.ages(store)) == {1, 2}
+    store.add("ftrun/rdzv/node/1/beat", 1)
+    ages = beats.ages(store)
+    assert ages[1] < 0.01
+    beats.forget(2)
+    assert set(beats.ages(store)) == {1}
+
+
+def test_worker_ids_name_their_node() -> None:
+    assert node_of(3) == 0 and node_of(WORKER_ID_STRIDE + 7) == 1
+
+
+@pytest.mark.parametrize("nodelist, first", [
+    ("gpu[03-05,9],cpu1", "gpu03"), ("node1,node2", "node1"), ("a[1-2]", "a1"), ("x", "x")])
+def test_slurm_first_host(nodelist: str, first: str) -> None:
+    assert first_host(nodelist) == first
+
+
+def test_srun_environment_spares_the_flags() -> None:
+    env = {"SLURM_STEP_NUM_NODES": "4", "SLURM_NODEID": "2",
+           "SLURM_STEP_NODELIST": "gpu[07-10]"}
+    spec = parse_run_args(["--nproc", "2", "t.py"], env=env)
+    assert (spec.nnodes_min, spec.nnodes_max, spec.node_rank) == (4, 4, 2)
+    assert (spec.master_addr, spec.master_port) == ("gpu07", 29500)
+    explicit = parse_run_args(["--nnodes", "1", "t.py"], env=env)  # the user's word wins
+    assert explicit.nnodes_max == 1
+
+
+def test_pytorchjob_environment() -> None:
+    env = {"PET_NNODES": "1:3", "PET_RDZV_BACKEND": "c10d", "PET_RDZV_ENDPOINT": "job-0:23456"}
+    spec = parse_run_args(["t.py"], env=env)
+    assert (spec.nnodes_min, spec.nnodes_max) == (1, 3)
+    ep = endpoint_of(spec)
+    assert (ep.host, ep.port) == ("job-0", 23456)
+
+
+def test_endpoint_defaults() -> None:
+    c10d = parse_run_args(["--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint",
+                           "head", "t.py"], env={})
+    assert (endpoint_of(c10d).host, endpoint_of(c10d).port) == ("head", 29400)
+    static = parse_run_args(["--nnodes", "2", "--master-addr", "head", "t.py"], env={})
+    assert (endpoint_of(static).host, endpoint_of(static).port) == ("head", 29500)
