@@ -59,6 +59,9 @@ class RunInfo:
             return True
 
 
+_MAX_SOCKET_PATH = 107  # sun_path is 108 bytes with its terminating NUL
+
+
 class ControlServer:
     """Serve requests on the run's socket from a daemon thread; one request per connection."""
 
@@ -66,6 +69,10 @@ class ControlServer:
         self.info = info
         self._handler = handler
         self._meta = info.socket[: -len(".sock")] + ".json"
+        if len(os.fsencode(info.socket)) > _MAX_SOCKET_PATH:
+            raise FtrunError(f"the control socket path {info.socket} is too long for a Unix "
+                             f"socket ({_MAX_SOCKET_PATH} bytes at most)",
+                             hint="set FTRUN_RUN_DIR to a shorter directory, e.g. /tmp/ftrun")
         with contextlib.suppress(FileNotFoundError):
             os.unlink(info.socket)
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

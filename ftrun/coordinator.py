@@ -113,7 +113,7 @@ class Coordinator(Agent):
                 nodes.discard(int(msg.get("node", -1)))
 
     def control_name(self) -> str:
-        return f"{self.run_id}.{os.getpid()}"
+        return f"{self.run_id[:16]}.{os.getpid()}"  # several agents may share a host
 
     def _static_port(self) -> int | None:
         return None  # worker stores are per attempt, on a free port; the endpoint is ours

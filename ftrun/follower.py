@@ -50,7 +50,7 @@ class Follower(Agent):
         self._lost: str | None = None
 
     def control_name(self) -> str:
-        return f"{self.run_id}.{os.getpid()}"
+        return f"{self.run_id[:16]}.{os.getpid()}"  # several agents may share a host
 
     def _static_port(self) -> int | None:
         return None
@@ -197,7 +197,10 @@ class Follower(Agent):
         self._close_streams()
         code = int(cmd.get("code", 1))
         exits = tuple(w.exit for w in self._workers if w.exit is not None)
-        return RunResult(code, f"the coordinator ended the job: {cmd.get('reason', '')}",
+        reason = f"the coordinator ended the job: {cmd.get('reason', '')}"
+        if code:
+            self.emit("failure", {"reason": reason, "rank": None})
+        return RunResult(code, reason,
                          exits=exits, restarts_used=self.restarts, log_dir=self.logs.run_dir)
 
     def _leave_on_signal(self, sig: int) -> RunResult:
@@ -208,10 +211,11 @@ class Follower(Agent):
 
     def _lost_result(self, stopped: int) -> RunResult:
         self._close_streams()
-        return RunResult(1, f"lost the rendezvous store at {self.ep}: the coordinating agent "
-                            f"(or its host) is gone ({self._lost}); stopped {stopped} "
-                            f"worker{'s' if stopped != 1 else ''} of this node",
-                         restarts_used=self.restarts, log_dir=self.logs.run_dir)
+        reason = (f"lost the rendezvous store at {self.ep}: the coordinating agent (or its "
+                  f"host) is gone ({self._lost}); stopped {stopped} worker"
+                  f"{'s' if stopped != 1 else ''} of this node")
+        self.emit("failure", {"reason": reason, "rank": None})
+        return RunResult(1, reason, restarts_used=self.restarts, log_dir=self.logs.run_dir)
 
     def _record_exit(self, w: Worker) -> None:
         super()._record_exit(w)

@@ -181,3 +181,25 @@ def test_plain_script_ranks_across_nodes_static(tmp_path: Path, nodes) -> None:
         assert env["ROLE_WORLD_SIZE"] == "4"
     assert len({(e["MASTER_ADDR"], e["MASTER_PORT"]) for e in envs.values()}) == 1
     assert envs[0]["MASTER_PORT"] != str(port)  # workers get the attempt's own store
+
+
+@pytest.mark.parametrize("fail_attempts, code", [(1, 0), (5, 1)])
+def test_plain_script_whole_job_restart_across_nodes(tmp_path: Path, nodes, fail_attempts,
+                                                     code) -> None:
+    """No ftrun API: torchrun's semantics, a failed rank restarts every node's workers."""
+    port, pids = free_port(), tmp_path / "pids"
+    pids.mkdir()
+    args = ["--nnodes", "2", "--nproc", "2", "--max-restarts", "1", "--rdzv-backend", "c10d",
+            "--rdzv-endpoint", f"127.0.0.1:{port}", str(FIXTURES / "behave.py"), "--exit-rank",
+            "3:1", "--fail-attempts", str(fail_attempts), "--sleep", "1", "--pidfile", str(pids)]
+    a = nodes("a", args)
+    wait_listening(port, 30)
+    b = nodes("b", args)
+    assert a.wait(90) == code, a.stderr
+    assert b.wait(30) == code, b.stderr
+    assert "rank 3 exited with 1; restarting all workers (1/1)" in a.stderr
+    assert "restart 1 starting" in a.stderr
+    if code:
+        assert "all 1 restarts used" in a.stderr
+        assert "the coordinator ended the job" in b.stderr
+    assert "Traceback" not in a.stderr + b.stderr
