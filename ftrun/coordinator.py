@@ -83,22 +83,27 @@ class Coordinator(Agent):
 
     # ----------------------------------------------------------------- lifecycle
     def run(self) -> Any:
-        self.rdzv.serve()
-        self._reader = QueueReader(self.ep, AGENT_QUEUE, self._deliver, lambda why: None,
-                                   "ftrun-agents")
         result = None
         try:
             result = super().run()
             return result
         finally:
-            code = result.exit_code if result is not None else 1
-            reason = result.reason if result is not None else "the coordinating agent failed"
-            ending = self._alive()
-            for node in ending:
-                self._send(node, "end", code=code, reason=reason)
-            self._await_byes({n.index for n in ending})
-            self._reader.close(self.rdzv.store)
+            if self._reader is not None:  # the store was served
+                code = result.exit_code if result is not None else 1
+                reason = result.reason if result is not None else "the coordinator failed"
+                ending = self._alive()
+                for node in ending:
+                    self._send(node, "end", code=code, reason=reason)
+                self._await_byes({n.index for n in ending})
+                self._reader.close(self.rdzv.store)
             self.rdzv.close()
+
+    def _prepare_env(self) -> None:
+        """After the guardian is forked (no thread may exist before): serve the store."""
+        super()._prepare_env()
+        self.rdzv.serve()
+        self._reader = QueueReader(self.ep, AGENT_QUEUE, self._deliver, lambda why: None,
+                                   "ftrun-agents")
 
     def _await_byes(self, nodes: set[int]) -> None:
         """Followers close their store connections before the store goes away (a client
@@ -137,8 +142,7 @@ class Coordinator(Agent):
         order = sorted(self._alive(), key=lambda n: n.index)
         self.group_world_size = 1 + len(order)
         self.world_size = self.spec.nproc + sum(n.nproc for n in order)
-        self.remote = {}
-        self._ids = {}
+        self.remote, self._ids, self._exited = {}, {}, []  # nothing of an earlier attempt
         super()._start_group(restarts, hosted)
         members = list(range(self.spec.nproc))
         base = self.spec.nproc
@@ -156,8 +160,6 @@ class Coordinator(Agent):
             members += ids
             base += node.nproc
         self._members = tuple(members)
-        for node in order:
-            self._beats.watch(node.index)
 
     def _gather_nodes(self, first: bool) -> None:
         """Wait for the nodes of this attempt: MAX, or MIN and then a last call for more."""
@@ -207,6 +209,7 @@ class Coordinator(Agent):
             self._send(node, "end", code=1, reason=f"node index {node.index} is taken")
             return
         self.nodes[node.index] = node
+        self._beats.watch(node.index)  # a node waiting to be used can die too
         self.emit("notice", {"text": f"{node.label} joined with {node.nproc} workers"})
         if running:
             self._admit(node)
@@ -229,7 +232,6 @@ class Coordinator(Agent):
                    group_rank=len(self._alive()), group_world_size=self.group_world_size + 1,
                    first_id=first, run_id=self.run_id)
         node.in_attempt = True
-        self._beats.watch(node.index)
         ft.add_joiners(ids)
 
     def _on_remote_exit(self, msg: dict[str, Any]) -> None:
@@ -319,10 +321,7 @@ class Coordinator(Agent):
         node = node_of(worker_id)
         if node == 0:
             return super().committed_step(worker_id)
-        try:
-            doc = json.loads(self.rdzv.store.get(payload_key(node)))
-        except Exception:
-            return -1
+        doc = self._payload(node)
         step = next((w.get("step") for w in doc.get("workers", [])
                      if w.get("worker_id") == worker_id), None)
         return -1 if step is None else int(step)
@@ -352,14 +351,11 @@ class Coordinator(Agent):
         ft = self.ft
         workers = list(doc["workers"])
         for node in self._alive():
-            try:
-                beat = json.loads(self.rdzv.store.get(payload_key(node.index)))
-            except Exception:
-                continue
-            for w in beat.get("workers", []):
+            for w in self._payload(node.index).get("workers", []):
                 wid = int(w["worker_id"])
                 if ft is not None:
-                    w["role"] = ("spare" if wid in ft.spares else "joining" if wid in
+                    w["role"] = ("spare" if wid in ft.spares else "spare (starting)" if wid in
+                                 ft.starting_spares else "joining" if wid in
                                  ft.unhealed else "member" if wid in ft.members else "gone")
                 workers.append({**w, "node": node.index, "host": node.host})
         for w in doc["workers"]:
@@ -372,6 +368,15 @@ class Coordinator(Agent):
         world = len(ft.members) if ft else self.world_size
         return {**doc, "workers": workers, "nodes": nodes, "world_size": world,
                 "endpoint": str(self.ep)}
+
+    def _payload(self, node: int) -> dict[str, Any]:
+        """A node's last heartbeat payload; never blocks (a new node may have none yet)."""
+        key = payload_key(node)
+        try:
+            return dict(json.loads(self.rdzv.store.get(key))) if self.rdzv.store.check(
+                [key]) else {}
+        except Exception:
+            return {}
 
     def _publish_status(self) -> None:
         now = time.monotonic()

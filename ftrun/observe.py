@@ -141,6 +141,7 @@ class Observer:
             role = "member"
             if ft is not None:
                 role = ("spare" if w.worker_id in ft.spares else
+                        "spare (starting)" if w.worker_id in ft.starting_spares else
                         "joining" if w.worker_id in ft.unhealed else
                         "member" if w.worker_id in ft.members else "gone")
             workers.append({

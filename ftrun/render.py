@@ -95,14 +95,23 @@ def status_tables(doc: Mapping[str, Any]) -> list[Any]:
     head.add_row("uptime", f"{doc['uptime_s']:.0f}s", "generation", str(doc["generation"]))
     head.add_row("world size", str(doc["world_size"]), "policy",
                  f"{doc['policy']} (spares {doc['spares']})")
+    nodes = doc.get("nodes")
+    if nodes:
+        served = doc.get("served_by")
+        head.add_row("nodes", str(sum(n["alive"] for n in nodes)), "store",
+                     str(doc.get("endpoint", "")) + (f" (this is node {served['node']})"
+                                                     if served else " (this node)"))
     workers = Table(title="workers", title_justify="left")
-    for col in ("rank", "local", "worker", "pid", "state", "role", "step", "committed",
-                "step ms", "idle s", "gpu"):
+    keys: tuple[str, ...] = ("rank", "local_rank", "worker_id", "pid", "state", "role", "step",
+                             "committed_step", "step_time_ms", "since_progress_s", "gpu")
+    cols = ["rank", "local", "worker", "pid", "state", "role", "step", "committed", "step ms",
+            "idle s", "gpu"]
+    if nodes:
+        keys, cols = ("node", "host", *keys), ["node", "host", *cols]
+    for col in cols:
         workers.add_column(col)
     for w in sorted(doc["workers"], key=lambda w: (w["rank"] < 0, w["rank"])):
-        workers.add_row(*(_fmt(w[k]) for k in ("rank", "local_rank", "worker_id", "pid",
-                                                "state", "role", "step", "committed_step",
-                                                "step_time_ms", "since_progress_s", "gpu")))
+        workers.add_row(*(_fmt(w.get(k)) for k in keys))
     out: list[Any] = [head, workers]
     if doc["faults"]:
         out.append(fault_table("faults", doc["faults"][-10:]))
