@@ -80,7 +80,7 @@ class Agent:
             result = self._run_attempts()
             result = replace(result, faults=tuple(self.journal.faults))
             removed = self.logs.cleanup(result.exit_code == 0)
-            return result if not removed else _with_log_dir(result, None)
+            return result if not removed else replace(result, log_dir=None)
         finally:
             self._kill_all(signal.SIGKILL)
             if hasattr(self, "observer"):
@@ -104,7 +104,6 @@ class Agent:
                 hosted.serve()  # imports torch while the workers import theirs
                 if self.spec.on_fault != "restart":
                     self.ft = FaultTolerance(self, hosted.store, hosted.port)
-                    self._ft_started()
                 outcome = self._supervise()
                 if outcome.signum is not None:
                     return self._shutdown_on_signal(outcome, restarts)
@@ -191,20 +190,16 @@ class Agent:
 
     # ------------------------------------------------ hooks a multi-node agent overrides
     def allocate_id(self, node: int) -> int:
-        """A worker id never used in this attempt (ids restart with every attempt)."""
+        """A worker id never used in this run."""
         self._next_id += 1
         return self._next_id - 1
 
-    def peek_id(self, node: int) -> int:
-        """The id `allocate_id(node)` returns next."""
+    def peek_id(self, node: int) -> int:  # what allocate_id(node) returns next
         return self._next_id
 
     def place(self, worker_id: int, rank: int, local_rank: int, spare: bool) -> None:
         """Start a worker of the current attempt on its node (here: this one)."""
         self.spawn_worker(worker_id, rank, self.health.pick_local_rank(local_rank), spare)
-
-    def node_alive(self, node: int) -> bool:
-        return True
 
     def live_nodes(self) -> list[int]:
         return [0]
@@ -225,11 +220,11 @@ class Agent:
         self.health.tick()
         return None
 
-    def _ft_started(self) -> None:
-        pass
-
     def suspect(self) -> None:
         """A worker saw a peer's connection break (multi-node: check the nodes now)."""
+
+    def uses_api(self) -> bool:
+        return self.ft is not None and bool(self.ft.hello)
 
     def control_name(self) -> str:
         return self.run_id if self.run_id != "none" else f"none-{os.getpid()}"
@@ -263,13 +258,11 @@ class Agent:
                     outcome.signum = self._wakeup.pop_signal()
                     if outcome.signum is not None:
                         return outcome
-                    ended: list[Worker | RemoteWorker] = [*self._reap_ready(
-                        sel, timeout=self._idle_wait())]
-                    ended += self._remote_exits()
-                    ticked = self._tick()
-                    outcome.decision = outcome.decision or ticked
+                    ended: list[Worker | RemoteWorker] = [
+                        *self._reap_ready(sel, self._idle_wait()), *self._remote_exits()]
+                    outcome.decision = self._tick()
                     if self.ft is not None:
-                        outcome.decision = self.ft.handle_requests()
+                        outcome.decision = outcome.decision or self.ft.handle_requests()
                     self.observer.apply_drills()
                     for worker in ended:
                         self._on_exit(worker, outcome)
@@ -404,6 +397,3 @@ class Agent:
                          restarts_used=restarts, log_dir=self.logs.run_dir,
                          signal_received=signal_name(sig))
 
-
-def _with_log_dir(result: RunResult, log_dir: str | None) -> RunResult:
-    return replace(result, log_dir=log_dir)

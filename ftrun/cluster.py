@@ -147,9 +147,12 @@ class QueueReader:
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
-    def close(self, store: Any) -> None:
-        """Wake the reader with its own sentinel (it is blocked in C++), then join it."""
+    def close(self, store: Any | None) -> None:
+        """Wake the reader with its own sentinel (it is blocked in C++), then join it.
+        `store` None: the store is gone, and so is the reader (or it never returns)."""
         self._stop.set()
+        if store is None:
+            return
         with contextlib.suppress(Exception):
             push(store, self._key, "_stop")
         self._thread.join(timeouts.THREAD_JOIN_S)
@@ -199,9 +202,12 @@ class Heartbeat:
         except Exception as exc:
             self._on_lost(str(exc))
             return
+        last = "{}"
         while not self._stop.is_set():
+            with contextlib.suppress(Exception):  # a status hiccup is not a lost store
+                last = json.dumps(self._payload())
             try:
-                client.set(payload_key(self._node), json.dumps(self._payload()))
+                client.set(payload_key(self._node), last)
                 client.add(heartbeat_key(self._node), 1)
             except Exception as exc:
                 if not self._stop.is_set():

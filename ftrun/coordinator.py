@@ -15,7 +15,6 @@ import json
 import os
 import queue
 import signal
-import socket
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -36,6 +35,7 @@ from ftrun.cluster import (
     push,
 )
 from ftrun.errors import FtrunError
+from ftrun.jobview import merge_job_status
 from ftrun.policy import Decision, find_lost_nodes
 from ftrun.rendezvous import node_of
 from ftrun.report import WorkerExit
@@ -77,7 +77,10 @@ class Coordinator(Agent):
         self._suspect_until = 0.0
         self.beat_s = conf_float(spec, "heartbeat", timeouts.NODE_HEARTBEAT_S)
         self.lost_after_s = conf_float(spec, "node_timeout", timeouts.NODE_LOST_S)
-        self.suspect_after_s = max(3 * self.beat_s, 0.3)
+        # after a broken connection: silent this long means gone (a busy host's agent may
+        # miss a few beats; killing a healthy node costs far more than a second)
+        self.suspect_after_s = conf_float(spec, "suspect_timeout",
+                                          max(10 * self.beat_s, timeouts.NODE_SUSPECT_S))
         self._reader: QueueReader | None = None
         self._lost_nodes: list[tuple[int, str, float]] = []  # node, why, silent for (s)
 
@@ -101,6 +104,8 @@ class Coordinator(Agent):
     def _prepare_env(self) -> None:
         """After the guardian is forked (no thread may exist before): serve the store."""
         super()._prepare_env()
+        # every follower reached the store through the endpoint host: their workers can too
+        self.master_addr = self.spec.local_addr or self.ep.host
         self.rdzv.serve()
         self._reader = QueueReader(self.ep, AGENT_QUEUE, self._deliver, lambda why: None,
                                    "ftrun-agents")
@@ -138,7 +143,7 @@ class Coordinator(Agent):
 
     # ----------------------------------------------------------------- rendezvous
     def _start_group(self, restarts: int, hosted: HostedStore) -> None:
-        self._gather_nodes(first=restarts == 0)
+        self._gather_nodes()
         order = sorted(self._alive(), key=lambda n: n.index)
         self.group_world_size = 1 + len(order)
         self.world_size = self.spec.nproc + sum(n.nproc for n in order)
@@ -161,7 +166,7 @@ class Coordinator(Agent):
             base += node.nproc
         self._members = tuple(members)
 
-    def _gather_nodes(self, first: bool) -> None:
+    def _gather_nodes(self) -> None:
         """Wait for the nodes of this attempt: MAX, or MIN and then a last call for more."""
         join_s = conf_float(self.spec, "join_timeout", timeouts.NODE_JOIN_S)
         last_call_s = conf_float(self.spec, "last_call_timeout", timeouts.LAST_CALL_S)
@@ -169,6 +174,9 @@ class Coordinator(Agent):
         enough_at: float | None = None
         while True:
             self._drain_inbox(running=False)
+            for index, why in find_lost_nodes(self._beats.ages(self.rdzv.store),
+                                              self.lost_after_s):
+                self._node_lost(self.nodes[index], why, time.time())  # no attempt runs
             count = 1 + len(self._alive())
             if count >= self.spec.nnodes_max:
                 return
@@ -195,16 +203,27 @@ class Coordinator(Agent):
             kind, index = msg.get("kind"), int(msg.get("node", -1))
             if kind == "join":
                 self._on_join(msg, running)
-            elif kind == "exit" and int(msg["worker"]) in self.remote:
+            elif kind == "exit" and int(msg["worker"]) in self.remote and int(
+                    msg.get("attempt", -1)) == self.restarts:
                 self._on_remote_exit(msg)
             elif kind == "spawned" and int(msg["worker"]) in self.remote:
                 self.remote[int(msg["worker"])].pid = int(msg["pid"])
                 self.remote[int(msg["worker"])].local_rank = int(msg["local_rank"])
             elif kind == "left" and index in self.nodes and self.nodes[index].alive:
-                self._lost_nodes.append((index, f"its agent left ({msg.get('reason', '')})", 0.0))
+                why = f"its agent left ({msg.get('reason', '')})"
+                if running:
+                    self._lost_nodes.append((index, why, 0.0))
+                else:
+                    self._node_lost(self.nodes[index], why, time.time())
+            elif kind == "bye" and index in self.nodes:
+                self.nodes[index].alive = False  # it has ended for good
 
     def _on_join(self, msg: dict[str, Any], running: bool) -> None:
         node = Node(int(msg["node"]), str(msg["host"]), int(msg["pid"]), int(msg["nproc"]))
+        if str(msg.get("rdzv_id")) != self.spec.rdzv_id:
+            self._send(node, "end", code=1, reason=f"this store serves --rdzv-id "
+                       f"{self.spec.rdzv_id!r}, not {msg.get('rdzv_id')!r}")
+            return
         if node.index in self.nodes and self.nodes[node.index].alive:
             self._send(node, "end", code=1, reason=f"node index {node.index} is taken")
             return
@@ -227,10 +246,12 @@ class Coordinator(Agent):
         self._ids[node.index] = first + node.nproc
         for i, wid in enumerate(ids):
             self.remote[wid] = RemoteWorker(-1, i, wid, node.index)
+        self.group_world_size += 1  # group ranks are never reused within an attempt
+        self.world_size = len(ft.members) + node.nproc
         self._send(node, "start", attempt=self.restarts, addr=self.master_addr,
                    port=self.worker_port, base_rank=-1, world_size=self.world_size,
-                   group_rank=len(self._alive()), group_world_size=self.group_world_size + 1,
-                   first_id=first, run_id=self.run_id)
+                   group_rank=self.group_world_size - 1,
+                   group_world_size=self.group_world_size, first_id=first, run_id=self.run_id)
         node.in_attempt = True
         ft.add_joiners(ids)
 
@@ -311,9 +332,6 @@ class Coordinator(Agent):
         self._send(self.nodes[node], "spawn", worker=worker_id, rank=rank,
                    local_rank=local_rank, spare=spare)
 
-    def node_alive(self, node: int) -> bool:
-        return node == 0 or (node in self.nodes and self.nodes[node].alive)
-
     def live_nodes(self) -> list[int]:
         return [0] + [n.index for n in self._alive() if n.in_attempt]
 
@@ -347,27 +365,9 @@ class Coordinator(Agent):
 
     # ----------------------------------------------------------------- status
     def decorate_status(self, doc: dict[str, Any]) -> dict[str, Any]:
-        """This node's status plus every other node's workers, from their last heartbeat."""
-        ft = self.ft
-        workers = list(doc["workers"])
-        for node in self._alive():
-            for w in self._payload(node.index).get("workers", []):
-                wid = int(w["worker_id"])
-                if ft is not None:
-                    w["role"] = ("spare" if wid in ft.spares else "spare (starting)" if wid in
-                                 ft.starting_spares else "joining" if wid in
-                                 ft.unhealed else "member" if wid in ft.members else "gone")
-                workers.append({**w, "node": node.index, "host": node.host})
-        for w in doc["workers"]:
-            w.setdefault("node", 0)
-            w.setdefault("host", socket.gethostname())
-        nodes = [{"node": 0, "host": socket.gethostname(), "pid": os.getpid(),
-                  "alive": True, "role": "coordinator (serves the store)"}]
-        nodes += [{"node": n.index, "host": n.host, "pid": n.pid, "alive": n.alive,
-                   "role": "worker node"} for n in self.nodes.values()]
-        world = len(ft.members) if ft else self.world_size
-        return {**doc, "workers": workers, "nodes": nodes, "world_size": world,
-                "endpoint": str(self.ep)}
+        nodes = list(self.nodes.values())  # the control thread reads while the loop adds
+        payloads = {n.index: self._payload(n.index) for n in nodes if n.alive}
+        return merge_job_status(doc, nodes, payloads, self.ft, self.world_size, str(self.ep))
 
     def _payload(self, node: int) -> dict[str, Any]:
         """A node's last heartbeat payload; never blocks (a new node may have none yet)."""

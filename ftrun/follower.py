@@ -33,6 +33,7 @@ from ftrun.cluster import (
     connect,
     push,
 )
+from ftrun.errors import FtrunError
 from ftrun.roster import RunResult, Worker
 from ftrun.spec import RunSpec
 
@@ -77,24 +78,41 @@ class Follower(Agent):
 
     # ----------------------------------------------------------------- top level
     def _run_attempts(self) -> RunResult:
-        join_s = conf_float(self.spec, "join_timeout", timeouts.NODE_JOIN_S)
-        self.link = connect(self.ep, join_s)
+        self.link = self._connect()
+        if isinstance(self.link, RunResult):
+            return self.link
         self.link.set_timeout(timedelta(seconds=timeouts.STORE_LOST_S))
         static = self.spec.rdzv_backend == "static"
         self.node = self.spec.node_rank if static else int(self.link.add(NODE_COUNTER, 1))
+        self.link.delete_key(command_queue(self.node))  # an earlier agent's unread commands
         reader = QueueReader(self.ep, command_queue(self.node), self._deliver, self._on_lost,
                              "ftrun-commands")
         beat = Heartbeat(self.ep, self.node,
                          conf_float(self.spec, "heartbeat", timeouts.NODE_HEARTBEAT_S),
                          timeouts.STORE_LOST_S, self._payload, self._on_lost)
-        self._report("join", host=socket.gethostname(), pid=os.getpid(), nproc=self.spec.nproc)
+        self._report("join", host=socket.gethostname(), pid=os.getpid(), nproc=self.spec.nproc,
+                     rdzv_id=self.spec.rdzv_id)
         self.emit("notice", {"text": f"joined the rendezvous at {self.ep} as node {self.node}"})
         try:
             return self._serve()
         finally:
             beat.close()
-            reader.close(self.link)
+            reader.close(self.link if self._lost is None else None)
             self._report("bye")  # the coordinator may close the store now
+
+    def _connect(self) -> Any:
+        """Reach the store, retrying in short tries so that Ctrl-C is honoured meanwhile."""
+        join_s = conf_float(self.spec, "join_timeout", timeouts.NODE_JOIN_S)
+        deadline = time.monotonic() + join_s
+        while True:
+            try:
+                return connect(self.ep, min(timeouts.CONNECT_TRY_S, join_s))
+            except FtrunError:
+                if time.monotonic() >= deadline:
+                    raise
+            sig = self._wakeup.pop_signal()
+            if sig is not None:
+                return self._signal_result(sig, 0)
 
     def _serve(self) -> RunResult:
         while True:
@@ -220,9 +238,15 @@ class Follower(Agent):
     def _record_exit(self, w: Worker) -> None:
         super()._record_exit(w)
         assert w.exit is not None
-        self._report("exit", worker=w.worker_id, pid=w.exit.pid, returncode=w.exit.returncode,
+        self._report("exit", worker=w.worker_id, attempt=self.restarts, pid=w.exit.pid,
+                     returncode=w.exit.returncode,
                      wall_time=w.exit.wall_time, error_file=w.exit.error_file,
                      by_launcher=w.exit.killed_by_launcher)
+
+    def uses_api(self) -> bool:
+        """No FaultTolerance here: a worker that reported a generation uses the API."""
+        return any(self.observer.progress(w.worker_id).generation >= 0
+                   for w in self.workers_snapshot())
 
     def decorate_status(self, doc: dict[str, Any]) -> dict[str, Any]:
         """The coordinator's view of the whole job (published every second), with this node."""

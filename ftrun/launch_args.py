@@ -198,11 +198,12 @@ def _slurm_defaults(ns: argparse.Namespace, env: Mapping[str, str]) -> None:
     """Under `srun ftrun ...` (one task per node), SLURM already knows what torchrun asks
     for: the node count, this node's rank and the first node, which serves the store."""
     nodes = env.get("SLURM_STEP_NUM_NODES") or ""
-    if not nodes.isdigit() or int(nodes) < 2 or ns.nnodes != "1:1":
+    if not nodes.isdigit() or int(nodes) < 2 or ns.nnodes != "1:1" or ns.standalone:
         return  # not a multi-node step, or the user said it themselves
     ns.nnodes = nodes
-    if ns.node_rank == "0":
-        ns.node_rank = env.get("SLURM_NODEID", "0")
+    if ns.node_rank == "0":  # one task per node: the task's rank within this step
+        one_per_node = env.get("SLURM_STEP_NUM_TASKS") == nodes
+        ns.node_rank = env.get("SLURM_PROCID" if one_per_node else "SLURM_NODEID", "0")
     first = first_host(env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST", ""))
     if ns.rdzv_backend == "static" and ns.master_addr == "127.0.0.1" and first:
         ns.master_addr = first

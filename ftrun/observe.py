@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from ftrun.control import ControlServer, RunInfo, run_dir
 from ftrun.errors import FtrunError
+from ftrun.jobview import role_of
 from ftrun.journal import fault_docs, summarize
 from ftrun.progress import DRILL_KINDS, Progress, Slot, slot_path
 
@@ -68,8 +69,7 @@ class Observer:
         if kind not in DRILL_KINDS:
             raise FtrunError(f"unknown fault kind {kind!r}",
                              hint="use one of " + ", ".join(DRILL_KINDS))
-        ft = self.agent.ft
-        api = ft is not None and bool(ft.hello)
+        api = self.agent.uses_api()
         if (kind in WORKER_ONLY or int(req.get("at_step", -1)) >= 0) and not api:
             raise FtrunError(f"--kind {kind} {'--at-step ' if kind not in WORKER_ONLY else ''}"
                              "needs a script that uses the ftrun worker API",
@@ -138,12 +138,7 @@ class Observer:
         for w in agent.workers_snapshot():
             p = self._slot(w.worker_id).read()
             has = p is not None and p.generation >= 0
-            role = "member"
-            if ft is not None:
-                role = ("spare" if w.worker_id in ft.spares else
-                        "spare (starting)" if w.worker_id in ft.starting_spares else
-                        "joining" if w.worker_id in ft.unhealed else
-                        "member" if w.worker_id in ft.members else "gone")
+            role = role_of(ft, w.worker_id)
             workers.append({
                 "worker_id": w.worker_id, "rank": p.rank if has and p else w.rank,
                 "local_rank": w.local_rank, "pid": w.spawned.pid, "state": w.state.value,

@@ -106,13 +106,15 @@ class FaultTolerance:
         """A worker that uses the ftrun API ended. None: handled, training goes on."""
         assert w.exit is not None
         wid, code = w.worker_id, w.exit.returncode
-        if wid in self.awaiting_join:  # a shrink-mode replacement died before joining
+        if wid in self.awaiting_join or wid in self._ready_joiners:  # died before joining
             self.awaiting_join.discard(wid)
+            self._ready_joiners = [j for j in self._ready_joiners if j != wid]
             self.faults += 1
-            self.agent.emit("notice", {"text": f"replacement worker {wid} exited with "
+            self.agent.emit("notice", {"text": f"joining worker {wid} exited with "
                                                f"{describe_exit(code)} before joining"})
-            if self.faults <= self.spec.max_faults and self.agent.node_alive(node_of(wid)):
+            if self.faults <= self.spec.max_faults and node_of(wid) in self.agent.live_nodes():
                 self.awaiting_join.add(self._spawn(node_of(wid), w.local_rank))
+            self._grow_if_ready(node_of(wid))
             return None
         if wid in self.spares or wid in self.starting_spares:
             self.spares = [s for s in self.spares if s != wid]
@@ -123,7 +125,7 @@ class FaultTolerance:
                     return None  # spares keep dying: stop replacing them
                 self.agent.emit("notice", {"text": f"spare worker {wid} exited with "
                                                    f"{describe_exit(code)}; starting another"})
-                if self.agent.node_alive(node_of(wid)):
+                if node_of(wid) in self.agent.live_nodes():
                     self._spawn(node_of(wid), w.local_rank, spare=True)
             return None
         if wid not in self.members:
@@ -196,12 +198,15 @@ class FaultTolerance:
     def _joined(self, wid: int) -> None:
         self.awaiting_join.discard(wid)
         self._ready_joiners.append(wid)
-        node = node_of(wid)
+        self._grow_if_ready(node_of(wid))
+
+    def _grow_if_ready(self, node: int) -> None:
         if any(node_of(w) == node for w in self.awaiting_join):
             return  # the rest of its node is still starting
         batch = tuple(w for w in self._ready_joiners if node_of(w) == node)
         self._ready_joiners = [w for w in self._ready_joiners if node_of(w) != node]
-        self._grow(batch)
+        if batch:
+            self._grow(batch)
 
     def on_node_lost(self, node: int, label: str, lost: list[AnyWorker], nodes_left: int,
                      last_seen: float) -> Decision | None:

@@ -13,12 +13,14 @@ STORE_CLIENT_CONNECT_S = 60.0  # worker -> agent store connection
 STORE_SERVER_START_S = 30.0  # agent binding its TCPStore
 LOG_DRAIN_S = 2.0  # reader threads flushing a dead worker's last output
 
-# Multi-node (each overridable with --rdzv-conf heartbeat=, node_timeout=, join_timeout=,
-# last_call_timeout=)
+# Multi-node (each overridable with --rdzv-conf heartbeat=, node_timeout=, suspect_timeout=,
+# join_timeout=, last_call_timeout=)
 NODE_HEARTBEAT_S = 0.1  # a follower agent bumps its heartbeat counter this often
 NODE_LOST_S = 5.0  # no heartbeat for this long: the node is lost (host gone, agent frozen)
+NODE_SUSPECT_S = 1.0  # the same once a worker saw a peer's connection break
 NODE_JOIN_S = 600.0  # the coordinator waiting for --nnodes MIN nodes (torchrun's join_timeout)
 LAST_CALL_S = 1.0  # after MIN nodes joined, how long more nodes (up to MAX) may still join
+CONNECT_TRY_S = 2.0  # one try of a follower reaching the store (Ctrl-C is checked between)
 STORE_LOST_S = 10.0  # a follower's store round trip longer than this: the coordinator is gone
 
 # Worker library

@@ -56,7 +56,8 @@ def read_events(out: str) -> list[dict[str, float]]:
 def measure(kind: str, a: argparse.Namespace) -> dict[str, float | str]:
     port = free_port()
     with tempfile.TemporaryDirectory(ignore_cleanup_errors=True) as out:
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "LOGLEVEL": "ERROR"}
+        env = {**os.environ, "OMP_NUM_THREADS": "1",
+               "LOGLEVEL": os.environ.get("BENCH_LOGLEVEL", "ERROR")}
         if kind == "torchrun" and not a.shared_store:
             # the documented workaround for restarts hanging on the shared store
             # (pytorch#135712); --shared-store measures torchrun's default
@@ -64,13 +65,20 @@ def measure(kind: str, a: argparse.Namespace) -> dict[str, float | str]:
         procs = []
         for i in range(a.nodes):
             node_env = {**env, "FTRUN_RUN_DIR": os.path.join(out, f"run{i}")}
+            log = open(os.path.join(out, f"launcher{i}.log"), "w")  # noqa: SIM115
             procs.append(subprocess.Popen(launcher(kind, a, port, out, ""), env=node_env,
-                                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                          stdout=log, stderr=subprocess.STDOUT,
                                           start_new_session=True))
             if i == 0:
                 time.sleep(1.0)  # the first node serves the store
         try:
-            return _observe(kind, a, out, procs)
+            result = _observe(kind, a, out, procs)
+            if "error" in result and a.show_logs:
+                for i in range(a.nodes - 1):
+                    with open(os.path.join(out, f"launcher{i}.log")) as f:
+                        print(f"---- {kind} launcher {i}, last lines\n" +
+                              "".join(f.readlines()[-a.show_logs:]))
+            return result
         finally:
             for p in procs:
                 _kill_session(p)
@@ -137,6 +145,8 @@ def main() -> None:
     ap.add_argument("--shared-store", action="store_true",
                     help="torchrun without TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1")
     ap.add_argument("--only", choices=["ftrun", "torchrun"])
+    ap.add_argument("--show-logs", type=int, default=0, metavar="N",
+                    help="print the last N lines of each surviving launcher when it fails")
     a = ap.parse_args()
     skipped: dict[str, float | str] = {"error": "not measured (--only)"}
     ft = measure("ftrun", a) if a.only != "torchrun" else skipped

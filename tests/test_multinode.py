@@ -151,6 +151,9 @@ def test_store_host_death_ends_every_agent(tmp_path: Path, nodes) -> None:
     doc = wait_for(lambda: stepping(b, 4, 3), 120, "4 workers stepping (seen from node b)")
     assert doc["served_by"]["pid"] == b.proc.pid  # node b answers for the whole job
     pids = [w["pid"] for w in doc["workers"]]
+    table = subprocess.run(ftrun_cmd("status"), env=b.env, capture_output=True, text=True,
+                           timeout=30)
+    assert table.returncode == 0 and "(this is node 1)" in table.stdout, table.stderr
 
     a.kill()
     start = time.monotonic()
@@ -203,3 +206,20 @@ def test_plain_script_whole_job_restart_across_nodes(tmp_path: Path, nodes, fail
         assert "all 1 restarts used" in a.stderr
         assert "the coordinator ended the job" in b.stderr
     assert "Traceback" not in a.stderr + b.stderr
+
+
+@pytest.mark.slow
+def test_losing_a_node_below_the_minimum_ends_the_job(tmp_path: Path, nodes) -> None:
+    port = free_port()
+    args = ["--nnodes", "2", "--nproc", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint",
+            f"127.0.0.1:{port}", str(FIXTURES / "ft_train.py"), "--steps", "100000",
+            "--step-time", "0.05"]
+    a = nodes("a", args)
+    wait_listening(port, 30)
+    b = nodes("b", args)
+    doc = wait_for(lambda: stepping(a, 4, 3), 120, "4 workers stepping")
+    pids = [w["pid"] for w in doc["workers"]]
+    b.kill()
+    assert a.wait(60) == 1
+    assert "below --nnodes minimum 2" in a.stderr and "Traceback" not in a.stderr
+    wait_for(lambda: not any(pid_alive(p) for p in pids), 10, "every worker gone")

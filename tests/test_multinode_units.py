@@ -69,10 +69,11 @@ def test_slurm_first_host(nodelist: str, first: str) -> None:
 
 
 def test_srun_environment_spares_the_flags() -> None:
-    env = {"SLURM_STEP_NUM_NODES": "4", "SLURM_NODEID": "2",
-           "SLURM_STEP_NODELIST": "gpu[07-10]"}
+    env = {"SLURM_STEP_NUM_NODES": "4", "SLURM_STEP_NUM_TASKS": "4", "SLURM_PROCID": "2",
+           "SLURM_NODEID": "5", "SLURM_STEP_NODELIST": "gpu[07-10]"}
     spec = parse_run_args(["--nproc", "2", "t.py"], env=env)
     assert (spec.nnodes_min, spec.nnodes_max, spec.node_rank) == (4, 4, 2)
+    assert parse_run_args(["--standalone", "t.py"], env=env).nnodes_max == 1
     assert (spec.master_addr, spec.master_port) == ("gpu07", 29500)
     explicit = parse_run_args(["--nnodes", "1", "t.py"], env=env)  # the user's word wins
     assert explicit.nnodes_max == 1
