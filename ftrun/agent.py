@@ -16,13 +16,13 @@ import time
 import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import replace
-from typing import Any
 
 from ftrun import timeouts
 from ftrun.exits import signal_name
 from ftrun.health import CHECK_EVERY_S, HealthWatch
 from ftrun.journal import Journal
 from ftrun.logs import RunLogs
+from ftrun.nodehooks import NodeHooks
 from ftrun.observe import Observer
 from ftrun.policy import Action, Decision, decide_group
 from ftrun.procs import Guardian, signal_group, spawn
@@ -42,7 +42,7 @@ def _ignore(kind: str, fields: Mapping[str, object]) -> None:
     pass
 
 
-class Agent:
+class Agent(NodeHooks):
     def __init__(self, spec: RunSpec, env: Mapping[str, str] | None = None,
                  emit: EventSink = _ignore) -> None:
         self.spec = spec
@@ -188,59 +188,12 @@ class Agent:
             self._sel.register(spawned.pidfd, selectors.EVENT_READ, worker)
         return worker
 
-    # ------------------------------------------------ hooks a multi-node agent overrides
-    def allocate_id(self, node: int) -> int:
-        """A worker id never used in this run."""
-        self._next_id += 1
-        return self._next_id - 1
-
-    def peek_id(self, node: int) -> int:  # what allocate_id(node) returns next
-        return self._next_id
-
-    def place(self, worker_id: int, rank: int, local_rank: int, spare: bool) -> None:
-        """Start a worker of the current attempt on its node (here: this one)."""
-        self.spawn_worker(worker_id, rank, self.health.pick_local_rank(local_rank), spare)
-
-    def live_nodes(self) -> list[int]:
-        return [0]
-
-    def committed_step(self, worker_id: int) -> int:
-        return self.observer.progress(worker_id).step
-
-    def initial_members(self) -> tuple[int, ...]:
-        return tuple(range(self.spec.nproc))
-
-    def all_workers(self) -> list[Worker | RemoteWorker]:
-        return list(self._workers)
-
-    def _remote_exits(self) -> list[RemoteWorker]:
-        return []
-
-    def _tick(self) -> Decision | None:
-        self.health.tick()
-        return None
-
-    def suspect(self) -> None:
-        """A worker saw a peer's connection break (multi-node: check the nodes now)."""
-
-    def uses_api(self) -> bool:
-        return self.ft is not None and bool(self.ft.hello)
-
-    def control_name(self) -> str:
-        return self.run_id if self.run_id != "none" else f"none-{os.getpid()}"
-
-    def decorate_status(self, doc: dict[str, Any]) -> dict[str, Any]:
-        return doc
-
     def live_members(self) -> list[Worker]:
         """Workers of the current generation in rank order (all live workers without FT)."""
         if self.ft is None or not self.ft.hello:
             return sorted((w for w in self._workers if w.alive), key=lambda w: w.rank)
         by_id = {w.worker_id: w for w in self._workers}
         return [by_id[m] for m in self.ft.members if m in by_id and by_id[m].alive]
-
-    def worker_by_id(self, worker_id: int) -> Worker | None:
-        return next((w for w in self._workers if w.worker_id == worker_id), None)
 
     def workers_snapshot(self) -> list[Worker]:
         return [w for w in list(self._workers) if w.alive]

@@ -36,7 +36,7 @@ from ftrun.cluster import (
 )
 from ftrun.errors import FtrunError
 from ftrun.jobview import merge_job_status
-from ftrun.policy import Decision, find_lost_nodes
+from ftrun.policy import Decision, Liveness, find_lost_nodes
 from ftrun.rendezvous import node_of
 from ftrun.report import WorkerExit
 from ftrun.roster import RemoteWorker, Worker
@@ -133,10 +133,7 @@ class Coordinator(Agent):
         self.wake()
 
     def _send(self, node: Node, kind: str, **fields: Any) -> None:
-        try:
-            push(self.rdzv.store, command_queue(node.index), kind, **fields)
-        except Exception as exc:  # our own store: only a bug gets here
-            raise FtrunError(f"cannot reach {node.label}'s command queue: {exc}") from exc
+        push(self.rdzv.store, command_queue(node.index), kind, **fields)  # our own store
 
     def _alive(self) -> list[Node]:
         return [n for n in self.nodes.values() if n.alive]
@@ -343,6 +340,19 @@ class Coordinator(Agent):
         step = next((w.get("step") for w in doc.get("workers", [])
                      if w.get("worker_id") == worker_id), None)
         return -1 if step is None else int(step)
+
+    def remote_liveness(self) -> list[Liveness]:
+        nodes = [n for n in self._alive() if n.in_attempt]
+        return [Liveness(**d) for n in nodes for d in self._payload(n.index).get("liveness", [])]
+
+    def kill_worker(self, worker_id: int) -> bool:
+        w = self.remote.get(worker_id)
+        if w is None:
+            return super().kill_worker(worker_id)
+        if not w.alive or not self.nodes[w.node].alive:
+            return False
+        self._send(self.nodes[w.node], "kill", worker=worker_id)
+        return True
 
     def initial_members(self) -> tuple[int, ...]:
         return self._members

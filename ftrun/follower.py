@@ -16,6 +16,7 @@ import signal
 import socket
 import time
 from collections.abc import Mapping
+from dataclasses import asdict
 from datetime import timedelta
 from typing import Any
 
@@ -67,7 +68,11 @@ class Follower(Agent):
         self.wake()
 
     def _payload(self) -> dict[str, Any]:
-        return {"workers": self.observer.local_status()["workers"], "time": time.time()}
+        """Heartbeat thread: this node's workers for `ftrun status`, and their liveness so
+        that the coordinator judges hangs and stragglers over the whole job."""
+        now = time.time()
+        return {"workers": self.observer.local_status()["workers"], "time": now,
+                "liveness": [asdict(m) for m in self.health.local_liveness(now)]}
 
     def _report(self, kind: str, **fields: Any) -> None:
         if self._lost is None:
@@ -200,6 +205,8 @@ class Follower(Agent):
                                           int(cmd["local_rank"])), spare=bool(cmd["spare"]))
                 self._report("spawned", worker=w.worker_id, pid=w.spawned.pid,
                              local_rank=w.local_rank)
+            elif kind == "kill":  # the coordinator found it hung, or a straggler to evict
+                self.kill_worker(int(cmd["worker"]))
             elif kind == "stop":
                 self._stop_workers(int(cmd.get("signal", signal.SIGTERM)),
                                    float(cmd.get("grace", self.spec.shutdown_timeout)))

@@ -48,7 +48,7 @@ class HealthWatch:
         self.stragglers: dict[int, str] = {}
         self._hits: dict[int, int] = {}
         self._cpu: dict[int, tuple[int, float]] = {}  # pid -> (utime+stime ticks, seen at)
-        self._killed: set[int] = set()  # pids already sent SIGKILL
+        self._killed: set[tuple[int, int]] = set()  # (attempt, worker id) already killed
         self._next = 0.0
 
     def close(self) -> None:
@@ -109,7 +109,9 @@ class HealthWatch:
         if now < self._next or self.agent.ft is None or not self.agent.ft.hello:
             return
         self._next = now + CHECK_EVERY_S
-        members = self._liveness(now)
+        number = self.agent.ft.number
+        members = [m for m in self.local_liveness(now) + self.agent.remote_liveness()
+                   if m.generation == number]  # not started, or still recovering into it
         if len(members) < 2:
             return
         spec = self.agent.spec
@@ -119,18 +121,20 @@ class HealthWatch:
             return
         self._check_straggler(members)
 
-    def _liveness(self, now: float) -> list[Liveness]:
+    def local_liveness(self, now: float) -> list[Liveness]:
+        """This node's members that reported progress (a follower sends these to the
+        coordinator in its heartbeat, so hangs are judged over the whole job)."""
         out = []
         for w in self.agent.live_members():
             p: Progress = self.agent.observer.progress(w.worker_id)
-            if p.generation < 0 or p.generation != (self.agent.ft.number if self.agent.ft else 0):
-                continue  # not started yet, or still recovering into the current generation
+            if p.generation < 0:
+                continue
             out.append(Liveness(
                 worker=w.worker_id, rank=p.rank, step=p.step,
                 idle_s=now - max(p.last_commit, p.step_started),
                 in_commit_s=now - p.commit_started if p.commit_started else None,
                 stopped=_stopped(w.spawned.pid), compute_s=p.compute_time, step_s=p.step_time,
-                cpu_idle_s=self._cpu_idle(w.spawned.pid, now)))
+                cpu_idle_s=self._cpu_idle(w.spawned.pid, now), generation=p.generation))
         return out
 
     def _cpu_idle(self, pid: int, now: float) -> float:
@@ -148,12 +152,17 @@ class HealthWatch:
         if worker is None:
             ft.rebuild(reason)
             return
-        w = self.agent.worker_by_id(worker)
-        if w is not None and w.alive and w.spawned.pid not in self._killed:
-            self._killed.add(w.spawned.pid)
-            self.agent.journal.drill_injected(worker, "hang", time.time())
+        if self._kill(worker, "hang"):
             self.agent.emit("notice", {"text": f"hang: {reason}; killing worker {worker}"})
-            os.kill(w.spawned.pid, signal.SIGKILL)
+
+    def _kill(self, worker: int, why: str) -> bool:
+        """SIGKILL a member once (on whichever node it runs); False if it was done already."""
+        key = (self.agent.restarts, worker)
+        if key in self._killed or not self.agent.kill_worker(worker):
+            return False
+        self._killed.add(key)
+        self.agent.journal.drill_injected(worker, why, time.time())
+        return True
 
     def _check_straggler(self, members: list[Liveness]) -> None:
         found = find_straggler(members, self.agent.spec.straggler_factor)
@@ -164,10 +173,8 @@ class HealthWatch:
         self.stragglers[found[0]] = found[1]
         evict = self.agent.spec.evict_stragglers
         self.agent.emit("straggler", {"worker": found[0], "reason": found[1], "evicted": evict})
-        w = self.agent.worker_by_id(found[0])
-        if evict and w is not None and w.alive:
-            self.agent.journal.drill_injected(found[0], "straggler", time.time())
-            os.kill(w.spawned.pid, signal.SIGKILL)
+        if evict:
+            self._kill(found[0], "straggler")
 
 
 def _cpu_ticks(pid: int) -> int:

@@ -143,6 +143,7 @@ class Liveness:
     compute_s: float  # EMA of step start -> commit
     step_s: float  # EMA of commit -> commit
     cpu_idle_s: float = 0.0  # since its CPU time last advanced (a busy rank is not hung)
+    generation: int = -1  # the generation its progress belongs to
 
 
 @dataclass(frozen=True)

@@ -97,6 +97,17 @@ def _kill_strays(out: str) -> None:
 
 
 def _kill_session(p: subprocess.Popen[bytes]) -> None:
+    """The launcher and every process under it (torchrun's workers run in sessions of their
+    own and would outlive it), at once, as a host failure would."""
+    import psutil
+
+    try:
+        victims = [psutil.Process(p.pid), *psutil.Process(p.pid).children(recursive=True)]
+    except psutil.NoSuchProcess:
+        victims = []
+    for v in victims:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            v.kill()
     with contextlib.suppress(ProcessLookupError):
         os.killpg(p.pid, signal.SIGKILL)
     p.wait(30)

@@ -12,8 +12,8 @@ LAYERS = [  # lowest first
     {"procs", "store", "logs", "report", "rendezvous", "progress", "control", "gpu", "wakeup",
      "workerspec", "_run_path", "cluster"},
     {"comm", "grads", "joining", "worker", "transfer"},
-    {"journal", "jobview", "roster", "recovery", "observe", "health", "agent", "coordinator",
-     "follower"},
+    {"journal", "jobview", "roster", "nodehooks", "recovery", "observe", "health", "agent",
+     "coordinator", "follower"},
     {"cli", "commands", "launch_args", "render", "__main__", "__init__"},
 ]
 WORKER_SIDE = {"comm", "grads", "joining", "worker", "transfer"}

@@ -223,3 +223,29 @@ def test_losing_a_node_below_the_minimum_ends_the_job(tmp_path: Path, nodes) -> 
     assert a.wait(60) == 1
     assert "below --nnodes minimum 2" in a.stderr and "Traceback" not in a.stderr
     wait_for(lambda: not any(pid_alive(p) for p in pids), 10, "every worker gone")
+
+
+@pytest.mark.slow
+def test_hung_worker_on_another_node_is_found_and_replaced(tmp_path: Path, nodes) -> None:
+    """Hangs are judged over the whole job: the coordinator sees node b's worker stopped
+    (through b's heartbeat) and has b kill it; b starts its replacement."""
+    port, out = free_port(), tmp_path / "out"
+    out.mkdir()
+    args = ["--nnodes", "2", "--nproc", "2", "--hang-timeout", "1", "--rdzv-backend", "c10d",
+            "--rdzv-endpoint", f"127.0.0.1:{port}", str(FIXTURES / "ft_train.py"), "--steps",
+            "300", "--step-time", "0.03", "--out", str(out)]
+    a = nodes("a", args)
+    wait_listening(port, 30)
+    b = nodes("b", args)
+    doc = wait_for(lambda: stepping(a, 4, 10), 120, "4 workers stepping")
+    victim = next(w for w in doc["workers"] if w["node"] == 1 and w["local_rank"] == 1)
+    os.kill(victim["pid"], signal.SIGSTOP)
+    wait_for(lambda: not pid_alive(victim["pid"]), 60, "the stopped worker killed")
+    assert a.wait(180) == 0, a.stderr
+    assert b.wait(30) == 0, b.stderr
+    assert "is stopped" in a.stderr and f"killing worker {victim['worker_id']}" in a.stderr
+    import torch
+
+    finals = [torch.load(p) for p in sorted(out.glob("params_*.pt"))]
+    assert len(finals) == 4  # the replacement finished in the victim's place
+    assert all(torch.equal(finals[0][k], f[k]) for f in finals[1:] for k in finals[0])
