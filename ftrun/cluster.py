@@ -134,6 +134,15 @@ def push(store: Any, queue_key: str, kind: str, **fields: Any) -> None:
     store.queue_push(queue_key, json.dumps({"kind": kind, **fields}))
 
 
+def read_payload(store: Any, node: int) -> dict[str, Any]:
+    """A node's last heartbeat payload; never blocks (a new node may have none yet)."""
+    key = payload_key(node)
+    try:
+        return dict(json.loads(store.get(key))) if store.check([key]) else {}
+    except Exception:
+        return {}
+
+
 class QueueReader:
     """A thread blocked on one store queue: each message goes to `deliver`; a lost store
     (the coordinator died) goes to `on_lost` once."""

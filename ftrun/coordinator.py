@@ -31,8 +31,8 @@ from ftrun.cluster import (
     command_queue,
     conf_float,
     first_worker_id,
-    payload_key,
     push,
+    read_payload,
 )
 from ftrun.errors import FtrunError
 from ftrun.jobview import merge_job_status
@@ -259,9 +259,12 @@ class Coordinator(Agent):
         w.exit = WorkerExit(rank=w.rank, local_rank=w.local_rank, pid=int(msg["pid"]),
                             returncode=int(msg["returncode"]), detected_at=time.monotonic(),
                             wall_time=float(msg["wall_time"]),
-                            error_file=str(msg.get("error_file") or ""),
+                            error_file=self.logs.keep_error(  # its own is on its node
+                                self.restarts, f"node{w.node}.w{w.worker_id}",
+                                str(msg.get("error") or "")),
                             killed_by_launcher=bool(msg.get("by_launcher")))
         self._exited.append(w)
+
 
     # ----------------------------------------------------------------- supervision hooks
     def _remote_exits(self) -> list[RemoteWorker]:
@@ -380,13 +383,7 @@ class Coordinator(Agent):
         return merge_job_status(doc, nodes, payloads, self.ft, self.world_size, str(self.ep))
 
     def _payload(self, node: int) -> dict[str, Any]:
-        """A node's last heartbeat payload; never blocks (a new node may have none yet)."""
-        key = payload_key(node)
-        try:
-            return dict(json.loads(self.rdzv.store.get(key))) if self.rdzv.store.check(
-                [key]) else {}
-        except Exception:
-            return {}
+        return read_payload(self.rdzv.store, node)
 
     def _publish_status(self) -> None:
         now = time.monotonic()

@@ -38,6 +38,7 @@ from ftrun.errors import FtrunError
 from ftrun.roster import RunResult, Worker
 from ftrun.spec import RunSpec
 
+MAX_ERROR_FILE_BYTES = 64 * 1024
 LOST_STORE_GRACE_S = 3.0  # workers of a job whose store host died: SIGTERM, then SIGKILL
 
 
@@ -245,9 +246,12 @@ class Follower(Agent):
     def _record_exit(self, w: Worker) -> None:
         super()._record_exit(w)
         assert w.exit is not None
+        error = ""  # the @record traceback travels: the coordinator's report shows it
+        if w.exit.error_file and os.path.exists(w.exit.error_file):
+            with open(w.exit.error_file, errors="replace") as f:
+                error = f.read(MAX_ERROR_FILE_BYTES)
         self._report("exit", worker=w.worker_id, attempt=self.restarts, pid=w.exit.pid,
-                     returncode=w.exit.returncode,
-                     wall_time=w.exit.wall_time, error_file=w.exit.error_file,
+                     returncode=w.exit.returncode, wall_time=w.exit.wall_time, error=error,
                      by_launcher=w.exit.killed_by_launcher)
 
     def uses_api(self) -> bool:

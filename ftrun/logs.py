@@ -85,6 +85,16 @@ class RunLogs:
         os.makedirs(path, exist_ok=True)
         return path
 
+    def keep_error(self, attempt: int, name: str, text: str) -> str:
+        """Store another node's worker error file as `attempt_<n>/<name>/error.json`."""
+        if not text or self.run_dir is None:
+            return ""
+        where = os.path.join(self.run_dir, f"attempt_{attempt}", name)
+        os.makedirs(where, exist_ok=True)
+        with open(os.path.join(where, "error.json"), "w") as f:
+            f.write(text)
+        return os.path.join(where, "error.json")
+
     def streams_for(self, attempt: int, local_rank: int, rank: int,
                     worker_id: int | None = None) -> WorkerStreams:
         wdir = self.worker_dir(attempt, local_rank, worker_id)

@@ -249,3 +249,19 @@ def test_hung_worker_on_another_node_is_found_and_replaced(tmp_path: Path, nodes
     finals = [torch.load(p) for p in sorted(out.glob("params_*.pt"))]
     assert len(finals) == 4  # the replacement finished in the victim's place
     assert all(torch.equal(finals[0][k], f[k]) for f in finals[1:] for k in finals[0])
+
+
+def test_a_remote_rank_failure_is_reported_with_its_traceback(tmp_path: Path, nodes) -> None:
+    """The failing rank runs on node b; the coordinator's report shows its @record error,
+    copied into the coordinator's own log directory."""
+    port = free_port()
+    args = ["--nnodes", "2", "--nproc", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint",
+            f"127.0.0.1:{port}", "--log-dir", str(tmp_path / "logs_a"),
+            str(FIXTURES / "record_fail.py")]
+    a = nodes("a", args)
+    wait_listening(port, 30)
+    b = nodes("b", [*args[:-3], "--log-dir", str(tmp_path / "logs_b"), args[-1]])
+    assert a.wait(90) == 1
+    assert b.wait(30) == 1
+    assert "boom rank 1" in a.stderr and "node1.w" in a.stderr, a.stderr
+    assert str(tmp_path / "logs_a") in a.stderr  # the copy, not node b's own file
