@@ -70,6 +70,21 @@ def stepping(node: Node, workers: int, step: int) -> dict[str, Any] | None:
     return None
 
 
+def two_nodes(nodes, port: int, args: list[str], b_args: list[str] | None = None
+              ) -> tuple[Node, Node]:
+    """Node a first (it binds the endpoint and coordinates), then node b."""
+    a = nodes("a", args)
+    wait_listening(port, 30)
+    return a, nodes("b", b_args or args)
+
+
+def endless_job(port: int) -> list[str]:
+    """Two nodes of two workers training until stopped."""
+    return ["--nnodes", "2", "--nproc", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint",
+            f"127.0.0.1:{port}", str(FIXTURES / "ft_train.py"), "--steps", "100000",
+            "--step-time", "0.05"]
+
+
 @pytest.fixture
 def nodes(tmp_path: Path):
     started: list[Node] = []
@@ -142,12 +157,7 @@ def test_node_lost_then_replaced_without_restart(tmp_path: Path, nodes) -> None:
 @pytest.mark.slow
 def test_store_host_death_ends_every_agent(tmp_path: Path, nodes) -> None:
     port = free_port()
-    args = ["--nnodes", "2", "--nproc", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint",
-            f"127.0.0.1:{port}", str(FIXTURES / "ft_train.py"), "--steps", "100000",
-            "--step-time", "0.05"]
-    a = nodes("a", args)
-    wait_listening(port, 30)
-    b = nodes("b", args)
+    a, b = two_nodes(nodes, port, endless_job(port))
     doc = wait_for(lambda: stepping(b, 4, 3), 120, "4 workers stepping (seen from node b)")
     assert doc["served_by"]["pid"] == b.proc.pid  # node b answers for the whole job
     pids = [w["pid"] for w in doc["workers"]]
@@ -171,9 +181,9 @@ def test_plain_script_ranks_across_nodes_static(tmp_path: Path, nodes) -> None:
     out.mkdir()
     common = ["--nnodes", "2", "--nproc", "2", "--master-addr", "127.0.0.1", "--master-port",
               str(port)]
-    a = nodes("a", [*common, "--node-rank", "0", str(FIXTURES / "dump_env.py"), str(out)])
-    wait_listening(port, 30)
-    b = nodes("b", [*common, "--node-rank", "1", str(FIXTURES / "dump_env.py"), str(out)])
+    a, b = two_nodes(nodes, port, [*common, "--node-rank", "0", str(FIXTURES / "dump_env.py"),
+                                   str(out)],
+                     [*common, "--node-rank", "1", str(FIXTURES / "dump_env.py"), str(out)])
     assert a.wait(90) == 0, a.stderr
     assert b.wait(30) == 0, b.stderr
     envs = {r: json.loads((out / f"env_{r}.json").read_text())["env"] for r in range(4)}
@@ -195,9 +205,7 @@ def test_plain_script_whole_job_restart_across_nodes(tmp_path: Path, nodes, fail
     args = ["--nnodes", "2", "--nproc", "2", "--max-restarts", "1", "--rdzv-backend", "c10d",
             "--rdzv-endpoint", f"127.0.0.1:{port}", str(FIXTURES / "behave.py"), "--exit-rank",
             "3:1", "--fail-attempts", str(fail_attempts), "--sleep", "1", "--pidfile", str(pids)]
-    a = nodes("a", args)
-    wait_listening(port, 30)
-    b = nodes("b", args)
+    a, b = two_nodes(nodes, port, args)
     assert a.wait(90) == code, a.stderr
     assert b.wait(30) == code, b.stderr
     assert "rank 3 exited with 1; restarting all workers (1/1)" in a.stderr
@@ -211,12 +219,7 @@ def test_plain_script_whole_job_restart_across_nodes(tmp_path: Path, nodes, fail
 @pytest.mark.slow
 def test_losing_a_node_below_the_minimum_ends_the_job(tmp_path: Path, nodes) -> None:
     port = free_port()
-    args = ["--nnodes", "2", "--nproc", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint",
-            f"127.0.0.1:{port}", str(FIXTURES / "ft_train.py"), "--steps", "100000",
-            "--step-time", "0.05"]
-    a = nodes("a", args)
-    wait_listening(port, 30)
-    b = nodes("b", args)
+    a, b = two_nodes(nodes, port, endless_job(port))
     doc = wait_for(lambda: stepping(a, 4, 3), 120, "4 workers stepping")
     pids = [w["pid"] for w in doc["workers"]]
     b.kill()
@@ -234,9 +237,7 @@ def test_hung_worker_on_another_node_is_found_and_replaced(tmp_path: Path, nodes
     args = ["--nnodes", "2", "--nproc", "2", "--hang-timeout", "1", "--rdzv-backend", "c10d",
             "--rdzv-endpoint", f"127.0.0.1:{port}", str(FIXTURES / "ft_train.py"), "--steps",
             "300", "--step-time", "0.03", "--out", str(out)]
-    a = nodes("a", args)
-    wait_listening(port, 30)
-    b = nodes("b", args)
+    a, b = two_nodes(nodes, port, args)
     doc = wait_for(lambda: stepping(a, 4, 10), 120, "4 workers stepping")
     victim = next(w for w in doc["workers"] if w["node"] == 1 and w["local_rank"] == 1)
     os.kill(victim["pid"], signal.SIGSTOP)
@@ -258,9 +259,8 @@ def test_a_remote_rank_failure_is_reported_with_its_traceback(tmp_path: Path, no
     args = ["--nnodes", "2", "--nproc", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint",
             f"127.0.0.1:{port}", "--log-dir", str(tmp_path / "logs_a"),
             str(FIXTURES / "record_fail.py")]
-    a = nodes("a", args)
-    wait_listening(port, 30)
-    b = nodes("b", [*args[:-3], "--log-dir", str(tmp_path / "logs_b"), args[-1]])
+    a, b = two_nodes(nodes, port, args,
+                     [*args[:-3], "--log-dir", str(tmp_path / "logs_b"), args[-1]])
     assert a.wait(90) == 1
     assert b.wait(30) == 1
     assert "boom rank 1" in a.stderr and "node1.w" in a.stderr, a.stderr
