@@ -56,7 +56,6 @@ class Agent(NodeHooks):
         self.restarts = 0
         self.ft: FaultTolerance | None = None
         self._sel: selectors.BaseSelector | None = None
-        self._hosted: HostedStore | None = None
         self.worker_port = 0  # where workers reach this attempt's store
         self._next_id = spec.nproc
         self.group_rank, self.group_world_size, self.world_size = 0, 1, spec.nproc
@@ -97,7 +96,6 @@ class Agent(NodeHooks):
         while True:
             hosted = HostedStore(self._static_port() or 0)
             self.restarts = restarts
-            self._hosted = hosted
             try:
                 self.worker_port = hosted.port
                 self._start_group(restarts, hosted)
@@ -153,7 +151,7 @@ class Agent(NodeHooks):
 
     # ----------------------------------------------------------------- workers
     def _start_group(self, restarts: int, hosted: HostedStore) -> None:
-        self._workers = []
+        self._workers, self._next_id = [], self.spec.nproc  # ids restart with every attempt
         for local_rank in range(self.spec.nproc):
             self.spawn_worker(local_rank, rank=local_rank, local_rank=local_rank)
         self.emit("started", {"attempt": restarts, "world_size": self.world_size,

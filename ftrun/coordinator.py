@@ -43,8 +43,6 @@ from ftrun.roster import RemoteWorker, Worker
 from ftrun.spec import RunSpec
 from ftrun.store import HostedStore
 
-STATUS_EVERY_S = 1.0
-
 
 @dataclass
 class Node:
@@ -83,6 +81,7 @@ class Coordinator(Agent):
                                           max(10 * self.beat_s, timeouts.NODE_SUSPECT_S))
         self._reader: QueueReader | None = None
         self._lost_nodes: list[tuple[int, str, float]] = []  # node, why, silent for (s)
+        self._payloads: dict[int, tuple[float, dict[str, Any]]] = {}
 
     # ----------------------------------------------------------------- lifecycle
     def run(self) -> Any:
@@ -147,21 +146,24 @@ class Coordinator(Agent):
         self.remote, self._ids, self._exited = {}, {}, []  # nothing of an earlier attempt
         super()._start_group(restarts, hosted)
         members = list(range(self.spec.nproc))
-        base = self.spec.nproc
         for position, node in enumerate(order, start=1):
-            first = first_worker_id(node.index)
-            ids = list(range(first, first + node.nproc))
-            self._ids[node.index] = first + node.nproc
-            for i, wid in enumerate(ids):
-                self.remote[wid] = RemoteWorker(base + i, i, wid, node.index)
-            self._send(node, "start", attempt=restarts, addr=self.master_addr,
-                       port=hosted.port, base_rank=base, world_size=self.world_size,
-                       group_rank=position, group_world_size=self.group_world_size,
-                       first_id=first, run_id=self.run_id)
-            node.in_attempt = True
-            members += ids
-            base += node.nproc
+            members += self._start_node(node, len(members), position)
         self._members = tuple(members)
+
+    def _start_node(self, node: Node, base_rank: int, group_rank: int) -> list[int]:
+        """Tell `node` to start its workers (ranks from `base_rank`; -1: joiners)."""
+        first = first_worker_id(node.index)
+        ids = list(range(first, first + node.nproc))
+        self._ids[node.index] = first + node.nproc
+        for i, wid in enumerate(ids):
+            self.remote[wid] = RemoteWorker(base_rank + i if base_rank >= 0 else -1, i, wid,
+                                            node.index)
+        self._send(node, "start", attempt=self.restarts, addr=self.master_addr,
+                   port=self.worker_port, base_rank=base_rank, world_size=self.world_size,
+                   group_rank=group_rank, group_world_size=self.group_world_size,
+                   first_id=first, run_id=self.run_id)
+        node.in_attempt = True
+        return ids
 
     def _gather_nodes(self) -> None:
         """Wait for the nodes of this attempt: MAX, or MIN and then a last call for more."""
@@ -189,7 +191,7 @@ class Coordinator(Agent):
                                       "--rdzv-endpoint, or lower --nnodes")
             if self._wakeup.pop_signal() is not None:
                 raise FtrunError("interrupted while waiting for nodes to join")
-            time.sleep(0.02)
+            self._wakeup.wait(self.beat_s)  # a join wakes it at once
 
     def _drain_inbox(self, running: bool) -> None:
         while True:
@@ -238,19 +240,9 @@ class Coordinator(Agent):
             why = "the job is full" if full else "the script does not use the ftrun API"
             self.emit("notice", {"text": f"{node.label} waits for the next restart ({why})"})
             return
-        first = first_worker_id(node.index)
-        ids = list(range(first, first + node.nproc))
-        self._ids[node.index] = first + node.nproc
-        for i, wid in enumerate(ids):
-            self.remote[wid] = RemoteWorker(-1, i, wid, node.index)
         self.group_world_size += 1  # group ranks are never reused within an attempt
         self.world_size = len(ft.members) + node.nproc
-        self._send(node, "start", attempt=self.restarts, addr=self.master_addr,
-                   port=self.worker_port, base_rank=-1, world_size=self.world_size,
-                   group_rank=self.group_world_size - 1,
-                   group_world_size=self.group_world_size, first_id=first, run_id=self.run_id)
-        node.in_attempt = True
-        ft.add_joiners(ids)
+        ft.add_joiners(self._start_node(node, -1, self.group_world_size - 1))
 
     def _on_remote_exit(self, msg: dict[str, Any]) -> None:
         w = self.remote[int(msg["worker"])]
@@ -368,8 +360,8 @@ class Coordinator(Agent):
         for node in waiting:
             self._send(node, "stop", signal=int(sig), grace=grace)
             node.in_attempt = False
-        received = super()._stop_workers(sig, grace)
         deadline = time.monotonic() + grace + timeouts.KILL_REAP_S
+        received = super()._stop_workers(sig, grace)
         while time.monotonic() < deadline and any(
                 w.alive and self.nodes[w.node].alive for w in self.remote.values()):
             self._drain_inbox(running=False)
@@ -383,13 +375,19 @@ class Coordinator(Agent):
         return merge_job_status(doc, nodes, payloads, self.ft, self.world_size, str(self.ep))
 
     def _payload(self, node: int) -> dict[str, Any]:
-        return read_payload(self.rdzv.store, node)
+        """Read once per heartbeat period: a fault or a status asks for every member's."""
+        now = time.monotonic()
+        seen_at, doc = self._payloads.get(node, (-1.0, {}))
+        if now - seen_at >= self.beat_s:
+            doc = read_payload(self.rdzv.store, node)
+            self._payloads[node] = (now, doc)
+        return doc
 
     def _publish_status(self) -> None:
         now = time.monotonic()
         if now < self._next_status:
             return
-        self._next_status = now + STATUS_EVERY_S
+        self._next_status = now + timeouts.STATUS_EVERY_S
         try:
             self.rdzv.store.set(STATUS_KEY, json.dumps(self.observer.status()))
         except Exception as exc:  # a status snapshot must never stop the job

@@ -35,11 +35,11 @@ from ftrun.cluster import (
     push,
 )
 from ftrun.errors import FtrunError
+from ftrun.health import CHECK_EVERY_S
 from ftrun.roster import RunResult, Worker
 from ftrun.spec import RunSpec
 
 MAX_ERROR_FILE_BYTES = 64 * 1024
-LOST_STORE_GRACE_S = 3.0  # workers of a job whose store host died: SIGTERM, then SIGKILL
 
 
 class Follower(Agent):
@@ -51,6 +51,7 @@ class Follower(Agent):
         self.link: Any = None
         self._commands: queue.SimpleQueue[dict[str, Any]] = queue.SimpleQueue()
         self._lost: str | None = None
+        self._payload_at, self._last_payload = 0.0, dict[str, Any]()
 
     def control_name(self) -> str:
         return f"{self.run_id[:16]}.{os.getpid()}"  # several agents may share a host
@@ -70,10 +71,15 @@ class Follower(Agent):
 
     def _payload(self) -> dict[str, Any]:
         """Heartbeat thread: this node's workers for `ftrun status`, and their liveness so
-        that the coordinator judges hangs and stragglers over the whole job."""
+        that the coordinator judges hangs and stragglers over the whole job (rebuilt as often
+        as the coordinator's health check reads it, not at every beat)."""
         now = time.time()
-        return {"workers": self.observer.local_status()["workers"], "time": now,
+        if now - self._payload_at >= CHECK_EVERY_S:
+            self._last_payload = {
+                "workers": self.observer.worker_rows(now),
                 "liveness": [asdict(m) for m in self.health.local_liveness(now)]}
+            self._payload_at = now
+        return self._last_payload
 
     def _report(self, kind: str, **fields: Any) -> None:
         if self._lost is None:
@@ -181,7 +187,7 @@ class Follower(Agent):
                         return self._leave_on_signal(sig)
                     if self._lost is not None:
                         alive = sum(w.alive for w in self._workers)
-                        self._stop_workers(signal.SIGTERM, LOST_STORE_GRACE_S)
+                        self._stop_workers(signal.SIGTERM, timeouts.LOST_STORE_GRACE_S)
                         return self._lost_result(alive)
                     self._reap_ready(sel, timeout=timeouts.NODE_HEARTBEAT_S)
                     self.health.tick()

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import queue
-import signal
 import time
 from typing import TYPE_CHECKING
 
@@ -98,9 +97,7 @@ class HealthWatch:
                 self.excluded.add(uuid)
                 for w in self.agent.workers_snapshot():
                     if w.local_rank in local:
-                        self.agent.journal.drill_injected(w.worker_id, f"gpu: {verdict.reason}",
-                                                          time.time())
-                        os.kill(w.spawned.pid, signal.SIGKILL)
+                        self._kill(w.worker_id, f"gpu: {verdict.reason}")
 
     # ------------------------------------------------------------ hangs and stragglers
     def tick(self) -> None:

@@ -40,7 +40,7 @@ class NodeHooks:
         return next((w for w in self._workers if w.worker_id == worker_id), None)
 
     def allocate_id(self, node: int) -> int:
-        """A worker id never used in this run."""
+        """A worker id not used yet in this attempt."""
         self._next_id += 1
         return self._next_id - 1
 

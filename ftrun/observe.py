@@ -134,6 +134,21 @@ class Observer:
     def local_status(self) -> dict[str, Any]:
         agent, now = self.agent, time.time()
         ft = agent.ft
+        faults = agent.journal.faults
+        return {
+            "run_id": agent.run_id, "script": agent.spec.script, "pid": os.getpid(),
+            "started_at": self.info.started_at, "uptime_s": round(now - self.info.started_at, 1),
+            "generation": ft.number if ft else 0,
+            "world_size": len(ft.members) if ft else agent.spec.nproc,
+            "policy": agent.spec.on_fault, "spares": agent.spec.spares,
+            "attempt": agent.restarts, "log_dir": self.info.log_dir,
+            "ft_api": bool(ft and ft.hello), "workers": self.worker_rows(now),
+            "faults": fault_docs(faults), "summary": summarize(faults, now - self.info.started_at),
+        }
+
+    def worker_rows(self, now: float) -> list[dict[str, Any]]:
+        """One row per live worker of this node, from its progress slot."""
+        agent, ft = self.agent, self.agent.ft
         workers = []
         for w in agent.workers_snapshot():
             p = self._slot(w.worker_id).read()
@@ -151,14 +166,4 @@ class Observer:
                 "health": agent.health.gpu_of(w.local_rank)[1],
                 "straggler": agent.health.stragglers.get(w.worker_id),
             })
-        faults = agent.journal.faults
-        return {
-            "run_id": agent.run_id, "script": agent.spec.script, "pid": os.getpid(),
-            "started_at": self.info.started_at, "uptime_s": round(now - self.info.started_at, 1),
-            "generation": ft.number if ft else 0,
-            "world_size": len(ft.members) if ft else agent.spec.nproc,
-            "policy": agent.spec.on_fault, "spares": agent.spec.spares,
-            "attempt": agent.restarts, "log_dir": self.info.log_dir,
-            "ft_api": bool(ft and ft.hello), "workers": workers, "faults": fault_docs(faults),
-            "summary": summarize(faults, now - self.info.started_at),
-        }
+        return workers

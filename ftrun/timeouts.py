@@ -20,6 +20,8 @@ NODE_LOST_S = 5.0  # no heartbeat for this long: the node is lost (host gone, ag
 NODE_SUSPECT_S = 1.0  # the same once a worker saw a peer's connection break
 NODE_JOIN_S = 600.0  # the coordinator waiting for --nnodes MIN nodes (torchrun's join_timeout)
 LAST_CALL_S = 1.0  # after MIN nodes joined, how long more nodes (up to MAX) may still join
+LOST_STORE_GRACE_S = 3.0  # a follower whose store host died: SIGTERM, then SIGKILL
+STATUS_EVERY_S = 1.0  # the coordinator publishing the whole job's status
 CONNECT_TRY_S = 2.0  # one try of a follower reaching the store (Ctrl-C is checked between)
 STORE_LOST_S = 10.0  # a follower's store round trip longer than this: the coordinator is gone
 

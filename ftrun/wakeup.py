@@ -9,6 +9,7 @@ Must not import: torch, typer, rich, other ftrun modules.
 from __future__ import annotations
 
 import contextlib
+import select
 import signal
 import socket
 from typing import Any
@@ -39,6 +40,11 @@ class Wakeup:
         """From any thread: make the loop's select() return."""
         with contextlib.suppress(OSError):
             self._writer.send(b"\0")
+
+    def wait(self, timeout_s: float) -> None:
+        """Block until woken (or a signal), at most `timeout_s`; then drain."""
+        select.select([self.reader], [], [], timeout_s)
+        self.drain()
 
     def drain(self) -> None:
         with contextlib.suppress(BlockingIOError):

@@ -34,7 +34,7 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def launcher(kind: str, a: argparse.Namespace, port: int, out: str, run_dir: str) -> list[str]:
+def launcher(kind: str, a: argparse.Namespace, port: int, out: str) -> list[str]:
     nnodes = f"{a.nodes - 1}:{a.nodes}"
     rdzv = ["--nnodes", nnodes, "--nproc-per-node", str(a.nproc), "--rdzv-backend", "c10d",
             "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "bench"]
@@ -66,7 +66,7 @@ def measure(kind: str, a: argparse.Namespace) -> dict[str, float | str]:
         for i in range(a.nodes):
             node_env = {**env, "FTRUN_RUN_DIR": os.path.join(out, f"run{i}")}
             log = open(os.path.join(out, f"launcher{i}.log"), "w")  # noqa: SIM115
-            procs.append(subprocess.Popen(launcher(kind, a, port, out, ""), env=node_env,
+            procs.append(subprocess.Popen(launcher(kind, a, port, out), env=node_env,
                                           stdout=log, stderr=subprocess.STDOUT,
                                           start_new_session=True))
             if i == 0:
