@@ -133,8 +133,10 @@ class Agent(NodeHooks):
 
     # ----------------------------------------------------------------- environment
     def _static_port(self) -> int | None:
+        """torchrun's static store port; multi-node worker stores take a free port (the
+        endpoint's port serves the agents' rendezvous store)."""
         s = self.spec
-        if s.standalone or s.rdzv_backend != "static":
+        if s.standalone or s.rdzv_backend != "static" or s.nnodes_max > 1:
             return None
         return s.master_port
 

@@ -225,6 +225,35 @@ class Heartbeat:
             self._stop.wait(self._interval)
 
 
+class Probe:
+    """One ping round after a broken connection: every node of the attempt is asked to answer
+    at once; one that neither answers nor beats within the wait is gone."""
+
+    def __init__(self) -> None:
+        self.seq = 0
+        self._asked: set[int] = set()
+        self._sent_at: float | None = None
+
+    def start(self, nodes: list[int], now: float) -> int | None:
+        """A new round (None while one is running): the sequence number to send."""
+        if self._sent_at is not None:
+            return None
+        self.seq += 1
+        self._asked, self._sent_at = set(nodes), now
+        return self.seq
+
+    def answer(self, node: int, seq: int) -> None:
+        if seq == self.seq:
+            self._asked.discard(node)
+
+    def silent(self, now: float, wait_s: float) -> set[int]:
+        """After `wait_s`: the nodes that did not answer (the round is then over)."""
+        if self._sent_at is None or now - self._sent_at < wait_s:
+            return set()
+        silent, self._asked, self._sent_at = self._asked, set(), None
+        return silent
+
+
 class BeatTracker:
     """The coordinator's clock on each follower: when its counter last moved (monotonic,
     this host's clock: immune to skew between hosts)."""

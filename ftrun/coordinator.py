@@ -12,7 +12,6 @@ Must not import: typer, rich, the CLI or the worker library.
 from __future__ import annotations
 
 import json
-import os
 import queue
 import signal
 import time
@@ -27,6 +26,7 @@ from ftrun.cluster import (
     STATUS_KEY,
     BeatTracker,
     Endpoint,
+    Probe,
     QueueReader,
     command_queue,
     conf_float,
@@ -82,6 +82,7 @@ class Coordinator(Agent):
         self._reader: QueueReader | None = None
         self._lost_nodes: list[tuple[int, str, float]] = []  # node, why, silent for (s)
         self._payloads: dict[int, tuple[float, dict[str, Any]]] = {}
+        self._probe = Probe()
 
     # ----------------------------------------------------------------- lifecycle
     def run(self) -> Any:
@@ -120,12 +121,6 @@ class Coordinator(Agent):
                 continue
             if msg.get("kind") in ("bye", "left"):
                 nodes.discard(int(msg.get("node", -1)))
-
-    def control_name(self) -> str:
-        return f"{self.run_id[:16]}.{os.getpid()}"  # several agents may share a host
-
-    def _static_port(self) -> int | None:
-        return None  # worker stores are per attempt, on a free port; the endpoint is ours
 
     def _deliver(self, msg: dict[str, Any]) -> None:  # reader thread
         self._inbox.put(msg)
@@ -214,6 +209,8 @@ class Coordinator(Agent):
                     self._lost_nodes.append((index, why, 0.0))
                 else:
                     self._node_lost(self.nodes[index], why, time.time())
+            elif kind == "pong":
+                self._probe.answer(index, int(msg["seq"]))
             elif kind == "bye" and index in self.nodes:
                 self.nodes[index].alive = False  # it has ended for good
 
@@ -273,7 +270,9 @@ class Coordinator(Agent):
         ages = self._beats.ages(self.rdzv.store)
         limit = self.suspect_after_s if time.monotonic() < self._suspect_until \
             else self.lost_after_s
-        lost = self._lost_nodes + [(n, why, ages[n]) for n, why in find_lost_nodes(ages, limit)]
+        silent = frozenset(self._probe.silent(time.monotonic(), timeouts.NODE_PING_S))
+        lost = self._lost_nodes + [(n, why, ages[n]) for n, why in find_lost_nodes(
+            ages, limit, silent, timeouts.NODE_PING_S)]
         self._lost_nodes = []
         decision = None
         for index, why, silent_s in lost:
@@ -282,8 +281,14 @@ class Coordinator(Agent):
         return decision
 
     def suspect(self) -> None:
-        """A worker saw a peer's connection break: check the heartbeats on a short fuse."""
-        self._suspect_until = time.monotonic() + self.lost_after_s
+        """A worker saw a peer's connection break: ping every node (a live agent answers in
+        ms) and check the heartbeats on a short fuse."""
+        now = time.monotonic()
+        self._suspect_until = now + self.lost_after_s
+        nodes = [n for n in self._alive() if n.in_attempt]
+        seq = self._probe.start([n.index for n in nodes], now)
+        for node in nodes if seq is not None else []:
+            self._send(node, "ping", seq=seq)
 
     def _node_lost(self, node: Node, why: str, last_seen: float) -> Decision | None:
         """`last_seen`: wall clock of its last sign of life, the fault's best estimate."""

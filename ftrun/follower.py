@@ -53,12 +53,6 @@ class Follower(Agent):
         self._lost: str | None = None
         self._payload_at, self._last_payload = 0.0, dict[str, Any]()
 
-    def control_name(self) -> str:
-        return f"{self.run_id[:16]}.{os.getpid()}"  # several agents may share a host
-
-    def _static_port(self) -> int | None:
-        return None
-
     # ----------------------------------------------------------------- threads
     def _deliver(self, msg: dict[str, Any]) -> None:
         self._commands.put(msg)
@@ -140,6 +134,8 @@ class Follower(Agent):
                     return result
             elif cmd["kind"] == "stop":
                 self._report("stopped")
+            elif cmd["kind"] == "ping":
+                self._report("pong", seq=cmd["seq"])
 
     def _next_command(self) -> dict[str, Any] | RunResult:
         """Wait (no deadline: the heartbeat notices a dead coordinator) for a command."""
@@ -212,6 +208,8 @@ class Follower(Agent):
                                           int(cmd["local_rank"])), spare=bool(cmd["spare"]))
                 self._report("spawned", worker=w.worker_id, pid=w.spawned.pid,
                              local_rank=w.local_rank)
+            elif kind == "ping":  # a peer's connection broke somewhere: are we alive?
+                self._report("pong", seq=cmd["seq"])
             elif kind == "kill":  # the coordinator found it hung, or a straggler to evict
                 self.kill_worker(int(cmd["worker"]))
             elif kind == "stop":

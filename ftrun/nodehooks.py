@@ -87,6 +87,8 @@ class NodeHooks:
         return self.ft is not None and bool(self.ft.hello)
 
     def control_name(self) -> str:
+        if self.spec.nnodes_max > 1:  # several agents of one job may share a host
+            return f"{self.run_id[:16]}.{os.getpid()}"
         return self.run_id if self.run_id != "none" else f"none-{os.getpid()}"
 
     def decorate_status(self, doc: dict[str, Any]) -> dict[str, Any]:

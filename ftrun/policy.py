@@ -118,10 +118,18 @@ def decide_node_loss(node: str, lost: tuple[int, ...], members: tuple[int, ...],
                          survivors)
 
 
-def find_lost_nodes(ages: Mapping[int, float], lost_after_s: float) -> list[tuple[int, str]]:
-    """Nodes whose heartbeat has not moved for `lost_after_s` (ages in seconds, per node)."""
-    return [(node, f"no heartbeat for {age:.1f} s") for node, age in sorted(ages.items())
-            if age >= lost_after_s]
+def find_lost_nodes(ages: Mapping[int, float], lost_after_s: float,
+                    unanswered: frozenset[int] = frozenset(), ping_s: float = 0.0
+                    ) -> list[tuple[int, str]]:
+    """Nodes whose heartbeat has not moved for `lost_after_s` (ages in seconds, per node),
+    or that let a ping go unanswered and have not beaten for `ping_s` either."""
+    lost = []
+    for node, age in sorted(ages.items()):
+        if age >= lost_after_s:
+            lost.append((node, f"no heartbeat for {age:.1f} s"))
+        elif node in unanswered and age >= ping_s:
+            lost.append((node, f"no answer to a ping and no heartbeat for {age:.1f} s"))
+    return lost
 
 
 def _give_up(reason: str, restarts_left: int) -> FaultDecision:

@@ -18,6 +18,7 @@ LOG_DRAIN_S = 2.0  # reader threads flushing a dead worker's last output
 NODE_HEARTBEAT_S = 0.1  # a follower agent bumps its heartbeat counter this often
 NODE_LOST_S = 5.0  # no heartbeat for this long: the node is lost (host gone, agent frozen)
 NODE_SUSPECT_S = 1.0  # the same once a worker saw a peer's connection break
+NODE_PING_S = 0.3  # ...or no answer to a ping within this, and no heartbeat for as long
 NODE_JOIN_S = 600.0  # the coordinator waiting for --nnodes MIN nodes (torchrun's join_timeout)
 LAST_CALL_S = 1.0  # after MIN nodes joined, how long more nodes (up to MAX) may still join
 LOST_STORE_GRACE_S = 3.0  # a follower whose store host died: SIGTERM, then SIGKILL

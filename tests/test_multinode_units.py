@@ -1,7 +1,7 @@
 """The pure parts of multi-node: node-loss decisions, heartbeat ages, SLURM and endpoints."""
 import pytest
 
-from ftrun.cluster import BeatTracker, endpoint_of
+from ftrun.cluster import BeatTracker, Probe, endpoint_of
 from ftrun.launch_args import first_host, parse_run_args
 from ftrun.policy import FaultAction, decide_node_loss, find_lost_nodes
 from ftrun.rendezvous import WORKER_ID_STRIDE, node_of
@@ -33,6 +33,20 @@ def test_node_loss_limits(nodes_left, min_nodes, faults, unhealed, restarts, act
 def test_lost_nodes_by_heartbeat_age() -> None:
     assert find_lost_nodes({1: 0.05, 2: 0.4, 3: 6.0}, 5.0) == [(3, "no heartbeat for 6.0 s")]
     assert [n for n, _ in find_lost_nodes({1: 0.05, 2: 0.4}, 0.3)] == [2]
+    # after a broken connection: unanswered pings count only with a silent heartbeat too
+    lost = find_lost_nodes({1: 0.05, 2: 0.4, 3: 0.1}, 1.0, frozenset({1, 2}), 0.3)
+    assert lost == [(2, "no answer to a ping and no heartbeat for 0.4 s")]
+
+
+def test_a_probe_round_names_the_nodes_that_did_not_answer() -> None:
+    probe = Probe()
+    seq = probe.start([1, 2, 3], now=10.0)
+    assert seq == 1 and probe.start([1], now=10.1) is None  # one round at a time
+    probe.answer(1, seq)
+    probe.answer(3, seq + 7)  # an answer to another round does not count
+    assert probe.silent(now=10.2, wait_s=0.3) == set()  # still waiting
+    assert probe.silent(now=10.4, wait_s=0.3) == {2, 3}
+    assert probe.start([1], now=10.5) == 2  # the round is over: a new one may start
 
 
 class FakeCounterStore:
