@@ -98,10 +98,11 @@ def decide_fault(lost: int, why: str, members: tuple[int, ...], on_fault: str, m
 
 def decide_node_loss(node: str, lost: tuple[int, ...], members: tuple[int, ...],
                      nodes_left: int, min_nodes: int, faults: int, max_faults: int,
-                     restarts_left: int, unhealed: frozenset[int] = frozenset()
-                     ) -> FaultDecision:
+                     restarts_left: int, unhealed: frozenset[int] = frozenset(),
+                     spares: tuple[int, ...] = ()) -> FaultDecision:
     """A whole node is gone (agent dead or unreachable): its workers leave together, in one
-    generation, and the job goes on with the other nodes until a node joins again."""
+    generation. Ready spares on the other nodes take their ranks; without enough of them the
+    job goes on smaller until a node joins again."""
     survivors = tuple(m for m in members if m not in lost)
     gone = len(members) - len(survivors)
     head = f"{node} lost with {gone} member{'s' if gone != 1 else ''}"
@@ -113,9 +114,21 @@ def decide_node_loss(node: str, lost: tuple[int, ...], members: tuple[int, ...],
                         f"below --nnodes minimum {min_nodes}", restarts_left)
     if not [m for m in survivors if m not in unhealed]:
         return _give_up(f"{head}; no replica left to heal from", restarts_left)
-    return FaultDecision(FaultAction.SHRINK, f"{head}; continuing with {len(survivors)} "
-                         f"workers on {nodes_left} node{'s' if nodes_left != 1 else ''}",
-                         survivors)
+    pool, new, joiners = list(spares), [], []
+    for m in members:
+        if m not in lost:
+            new.append(m)
+        elif pool:  # a spare takes the lost member's rank
+            joiners.append(pool.pop(0))
+            new.append(joiners[-1])
+    where = f"on {nodes_left} node{'s' if nodes_left != 1 else ''}"
+    if joiners and len(joiners) == gone:
+        return FaultDecision(FaultAction.REPLACE, f"{head}; spare workers "
+                             f"{', '.join(map(str, joiners))} take their ranks {where}",
+                             tuple(new), tuple(joiners))
+    used = f" ({len(joiners)} spare{'s' if len(joiners) != 1 else ''} used)" if joiners else ""
+    return FaultDecision(FaultAction.SHRINK, f"{head}; continuing with {len(new)} workers "
+                         f"{where}{used}", tuple(new), tuple(joiners))
 
 
 def find_lost_nodes(ages: Mapping[int, float], lost_after_s: float,

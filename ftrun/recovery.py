@@ -227,13 +227,16 @@ class FaultTolerance:
         d: FaultDecision = decide_node_loss(
             label, lost_members, live, nodes_left, self.spec.nnodes_min, self.faults,
             self.spec.max_faults, self.spec.max_restarts - self.agent.restarts,
-            frozenset(self.unhealed))
+            frozenset(self.unhealed), tuple(self.spares))
         now = time.time()
         self._emit_fault({"worker": lost_members[0], "rank": live.index(lost_members[0]),
                           "why": f"{label} lost", "decision": d.action.value,
                           "reason": d.reason, "detected_at": now, "node": node})
-        if d.action is FaultAction.SHRINK:
-            self._publish(d.members, d.reason, True, min(last_seen, now))
+        if d.action in (FaultAction.SHRINK, FaultAction.REPLACE):
+            # spares that take a rank leave the pool for good: the lost node's devices are
+            # gone, so there is none to start a new spare on
+            self.spares = [s for s in self.spares if s not in d.joiners]
+            self._publish(d.members, d.reason, True, min(last_seen, now), d.joiners)
             return None
         action = Action.RESTART_GROUP if d.action is FaultAction.RESTART_GROUP else Action.FAIL
         return Decision(action, d.reason, None)

@@ -265,3 +265,42 @@ def test_a_remote_rank_failure_is_reported_with_its_traceback(tmp_path: Path, no
     assert b.wait(30) == 1
     assert "boom rank 1" in a.stderr and "node1.w" in a.stderr, a.stderr
     assert str(tmp_path / "logs_a") in a.stderr  # the copy, not node b's own file
+
+
+@pytest.mark.slow
+def test_spares_on_other_nodes_hold_the_world_size_when_a_node_is_lost(tmp_path: Path,
+                                                                      nodes) -> None:
+    port, out = free_port(), tmp_path / "out"
+    out.mkdir()
+    args = ["--nnodes", "2:3", "--nproc", "1", "--spares", "1", "--rdzv-backend", "c10d",
+            "--rdzv-endpoint", f"127.0.0.1:{port}", str(FIXTURES / "ft_train.py"), "--steps",
+            "400", "--step-time", "0.05", "--out", str(out)]
+    a, b = two_nodes(nodes, port, args)
+    c = nodes("c", args)
+
+    def spares_ready() -> dict[str, Any] | None:
+        doc = a.status()
+        if doc and sum(w["role"] == "spare" for w in doc["workers"]) == 3 and all(
+                (w["step"] or 0) >= 10 for w in doc["workers"] if w["role"] == "member"):
+            return doc
+        return None
+    doc = wait_for(spares_ready, 150, "3 members stepping and 3 spares ready")
+    c_node = next(n["node"] for n in doc["nodes"] if n["pid"] == c.proc.pid)
+    c.kill()
+    held = wait_for(lambda: (d := a.status()) and d["generation"] >= 1 and d, 30,
+                    "a new generation after the node loss")
+    assert held["world_size"] == 3  # a spare took the lost rank
+    assert a.wait(150) == 0, a.stderr
+    assert b.wait(30) == 0, b.stderr
+    assert "take their ranks" in a.stderr
+    logs = {int(p.stem.split("_")[1]): json.loads(p.read_text()) for p in out.glob("log_*.json")}
+    finishers = [w for w in logs if w // 10_000 != c_node]
+    assert len(finishers) == 3  # two first members and the spare that took the lost rank
+    for wid in finishers:
+        steps = [e["step"] for e in logs[wid]["log"] if e["ok"]]
+        assert steps == sorted(set(steps)) and steps[-1] == 399
+        assert all(e["world"] == 3 for e in logs[wid]["log"])
+    import torch
+
+    finals = [torch.load(out / f"params_{w}.pt") for w in finishers]
+    assert all(torch.equal(finals[0][k], f[k]) for f in finals[1:] for k in finals[0])

@@ -17,6 +17,16 @@ def test_a_lost_node_leaves_in_one_generation() -> None:
     assert "node 1 lost with 2 members" in d.reason and "on 2 nodes" in d.reason
 
 
+def test_ready_spares_on_other_nodes_take_the_lost_ranks() -> None:
+    d = decide_node_loss("node 1", (10_000, 10_001), MEMBERS, 2, 2, 1, 10, 0,
+                         spares=(2, 20_002))
+    assert d.action is FaultAction.REPLACE and d.joiners == (2, 20_002)
+    assert d.members == (0, 1, 2, 20_002, 20_000, 20_001)  # the lost ranks, kept
+    short = decide_node_loss("node 1", (10_000, 10_001), MEMBERS, 2, 2, 1, 10, 0, spares=(2,))
+    assert short.action is FaultAction.SHRINK and short.members == (0, 1, 2, 20_000, 20_001)
+    assert "(1 spare used)" in short.reason
+
+
 @pytest.mark.parametrize("nodes_left, min_nodes, faults, unhealed, restarts, action, needle", [
     (1, 2, 1, frozenset(), 0, FaultAction.FAIL, "below --nnodes minimum 2"),
     (1, 2, 1, frozenset(), 1, FaultAction.RESTART_GROUP, "restarting all workers"),
