@@ -111,8 +111,7 @@ class Coordinator(Agent):
                                    "ftrun-agents")
 
     def _await_byes(self, nodes: set[int]) -> None:
-        """Followers close their store connections before the store goes away (a client
-        blocked on a vanished server makes c10d print a stack trace)."""
+        """Followers disconnect before the store goes (c10d prints a stack trace if not)."""
         deadline = time.monotonic() + timeouts.THREAD_JOIN_S + self.spec.shutdown_timeout
         while nodes and time.monotonic() < deadline:
             try:
@@ -145,8 +144,9 @@ class Coordinator(Agent):
             members += self._start_node(node, len(members), position)
         self._members = tuple(members)
 
-    def _start_node(self, node: Node, base_rank: int, group_rank: int) -> list[int]:
-        """Tell `node` to start its workers (ranks from `base_rank`; -1: joiners)."""
+    def _start_node(self, node: Node, base_rank: int, group_rank: int,
+                    spare: bool = False) -> list[int]:
+        """Tell `node` to start its workers (ranks from `base_rank`; -1: joiners or spares)."""
         first = first_worker_id(node.index)
         ids = list(range(first, first + node.nproc))
         self._ids[node.index] = first + node.nproc
@@ -156,7 +156,7 @@ class Coordinator(Agent):
         self._send(node, "start", attempt=self.restarts, addr=self.master_addr,
                    port=self.worker_port, base_rank=base_rank, world_size=self.world_size,
                    group_rank=group_rank, group_world_size=self.group_world_size,
-                   first_id=first, run_id=self.run_id)
+                   first_id=first, run_id=self.run_id, spare=spare)
         node.in_attempt = True
         return ids
 
@@ -230,7 +230,8 @@ class Coordinator(Agent):
             self._admit(node)
 
     def _admit(self, node: Node) -> None:
-        """A node joining a running job: its workers enter at a step boundary and heal."""
+        """A node joining a running job: its workers enter at a step boundary and heal, or,
+        when spares already hold the first world size, they wait as spares."""
         ft = self.ft
         full = 1 + sum(n.in_attempt for n in self._alive()) >= self.spec.nnodes_max
         if ft is None or not ft.hello or full:
@@ -238,6 +239,9 @@ class Coordinator(Agent):
             self.emit("notice", {"text": f"{node.label} waits for the next restart ({why})"})
             return
         self.group_world_size += 1  # group ranks are never reused within an attempt
+        if len(ft.members) >= len(self._members):
+            self._start_node(node, -1, self.group_world_size - 1, spare=True)
+            return
         self.world_size = len(ft.members) + node.nproc
         ft.add_joiners(self._start_node(node, -1, self.group_world_size - 1))
 
@@ -253,7 +257,6 @@ class Coordinator(Agent):
                                 str(msg.get("error") or "")),
                             killed_by_launcher=bool(msg.get("by_launcher")))
         self._exited.append(w)
-
 
     # ----------------------------------------------------------------- supervision hooks
     def _remote_exits(self) -> list[RemoteWorker]:
@@ -274,11 +277,8 @@ class Coordinator(Agent):
         lost = self._lost_nodes + [(n, why, ages[n]) for n, why in find_lost_nodes(
             ages, limit, silent, timeouts.NODE_PING_S)]
         self._lost_nodes = []
-        decision = None
-        for index, why, silent_s in lost:
-            d = self._node_lost(self.nodes[index], why, time.time() - silent_s)
-            decision = decision or d
-        return decision
+        decisions = [self._node_lost(self.nodes[i], why, time.time() - s) for i, why, s in lost]
+        return next((d for d in decisions if d is not None), None)
 
     def suspect(self) -> None:
         """A worker saw a peer's connection break: ping every node (a live agent answers in

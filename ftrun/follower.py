@@ -165,7 +165,8 @@ class Follower(Agent):
         base, first = int(cmd["base_rank"]), int(cmd["first_id"])
         self._workers = []
         for i in range(self.spec.nproc):
-            w = self.spawn_worker(first + i, rank=base + i if base >= 0 else -1, local_rank=i)
+            w = self.spawn_worker(first + i, rank=base + i if base >= 0 else -1, local_rank=i,
+                                  spare=bool(cmd.get("spare")))
             self._report("spawned", worker=w.worker_id, pid=w.spawned.pid, local_rank=i)
         self.emit("started", {"attempt": self.restarts, "world_size": self.world_size,
                               "pids": [w.spawned.pid for w in self._workers],

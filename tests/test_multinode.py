@@ -274,7 +274,7 @@ def test_spares_on_other_nodes_hold_the_world_size_when_a_node_is_lost(tmp_path:
     out.mkdir()
     args = ["--nnodes", "2:3", "--nproc", "1", "--spares", "1", "--rdzv-backend", "c10d",
             "--rdzv-endpoint", f"127.0.0.1:{port}", str(FIXTURES / "ft_train.py"), "--steps",
-            "400", "--step-time", "0.05", "--out", str(out)]
+            "600", "--step-time", "0.05", "--out", str(out)]
     a, b = two_nodes(nodes, port, args)
     c = nodes("c", args)
 
@@ -290,15 +290,20 @@ def test_spares_on_other_nodes_hold_the_world_size_when_a_node_is_lost(tmp_path:
     held = wait_for(lambda: (d := a.status()) and d["generation"] >= 1 and d, 30,
                     "a new generation after the node loss")
     assert held["world_size"] == 3  # a spare took the lost rank
+    nodes("d", args)  # a node joining now refills the spare pool instead of growing the job
+    refilled = wait_for(lambda: (d := a.status()) and any(
+        w["node"] == 3 and w["role"] == "spare" for w in d["workers"]) and d, 90,
+        "the late node's worker waiting as a spare")
+    assert refilled["world_size"] == 3
     assert a.wait(150) == 0, a.stderr
     assert b.wait(30) == 0, b.stderr
     assert "take their ranks" in a.stderr
     logs = {int(p.stem.split("_")[1]): json.loads(p.read_text()) for p in out.glob("log_*.json")}
-    finishers = [w for w in logs if w // 10_000 != c_node]
+    finishers = [w for w in logs if w // 10_000 not in (c_node, 3)]
     assert len(finishers) == 3  # two first members and the spare that took the lost rank
     for wid in finishers:
         steps = [e["step"] for e in logs[wid]["log"] if e["ok"]]
-        assert steps == sorted(set(steps)) and steps[-1] == 399
+        assert steps == sorted(set(steps)) and steps[-1] == 599
         assert all(e["world"] == 3 for e in logs[wid]["log"])
     import torch
 
