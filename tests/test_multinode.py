@@ -78,11 +78,13 @@ def two_nodes(nodes, port: int, args: list[str], b_args: list[str] | None = None
     return a, nodes("b", b_args or args)
 
 
-def endless_job(port: int) -> list[str]:
-    """Two nodes of two workers training until stopped."""
-    return ["--nnodes", "2", "--nproc", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint",
-            f"127.0.0.1:{port}", str(FIXTURES / "ft_train.py"), "--steps", "100000",
-            "--step-time", "0.05"]
+def ft_job(port: int, *flags: str, nnodes: str = "2", nproc: int = 2, steps: int = 100000,
+           step_time: float = 0.05, out: Path | None = None) -> list[str]:
+    """An ftrun command line (c10d on loopback) for the ft_train fixture; the defaults train
+    two nodes of two workers until stopped."""
+    return ["--nnodes", nnodes, "--nproc", str(nproc), *flags, "--rdzv-backend", "c10d",
+            "--rdzv-endpoint", f"127.0.0.1:{port}", str(FIXTURES / "ft_train.py"), "--steps",
+            str(steps), "--step-time", str(step_time), *(["--out", str(out)] if out else [])]
 
 
 @pytest.fixture
@@ -103,9 +105,7 @@ def nodes(tmp_path: Path):
 def test_node_lost_then_replaced_without_restart(tmp_path: Path, nodes) -> None:
     port, out = free_port(), tmp_path / "out"
     out.mkdir()
-    args = ["--nnodes", "2:3", "--nproc", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint",
-            f"127.0.0.1:{port}", "--rdzv-id", "mn", str(FIXTURES / "ft_train.py"),
-            "--steps", "260", "--step-time", "0.03", "--out", str(out)]
+    args = ft_job(port, "--rdzv-id", "mn", nnodes="2:3", steps=260, step_time=0.03, out=out)
     a = nodes("a", args)
     wait_listening(port, 30)
     b, c = nodes("b", args), nodes("c", args)
@@ -157,7 +157,7 @@ def test_node_lost_then_replaced_without_restart(tmp_path: Path, nodes) -> None:
 @pytest.mark.slow
 def test_store_host_death_ends_every_agent(tmp_path: Path, nodes) -> None:
     port = free_port()
-    a, b = two_nodes(nodes, port, endless_job(port))
+    a, b = two_nodes(nodes, port, ft_job(port))
     doc = wait_for(lambda: stepping(b, 4, 3), 120, "4 workers stepping (seen from node b)")
     assert doc["served_by"]["pid"] == b.proc.pid  # node b answers for the whole job
     pids = [w["pid"] for w in doc["workers"]]
@@ -219,7 +219,7 @@ def test_plain_script_whole_job_restart_across_nodes(tmp_path: Path, nodes, fail
 @pytest.mark.slow
 def test_losing_a_node_below_the_minimum_ends_the_job(tmp_path: Path, nodes) -> None:
     port = free_port()
-    a, b = two_nodes(nodes, port, endless_job(port))
+    a, b = two_nodes(nodes, port, ft_job(port))
     doc = wait_for(lambda: stepping(a, 4, 3), 120, "4 workers stepping")
     pids = [w["pid"] for w in doc["workers"]]
     b.kill()
@@ -234,9 +234,7 @@ def test_hung_worker_on_another_node_is_found_and_replaced(tmp_path: Path, nodes
     (through b's heartbeat) and has b kill it; b starts its replacement."""
     port, out = free_port(), tmp_path / "out"
     out.mkdir()
-    args = ["--nnodes", "2", "--nproc", "2", "--hang-timeout", "1", "--rdzv-backend", "c10d",
-            "--rdzv-endpoint", f"127.0.0.1:{port}", str(FIXTURES / "ft_train.py"), "--steps",
-            "300", "--step-time", "0.03", "--out", str(out)]
+    args = ft_job(port, "--hang-timeout", "1", steps=300, step_time=0.03, out=out)
     a, b = two_nodes(nodes, port, args)
     doc = wait_for(lambda: stepping(a, 4, 10), 120, "4 workers stepping")
     victim = next(w for w in doc["workers"] if w["node"] == 1 and w["local_rank"] == 1)
@@ -272,9 +270,7 @@ def test_spares_on_other_nodes_hold_the_world_size_when_a_node_is_lost(tmp_path:
                                                                       nodes) -> None:
     port, out = free_port(), tmp_path / "out"
     out.mkdir()
-    args = ["--nnodes", "2:3", "--nproc", "1", "--spares", "1", "--rdzv-backend", "c10d",
-            "--rdzv-endpoint", f"127.0.0.1:{port}", str(FIXTURES / "ft_train.py"), "--steps",
-            "600", "--step-time", "0.05", "--out", str(out)]
+    args = ft_job(port, "--spares", "1", nnodes="2:3", nproc=1, steps=600, out=out)
     a, b = two_nodes(nodes, port, args)
     c = nodes("c", args)
 
