@@ -10,6 +10,7 @@ Must not import: typer, rich, NVML, the agent. Torch is imported lazily.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import pickle
 import signal
@@ -60,7 +61,7 @@ def pack(objects: Mapping[str, Any], extra: Mapping[str, Any]) -> list[Any]:
 
 
 def unpack(parts: list[Any], objects: Mapping[str, Any]) -> dict[str, Any]:
-    meta = pickle.loads(parts[0].numpy().tobytes())
+    meta = pickle.loads(_as_bytes(parts[0]))
     flats = parts[1:]
 
     def fill(ref: _Ref) -> Any:
@@ -76,6 +77,12 @@ def unpack(parts: list[Any], objects: Mapping[str, Any]) -> dict[str, Any]:
     for name, obj in objects.items():
         obj.load_state_dict(state[name])  # copies into the receiver's own tensors
     return dict(meta["extra"])
+
+
+def _as_bytes(t: Any) -> bytes:
+    """A CPU uint8 tensor's bytes, without numpy (not a dependency of torch nor of ftrun)."""
+    t = t.contiguous()
+    return ctypes.string_at(t.data_ptr(), t.numel())
 
 
 def _map_leaves(value: Any, is_leaf: Callable[[Any], bool], fn: Callable[[Any], Any]) -> Any:
@@ -115,7 +122,7 @@ def recv_state(group: Group, src: int, interrupt: Interrupt, device: Any) -> lis
     counts = [int(x) for x in sizes.cpu().tolist()]
     meta = torch.empty(counts[1], dtype=torch.uint8, device=device)
     _p2p(group, "recv", meta, src, _TAG_PARTS, interrupt)
-    dtypes = pickle.loads(meta.cpu().numpy().tobytes())["dtypes"]
+    dtypes = pickle.loads(_as_bytes(meta.cpu()))["dtypes"]
     parts = [meta.cpu()]
     for i, name in enumerate(dtypes):
         buf = torch.empty(counts[i + 2], dtype=getattr(torch, name), device=device)
