@@ -1,7 +1,8 @@
 """A clean process exit for fault-tolerant workers.
 
-Owns: remembering the exit status a script asked for, and, at interpreter exit, ending the
-process with it through os._exit once stdio is flushed. An FT worker has threads blocked in
+Owns: remembering the exit status a script asked for, writing torch's error file for an
+uncaught exception, and, at interpreter exit, ending the process with it through os._exit
+once stdio is flushed. An FT worker has threads blocked in
 C++ calls (the generation watcher's store wait, waits on abandoned ops) and may hold leaked
 gloo groups whose C++ threads still run; tearing C++ statics down under them crashed exits
 here (SIGSEGV, or SIGABRT "terminate called without an active exception"), which the agent
@@ -16,8 +17,11 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import json
 import os
 import sys
+import time
+import traceback
 from types import TracebackType
 from typing import Any
 
@@ -45,11 +49,26 @@ def install() -> None:
         if callable(one_line) and not os.environ.get("FTRUN_DEBUG"):
             print(f"ftrun: error: {one_line()}", file=sys.stderr, flush=True)
             return
+        write_error_file(value)
         real_hook(kind, value, tb)
 
     sys.exit = exit_  # type: ignore[assignment]
     sys.excepthook = hook
     atexit.register(_leave)
+
+
+def write_error_file(exc: BaseException) -> None:
+    """torch's `@record` error-file format, so the agent's report shows this traceback (a
+    replacement's own error when it keeps failing). A file `@record` wrote is kept."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path or os.path.exists(path):
+        return
+    stack = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    doc = {"message": {"message": f"{type(exc).__name__}: {exc}",
+                       "extraInfo": {"py_callstack": stack,
+                                     "timestamp": str(int(time.time()))}}}
+    with contextlib.suppress(OSError), open(path, "w") as f:
+        json.dump(doc, f)
 
 
 def _code_of(status: object) -> int:

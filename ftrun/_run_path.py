@@ -7,12 +7,10 @@ Must not import: torch, typer, rich.
 
 from __future__ import annotations
 
-import json
-import os
 import runpy
 import sys
-import time
-import traceback
+
+from ftrun._exit import write_error_file
 
 
 def main() -> None:
@@ -23,12 +21,7 @@ def main() -> None:
     except SystemExit:
         raise
     except BaseException as exc:
-        path = os.environ.get("TORCHELASTIC_ERROR_FILE")
-        if path:
-            with open(path, "w") as f:
-                json.dump({"message": {"message": f"{type(exc).__name__}: {exc}",
-                                       "extraInfo": {"py_callstack": traceback.format_exc(),
-                                                     "timestamp": str(int(time.time()))}}}, f)
+        write_error_file(exc)
         raise
 
 

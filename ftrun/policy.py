@@ -67,13 +67,24 @@ class FaultDecision:
     members: tuple[int, ...] = ()  # the next generation's members, rank order
     joiners: tuple[int, ...] = ()  # members that must heal from a peer
     spare_used: int | None = None
+    regrow: bool = True  # SHRINK: start a replacement to grow back later
+
+
+CRASH_LOOP_LIMIT = 3  # replacements in a row failing before their first commit: stop replacing
+
+
+def _nth(n: int) -> str:
+    return f"{n}{'st' if n == 1 else 'nd' if n == 2 else 'rd' if n == 3 else 'th'}"
 
 
 def decide_fault(lost: int, why: str, members: tuple[int, ...], on_fault: str, min_nproc: int,
                  spares: tuple[int, ...], new_worker_id: int, faults: int, max_faults: int,
-                 restarts_left: int, unhealed: frozenset[int] = frozenset()) -> FaultDecision:
+                 restarts_left: int, unhealed: frozenset[int] = frozenset(),
+                 crash_loop: int = 0) -> FaultDecision:
     """A member of the current generation is gone. Pure: the agent does what this says.
-    `unhealed` are joiners that hold no committed state yet: they cannot be a healing source."""
+    `unhealed` are joiners that hold no committed state yet: they cannot be a healing source.
+    `crash_loop`: how many replacements in a row for this rank (this one included) failed
+    before their first commit."""
     survivors = tuple(m for m in members if m != lost)
     head = f"worker {lost} (rank {members.index(lost)}) {why}"
     if faults > max_faults:
@@ -81,6 +92,8 @@ def decide_fault(lost: int, why: str, members: tuple[int, ...], on_fault: str, m
                         restarts_left)
     if not [m for m in survivors if m not in unhealed]:
         return _give_up(f"{head}; no replica left to heal from", restarts_left)
+    if crash_loop >= CRASH_LOOP_LIMIT:
+        return _crash_loop(head, crash_loop, members.index(lost), survivors, min_nproc)
     if on_fault == "replace" or spares:  # shrink with a ready spare: no need to shrink
         joiner = spares[0] if spares else new_worker_id
         how = f"spare worker {joiner}" if spares else f"new worker {joiner}"
@@ -94,6 +107,19 @@ def decide_fault(lost: int, why: str, members: tuple[int, ...], on_fault: str, m
     return FaultDecision(FaultAction.SHRINK,
                          f"{head}; continuing with {len(survivors)}, replacement to follow",
                          survivors)
+
+
+def _crash_loop(head: str, count: int, rank: int, survivors: tuple[int, ...],
+                min_nproc: int) -> FaultDecision:
+    """The rank's replacements keep dying before they commit: a bad GPU, a broken
+    environment, a deterministic crash at start-up. Starting more would loop forever."""
+    loop = (f"{head}: the {_nth(count)} replacement in a row for rank {rank} to fail before "
+            f"its first commit (a crash loop)")
+    if len(survivors) >= min_nproc:
+        return FaultDecision(FaultAction.SHRINK, f"{loop}; continuing with {len(survivors)}, "
+                             f"no more replacements for it", survivors, regrow=False)
+    return FaultDecision(FaultAction.FAIL, f"{loop}; {len(survivors)} left is below "
+                         f"--min-nproc {min_nproc}: stopping")
 
 
 def decide_node_loss(node: str, lost: tuple[int, ...], members: tuple[int, ...],

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 from ftrun import timeouts
 from ftrun.exits import describe_exit
 from ftrun.policy import (
+    CRASH_LOOP_LIMIT,
     Action,
     Decision,
     FaultAction,
@@ -26,9 +27,10 @@ from ftrun.policy import (
     decide_fault,
     decide_node_loss,
 )
-from ftrun.rendezvous import REQUEST_QUEUE, Generation, node_of, publish
+from ftrun.rendezvous import REQUEST_QUEUE, Generation, node_of, parse_request, publish
 
 _STOP = "_stop"  # the agent's own sentinel that ends the request reader
+_REFUSED = "_refused"  # a malformed request, reported by the main loop
 
 if TYPE_CHECKING:
     from ftrun.agent import Agent
@@ -56,6 +58,9 @@ class FaultTolerance:
         self._refills: list[tuple[int, int]] = []  # (node, local rank): spares to start
         self._joiners_to_start: list[tuple[int, int]] = []  # shrink mode: replacements
         self._ready_joiners: list[int] = []  # said hello; join with the rest of their node
+        # failures in a row before a first commit, per ("rank", r), ("join", node) and
+        # ("spare", node): a crash loop stops replacing at CRASH_LOOP_LIMIT
+        self._early_failures: dict[tuple[str, int], int] = {}
         self._stop = threading.Event()
         publish(store, Generation(0, self.members, reason="start", published_at=time.time()))
         self._reader = threading.Thread(target=self._read_requests, args=(port,),
@@ -100,33 +105,32 @@ class FaultTolerance:
 
     # ------------------------------------------------------------ worker exits
     def owns(self, w: AnyWorker) -> bool:
-        return w.worker_id in self.hello or w.worker_id not in self.members
+        """Once one worker said hello the script uses the API: every exit is an in-process
+        fault, a replacement's that died before its own hello included."""
+        return bool(self.hello) or w.worker_id not in self.members
 
     def on_exit(self, w: AnyWorker) -> Decision | None:
         """A worker that uses the ftrun API ended. None: handled, training goes on."""
         assert w.exit is not None
         wid, code = w.worker_id, w.exit.returncode
+        node = node_of(wid)
         if wid in self.awaiting_join or wid in self._ready_joiners:  # died before joining
             self.awaiting_join.discard(wid)
             self._ready_joiners = [j for j in self._ready_joiners if j != wid]
             self.faults += 1
-            self.agent.emit("notice", {"text": f"joining worker {wid} exited with "
-                                               f"{describe_exit(code)} before joining"})
-            if self.faults <= self.spec.max_faults and node_of(wid) in self.agent.live_nodes():
-                self.awaiting_join.add(self._spawn(node_of(wid), w.local_rank))
-            self._grow_if_ready(node_of(wid))
+            what = f"joining worker {wid} exited with {describe_exit(code)} before joining"
+            if self._respawn_allowed(("join", node), what, "replacements"):
+                self.awaiting_join.add(self._spawn(node, w.local_rank))
+            self._grow_if_ready(node)
             return None
         if wid in self.spares or wid in self.starting_spares:
             self.spares = [s for s in self.spares if s != wid]
             self.starting_spares.discard(wid)
             if code != 0:
                 self.faults += 1
-                if self.faults > self.spec.max_faults:
-                    return None  # spares keep dying: stop replacing them
-                self.agent.emit("notice", {"text": f"spare worker {wid} exited with "
-                                                   f"{describe_exit(code)}; starting another"})
-                if node_of(wid) in self.agent.live_nodes():
-                    self._spawn(node_of(wid), w.local_rank, spare=True)
+                what = f"spare worker {wid} exited with {describe_exit(code)}"
+                if self._respawn_allowed(("spare", node), what, "spares"):
+                    self._spawn(node, w.local_rank, spare=True)
             return None
         if wid not in self.members:
             return None  # replaced or evicted earlier; its end is expected
@@ -136,16 +140,34 @@ class FaultTolerance:
         self.faults += 1
         return self._on_member_fault(w, f"exited with {describe_exit(code)}")
 
+    def _respawn_allowed(self, key: tuple[str, int], what: str, kind: str) -> bool:
+        """Start another joiner or spare after `what`, unless the budget is spent, the node is
+        gone, or its last CRASH_LOOP_LIMIT ones all died before committing a step."""
+        count = self._early_failures[key] = self._early_failures.get(key, 0) + 1
+        if self.faults > self.spec.max_faults or key[1] not in self.agent.live_nodes():
+            self.agent.emit("notice", {"text": f"{what}; not starting another"})
+            return False
+        if count >= CRASH_LOOP_LIMIT:
+            self.agent.emit("notice", {"text": f"{what}: {count} {kind} in a row on node "
+                                               f"{key[1]} failed before their first commit (a "
+                                               f"crash loop); not starting more"})
+            return False
+        self.agent.emit("notice", {"text": f"{what}; starting another"})
+        return True
+
     def _on_member_fault(self, w: AnyWorker, why: str) -> Decision | None:
         assert w.exit is not None
         live = tuple(m for m in self.members if m not in self.finished)
         node = node_of(w.worker_id)
         new_id = self.agent.peek_id(node)  # allocated only if a new worker is started
         near = tuple(sorted(self.spares, key=lambda s: node_of(s) != node))  # same node first
+        rank_key = ("rank", live.index(w.worker_id))
+        loop = self._early_failures.get(rank_key, 0) + 1 if w.worker_id in self.unhealed else 0
+        self._early_failures[rank_key] = loop
         d = decide_fault(w.worker_id, why, live, self.spec.on_fault, self.spec.min_nproc,
                          near, new_id, self.faults,
                          self.spec.max_faults, self.spec.max_restarts - self.agent.restarts,
-                         frozenset(self.unhealed))
+                         frozenset(self.unhealed), crash_loop=loop)
         self._emit_fault({"worker": w.worker_id, "rank": live.index(w.worker_id),
                                   "why": why, "decision": d.action.value, "reason": d.reason,
                                   "detected_at": w.exit.wall_time})
@@ -161,7 +183,8 @@ class FaultTolerance:
             return None
         if d.action is FaultAction.SHRINK:
             self._publish(d.members, d.reason, True, fault_at)
-            self._joiners_to_start.append((node, w.local_rank))  # after the first commit
+            if d.regrow:
+                self._joiners_to_start.append((node, w.local_rank))  # after the first commit
             return None
         action = Action.RESTART_GROUP if d.action is FaultAction.RESTART_GROUP else Action.FAIL
         return Decision(action, d.reason, w.rank)
@@ -254,7 +277,16 @@ class FaultTolerance:
                 req = self.requests.get_nowait()
             except queue.Empty:
                 return None
-            kind, wid = req.get("kind"), int(req.get("worker", -1))
+            kind = req["kind"]
+            if kind == _REFUSED:
+                self.agent.emit("notice", {"text": f"ignored a malformed worker request "
+                                                   f"({req['why']})"})
+                continue
+            wid = req["worker"]
+            if not any(w.worker_id == wid for w in self.agent.all_workers()):
+                self.agent.emit("notice", {"text": f"ignored a {kind} request from worker {wid}, "
+                                                   f"which this job never started"})
+                continue
             if kind == "hello":
                 if not self.hello:  # the script uses the API: now spares are worth starting
                     for node in self.agent.live_nodes():
@@ -265,7 +297,7 @@ class FaultTolerance:
                     self.spares.append(wid)
                 if wid in self.awaiting_join:
                     self._joined(wid)
-            elif kind == "comm_failed" and int(req["generation"]) == self.number:
+            elif kind == "comm_failed" and req["generation"] == self.number:
                 live = tuple(m for m in self.members if m not in self.finished)
                 reason = f"worker {wid} reported a communicator failure: {req.get('error', '')}"
                 self.faults += 1
@@ -282,11 +314,21 @@ class FaultTolerance:
             elif kind == "suspect":
                 self.agent.suspect()
             elif kind == "recovered":
-                self.unhealed.discard(wid)
-            if kind == "recovered" and int(req["generation"]) not in self._reported:
-                self._reported.add(int(req["generation"]))  # the first member to commit
+                self._committed_first(wid)
+            if kind == "recovered" and req["generation"] not in self._reported:
+                self._reported.add(req["generation"])  # the first member to commit
                 self.agent.emit("recovered", req)
                 self._refill()
+
+    def _committed_first(self, wid: int) -> None:
+        """A joiner holds committed state now: the crash-loop counts behind it start over."""
+        if wid not in self.unhealed:
+            return
+        self.unhealed.discard(wid)
+        for key in (("join", node_of(wid)), ("spare", node_of(wid))):
+            self._early_failures.pop(key, None)
+        if wid in self.members:
+            self._early_failures.pop(("rank", self.members.index(wid)), None)
 
     def _refill(self) -> None:
         """New spares and shrink-mode replacements start once the job has recovered:
@@ -314,8 +356,10 @@ class FaultTolerance:
                 if self._stop.is_set() or "timeout" not in str(exc).lower():
                     return  # the attempt ended and took its store with it
                 continue
-            doc = json.loads(raw)
-            if doc.get("kind") == _STOP:
+            doc = parse_request(raw, frozenset({_STOP}))
+            if isinstance(doc, str):  # refused: the main loop says so, once per request
+                doc = {"kind": _REFUSED, "why": doc}
+            elif doc["kind"] == _STOP:
                 return
             self.requests.put(doc)
             self.agent.wake()

@@ -9,6 +9,7 @@ The store object is duck-typed (anything with set/get/add/wait/check, like c10d'
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 from typing import Any, Protocol
@@ -93,6 +94,52 @@ def post_request(store: Any, kind: str, **fields_: Any) -> None:
     """Worker -> agent, through the store's queue (one atomic push: a worker killed midway
     leaves no hole for the reader to wait on)."""
     store.queue_push(REQUEST_QUEUE, json.dumps({"kind": kind, **fields_}))
+
+
+# what each request kind must carry: field -> type (float fields also take ints)
+REQUEST_FIELDS: dict[str, dict[str, type]] = {
+    "hello": {"worker": int, "pid": int, "spare": bool},
+    "comm_failed": {"worker": int, "generation": int, "error": str},
+    "suspect": {"worker": int, "generation": int},
+    "recovered": {"worker": int, "generation": int, "fault_at": float, "published_at": float,
+                  "noticed": float, "rebuilt": float, "healed": float, "step": int,
+                  "first_commit": float},
+}
+
+
+def parse_request(raw: str | bytes, extra_kinds: frozenset[str] = frozenset()
+                  ) -> dict[str, Any] | str:
+    """A worker request as the agent may act on it, or the one-line reason it is refused.
+    Anything may arrive on the queue (any process that reaches the store can push), so every
+    field is checked here, where it enters."""
+    try:
+        doc = json.loads(raw)
+    except (ValueError, RecursionError):
+        return "not JSON"
+    if not isinstance(doc, dict):
+        return f"a JSON {type(doc).__name__}, not an object"
+    kind = doc.get("kind")
+    if kind in extra_kinds:
+        return doc
+    if kind not in REQUEST_FIELDS:
+        return f"unknown kind {str(kind)[:40]!r}"
+    for name, want in REQUEST_FIELDS[kind].items():
+        if name not in doc:
+            return f"{kind}: no {name!r}"
+        if not _is_a(doc[name], want):
+            return f"{kind}: {name!r} is {str(doc[name])[:40]!r}, not {want.__name__}"
+    if doc["worker"] < 0:
+        return f"{kind}: worker {doc['worker']} is negative"
+    return doc
+
+
+def _is_a(value: object, want: type) -> bool:
+    if want is float:
+        return (isinstance(value, (int, float)) and not isinstance(value, bool)
+                and math.isfinite(value))
+    if want is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, want)
 
 
 def heal_plan(committed: list[int]) -> dict[int, int]:

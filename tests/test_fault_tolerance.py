@@ -126,3 +126,45 @@ def test_every_replica_lost_stops_with_a_clear_report(tmp_path) -> None:
     r = run(tmp_path / "o", nproc=1, script_args=("--die", "0:5"))
     assert r.returncode == 1
     assert "no replica left to heal from" in r.stderr and "FAILED" in r.stderr
+
+
+def test_replacements_dying_before_their_hello_are_replaced_again(reference, tmp_path) -> None:
+    r = run(tmp_path / "o", script_args=("--die", "1:10", "--bad-joiners", "2", "--bad-early"))
+    assert r.returncode == 0, r.stderr
+    assert "worker 3 (rank 1) exited with 3; new worker 4 takes rank 1" in r.stderr
+    assert "worker 4 (rank 1) exited with 3; new worker 5 takes rank 1" in r.stderr
+    ps = params(tmp_path / "o")
+    assert sorted(ps) == [0, 2, 5]
+    assert all(bitwise_equal(p, reference) for p in ps.values())
+    check_survivors_kept_their_pids(tmp_path / "o", [0, 2])
+
+
+def test_a_crash_loop_shrinks_instead_of_replacing_forever(tmp_path) -> None:
+    r = run(tmp_path / "o", script_args=("--die", "1:10", "--bad-joiners", "99"))
+    assert r.returncode == 0, r.stderr
+    assert ("worker 5 (rank 1) exited with 1: the 3rd replacement in a row for rank 1 to fail "
+            "before its first commit (a crash loop); continuing with 2") in r.stderr
+    assert "new worker 6" not in r.stderr
+    ps = params(tmp_path / "o")
+    assert sorted(ps) == [0, 2] and bitwise_equal(ps[0], ps[2])
+    steps = [e["step"] for e in logs(tmp_path / "o")[0]["log"] if e["ok"]]
+    assert steps == list(range(40))
+
+
+def test_a_crash_loop_below_min_nproc_stops_with_the_replacements_error(tmp_path) -> None:
+    r = run(tmp_path / "o", "--min-nproc", "3", script_args=("--die", "1:10", "--bad-joiners", "99"))
+    assert r.returncode == 1
+    assert "(a crash loop); 2 left is below --min-nproc 3: stopping" in r.stderr
+    report = r.stderr[r.stderr.index("Root cause"):]
+    assert "RuntimeError: replacement 5 cannot start on this node" in report
+    assert "raise RuntimeError" in report  # its traceback, not only an exit status
+
+
+def test_junk_in_the_request_queue_is_refused_and_the_job_goes_on(reference, tmp_path) -> None:
+    r = run(tmp_path / "o", script_args=("--junk", "5"))
+    assert r.returncode == 0, r.stderr
+    for why in ("(not JSON)", "(a JSON list, not an object)", "'worker' is 'abc', not int",
+                "'generation' is '0', not int", "from worker 999, which this job never started"):
+        assert why in r.stderr
+    ps = params(tmp_path / "o")
+    assert sorted(ps) == [0, 1, 2] and all(bitwise_equal(p, reference) for p in ps.values())

@@ -4,7 +4,7 @@ import itertools
 import pytest
 
 from ftrun.policy import Action, FaultAction, decide_fault, decide_group
-from ftrun.rendezvous import Generation, heal_plan
+from ftrun.rendezvous import Generation, heal_plan, parse_request
 from ftrun.spec import WorkerEnv
 from ftrun.states import TransitionError, WorkerState, allowed, check_transition
 
@@ -66,6 +66,37 @@ def test_give_up_when_no_state_is_left_or_the_budget_is_spent() -> None:
     assert d.action is FaultAction.FAIL and "no replica left" in d.reason
     assert fault(members=(1, 3), unhealed=frozenset({3})).action is FaultAction.FAIL
     assert fault(faults=11).action is FaultAction.FAIL
+
+
+def test_a_crash_loop_stops_replacing_the_rank() -> None:
+    for loop in (1, 2):  # a replacement that failed before its first commit: replaced again
+        assert fault(lost=3, members=(0, 3, 2), crash_loop=loop).action is FaultAction.REPLACE
+    d = fault(lost=3, members=(0, 3, 2), crash_loop=3, spares=(7,))
+    assert (d.action, d.members, d.regrow) == (FaultAction.SHRINK, (0, 2), False)
+    assert "3rd replacement in a row for rank 1" in d.reason and "crash loop" in d.reason
+    d = fault(lost=3, members=(0, 3, 2), crash_loop=3, min_nproc=3, restarts_left=2)
+    assert d.action is FaultAction.FAIL and "below --min-nproc 3: stopping" in d.reason
+
+
+@pytest.mark.parametrize("raw, why", [
+    ("{", "not JSON"),
+    ("[" * 60_000 + "]" * 60_000, "not JSON"),
+    ("[1]", "a JSON list, not an object"),
+    ('{"kind": "hello", "worker": "abc", "pid": 1, "spare": false}', "'worker' is 'abc'"),
+    ('{"kind": "hello", "worker": true, "pid": 1, "spare": false}', "not int"),
+    ('{"kind": "hello", "worker": -4, "pid": 1, "spare": false}', "negative"),
+    ('{"kind": "comm_failed", "worker": 1, "generation": 2}', "no 'error'"),
+    ('{"kind": "bogus", "worker": 1}', "unknown kind 'bogus'"),
+    ('{"kind": "suspect", "worker": 1, "generation": 1.5}', "not int"),
+])
+def test_malformed_worker_requests_are_refused_with_a_reason(raw, why) -> None:
+    reason = parse_request(raw)
+    assert isinstance(reason, str) and why in reason
+
+
+def test_a_well_formed_request_passes() -> None:
+    raw = '{"kind": "suspect", "worker": 1, "generation": 4}'
+    assert parse_request(raw) == {"kind": "suspect", "worker": 1, "generation": 4}
 
 
 @pytest.mark.parametrize("steps, plan", [
