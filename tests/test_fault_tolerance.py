@@ -152,7 +152,8 @@ def test_a_crash_loop_shrinks_instead_of_replacing_forever(tmp_path) -> None:
 
 
 def test_a_crash_loop_below_min_nproc_stops_with_the_replacements_error(tmp_path) -> None:
-    r = run(tmp_path / "o", "--min-nproc", "3", script_args=("--die", "1:10", "--bad-joiners", "99"))
+    r = run(tmp_path / "o", "--min-nproc", "3",
+            script_args=("--die", "1:10", "--bad-joiners", "99"))
     assert r.returncode == 1
     assert "(a crash loop); 2 left is below --min-nproc 3: stopping" in r.stderr
     report = r.stderr[r.stderr.index("Root cause"):]
