@@ -270,11 +270,14 @@ class Agent(NodeHooks):
         """Block until a worker exits, a signal arrives, or `timeout`; return the exited."""
         polling = any(w.alive and w.spawned.pidfd is None for w in self._workers)
         wait = 0.05 if polling and (timeout is None or timeout > 0.05) else timeout
+        ready: list[Worker] = []  # pidfds in the order the kernel saw the exits
         for key, _ in sel.select(wait):
             if key.data is None:
                 self._wakeup.drain()
+            else:
+                ready.append(key.data)
         ended = []
-        for w in self._workers:
+        for w in [*ready, *(w for w in self._workers if w not in ready)]:
             if w.alive and w.spawned.popen.poll() is not None:
                 if w.spawned.pidfd is not None:
                     sel.unregister(w.spawned.pidfd)  # before close(): the fd number is reused
@@ -285,9 +288,11 @@ class Agent(NodeHooks):
     def _record_exit(self, w: Worker) -> None:
         code = w.spawned.popen.returncode
         by_launcher = w.state is WorkerState.STOPPING
+        drill = self.journal.pending_drill(w.worker_id)
         w.exit = WorkerExit(rank=w.rank, local_rank=w.local_rank, pid=w.spawned.pid,
                             returncode=code, detected_at=time.monotonic(), wall_time=time.time(),
-                            error_file=w.streams.error_file, killed_by_launcher=by_launcher)
+                            error_file=w.streams.error_file, killed_by_launcher=by_launcher,
+                            sent_by_ftrun=drill or "")
         if by_launcher:
             w.move(WorkerState.TERMINATED)
         else:

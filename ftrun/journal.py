@@ -36,6 +36,7 @@ class FaultRecord:
     phases_ms: dict[str, float] = field(default_factory=dict)
     lost_steps: int = 0  # committed before the fault, minus the step training resumed from
     committed_before: int = -1
+    lost_from: float | None = None  # wall clock where lost work starts (a restart: the attempt)
 
 
 class Journal:
@@ -45,6 +46,8 @@ class Journal:
         self.faults: list[FaultRecord] = []
         self._drills: dict[int, tuple[str, float]] = {}  # worker -> (kind, injected at)
         self.started_at = time.time()
+        self._attempt_started_at = self.started_at
+        self._restarting: list[FaultRecord] = []  # faults a whole-group restart answers
 
     def close(self) -> None:
         if self._file is not None:
@@ -58,6 +61,11 @@ class Journal:
             self._file.flush()
         getattr(self, f"_on_{kind.replace('-', '_')}", lambda f: None)(fields)
         self._sink(kind, fields)
+
+    def pending_drill(self, worker: int) -> str | None:
+        """The drill (or the agent's own kill: hang, straggler) waiting for `worker`'s fault."""
+        drill = self._drills.get(worker)
+        return drill[0] if drill else None
 
     def drill_injected(self, worker: int, kind: str, at: float) -> None:
         """The next fault of `worker` is this drill (the first one named wins: a SIGSTOP drill
@@ -76,6 +84,39 @@ class Journal:
                           committed_before=int(str(f.get("committed_before", -1))))
         rec.phases_ms = {"detected": round((detected - at) * 1000, 1)}
         self.faults.append(rec)
+
+    def _on_failure(self, f: Mapping[str, object]) -> None:
+        """A failure on torchrun's path (a script without the API): a fault record too."""
+        rank = int(str(f["rank"])) if f.get("rank") is not None else -1
+        drill = self._drills.pop(rank, None)  # first-attempt worker ids are the ranks
+        now = time.time()
+        kind, at = drill if drill else ("failure", now)
+        self.faults.append(FaultRecord(id=len(self.faults) + 1, kind=kind, worker=rank,
+                                       rank=rank, at=at, decision="fail",
+                                       reason=str(f["reason"]), injected=drill is not None,
+                                       phases_ms={"detected": round((now - at) * 1000, 1)}))
+
+    def _on_restart(self, f: Mapping[str, object]) -> None:
+        for rec in self.faults:
+            if not rec.recovered and rec.decision in ("fail", "restart-group") and \
+                    rec not in self._restarting:
+                rec.decision = "restart-group"
+                self._restarting.append(rec)
+
+    def _on_started(self, f: Mapping[str, object]) -> None:
+        """A new attempt runs: the faults it answers are recovered. What they cost: the time
+        until now, and, for API scripts (which restart from step 0), every committed step of
+        the attempt before, with the time spent reaching them."""
+        now = time.time()
+        for rec in self._restarting:
+            rec.recovered = True
+            rec.recovery_ms = round((now - rec.at) * 1000, 1)
+            rec.phases_ms = {**rec.phases_ms, "restarted": rec.recovery_ms}
+            if rec.committed_before >= 0:
+                rec.lost_steps = rec.committed_before
+                rec.lost_from = self._attempt_started_at
+        self._restarting = []
+        self._attempt_started_at = now
 
     def _on_generation(self, f: Mapping[str, object]) -> None:
         if not f.get("urgent"):
@@ -106,7 +147,8 @@ class Journal:
 def summarize(faults: list[FaultRecord], run_seconds: float) -> dict[str, Any]:
     """Figures for a drill table or the end-of-run summary."""
     times = sorted(r.recovery_ms for r in faults if r.recovery_ms is not None)
-    lost_s = sum(times) / 1000.0
+    lost_s = _union_s([(r.at if r.lost_from is None else r.lost_from, r.at + r.recovery_ms / 1000)
+                       for r in faults if r.recovery_ms is not None])
     return {
         "faults": len(faults),
         "recovered": sum(r.recovered for r in faults),
@@ -116,6 +158,16 @@ def summarize(faults: list[FaultRecord], run_seconds: float) -> dict[str, Any]:
         "time_lost_s": round(lost_s, 3),
         "goodput": round(1 - lost_s / run_seconds, 4) if run_seconds > 0 else None,
     }
+
+
+def _union_s(spans: list[tuple[float, float]]) -> float:
+    """Seconds covered by the spans: faults recovered together are not counted twice."""
+    total, reach = 0.0, float("-inf")
+    for start, end in sorted(spans):
+        if end > reach:
+            total += end - max(start, reach)
+            reach = end
+    return total
 
 
 def _pct(values: list[float], p: int) -> float | None:

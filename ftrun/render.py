@@ -38,7 +38,10 @@ def _notice_text(kind: str, f: Mapping[str, object]) -> str | None:
     if kind == "generation":
         return f"generation {f['generation']}: {f['world_size']} workers ({f['reason']})"
     if kind == "recovered" and f.get("fault_at"):
-        t0 = float(str(f["fault_at"]))
+        # a survivor's collective can fail before the agent reaps the dead peer: the fault
+        # began no later than the first sign of it, so no phase comes out negative
+        t0 = min(float(str(f[key])) for _, key in _PHASES if f.get(key))
+        t0 = min(t0, float(str(f["fault_at"])))
         phases = ", ".join(f"{name} +{(float(str(f[key])) - t0) * 1000:.0f}"
                            for name, key in _PHASES if f.get(key))
         return (f"generation {f['generation']} committed step {f['step']} "
@@ -179,14 +182,16 @@ def print_drill(faults: Sequence[Mapping[str, Any]], stream: TextIO | None = Non
 
 def print_run_summary(faults: Sequence[Any], run_seconds: float,
                       stream: TextIO | None = None) -> None:
-    stream = stream or sys.stderr
     """After a run that survived faults: how many, how fast, what it cost."""
     from ftrun.journal import summarize
 
-    if not faults:
-        return
+    stream = stream or sys.stderr
+    if all(f.decision == "fail" for f in faults):
+        return  # nothing was recovered or tried: the failure report says it all
     s = summarize(list(faults), run_seconds)
-    print(f"ftrun: survived {s['recovered']}/{s['faults']} faults; recovery p50 "
+    restarted = sum(f.decision == "restart-group" and f.recovered for f in faults)
+    how = f" ({restarted} by restarting every worker)" if restarted else ""
+    print(f"ftrun: survived {s['recovered']}/{s['faults']} faults{how}; recovery p50 "
           f"{_fmt(s['p50_ms'], ' ms')}, p95 {_fmt(s['p95_ms'], ' ms')}, max "
           f"{_fmt(s['max_ms'], ' ms')}; time lost {s['time_lost_s']} s; goodput "
           f"{_fmt(s['goodput'])}", file=stream, flush=True)

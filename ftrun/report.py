@@ -41,6 +41,7 @@ class WorkerExit:
     wall_time: float
     error_file: str = ""
     killed_by_launcher: bool = False
+    sent_by_ftrun: str = ""  # why ftrun itself signalled it (a drill, a hang), if it did
 
     @property
     def failed(self) -> bool:
@@ -71,7 +72,10 @@ def read_error_file(path: str) -> ErrorFileInfo | None:
     return ErrorFileInfo(message=str(msg or ""), traceback=str(msg or ""), raw=raw)
 
 
-def hint_for(returncode: int, has_error_file: bool) -> str:
+def hint_for(returncode: int, has_error_file: bool, sent_by_ftrun: str = "") -> str:
+    if returncode < 0 and sent_by_ftrun:
+        return (f"ftrun sent this signal itself (a '{sent_by_ftrun}' fault drill or detector), "
+                f"not the OOM killer")
     if returncode in _HINTS:
         return _HINTS[returncode]
     if returncode > 0 and not has_error_file:
@@ -86,7 +90,7 @@ def failure_block(title: str, cause: WorkerExit, others: Sequence[WorkerExit],
     info = read_error_file(cause.error_file)
     lines = [f"{title} FAILED", "Root cause (first observed failure):"]
     lines += _describe(cause, info)
-    hint = hint_for(cause.returncode, info is not None)
+    hint = hint_for(cause.returncode, info is not None, cause.sent_by_ftrun)
     if hint:
         lines.append(f"  hint      : {hint}")
     rest = [e for e in others if e is not cause]

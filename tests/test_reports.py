@@ -1,0 +1,84 @@
+"""What the launcher reports after faults: summary figures, restarts, root causes, hints."""
+import os
+import subprocess
+import sys
+
+from conftest import FIXTURES, ftrun_cmd, run_ftrun, wait_for
+
+from ftrun.journal import FaultRecord, Journal, summarize
+from ftrun.report import hint_for
+
+BEHAVE = str(FIXTURES / "behave.py")
+
+
+def test_overlapping_recoveries_are_not_counted_twice() -> None:
+    recs = [FaultRecord(id=1, kind="kill", worker=1, rank=1, at=100.0, recovery_ms=500.0),
+            FaultRecord(id=2, kind="kill", worker=2, rank=2, at=100.1, recovery_ms=400.0),
+            FaultRecord(id=3, kind="kill", worker=2, rank=2, at=110.0, recovery_ms=250.0)]
+    s = summarize(recs, run_seconds=75.0)
+    assert (s["time_lost_s"], s["goodput"]) == (0.75, 0.99)
+
+
+def test_a_restart_counts_its_downtime_and_the_steps_it_recomputes() -> None:
+    seen: list[str] = []
+    j = Journal(lambda kind, f: seen.append(kind))
+    j.emit("started", {"attempt": 0})
+    j.emit("fault", {"worker": 0, "rank": 0, "why": "exited with 1", "decision": "restart-group",
+                     "reason": "r", "committed_before": 41})
+    j.emit("restart", {"attempt": 1, "reason": "r"})
+    j.emit("started", {"attempt": 1})
+    (rec,) = j.faults
+    assert rec.recovered and rec.decision == "restart-group" and rec.lost_steps == 41
+    assert rec.lost_from is not None and j.started_at <= rec.lost_from <= rec.at
+    assert rec.recovery_ms is not None
+    assert rec.phases_ms["restarted"] == rec.recovery_ms >= 0
+    s = summarize(j.faults, run_seconds=1000.0)
+    assert s["recovered"] == 1 and s["lost_steps"] == 41
+    assert s["time_lost_s"] >= round(rec.at - rec.lost_from, 3)  # the attempt's work is redone
+
+
+def test_a_plain_scripts_failure_is_a_fault_record_answered_by_the_restart() -> None:
+    j = Journal(lambda kind, f: None)
+    j.emit("failure", {"reason": "rank 1 exited with 3; restarting", "rank": 1})
+    j.emit("restart", {"attempt": 1, "reason": "r"})
+    j.emit("started", {"attempt": 1})
+    (rec,) = j.faults
+    assert (rec.kind, rec.decision, rec.recovered, rec.lost_steps) == (
+        "failure", "restart-group", True, 0)
+    assert rec.lost_from is None  # a plain script's own checkpoints decide what is redone
+
+
+def test_no_oom_hint_for_a_signal_ftrun_sent() -> None:
+    assert "OOM" in hint_for(-9, False)
+    hint = hint_for(-9, False, "kill")
+    assert "ftrun sent this signal itself" in hint and "OOM killer" in hint.split("not ")[-1]
+
+
+def test_restarts_show_in_the_summary_with_their_cost(tmp_path) -> None:
+    r = run_ftrun("--nproc", "2", "--max-restarts", "3", BEHAVE, "--exit-rank", "0:5",
+                  "--fail-attempts", "2", "--sleep", "0.2")
+    assert r.returncode == 0, r.stderr
+    line = next(ln for ln in r.stderr.splitlines() if "survived" in ln)
+    assert "survived 2/2 faults (2 by restarting every worker)" in line
+    assert "goodput 1.00" not in line and "time lost 0.0 s" not in line
+
+
+def test_a_drill_kill_is_not_blamed_on_the_oom_killer(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("FTRUN_RUN_DIR", str(tmp_path / "run"))
+    job = subprocess.Popen(ftrun_cmd("--nproc", "2", BEHAVE, "--sleep", "60"),
+                           env={**os.environ, "OMP_NUM_THREADS": "1"},
+                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        def injected() -> bool:
+            r = subprocess.run([sys.executable, "-m", "ftrun", "inject-fault", "--rank", "1",
+                                "--kind", "kill"], capture_output=True, text=True, timeout=60)
+            return "no ftrun job" not in r.stderr
+        wait_for(injected, 30, "the drill to reach the job")
+        _, err = job.communicate(timeout=60)
+    finally:
+        job.kill()
+    assert job.returncode == 1
+    report = err[err.index("Root cause"):]
+    assert "exitcode  : -9 (SIGKILL)" in report
+    assert "ftrun sent this signal itself (a 'kill' fault drill or detector)" in report
+    assert "most often the kernel's OOM killer" not in report
