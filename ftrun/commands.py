@@ -1,13 +1,15 @@
 """`ftrun status` and `ftrun inject-fault`: typer commands over the control client.
 
-Owns: the subcommands' arguments, the drill schedule (--every/--count) and waiting for the
-drill's recoveries. Rendering lives in render.py.
+Owns: the subcommands' arguments (checked with the job's own request checks), the drill
+schedule (--every/--count) and waiting for the drill's recoveries; a job that ends before
+its drill settles is an error. Rendering lives in render.py.
 Must not import: torch (a status check must work, fast, on a node without CUDA).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import time
 from typing import Any, Optional
 
@@ -17,6 +19,7 @@ from ftrun import control, render
 from ftrun.errors import FtrunError, UsageError
 from ftrun.gpuhealth import GpuSample as _Sample
 from ftrun.gpuhealth import Health, classify
+from ftrun.observe import GPU_KINDS, check_request
 from ftrun.progress import DRILL_KINDS
 
 app = typer.Typer(add_completion=False, no_args_is_help=False, pretty_exceptions_enable=False,
@@ -48,7 +51,7 @@ def status(run_id: Optional[str] = typer.Option(None, "--run-id", help="the job 
 
 @app.command("inject-fault")
 def inject_fault(
-    kind: str = typer.Option(..., "--kind", help="one of " + ", ".join(DRILL_KINDS) + ", xid"),
+    kind: str = typer.Option(..., "--kind", help="one of " + ", ".join((*DRILL_KINDS, *GPU_KINDS))),
     rank: Optional[int] = typer.Option(None, "--rank", help="the rank to break"),  # noqa: UP045
     gpu: Optional[int] = typer.Option(None, "--gpu", help="the GPU to break (xid kinds)"),  # noqa: UP045,E501
     run_id: Optional[str] = typer.Option(None, "--run-id", help="the job (a prefix is enough)"),  # noqa: UP045,E501
@@ -59,24 +62,31 @@ def inject_fault(
     xid: Optional[int] = typer.Option(None, "--xid", help="the XID for --kind xid"),  # noqa: UP045
 ) -> None:
     """Break a running job on purpose and print how it recovered, phase by phase."""
-    if (rank is None) == (gpu is None):
-        raise UsageError("give exactly one of --rank or --gpu", hint="e.g. --rank 1")
-    if kind not in (*DRILL_KINDS, "xid", "ecc", "thermal"):
+    if kind not in (*DRILL_KINDS, *GPU_KINDS):
         raise UsageError(f"unknown fault kind {kind!r}",
-                         hint="use " + ", ".join((*DRILL_KINDS, "xid", "ecc", "thermal")))
-    if gpu is not None and kind not in ("xid", "ecc", "thermal"):
-        raise UsageError(f"--gpu takes --kind xid, ecc or thermal, not {kind}",
-                         hint="e.g. --gpu 0 --kind xid --xid 79")
-    if count < 1 or every < 0 or (count > 1 and every <= 0):
+                         hint="use " + ", ".join((*DRILL_KINDS, *GPU_KINDS)))
+    if not math.isfinite(every) or every < 0:
+        raise UsageError(f"--every must be a number of seconds >= 0, not {every}",
+                         hint="e.g. --every 5 --count 3")
+    if count < 1 or (count > 1 and every <= 0):
         raise UsageError("--count N needs --every SECONDS > 0", hint="e.g. --every 5 --count 3")
+    try:  # the job checks the same way; checking here first gives a usage error, exit 2
+        drill = check_request({"op": "inject", "kind": kind, "rank": rank, "gpu": gpu,
+                               "at_step": at_step, "arg": delay, "xid": xid})
+    except FtrunError as exc:
+        raise UsageError(exc.message, hint=exc.hint) from None
     info = control.find_run(run_id)
     first = control.request(info, {"op": "status"})
     before = len(first["faults"])
     for i in range(count):
         if i:
             time.sleep(every)
-        reply = control.request(info, {"op": "inject", "kind": kind, "rank": rank, "gpu": gpu,
-                                       "at_step": at_step, "arg": delay, "xid": xid})
+        try:
+            reply = control.request(info, drill)
+        except control.JobGone:
+            raise control.JobGone(f"job {info.run_id[:8]} ended before the drill was injected "
+                                  f"({i}/{count} faults injected)",
+                                  hint="see its log directory") from None
         if gpu is not None:
             print(f"ftrun: injected {kind} {xid or ''} into GPU {gpu} ({reply['uuid']})",
                   flush=True)
@@ -89,24 +99,38 @@ def inject_fault(
         print("ftrun: the job does not use the ftrun worker API: it restarts or stops as "
               "torchrun would; see `ftrun status`")
         return
-    faults = _wait_for_recoveries(info, before, count)
+    faults, ended = _wait_for_recoveries(info, before, count)
     render.print_drill(faults)
+    if ended:
+        settled = sum(1 for f in faults if _settled(f))
+        raise control.JobGone(f"job {info.run_id[:8]} ended before the drill completed "
+                              f"({settled}/{count} faults settled)",
+                              hint="see its log directory for why")
 
 
-def _wait_for_recoveries(info: control.RunInfo, before: int, count: int) -> list[dict[str, Any]]:
+def _wait_for_recoveries(info: control.RunInfo, before: int,
+                         count: int) -> tuple[list[dict[str, Any]], bool]:
+    """The drill's faults once each is recovered or decided (or DRILL_WAIT_S passed), and
+    whether the job ended before that."""
     deadline = time.monotonic() + DRILL_WAIT_S
     faults: list[dict[str, Any]] = []
     while time.monotonic() < deadline:
         try:
             faults = control.request(info, {"op": "status"})["faults"][before:]
+        except control.JobGone:
+            return faults, True
         except FtrunError:
-            break  # the job ended (a drill can end it: that is the report)
-        if len(faults) >= count and all(f["recovered"] or f["decision"] in ("fail",
-                                                                            "restart-group")
-                                        for f in faults):
-            break
+            pass  # busy or shutting down: the next try tells which
+        else:
+            if len(faults) >= count and all(_settled(f) for f in faults):
+                return faults, False
         time.sleep(0.2)
-    return faults
+    return faults, False
+
+
+def _settled(fault: dict[str, Any]) -> bool:
+    """Recovered, or decided in a way that ends the job (a drill can: that is the report)."""
+    return bool(fault["recovered"]) or fault["decision"] in ("fail", "restart-group")
 
 
 def xid_is_benign(xid: int | None) -> bool:

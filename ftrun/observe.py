@@ -1,15 +1,19 @@
 """The agent's window to the outside: `ftrun status` answers and `ftrun inject-fault` drills.
 
 Owns: the run's control server, reading the workers' progress slots, building the status
-document, validating drill requests (one-line errors) and applying them from the agent's
-main loop: signals the agent sends itself, or drill slots a worker acts on at a step.
+document, checking every field of a request where it enters (one-line errors; nothing
+malformed reaches the main loop) and applying drills from the agent's main loop: signals
+the agent sends itself, or drill slots a worker acts on at a step.
 Must not import: torch, typer, rich, the CLI.
 """
 
 from __future__ import annotations
 
+import contextlib
+import math
 import os
 import queue
+import reprlib
 import signal
 import time
 from typing import TYPE_CHECKING, Any
@@ -26,6 +30,71 @@ if TYPE_CHECKING:
 AGENT_SIGNALS = {"kill": signal.SIGKILL, "segv": signal.SIGSEGV, "hang": signal.SIGSTOP}
 WORKER_ONLY = ("exit", "exception", "slow", "comm")
 GPU_KINDS = ("xid", "ecc", "thermal")
+MAX_DRILL_DELAY_S = 24 * 3600.0  # a "slow" drill slower than this is a stuck worker
+_MAX_INDEX = (1 << 31) - 1
+_MAX_STEP = (1 << 63) - 1  # the drill slot holds the step as an int64
+# each inject field and the `ftrun inject-fault` option that sets it
+_OPTIONS = {"kind": "--kind", "rank": "--rank", "gpu": "--gpu", "at_step": "--at-step",
+            "arg": "--delay", "xid": "--xid"}
+_SHOW = reprlib.Repr()
+_SHOW.maxstring, _SHOW.maxother, _SHOW.maxlevel = 40, 40, 2
+
+
+def check_request(req: dict[str, Any]) -> dict[str, Any]:
+    """A control request with every field checked and typed, or a one-line FtrunError. The
+    server checks here, before anything reaches the agent's main loop; the CLI checks too."""
+    op = req.get("op")
+    if op == "status":
+        return {"op": "status"}
+    if op == "inject":
+        return _check_inject(req)
+    raise FtrunError(f"unknown request {_show(op)}",
+                     hint='use "op": "status" or "inject", or upgrade the ftrun client')
+
+
+def _check_inject(req: dict[str, Any]) -> dict[str, Any]:
+    extra = sorted(str(k) for k in set(req) - {"op", *_OPTIONS})
+    if extra:
+        raise FtrunError(f"unknown field {_show(extra[0])} in an inject request",
+                         hint="fields: " + ", ".join(_OPTIONS))
+    kind = req.get("kind")
+    if not isinstance(kind, str) or kind not in (*DRILL_KINDS, *GPU_KINDS):
+        raise FtrunError(f"unknown fault kind {_show(kind)}",
+                         hint="use one of " + ", ".join((*DRILL_KINDS, *GPU_KINDS)))
+    rank, gpu = _integer(req, "rank", 0, _MAX_INDEX), _integer(req, "gpu", 0, _MAX_INDEX)
+    if (rank is None) == (gpu is None):
+        raise FtrunError("give exactly one of --rank or --gpu", hint="e.g. --rank 1")
+    if gpu is not None and kind not in GPU_KINDS:
+        raise FtrunError(f"--gpu takes --kind xid, ecc or thermal, not {kind}",
+                         hint="e.g. --gpu 0 --kind xid --xid 79")
+    at_step = _integer(req, "at_step", -1, _MAX_STEP)
+    return {"op": "inject", "kind": kind, "rank": rank, "gpu": gpu,
+            "at_step": -1 if at_step is None else at_step, "arg": _delay(req.get("arg")),
+            "xid": _integer(req, "xid", 0, _MAX_INDEX)}
+
+
+def _integer(req: dict[str, Any], field: str, lo: int, hi: int) -> int | None:
+    value = req.get(field)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+        raise FtrunError(f"{_OPTIONS[field]} must be an integer {lo}..{hi}, not {_show(value)}",
+                         hint=f"e.g. {_OPTIONS[field]} {max(lo, 0)}")
+    return value
+
+
+def _delay(value: object) -> float:
+    if value is None:
+        return 0.0
+    if (isinstance(value, bool) or not isinstance(value, (int, float))
+            or not math.isfinite(value) or not 0 <= value <= MAX_DRILL_DELAY_S):
+        raise FtrunError(f"--delay must be a number of seconds 0..{MAX_DRILL_DELAY_S:g}, "
+                         f"not {_show(value)}", hint="e.g. --delay 0.5")
+    return float(value)
+
+
+def _show(value: object) -> str:
+    return " ".join(_SHOW.repr(value).split())
 
 
 class Observer:
@@ -47,34 +116,30 @@ class Observer:
 
     # ------------------------------------------------------------ requests (server thread)
     def handle(self, req: dict[str, Any]) -> dict[str, Any]:
-        op = req.get("op")
-        if op == "status":
+        req = check_request(req)
+        if req["op"] == "status":
             return {"ok": True, **self.status()}
-        if op == "inject" and req.get("gpu") is not None:
-            uuid = self.agent.health.inject(int(req["gpu"]), str(req.get("kind")),
-                                            req.get("xid"))
-            return {"ok": True, "gpu": int(req["gpu"]), "uuid": uuid}
-        if op == "inject":
-            target = self._validate(req)
-            self.drills.put({**req, "worker": target.worker_id})
-            self.agent.wake()
-            return {"ok": True, "worker": target.worker_id, "pid": target.spawned.pid,
-                    "rank": target.rank}
-        raise FtrunError(f"unknown request {op!r}", hint="upgrade the ftrun client")
+        if req["gpu"] is not None:
+            uuid = self.agent.health.inject(req["gpu"], req["kind"], req["xid"])
+            return {"ok": True, "gpu": req["gpu"], "uuid": uuid}
+        target = self._validate(req)
+        self.drills.put({"worker": target.worker_id, "kind": req["kind"],
+                         "at_step": req["at_step"], "arg": req["arg"]})
+        self.agent.wake()
+        return {"ok": True, "worker": target.worker_id, "pid": target.spawned.pid,
+                "rank": target.rank}
 
     def _validate(self, req: dict[str, Any]) -> Worker:
-        kind = str(req.get("kind"))
+        """What a checked request asks of this job: a worker-API drill of a plain script, or a
+        rank this node does not run, is refused here."""
+        kind, at_step, rank = req["kind"], req["at_step"], req["rank"]
         if kind in GPU_KINDS:
             raise FtrunError(f"--kind {kind} breaks a GPU", hint="use --gpu N instead of --rank")
-        if kind not in DRILL_KINDS:
-            raise FtrunError(f"unknown fault kind {kind!r}",
-                             hint="use one of " + ", ".join(DRILL_KINDS))
         api = self.agent.uses_api()
-        if (kind in WORKER_ONLY or int(req.get("at_step", -1)) >= 0) and not api:
+        if (kind in WORKER_ONLY or at_step >= 0) and not api:
             raise FtrunError(f"--kind {kind} {'--at-step ' if kind not in WORKER_ONLY else ''}"
                              "needs a script that uses the ftrun worker API",
                              hint="use --kind kill, segv or hang without --at-step")
-        rank = int(req.get("rank", -1))
         by_rank = {self._rank_of(w): w for w in self.agent.live_members()}
         if rank not in by_rank:
             here = sorted(by_rank)
@@ -99,17 +164,18 @@ class Observer:
                 req = self.drills.get_nowait()
             except queue.Empty:
                 return
-            worker = self.agent.worker_by_id(int(req["worker"]))
+            worker = self.agent.worker_by_id(req["worker"])
             if worker is None or not worker.alive:
                 continue
-            kind, at_step = str(req["kind"]), int(req.get("at_step", -1))
+            kind, at_step = req["kind"], req["at_step"]  # checked by check_request
             self.agent.journal.drill_injected(worker.worker_id, kind, time.time())
             if kind in AGENT_SIGNALS and at_step < 0:
-                os.kill(worker.spawned.pid, AGENT_SIGNALS[kind])
+                with contextlib.suppress(ProcessLookupError):  # it may have just exited
+                    os.kill(worker.spawned.pid, AGENT_SIGNALS[kind])
             else:
                 self._drill_seq += 1
                 slot = self._slot(worker.worker_id)
-                slot.write_drill(self._drill_seq, kind, at_step, float(req.get("arg", 0.0)))
+                slot.write_drill(self._drill_seq, kind, at_step, req["arg"])
             self.agent.emit("drill", {"worker": worker.worker_id, "rank": worker.rank,
                                       "kind": kind, "at_step": at_step})
 

@@ -36,6 +36,7 @@ SPARE_ASSIGNMENT_S = 24 * 3600.0  # a hot spare waiting to be used
 
 # Control channel / CLI
 CONTROL_REQUEST_S = 2.0
+CONTROL_REPLY_S = 30.0  # the client reading a whole status reply, however large
 THREAD_JOIN_S = 5.0  # a helper thread ending once what it blocks on is closed
 REQUEST_CATCH_UP_S = 0.5  # the agent letting queued worker requests in before judging an exit
 WATCH_POLL_S = 3600.0  # watcher threads re-arm their blocking store waits (c10d logs each expiry)
