@@ -94,7 +94,8 @@ class Agent(NodeHooks):
     def _run_attempts(self) -> RunResult:
         restarts = 0
         while True:
-            hosted = HostedStore(self._static_port() or 0)
+            hosted = HostedStore.for_workers(self.spec, self._static_port() or 0,
+                                             self.master_addr)
             self.restarts = restarts
             try:
                 self.worker_port = hosted.port

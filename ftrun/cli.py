@@ -120,10 +120,15 @@ def _check_entrypoint(script: str, module: bool, no_python: bool) -> None:
         return  # resolved by the worker's python, with the worker's sys.path
     if no_python:
         found = shutil.which(script) if os.sep not in script else (
-            script if os.access(script, os.X_OK) else None)
+            script if os.path.isfile(script) and os.access(script, os.X_OK) else None)
         if not found:
             raise UsageError(f"executable not found: {script}",
                              hint="check the name and PATH, or drop --no-python")
+        return
+    if os.path.isdir(script):  # `python DIR` runs DIR/__main__.py, and so do the workers
+        if not os.path.isfile(os.path.join(script, "__main__.py")):
+            raise UsageError(f"{script} is a directory without __main__.py",
+                             hint="name the script inside it, or add a __main__.py")
         return
     if not os.path.isfile(script):
         raise UsageError(f"training script not found: {script}",

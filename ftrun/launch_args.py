@@ -8,7 +8,9 @@ Must not import: torch, typer, rich, the agent.
 from __future__ import annotations
 
 import argparse
+import math
 import os
+import re
 import signal
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NoReturn
@@ -17,6 +19,12 @@ from ftrun.errors import UsageError
 from ftrun.spec import RunSpec, StdMask
 
 NPROC_WORDS = ("cpu", "gpu", "auto")
+STATIC_DEFAULT_PORT = 29500
+_HOST_RE = re.compile(r"[\w.-]+")  # a host name or an IPv4 address
+_IPV6_RE = re.compile(r"[\w.:%-]+")  # inside brackets (a zone like %eth0 included)
+# --rdzv-conf keys read as seconds (ftrun's own and torchrun's); all others pass through
+_CONF_SECONDS = ("timeout", "interval", "heartbeat")
+_CONF_ZERO_OK = frozenset({"last_call_timeout"})  # 0: no wait for late nodes
 
 
 class _Parser(argparse.ArgumentParser):
@@ -130,22 +138,25 @@ def parse_run_args(
                          hint="drop one of them")
     if ns.virtual_local_rank:
         raise UsageError("--virtual-local-rank is not supported yet", hint="drop the flag")
-    if ns.rdzv_backend == "static" and ns.rdzv_endpoint:  # torchrun: host[:port] of the store
-        host, _, port = ns.rdzv_endpoint.rpartition(":") if ":" in ns.rdzv_endpoint else (
-            ns.rdzv_endpoint, "", "")
-        ns.master_addr = host.strip("[]") or ns.master_addr
-        ns.master_port = port or ns.master_port or "29500"
+    endpoint_port = None
+    if ns.rdzv_endpoint:
+        host, endpoint_port = parse_endpoint(ns.rdzv_endpoint)
+        if ns.rdzv_backend == "static":  # torchrun: host[:port] of the store
+            ns.master_addr = host
+            ns.master_port = endpoint_port if endpoint_port is not None else (
+                ns.master_port or STATIC_DEFAULT_PORT)
     _slurm_defaults(ns, env)
     nmin, nmax = _parse_nnodes(str(ns.nnodes))
     if ns.rdzv_backend not in ("static", "c10d"):
         raise UsageError(f"--rdzv-backend {ns.rdzv_backend!r} is not supported",
                          hint="use static or c10d")
     if nmax > 1:
-        _check_multinode(ns, nmin, nmax)
+        _check_multinode(ns, nmin, nmax, endpoint_port)
+    nproc = resolve_nproc(str(ns.nproc_per_node), gpu_count)
     return RunSpec(
         script=ns.training_script,
         script_args=tuple(ns.training_script_args),
-        nproc=resolve_nproc(str(ns.nproc_per_node), gpu_count),
+        nproc=nproc,
         nnodes_min=nmin,
         nnodes_max=nmax,
         node_rank=_int(ns.node_rank, "--node-rank", minimum=0),
@@ -170,22 +181,28 @@ def parse_run_args(
         shutdown_timeout=_shutdown_timeout(ns.shutdown_timeout, env),
         signals_to_handle=_parse_signals(ns.signals_to_handle),
         on_fault=ns.on_fault,
-        min_nproc=_int(ns.min_nproc, "--min-nproc", minimum=1),
+        min_nproc=_min_nproc(ns.min_nproc, nproc, nmax),
         spares=_int(ns.spares, "--spares", minimum=0),
         max_faults=_int(ns.max_faults, "--max-faults", minimum=0),
         comm=ns.comm,
         gpu_backend=ns.gpu_backend,
         hang_timeout=None if ns.hang_timeout is None else _float(ns.hang_timeout,
                                                                  "--hang-timeout", positive=True),
-        straggler_factor=_float(ns.straggler_factor, "--straggler-factor", positive=True),
+        straggler_factor=_straggler_factor(ns.straggler_factor),
         evict_stragglers=ns.evict_stragglers,
     )
 
 
-def _check_multinode(ns: argparse.Namespace, nmin: int, nmax: int) -> None:
+def _check_multinode(ns: argparse.Namespace, nmin: int, nmax: int,
+                     endpoint_port: int | None) -> None:
     if ns.rdzv_backend == "c10d" and not ns.rdzv_endpoint:
         raise UsageError("--rdzv-backend c10d needs --rdzv-endpoint HOST[:PORT]",
                          hint="name the host that serves the store (the same on every node)")
+    port = endpoint_port if ns.rdzv_backend == "c10d" else ns.master_port
+    if port is not None and _port(port, "--rdzv-endpoint" if ns.rdzv_endpoint
+                                  else "--master-port") == 0:
+        raise UsageError("a multi-node job cannot serve its store on port 0 (any free port)",
+                         hint="every node must know the port: use 1-65535, e.g. 29400")
     if ns.rdzv_backend == "static" and nmin != nmax:
         raise UsageError(f"--nnodes {ns.nnodes} needs --rdzv-backend c10d",
                          hint="static rendezvous takes a fixed node count, e.g. --nnodes 2")
@@ -250,22 +267,69 @@ def _int(raw: object, flag: str, minimum: int | None) -> int:
     return value
 
 
-def _float(raw: object, flag: str, positive: bool) -> float:
+def _float(raw: object, flag: str, positive: bool, unit: str = "seconds") -> float:
     try:
         value = float(str(raw))
     except ValueError:
         raise UsageError(f"{flag} {raw!r} is not a number",
-                         hint=f"pass seconds to {flag}") from None
+                         hint=f"pass {unit} to {flag}") from None
+    if not math.isfinite(value):  # nan compares false with everything; inf never expires
+        raise UsageError(f"{flag} must be a finite number, got {raw}",
+                         hint=f"pass {unit} to {flag}")
     if positive and value <= 0:
         raise UsageError(f"{flag} must be > 0, got {value}", hint=f"fix {flag}")
     return value
 
 
-def _port(raw: object) -> int:
-    port = _int(raw, "--master-port", minimum=0)
+def _straggler_factor(raw: object) -> float:
+    value = _float(raw, "--straggler-factor", positive=False, unit="a factor like 1.5")
+    if value <= 1:
+        raise UsageError(f"--straggler-factor must be > 1, got {value}",
+                         hint="how many times slower than its peers a rank must be, e.g. 1.5")
+    return value
+
+
+def _min_nproc(raw: object, nproc: int, nnodes_max: int) -> int:
+    value = _int(raw, "--min-nproc", minimum=1)
+    most = nproc * nnodes_max
+    if value > most:
+        has = f"--nproc {nproc}" if nnodes_max == 1 else \
+            f"the job's {most} workers (--nproc {nproc} x --nnodes {nnodes_max})"
+        raise UsageError(f"--min-nproc {value} is above {has}",
+                         hint=f"the fewest workers to go on with: use 1-{most}")
+    return value
+
+
+def _port(raw: object, flag: str = "--master-port") -> int:
+    port = _int(raw, flag, minimum=0)
     if port > 65535:
-        raise UsageError(f"--master-port {port} is out of range", hint="use 0-65535")
+        raise UsageError(f"{flag}: port {port} is out of range", hint="use 1-65535")
     return port
+
+
+def parse_endpoint(text: str) -> tuple[str, int | None]:
+    """`HOST`, `HOST:PORT`, `[IPV6]` or `[IPV6]:PORT` -> (host, port or None)."""
+    text = text.strip()
+    hint = "use HOST[:PORT], e.g. node0:29400, or [IPV6]:PORT"
+    if text.startswith("["):
+        host, close, rest = text[1:].partition("]")
+        if not close or (rest and not rest.startswith(":")):
+            raise UsageError(f"--rdzv-endpoint {text!r} is not [IPV6] or [IPV6]:PORT",
+                             hint="close the bracket, e.g. [::1]:29400")
+        valid, port = bool(_IPV6_RE.fullmatch(host)), rest[1:] if rest else None
+    else:
+        if text.count(":") > 1:
+            raise UsageError(f"--rdzv-endpoint {text!r}: an IPv6 address needs brackets",
+                             hint="e.g. [::1]:29400")
+        host, sep, tail = text.partition(":")
+        valid, port = bool(_HOST_RE.fullmatch(host)), tail if sep else None
+    if not valid:
+        raise UsageError(f"--rdzv-endpoint {text!r} has no valid host", hint=hint)
+    if port is None:
+        return host, None
+    if not port.isdigit():
+        raise UsageError(f"--rdzv-endpoint {text!r}: port {port!r} is not a number", hint=hint)
+    return host, _port(port, "--rdzv-endpoint")
 
 
 def _parse_nnodes(text: str) -> tuple[int, int]:
@@ -286,7 +350,17 @@ def _parse_conf(text: str) -> tuple[tuple[str, str], ...]:
         if not sep or not key.strip() or not value.strip():
             raise UsageError(f"--rdzv-conf item {item!r} is not key=value", hint="e.g. timeout=60")
         pairs.append((key.strip(), value.strip()))
+        if key.strip().endswith(_CONF_SECONDS):
+            _conf_seconds(key.strip(), value.strip())
     return tuple(pairs)
+
+
+def _conf_seconds(key: str, raw: str) -> float:
+    flag = f"--rdzv-conf {key}"
+    value = _float(raw, flag, positive=key not in _CONF_ZERO_OK)
+    if value < 0:
+        raise UsageError(f"{flag} must be >= 0, got {value}", hint=f"e.g. {key}=1")
+    return value
 
 
 def _parse_filter(text: str) -> frozenset[int] | None:

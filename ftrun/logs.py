@@ -20,6 +20,8 @@ from ftrun import timeouts
 from ftrun.spec import STDERR, STDOUT, RunSpec
 
 _CONSOLE_LOCK = threading.Lock()
+_READ_SIZE = 65536
+PARTIAL_LINE_MAX = 65536  # a line without newline goes to the console in pieces of this size
 PREFIX_TEMPLATE_ENV = "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"
 
 
@@ -154,24 +156,54 @@ def _devnull(streams: WorkerStreams) -> IO[bytes]:
 
 
 def _pump(read_fd: int, file: IO[bytes] | None, console_fd: int, prefix: bytes) -> None:
-    """Copy a worker's pipe to its log file (raw) and the console (prefixed), line by line."""
-    pending = b""
+    """Copy a worker's pipe to its log file (raw) and the console (prefixed), line by line.
+
+    Only the chunk just read is searched for a newline, and a partial line (a progress bar
+    redrawn with `\r`) goes out once it reaches PARTIAL_LINE_MAX: re-searching or holding an
+    unbounded line made output without newlines quadratic in time and unbounded in memory.
+    """
+    pending = bytearray()
     with os.fdopen(read_fd, "rb", buffering=0) as pipe:
         while True:
-            chunk = pipe.read(65536)
+            chunk = pipe.read(_READ_SIZE)
             if not chunk:
                 break
             # a failed write (a full disk, a closed console pipe) must never stop the
             # draining, or the worker blocks on a full pipe
             if file is not None:
                 with contextlib.suppress(OSError):
-                    file.write(chunk)
-            pending += chunk
-            if b"\n" in pending:
-                complete, _, pending = pending.rpartition(b"\n")
-                lines = complete.split(b"\n")
+                    _write_file(file, chunk)
+            out = _take_lines(pending, chunk, prefix)
+            if out:
                 with contextlib.suppress(OSError):
-                    _write_console(console_fd, b"".join(prefix + ln + b"\n" for ln in lines))
+                    _write_console(console_fd, out)
     if pending:
         with contextlib.suppress(OSError):
             _write_console(console_fd, prefix + pending + b"\n")
+
+
+def _take_lines(pending: bytearray, chunk: bytes, prefix: bytes) -> bytes:
+    """Add `chunk` to the partial line in `pending` and return what is ready for the console:
+    the complete lines, each prefixed, or the partial line itself once it is too long (ended
+    with a newline of its own, so that no other worker's line lands in its middle)."""
+    last = chunk.rfind(b"\n")
+    if last < 0:
+        pending += chunk
+        pieces = []
+        while len(pending) >= PARTIAL_LINE_MAX:
+            pieces.append(prefix + pending[:PARTIAL_LINE_MAX] + b"\n")
+            del pending[:PARTIAL_LINE_MAX]
+        return b"".join(pieces)
+    head = bytes(pending) + chunk[:last] if pending else chunk[:last]
+    pending[:] = chunk[last + 1:]
+    return b"".join(prefix + line + b"\n" for line in head.split(b"\n"))
+
+
+def _write_file(file: IO[bytes], data: bytes) -> None:
+    """The whole chunk: an unbuffered file may take part of it per call."""
+    view = memoryview(data)
+    while view:
+        written = file.write(view)
+        if not written:  # nothing taken (never for a regular file): do not spin
+            return
+        view = view[written:]

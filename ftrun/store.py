@@ -3,40 +3,53 @@
 Owns: binding the store's port before torch is imported (so workers start while the agent
 is still importing torch: the server is created later on the already-listening socket),
 creating a fresh store server for every attempt (so a restart never reads the keys of the
-attempt before it, the hang of pytorch#135712), and choosing the address workers use.
+attempt before it, the hang of pytorch#135712), choosing the address workers use and the
+interface the store listens on (a single-node job's store is not reachable from the network:
+anyone who can reach it can stop or steer the job).
 Must not import: typer, rich, the agent. Imports torch lazily, in `serve()` only.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import socket
 from datetime import timedelta
 from typing import Any
 
 from ftrun import timeouts
 from ftrun.errors import StoreError
+from ftrun.spec import RunSpec
 
 _BACKLOG = 1024
+ALL_INTERFACES = "0.0.0.0"
+LOOPBACK = "127.0.0.1"
 
 
 class HostedStore:
     """A listening socket now, a TCPStore server once `serve()` has run."""
 
-    def __init__(self, port: int) -> None:
+    def __init__(self, port: int, host: str = ALL_INTERFACES) -> None:
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
-            sock.bind(("0.0.0.0", port))
+            sock.bind((host, port))
             sock.listen(_BACKLOG)
-        except OSError as exc:
+        except (OSError, OverflowError) as exc:
             sock.close()
-            raise StoreError(f"cannot host the rendezvous store on port {port}: {exc.strerror}",
+            why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+            raise StoreError(f"cannot host the rendezvous store on {host}:{port}: {why}",
                              hint="pick another --master-port, or omit it to use a free port"
                              ) from exc
         sock.set_inheritable(False)
         self._sock: socket.socket | None = sock
+        self.host: str = sock.getsockname()[0]  # the interface it listens on
         self.port: int = sock.getsockname()[1]
         self.store: Any = None  # torch.distributed.TCPStore, server side
+
+    @classmethod
+    def for_workers(cls, spec: RunSpec, port: int, workers_at: str) -> HostedStore:
+        """The store of one attempt's workers, who connect to `workers_at`."""
+        return cls(port, listen_addr(spec, workers_at))
 
     def serve(self, timeout_s: float = timeouts.STORE_SERVER_START_S) -> Any:
         """Start the TCPStore server on the bound socket (idempotent)."""
@@ -46,7 +59,7 @@ class HostedStore:
             assert self._sock is not None
             fd = self._sock.detach()  # the store owns the descriptor from here on
             self._sock = None
-            self.store = TCPStore("0.0.0.0", self.port, None, True,
+            self.store = TCPStore(self.host, self.port, None, True,
                                   timedelta(seconds=timeout_s), wait_for_workers=False,
                                   multi_tenant=False, master_listen_fd=fd)
         return self.store
@@ -59,13 +72,31 @@ class HostedStore:
 
 
 def advertised_addr(local_addr: str | None) -> str:
-    """The address workers connect to: --local-addr, else this host's FQDN as torchrun does,
-    unless the FQDN does not resolve here (containers without DNS), then loopback."""
+    """The address a single node's workers connect to: --local-addr, else this host's FQDN as
+    torchrun does when it resolves to loopback here, else loopback itself (the store of one
+    node listens on loopback only, and its workers must reach it)."""
     if local_addr:
         return local_addr
     name = socket.getfqdn()
-    try:
-        socket.getaddrinfo(name, None)
+    found = _ipv4_of(name)
+    if found and all(ipaddress.ip_address(a).is_loopback for a in found):
         return name
-    except OSError:
-        return "127.0.0.1"
+    return LOOPBACK
+
+
+def listen_addr(spec: RunSpec, workers_at: str) -> str:
+    """Where a workers' store listens. Multi-node: every interface, since the other nodes
+    reach it by a name that may resolve to loopback here (Debian's `127.0.1.1 <hostname>`).
+    One node: only the address its workers were told (loopback unless the user named one)."""
+    if spec.nnodes_max > 1:
+        return ALL_INTERFACES
+    found = _ipv4_of(workers_at)
+    return found[0] if found else LOOPBACK  # unresolvable: workers fail anyway, expose nothing
+
+
+def _ipv4_of(name: str) -> list[str]:
+    try:
+        found = socket.getaddrinfo(name, None, socket.AF_INET, socket.SOCK_STREAM)
+    except (OSError, UnicodeError):
+        return []
+    return [str(a[4][0]) for a in found]

@@ -3,7 +3,7 @@ import pytest
 
 from ftrun.cli import main
 from ftrun.errors import UsageError
-from ftrun.launch_args import parse_run_args
+from ftrun.launch_args import parse_endpoint, parse_run_args
 from ftrun.spec import StdMask
 
 
@@ -65,6 +65,40 @@ def test_stream_masks_per_rank() -> None:
     (["--shutdown-timeout", "-1", "t.py"], "must be >= 0"),
     (["--signals-to-handle", "SIGKILL", "t.py"], "cannot be handled"),
     (["--local-ranks-filter", "a,b", "t.py"], "not a list of integers"),
+    (["--nproc", "4", "--min-nproc", "5", "t.py"], "--min-nproc 5 is above --nproc 4"),
+    (["--nnodes", "2", "--nproc", "2", "--min-nproc", "5", "t.py"], "above the job's 4 workers"),
+    (["--hang-timeout", "nan", "t.py"], "--hang-timeout must be a finite number"),
+    (["--hang-timeout", "inf", "t.py"], "--hang-timeout must be a finite number"),
+    (["--hang-timeout", "-3", "t.py"], "--hang-timeout must be > 0"),
+    (["--straggler-factor", "nan", "t.py"], "--straggler-factor must be a finite number"),
+    (["--straggler-factor=-inf", "t.py"], "--straggler-factor must be a finite number"),
+    (["--straggler-factor", "0.5", "t.py"], "--straggler-factor must be > 1"),
+    (["--shutdown-timeout", "inf", "t.py"], "--shutdown-timeout must be a finite number"),
+    (["--shutdown-timeout", "NaN", "t.py"], "--shutdown-timeout must be a finite number"),
+    (["--monitor-interval", "nan", "t.py"], "--monitor-interval must be a finite number"),
+    (["--monitor-interval", "-1", "t.py"], "--monitor-interval must be > 0"),
+    (["--rdzv-conf", "join_timeout=nan", "t.py"], "join_timeout must be a finite number"),
+    (["--rdzv-conf", "node_timeout=inf", "t.py"], "node_timeout must be a finite number"),
+    (["--rdzv-conf", "heartbeat=0", "t.py"], "heartbeat must be > 0"),
+    (["--rdzv-conf", "last_call_timeout=-1", "t.py"], "last_call_timeout must be >= 0"),
+    (["--rdzv-conf", "suspect_timeout=soon", "t.py"], "suspect_timeout 'soon' is not a number"),
+    (["--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "h:70000", "t.py"],
+     "port 70000 is out of range"),
+    (["--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "h:0", "t.py"],
+     "cannot serve its store on port 0"),
+    (["--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "host:abc", "t.py"],
+     "port 'abc' is not a number"),
+    (["--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "[::1", "t.py"],
+     "is not [IPV6] or [IPV6]:PORT"),
+    (["--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "[::1]x", "t.py"],
+     "is not [IPV6] or [IPV6]:PORT"),
+    (["--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "fe80::1:29400", "t.py"],
+     "an IPv6 address needs brackets"),
+    (["--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", ":29400", "t.py"],
+     "has no valid host"),
+    (["--rdzv-endpoint", "h:x1", "t.py"], "port 'x1' is not a number"),
+    (["--nnodes", "2", "--master-port", "0", "t.py"], "cannot serve its store on port 0"),
+    (["--master-port", "65536", "t.py"], "port 65536 is out of range"),
 ])
 def test_bad_input_is_one_clear_line(argv, needle, capsys) -> None:
     assert main(argv) == 2
@@ -86,3 +120,24 @@ def test_missing_executable_with_no_python(capsys) -> None:
 def test_bad_pet_flag_value_is_a_usage_error(capsys) -> None:
     with pytest.raises(UsageError, match="PET_STANDALONE"):
         parse("t.py", env={"PET_STANDALONE": "true"})
+
+
+@pytest.mark.parametrize("text, host, port", [
+    ("node0", "node0", None), ("node0:29400", "node0", 29400), ("job-0.ns_1:1", "job-0.ns_1", 1),
+    ("10.0.0.1:65535", "10.0.0.1", 65535), ("[::1]", "::1", None),
+    ("[fe80::1%eth0]:5", "fe80::1%eth0", 5),
+])
+def test_valid_endpoints(text: str, host: str, port: int | None) -> None:
+    assert parse_endpoint(text) == (host, port)
+
+
+def test_edge_values_that_stay_valid() -> None:
+    a = parse("--nproc", "3", "--min-nproc", "3", "--straggler-factor", "1.01",
+              "--shutdown-timeout", "0", "--rdzv-conf", "last_call_timeout=0,timeout=60,x=nan",
+              "t.py")
+    assert (a.min_nproc, a.straggler_factor, a.shutdown_timeout) == (3, 1.01, 0.0)
+    assert parse("--nnodes", "2", "--nproc", "2", "--min-nproc", "4", "t.py").min_nproc == 4
+    # one node ignores the endpoint's port: torchrun's `localhost:0` (any free port) is fine
+    assert parse("--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:0", "t.py").nproc == 1
+    static = parse("--rdzv-endpoint", "[::1]:5", "t.py")
+    assert (static.master_addr, static.master_port) == ("::1", 5)

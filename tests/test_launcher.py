@@ -1,8 +1,11 @@
 """The launcher with real processes (plain-Python workers, no torch in them)."""
+import ipaddress
 import json
 import os
+import shutil
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -207,3 +210,76 @@ def test_gloo_restart_comes_up_on_a_fresh_store(tmp_path, fixed_port) -> None:
     done = [(tmp_path / f"done_{i}").read_text().split() for i in (0, 1)]
     assert [d[0] for d in done] == ["1", "1"]
 
+
+
+@pytest.mark.parametrize("endpoint, needle", [
+    ("host:abc", "port 'abc' is not a number"),  # was a 600 s retry loop with C++ traces
+    ("[::1", "is not [IPV6] or [IPV6]:PORT"),
+    ("localhost:70000", "port 70000 is out of range"),  # was an internal error
+])
+def test_bad_c10d_endpoint_is_one_line_exit_2(endpoint, needle) -> None:
+    r = run_ftrun("--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint,
+                  BEHAVE, timeout=30)
+    assert r.returncode == 2
+    assert r.stderr.startswith("ftrun: error: ") and r.stderr.count("\n") == 1
+    assert needle in r.stderr and "Traceback" not in r.stderr
+
+
+def test_directory_with_main_runs_as_python_runs_it(tmp_path) -> None:
+    app = tmp_path / "app"
+    app.mkdir()
+    shutil.copy(FIXTURES / "dump_env.py", app / "__main__.py")
+    (tmp_path / "ftrun").mkdir()
+    (tmp_path / "python").mkdir()
+    r = run_ftrun("--nproc", "1", "app", str(tmp_path / "ftrun"), cwd=str(tmp_path))
+    assert r.returncode == 0, r.stderr
+    subprocess.run([sys.executable, "app", str(tmp_path / "python")], cwd=tmp_path, check=True,
+                   env={**os.environ, "RANK": "0"}, timeout=30)
+    by_ftrun, by_python = (json.loads((tmp_path / d / "env_0.json").read_text())
+                           for d in ("ftrun", "python"))
+    assert by_ftrun["argv"] == ["app", str(tmp_path / "ftrun")]
+    assert by_ftrun["argv"][0] == by_python["argv"][0] == "app"
+    assert by_ftrun["name"] == "__main__"
+
+
+def test_directory_without_main_is_refused(tmp_path) -> None:
+    r = run_ftrun("--nproc", "1", str(tmp_path))
+    assert r.returncode == 2 and "is a directory without __main__.py" in r.stderr
+
+
+def test_single_node_store_listens_on_loopback_only(tmp_path) -> None:
+    import psutil
+    from test_tee import store_answers
+
+    gate, logs = tmp_path / "gate", tmp_path / "logs"
+    gate.mkdir()
+    proc = subprocess.Popen(ftrun_cmd("--nproc", "2", "--log-dir", str(logs),
+                                      str(FIXTURES / "unterminated.py"), "0", "1", str(gate)),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        wait_for(lambda: store_answers(logs), 60, "the agent's store to answer on loopback")
+        listening = [c.laddr for c in psutil.Process(proc.pid).net_connections("inet")
+                     if c.status == psutil.CONN_LISTEN]
+        (gate / "write").touch()
+        (gate / "exit").touch()
+        _, err = proc.communicate(timeout=60)
+        assert proc.returncode == 0, err
+    finally:
+        proc.kill()
+        proc.wait()
+    assert listening and all(ipaddress.ip_address(a.ip).is_loopback for a in listening), listening
+
+
+@pytest.mark.parametrize("nnodes, workers_at, listens_on", [
+    (1, "127.0.0.1", "127.0.0.1"), (1, "localhost", "127.0.0.1"),
+    (2, "127.0.0.1", "0.0.0.0"),  # other nodes may know this host by a name that is loopback here
+])
+def test_workers_store_interface(nnodes, workers_at, listens_on) -> None:
+    from ftrun.spec import RunSpec
+    from ftrun.store import HostedStore
+
+    hosted = HostedStore.for_workers(RunSpec("t.py", nnodes_max=nnodes), 0, workers_at)
+    try:
+        assert hosted.host == listens_on
+    finally:
+        hosted.close()
