@@ -3,13 +3,15 @@
 Owns: building a process group for a generation (the native reconfigure path where torch
 offers it, a fresh gloo/nccl group under the generation's never-used store prefix otherwise),
 waiting on a collective while watching for a newer generation (gloo's abort() does not cancel
-a pending op, so the op is abandoned, its reference kept, and the group rebuilt), and the
+a pending op, so the op is abandoned, its reference kept, and the group rebuilt), releasing
+abandoned groups and ops once nothing of theirs is pending (the reaper thread), and the
 generation watcher thread.
 Must not import: typer, rich, NVML, the agent. Torch is imported lazily by the worker.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import ctypes
 import threading
@@ -17,10 +19,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, Protocol
 
 from ftrun import timeouts
-from ftrun.rendezvous import PREFIX, Generation, Store, gen_key
+from ftrun.rendezvous import Generation, Store, gen_key
+
+REAP_POLL_S = 0.5  # how often the reaper looks at abandoned ops that are still pending
+REAP_GRACE_S = 5.0  # past an op's own timeout, release it even if it never said it ended
 
 
 class Abandoned(Exception):
@@ -48,14 +53,87 @@ class Interrupt:
 
 
 def keep_forever(obj: Any) -> None:
-    """Leak `obj` on purpose. Destroying a gloo group or work with an op still pending blocks
-    until the op's timeout, and at interpreter exit it aborts the process ("terminate called
-    without an active exception"); an abandoned one is therefore never destroyed."""
+    """Leak `obj` on purpose: destroying a gloo group or work with an op still pending at
+    interpreter exit aborts the process ("terminate called without an active exception")."""
     ctypes.pythonapi.Py_IncRef(ctypes.py_object(obj))
 
 
-HANDLE_POLL_S = 0.01
+class Reaper:
+    """Releases abandoned groups and ops on a thread of its own, once nothing of theirs is
+    pending. gloo's abort() does not cancel a pending op and destroying a group or work whose
+    op is pending blocks until the op's timeout, so an abandoned op is held until it completes
+    (its peers closed their side, or its timeout) and its group until none of its ops is held.
+    Dropping the last reference then frees the group's threads, sockets and store connection
+    (the agent's end of it closes too) and, for NCCL, the aborted communicator's memory.
+    torch destroys process groups with the GIL released: the training thread never waits."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._ops: list[tuple[int, Any, Callable[[], bool], float]] = []  # key, work, done, by
+        self._groups: list[tuple[int, Any]] = []  # key, process group
+        self._thread: threading.Thread | None = None
+        atexit.register(self._leak_all)
+
+    def hold_op(self, pg: Any, work: Any, done: Callable[[], bool], timeout_s: float) -> None:
+        """`work`, abandoned in `pg`, is released once `done()` (or after its timeout)."""
+        deadline = time.monotonic() + timeout_s + REAP_GRACE_S
+        self._add(lambda: self._ops.append((id(pg), work, done, deadline)))
+
+    def hold_group(self, pg: Any) -> None:
+        """`pg` (aborted) is released once none of its abandoned ops is held any more."""
+        self._add(lambda: self._groups.append((id(pg), pg)))
+
+    def _add(self, append: Callable[[], None]) -> None:
+        with self._cond:
+            append()
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name="ftrun-reaper",
+                                                daemon=True)
+                self._thread.start()
+            self._cond.notify()
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not (self._ops or self._groups):
+                    self._cond.wait()
+                now = time.monotonic()
+                ended = [op for op in self._ops if now > op[3] or _ended(op[2])]
+                self._ops = [op for op in self._ops if not any(op is e for e in ended)]
+                busy = {op[0] for op in self._ops}
+                free = [g for g in self._groups if g[0] not in busy]
+                self._groups = [g for g in self._groups if g[0] in busy]
+            # the last references go here, outside the lock: ops first, then their groups
+            ended.clear()
+            free.clear()
+            with self._cond:
+                if self._ops or self._groups:
+                    self._cond.wait(REAP_POLL_S)
+
+    def _leak_all(self) -> None:
+        with self._cond:
+            for held in (*self._ops, *self._groups):
+                keep_forever(held)
+
+
+def _ended(done: Callable[[], bool]) -> bool:
+    try:
+        return bool(done())
+    except RuntimeError:  # the op failed: it is over
+        return True
+
+
+REAPER = Reaper()
+
+
 NCCL_POLL_S = 0.0005  # a hung NCCL kernel must stay abandonable; a step is ~100s of ms
+
+
+class Reconfigurable(Protocol):
+    """A group re-formed in place per generation (joining.NativeGroup)."""
+
+    def reconfigure(self, store: Store, gen: Generation, timeout_s: float,
+                    cancel: threading.Event) -> Any: ...
 
 
 @dataclass
@@ -96,11 +174,11 @@ class Group:
             try:
                 interrupt.check(self.gen.number)
             except (Abandoned, CommError):
-                keep_forever(work)
+                REAPER.hold_op(self.pg, work, done, deadline - time.monotonic())
                 raise
             left = deadline - time.monotonic()
             if left <= 0:
-                keep_forever(work)
+                REAPER.hold_op(self.pg, work, done, timeouts.COLLECTIVE_S)
                 raise CommError(f"collective timed out after {timeout_s:.0f}s")
             interrupt.wake.wait(min(left, poll_s))
         try:
@@ -124,11 +202,13 @@ class Group:
             self.run(lambda: self.pg.allreduce([tensor]), interrupt)
 
     def abandon(self) -> None:
-        """Drop this group without blocking: keep the object referenced, never destroy it."""
+        """Drop this group without blocking: abort it (NCCL: the communicator and its pending
+        kernels), then let the reaper destroy it once its abandoned ops have ended."""
         if self.pg is not None:
             with contextlib.suppress(RuntimeError, AttributeError):
                 self.pg.abort()
-            keep_forever(self.pg)
+            if not self.shared:  # the reconfigurable default group lives on
+                REAPER.hold_group(self.pg)
         self.pg = None
 
 
@@ -153,7 +233,7 @@ def _wait_in_thread(work: Any, wake: threading.Event, timeout_s: float
 
 
 def build_group(connect: Callable[[], Store], gen: Generation, rank: int, backend: str,
-                device: Any, interrupt: Interrupt, native: NativeGroup | None = None,
+                device: Any, interrupt: Interrupt, native: Reconfigurable | None = None,
                 timeout_s: float = timeouts.PG_INIT_S) -> Group:
     """Construct the generation's group in a helper thread, on a store connection of its own,
     so that any newer generation can abandon a construction that waits for a peer that will
@@ -161,14 +241,19 @@ def build_group(connect: Callable[[], Store], gen: Generation, rank: int, backen
     if gen.world_size == 1:
         return Group(gen, rank, None)
     result: dict[str, Any] = {}
-    done, cancel = threading.Event(), threading.Event()
+    done, cancel, handover = threading.Event(), threading.Event(), threading.Lock()
 
     def construct() -> None:
         try:
             if native is not None:
-                result["pg"] = native.reconfigure(connect(), gen, timeout_s, cancel)
+                pg = native.reconfigure(connect(), gen, timeout_s, cancel)
             else:
-                result["pg"] = _new_pg(connect(), gen, rank, backend, device)
+                pg = _new_pg(connect(), gen, rank, backend, device)
+            with handover:
+                if cancel.is_set() and native is None:
+                    _discard(pg)  # built after it was abandoned: nobody will use it
+                else:
+                    result["pg"] = pg
         except Exception as exc:  # reported to the waiting thread below
             result["error"] = exc
         finally:
@@ -188,11 +273,23 @@ def build_group(connect: Callable[[], Store], gen: Generation, rank: int, backen
                 raise CommError(f"building generation {gen.number}'s group timed out")
             interrupt.wake.wait(0.5)
     except BaseException:
-        cancel.set()  # a native handle exchange waiting for a lost member stops at once
+        with handover:
+            cancel.set()  # a native handle exchange waiting for a lost member stops at once
+            late = result.pop("pg", None)
+        if late is not None and native is None:
+            _discard(late)
         raise
     if "error" in result:
         raise CommError(f"building generation {gen.number}'s group failed: {result['error']}")
     return Group(gen, rank, result["pg"], shared=native is not None)
+
+
+def _discard(pg: Any) -> None:
+    """A fresh group that was never used: abort it (NCCL frees its communicator) and let the
+    reaper drop it, off the calling thread."""
+    with contextlib.suppress(RuntimeError, AttributeError):
+        pg.abort()
+    REAPER.hold_group(pg)
 
 
 def _new_pg(store: Store, gen: Generation, rank: int, backend: str, device: Any) -> Any:
@@ -264,55 +361,3 @@ class GenerationWatcher:
 def _is_timeout(exc: Exception) -> bool:
     text = str(exc).lower()
     return "timeout" in text or "timed out" in text
-
-
-def native_reconfigure_supported(backend: str) -> bool:
-    """torch >= 2.15 with gloo (or the nccl2 backend) can re-form a group in place."""
-    import torch.distributed as dist
-
-    return backend == "gloo" and hasattr(dist, "_supports_reconfigure")
-
-
-class NativeGroup:
-    """torch's in-process reconfigure of the default group (`init_process_group(...,
-    enable_reconfigure=True)`, `dist._reconfigure`): `dist.get_rank()` and friends follow the
-    live membership. Each generation exchanges handles under its own store keys and uses its
-    number as the reconfigure uuid, so no uuid is ever reused."""
-
-    def __init__(self, store: Store, worker_id: int, backend: str) -> None:
-        """`store`: a connection of the group's own (its rendezvous blocks on it)."""
-        import torch.distributed as dist
-
-        self.worker_id = worker_id
-        self._busy = threading.Lock()
-        dist.init_process_group(
-            backend, store=dist.PrefixStore(f"{PREFIX}native/", store),  # type: ignore[arg-type]
-            rank=worker_id, world_size=worker_id + 1, enable_reconfigure=True,
-            timeout=timedelta(seconds=timeouts.COLLECTIVE_S))
-
-    def reconfigure(self, store: Store, gen: Generation, timeout_s: float,
-                    cancel: threading.Event) -> Any:
-        import torch.distributed as dist
-
-        # an abandoned reconfigure still running on its thread must end (it is bounded by
-        # timeout_s) before the group can be reconfigured again
-        if not self._busy.acquire(timeout=timeout_s):
-            raise CommError("the previous reconfigure is still running")
-        try:
-            key = f"{gen.pg_prefix}handle/"
-            store.set(key + str(self.worker_id), dist._get_reconfigure_handle())
-            keys = [key + str(m) for m in gen.members]
-            deadline = time.monotonic() + timeout_s
-            while not store.check(keys):  # polled, not waited: a newer generation cancels it
-                if cancel.is_set() or time.monotonic() > deadline:
-                    raise CommError(f"generation {gen.number}: not every member published "
-                                    "its handle" + (" (abandoned)" if cancel.is_set() else ""))
-                time.sleep(HANDLE_POLL_S)
-            handles = [store.get(k).decode() for k in keys]
-            # every member was alive a moment ago: connecting is quick, so its wait is short
-            connect_s = min(timeout_s, timeouts.RECONFIGURE_CONNECT_S)
-            dist._reconfigure(gen.number + 1, handles,
-                              timeout=timedelta(seconds=connect_s)).wait()
-            return dist.group.WORLD
-        finally:
-            self._busy.release()

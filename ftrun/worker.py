@@ -27,7 +27,7 @@ from ftrun.comm import (
 )
 from ftrun.errors import WorkerApiError
 from ftrun.grads import FlatGrads
-from ftrun.joining import connect, native_group, plain_group, warm_up
+from ftrun.joining import connect, native_group, plain_group, quiet_store_warnings, warm_up
 from ftrun.progress import Reporter
 from ftrun.rendezvous import Generation, heal_plan, latest_number, post_request, read_generation
 from ftrun.spec import WorkerEnv
@@ -77,6 +77,7 @@ class FaultTolerant:
             self._group = plain_group(backend)
             return
         self.worker_id = wenv.worker_id
+        quiet_store_warnings()
         _exit.install()
         _exit.arm()
         if wenv.spare:
