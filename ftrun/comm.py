@@ -52,6 +52,18 @@ class Interrupt:
             raise Abandoned(f"generation {self.urgent_above} published")
 
 
+def never_completes(interrupt: Interrupt, generation: int,
+                    timeout_s: float = timeouts.COLLECTIVE_S) -> None:
+    """Wait as in a collective that never completes (a drill of a hung kernel): until a newer
+    urgent generation abandons it, or its timeout."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        interrupt.wake.clear()
+        interrupt.check(generation)
+        interrupt.wake.wait(0.5)
+    raise CommError(f"collective timed out after {timeout_s:.0f}s")
+
+
 def keep_forever(obj: Any) -> None:
     """Leak `obj` on purpose: destroying a gloo group or work with an op still pending at
     interpreter exit aborts the process ("terminate called without an active exception")."""

@@ -115,8 +115,9 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
     opt("gpu-backend", default="auto", choices=["auto", "nvml", "sim", "none"],
         help="GPU health: NVML, simulated GPUs (drills on CPU machines), or none")
     opt("hang-timeout", default=None,
-        help="seconds without progress before a worker is declared hung (default: ten "
-        "typical steps, at least 10 s)")
+        help="seconds a rank may make no progress while a peer waits for it in a collective "
+        "(or while stopped) before it is declared hung and replaced; used exactly as given "
+        "(default: 10x the p95 step time, at least 10 s; 300 s until 10 steps are measured)")
     opt("straggler-factor", default="1.5", help="a rank this many times slower is flagged")
     flag("evict-stragglers", help="replace a flagged straggler")
     p.add_argument("training_script", nargs="?", help="the training script (or module)")

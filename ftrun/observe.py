@@ -22,13 +22,14 @@ from ftrun.control import ControlServer, RunInfo, run_dir
 from ftrun.errors import FtrunError
 from ftrun.jobview import role_of
 from ftrun.journal import fault_docs, summarize
+from ftrun.policy import phase_text
 from ftrun.progress import DRILL_KINDS, Progress, Slot, slot_path
 
 if TYPE_CHECKING:
     from ftrun.agent import Agent, Worker
 
 AGENT_SIGNALS = {"kill": signal.SIGKILL, "segv": signal.SIGSEGV, "hang": signal.SIGSTOP}
-WORKER_ONLY = ("exit", "exception", "slow", "comm")
+WORKER_ONLY = ("exit", "exception", "slow", "comm", "spin", "deadlock", "stall", "wedge")
 GPU_KINDS = ("xid", "ecc", "thermal")
 MAX_DRILL_DELAY_S = 24 * 3600.0  # a "slow" drill slower than this is a stuck worker
 _MAX_INDEX = (1 << 31) - 1
@@ -182,8 +183,7 @@ class Observer:
     # ------------------------------------------------------------ status
     def reset_slot(self, worker_id: int) -> None:
         """A worker id starts afresh (ids restart with every attempt)."""
-        self._slot(worker_id).write_progress(-1, 0.0, 0.0, 0.0, -1, -1)
-        self._slot(worker_id).write_drill(0, "kill", -1, 0.0)
+        self._slot(worker_id).reset()
 
     def progress(self, worker_id: int) -> Progress:
         return self._slot(worker_id).read()
@@ -209,6 +209,7 @@ class Observer:
             "policy": agent.spec.on_fault, "spares": agent.spec.spares,
             "attempt": agent.restarts, "log_dir": self.info.log_dir,
             "ft_api": bool(ft and ft.hello), "workers": self.worker_rows(now),
+            "hang_timeout_s": round(agent.health.timeout_s, 2) or None,
             "faults": fault_docs(faults), "summary": summarize(faults, now - self.info.started_at),
         }
 
@@ -226,8 +227,10 @@ class Observer:
                 "role": role, "step": p.step if has and p else None,
                 "committed_step": p.step - 1 if has and p else None,
                 "step_time_ms": round(p.step_time * 1000, 1) if has and p else None,
-                "since_progress_s": round(now - max(p.last_commit, p.step_started), 2)
-                if has and p and p.last_commit else None,
+                "since_progress_s": round(now - p.phase_started, 2)
+                if has and p.phase_started else None,
+                "phase": phase_text(p.phase, p.step, p.collective, p.label) if has else None,
+                "cpu": agent.health.cpu_state(w.spawned.pid, now),
                 "gpu": agent.health.gpu_of(w.local_rank)[0],
                 "health": agent.health.gpu_of(w.local_rank)[1],
                 "straggler": agent.health.stragglers.get(w.worker_id),

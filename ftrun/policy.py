@@ -9,6 +9,7 @@ Must not import: anything but the standard library and `ftrun.exits`.
 from __future__ import annotations
 
 import enum
+from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -177,20 +178,31 @@ def _give_up(reason: str, restarts_left: int) -> FaultDecision:
     return FaultDecision(FaultAction.FAIL, reason)
 
 
+HANG_STEPS = 10  # the default hang timeout: this many p95 step times...
+HANG_MIN_S = 10.0  # ...and never less than this
+HANG_WARMUP_S = 300.0  # until step times are measured (first-step compile, warm-up): as long
+# as one collective may take (timeouts.COLLECTIVE_S), so the detector is never the stricter
+PAUSED = ("long", "recovering")  # ft.long_phase; recovery has timeouts of its own
+
+
 @dataclass(frozen=True)
 class Liveness:
-    """What the agent knows of one member's progress (from its progress slot and /proc)."""
+    """What the agent knows of one member's progress (its progress slot, and /proc for
+    whether it is stopped). CPU use is not here: it never decides."""
 
     worker: int
     rank: int
-    step: int
-    idle_s: float  # since its last sign of progress (a step started or committed)
-    in_commit_s: float | None  # how long it has waited in the commit's all-reduce, if it is
+    step: int  # the step it works on (= steps it committed)
+    idle_s: float  # since its slot last advanced (it entered its current phase)
+    waiting_s: float | None  # how long it has waited in its current collective, if in one
     stopped: bool  # the process is stopped (SIGSTOP, a debugger)
-    compute_s: float  # EMA of step start -> commit
+    compute_s: float  # EMA of step start -> its first collective
     step_s: float  # EMA of commit -> commit
-    cpu_idle_s: float = 0.0  # since its CPU time last advanced (a busy rank is not hung)
     generation: int = -1  # the generation its progress belongs to
+    phase: str = "step"  # progress.PHASES
+    collective: int = 0  # collectives entered in this step (the one it waits in, if it does)
+    label: str = ""  # the long phase's name
+    step_p95_s: float = 0.0  # p95 of its recent step times; 0: not measured yet
 
 
 @dataclass(frozen=True)
@@ -199,41 +211,105 @@ class Hang:
     reason: str
 
 
-def hang_timeout(members: list[Liveness], floor_s: float, override_s: float | None) -> float:
-    """--hang-timeout, else ten typical steps, never below the floor."""
+def phase_text(phase: str, step: int, collective: int, label: str = "") -> str:
+    """Where a worker is, in words (`ftrun status` and hang reasons)."""
+    return {"step": f"in step {step}'s own code", "collective":
+            f"in collective {collective} of step {step}", "optimizer":
+            f"in step {step}'s optimizer", "user": f"in user code before step {step}",
+            "long": f"in long phase {label!r}", "recovering": "recovering"}.get(phase, "starting")
+
+
+def hang_timeout(members: list[Liveness], override_s: float | None) -> float:
+    """--hang-timeout exactly as given; else HANG_STEPS times the slowest member's p95 step
+    time, never below HANG_MIN_S; HANG_WARMUP_S until step times are measured."""
     if override_s:
         return override_s
-    steps = sorted(m.step_s for m in members if m.step_s > 0)
-    return max(floor_s, 10 * steps[len(steps) // 2]) if steps else floor_s
+    p95 = max((m.step_p95_s for m in members), default=0.0)
+    return max(HANG_MIN_S, HANG_STEPS * p95) if p95 > 0 else HANG_WARMUP_S
 
 
-def find_hang(members: list[Liveness], timeout_s: float) -> Hang | None:
-    """A frozen member (its peers wait in the all-reduce while it makes no progress outside
-    it), or, when every member waits in the same all-reduce, the communicator."""
-    stalled = [m for m in members if m.idle_s > timeout_s]
-    if not stalled:
-        return None
-    for m in stalled:
-        if m.stopped:
+def find_hang(members: list[Liveness], timeout_s: float, world_size: int | None = None
+              ) -> Hang | None:
+    """Progress decides, not CPU. A member is hung when its slot has not advanced for the
+    timeout while a peer has waited that long for it in a collective it has not reached (or
+    when it is stopped; or, alone in its generation, when it made no progress at all). When
+    every member has waited that long in one collective, the communicator is stuck. Members
+    in a long phase or recovering are never blamed."""
+    judged = [m for m in members if m.phase not in PAUSED]
+    for m in judged:
+        if m.stopped and m.idle_s > timeout_s:
             return Hang(m.worker, f"rank {m.rank} is stopped and made no progress for "
                                   f"{m.idle_s:.1f}s")
-    waiting = [m for m in members if m.in_commit_s is not None]
-    # outside the all-reduce, idle (no CPU: a checkpoint save or a compile is not a hang),
-    # while a peer has waited for it longer than the timeout
-    outside = [m for m in stalled if m.in_commit_s is None and m.cpu_idle_s > timeout_s]
-    if outside and max((m.in_commit_s or 0.0) for m in waiting or [outside[0]]) > timeout_s:
-        m = max(outside, key=lambda m: m.idle_s)
-        return Hang(m.worker, f"rank {m.rank} made no progress for {m.idle_s:.1f}s while "
-                              f"{len(waiting)} peers wait for it in the all-reduce")
-    if len(waiting) == len(members) and all((m.in_commit_s or 0.0) > timeout_s for m in waiting):
-        steps = {m.step for m in waiting}
-        if len(steps) > 1:  # someone is in a different collective: the odd one out
-            odd = min(waiting, key=lambda m: sum(o.step == m.step for o in waiting))
-            return Hang(odd.worker, f"rank {odd.rank} waits in step {odd.step}'s all-reduce, "
-                                    f"its peers in another step's (a skipped collective)")
-        return Hang(None, f"every rank has waited {timeout_s:.1f}s in step "
-                          f"{steps.pop()}'s all-reduce: rebuilding the communicator")
+    if (world_size or len(members)) == 1:
+        lone = [m for m in judged if m.idle_s > timeout_s]
+        return Hang(lone[0].worker, f"rank {lone[0].rank} made no progress for "
+                                    f"{lone[0].idle_s:.1f}s ({_where(lone[0])}), with no peer "
+                                    f"to wait for") if lone else None
+    waiting = [m for m in members if m.waiting_s is not None and m.waiting_s > timeout_s]
+    if not waiting:
+        return None
+    hang = _blocker(judged, waiting, timeout_s)
+    if hang is None and len(waiting) == len(members):
+        hang = _stuck_collective(waiting)
+    return hang
+
+
+def _where(m: Liveness) -> str:
+    return phase_text(m.phase, m.step, m.collective, m.label)
+
+
+def _blocker(judged: list[Liveness], waiting: list[Liveness], timeout_s: float) -> Hang | None:
+    """The member longest without progress that has not reached a collective in which a peer
+    has waited for the timeout (collective n of step s comes after everything before it)."""
+    for m in sorted(judged, key=lambda m: -m.idle_s):
+        if m.waiting_s is not None or m.idle_s <= timeout_s:
+            continue
+        owed = [p for p in waiting if (p.step, p.collective) > (m.step, m.collective)]
+        if owed:
+            p = max(owed, key=lambda p: p.waiting_s or 0.0)
+            return Hang(m.worker, f"rank {m.rank} made no progress for {m.idle_s:.1f}s "
+                                  f"({_where(m)}) while {len(owed)} of its peers wait for it "
+                                  f"in collective {p.collective} of step {p.step}")
     return None
+
+
+def _stuck_collective(waiting: list[Liveness]) -> Hang:
+    """Every member waits in a collective: in one and the same, the communicator is stuck;
+    otherwise the odd one out entered a collective its peers did not (or skipped theirs)."""
+    where = Counter((m.step, m.collective) for m in waiting)
+    if len(where) > 1:
+        odd = min(waiting, key=lambda m: (where[(m.step, m.collective)], m.step, m.collective))
+        return Hang(odd.worker, f"rank {odd.rank} waits in collective {odd.collective} of "
+                                f"step {odd.step}, its peers in another (a skipped or extra "
+                                f"collective)")
+    (step, n), = where
+    least = min(m.waiting_s or 0.0 for m in waiting)
+    return Hang(None, f"every rank has waited {least:.1f}s in collective {n} of step {step}: "
+                      f"rebuilding the communicator")
+
+
+def replace_after_rebuild(members: list[Liveness], generation: int,
+                          kept: frozenset[int] = frozenset()) -> tuple[tuple[int, ...], str]:
+    """The communicator was rebuilt into `generation` and the job is still stuck a timeout
+    later: the members to replace, and why. Members that never reached the rebuilt generation
+    (a training thread that cannot leave the stuck collective, as behind a hung kernel) go.
+    If every member reached it and they are stuck again, all go but one replica to heal from:
+    the lowest rank not kept in an earlier round (`kept`). If none reached it, all go, and
+    the ordinary recovery decides (a whole-group restart, or a stop)."""
+    ordered = sorted(members, key=lambda m: m.rank)
+    behind = [m for m in ordered if m.generation < generation]
+    if behind and len(behind) < len(ordered):
+        out, why = behind, "never reached it"
+    else:
+        candidates = [m for m in ordered if m.worker not in kept]
+        keep = candidates[0] if candidates and not behind else None
+        out = [m for m in ordered if m is not keep]
+        why = (f"is stuck again; rank {keep.rank} stays as the replica to heal from" if keep
+               else "is stuck again" if not behind else "was reached by no member")
+    ranks = ", ".join(str(m.rank) for m in out)
+    return tuple(m.worker for m in out), (f"the communicator rebuilt as generation "
+                                          f"{generation} {why}: replacing rank"
+                                          f"{'s' if len(out) != 1 else ''} {ranks}")
 
 
 def find_straggler(members: list[Liveness], factor: float, min_gap_s: float = 0.05

@@ -106,9 +106,10 @@ def status_tables(doc: Mapping[str, Any]) -> list[Any]:
                                                      if served else " (this node)"))
     workers = Table(title="workers", title_justify="left")
     keys: tuple[str, ...] = ("rank", "local_rank", "worker_id", "pid", "state", "role", "step",
-                             "committed_step", "step_time_ms", "since_progress_s", "gpu")
+                             "committed_step", "step_time_ms", "since_progress_s", "phase",
+                             "gpu")
     cols = ["rank", "local", "worker", "pid", "state", "role", "step", "committed", "step ms",
-            "idle s", "gpu"]
+            "idle s", "phase", "gpu"]
     if nodes:
         keys, cols = ("node", "host", *keys), ["node", "host", *cols]
     for col in cols:

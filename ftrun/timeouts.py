@@ -46,4 +46,3 @@ FAULT_CONFIRM_S = 10.0  # a worker whose collective failed waits this long for a
 GPU_POLL_S = 5.0  # periodic NVML readings
 GPU_EVENT_WAIT_S = 1.0  # one nvmlEventSetWait
 GPU_POLL_DEADLINE_S = 20.0  # an NVML call longer than this marks its GPU unresponsive (XID 119)
-HANG_FLOOR_S = 30.0  # a worker is declared hung after at least this long without progress

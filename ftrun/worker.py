@@ -3,12 +3,15 @@
 Owns: this worker's view of the job (generation, rank, committed step), gradient all-reduce
 over the live group, the commit rule (a step is applied only if every collective of it
 succeeded), recovery at the next step boundary (rebuild the group, align on the highest
-committed step, heal from an up-to-date peer), and a plain mode for runs outside ftrun.
+committed step, heal from an up-to-date peer), where this worker is for the agent's hang
+detector (a few stores into its progress slot per step; `ft.long_phase` pauses it), and a
+plain mode for runs outside ftrun.
 Must not import: typer, rich, NVML, the agent or the CLI. Torch is imported when init() runs.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
@@ -24,11 +27,12 @@ from ftrun.comm import (
     Group,
     Interrupt,
     build_group,
+    never_completes,
 )
 from ftrun.errors import WorkerApiError
 from ftrun.grads import FlatGrads
 from ftrun.joining import connect, native_group, plain_group, quiet_store_warnings, warm_up
-from ftrun.progress import Reporter
+from ftrun.progress import Reporter, hang_here
 from ftrun.rendezvous import Generation, heal_plan, latest_number, post_request, read_generation
 from ftrun.spec import WorkerEnv
 from ftrun.transfer import pack, recv_state, send_state, unpack
@@ -63,6 +67,7 @@ class FaultTolerant:
         self._report_first_commit: dict[str, Any] | None = None
         self._progress: Reporter | None = None
         self._slow = 0.0
+        self._stall: tuple[str, int] | None = None  # a stall or wedge drill, its generation
         self.committed = 0
         self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         cuda = backend == "nccl" and torch.cuda.is_available()
@@ -150,6 +155,12 @@ class FaultTolerant:
         start = self.rank * base + min(self.rank, extra)
         return slice(start, start + base + (1 if self.rank < extra else 0))
 
+    def long_phase(self, name: str) -> contextlib.AbstractContextManager[None]:
+        """`with ft.long_phase("eval"):` a legitimately long phase (an evaluation, a
+        checkpoint, a compile): the hang detector leaves this rank alone meanwhile, and
+        `ftrun status` shows `name`. Outside ftrun it does nothing."""
+        return self._progress.long_phase(str(name)) if self._progress else contextlib.nullcontext()
+
     def seed_for(self, step: int) -> int:
         """A seed from (seed, step, rank): a replacement reproduces what the lost rank did."""
         return (self.seed * 1_000_003 + step) * 65_537 + self.rank
@@ -159,8 +170,8 @@ class FaultTolerant:
         self._commit_pending = False
         switch = False
         if self._broken is None:
-            if self._progress is not None:
-                self._progress.commit_started(time.time())
+            if self._progress is not None:  # collective 1 of this step
+                self._progress.collective_started(time.time())
             try:
                 switch = self._sync_gradients()
             except (CommError, Abandoned) as exc:
@@ -172,6 +183,8 @@ class FaultTolerant:
             self._flat = None
             optimizer.zero_grad(set_to_none=True)
         if ok:
+            if self._progress is not None:
+                self._progress.optimizer(time.time())
             optimizer.step()
             self.committed += 1
             if self._progress is not None:
@@ -207,6 +220,10 @@ class FaultTolerant:
             raise RuntimeError(f"ftrun drill: exception injected at step {self.committed}")
         elif kind == "slow":
             self._slow = arg
+        elif kind in ("spin", "deadlock"):
+            hang_here(kind)
+        elif kind in ("stall", "wedge"):  # in this step's collective
+            self._stall = (kind, self.generation)
         elif kind == "comm":
             self._group.abandon()
             self._broken = "ftrun drill: communicator failure injected"
@@ -231,10 +248,23 @@ class FaultTolerant:
         self._flat.flag.fill_(1.0 if newest is not None and newest.number > self.generation
                               else 0.0)
         if self.world_size > 1:
+            if self._stall is not None:
+                self._stalled(*self._stall)
             self._group.allreduce(flat, self._interrupt)
             flat[:-1].div_(self.world_size)
         self._flat.scatter()
         return bool(self._flat.flag.item() > 0)
+
+    def _stalled(self, kind: str, generation: int) -> None:
+        """A drill: this rank's collective never completes, as behind a hung kernel. A stall
+        lasts until a newer generation abandons it (the rebuilt communicator works); a wedged
+        thread never comes back."""
+        if kind == "wedge":
+            hang_here(kind)
+        if generation != self.generation:
+            self._stall = None
+            return
+        never_completes(self._interrupt, generation)
 
     # ---------------------------------------------------------------- recovery
     def _reconcile(self) -> None:
@@ -249,6 +279,8 @@ class FaultTolerant:
         if not (self._broken or self._pending_switch or self._need_align or urgent or unbuilt):
             return
         noticed = time.time()
+        if self._progress is not None:
+            self._progress.recovering(noticed)
         while True:
             try:
                 target = self._target_generation()
@@ -316,6 +348,8 @@ class FaultTolerant:
             raise SystemExit(0)
         self._group.abandon()
         self._group = Group(gen, rank, None)
+        if self._progress is not None:  # out of the old collective: arrived in `gen`
+            self._progress.recovering(time.time(), rank, gen.number)
         self._group = build_group(self._connect, gen, rank, self.backend, self.device,
                                   self._interrupt, self._native)
         self._need_align = gen.number > 0
@@ -351,8 +385,12 @@ class FaultTolerant:
             return True
         import torch
 
+        if self._progress is not None:
+            self._progress.collective_started(time.time())
         try:
             self._group.allreduce(torch.ones(1, device=self.device), self._interrupt)
+            if self._progress is not None:
+                self._progress.finished(time.time())
             return True
         except (CommError, Abandoned) as exc:
             self._broken = str(exc)

@@ -8,10 +8,13 @@ env: versions and the torch features ftrun relies on. nvml: NvmlBackend devices,
 torch. classify: live samples. nccl-inprocess: one process, world size 1, ftrun's HostedStore:
 fresh groups for generations 1 and 2 (comm._new_pg, as build_group builds them), the native
 reconfigure path where torch has it, transfer.pack/unpack (bitwise), whether Group.wait waits
-for the GPU, whether a group whose peer never comes is abandoned. nccl-job: ftrun --nproc 1 on
-train_ddp.py, clean, then its worker killed (whole-group restart). nccl-2gpu: in-process
-recovery with 2 workers (2 GPUs; gloo in the dry run). Each section ends PASS, FAIL or SKIP
-with a one-line reason and never stops the next; a hung child dumps its stacks and is killed.
+for the GPU, whether a group whose peer never comes is abandoned. cuda-hang: a CUDA kernel
+that spins for good on one rank is detected by progress alone and recovered (gpu_check_hang.py:
+one rank and a whole-group restart; two ranks on one GPU, replaced in-process). nccl-job:
+ftrun --nproc 1 on train_ddp.py, clean, then its worker killed (whole-group restart).
+nccl-2gpu: in-process recovery with 2 workers (2 GPUs; gloo in the dry run). Each section
+ends PASS, FAIL or SKIP with a one-line reason and never stops the next; a hung child dumps
+its stacks and is killed.
 Exit status 1 if any section failed. The nccl-* sections are in gpu_check_nccl.py, the verdicts
 and helpers both use in gpu_check_common.py; this file is the runner and the rest.
 """
@@ -44,10 +47,11 @@ from gpu_check_common import (
     say,
     where,
 )
+from gpu_check_hang import sec_cuda_hang
 from gpu_check_nccl import sec_nccl_2gpu, sec_nccl_inprocess, sec_nccl_job
 
 LIMITS = {"env": 60, "nvml": 40, "map": 60, "classify": 40, "nccl-inprocess": 60,
-          "nccl-job": 200, "nccl-2gpu": 120}  # seconds per section, within --budget
+          "cuda-hang": 150, "nccl-job": 200, "nccl-2gpu": 120}  # seconds per section
 
 
 # ------------------------------------------------------------------ versions and GPU health
@@ -196,7 +200,8 @@ def sec_classify(a: argparse.Namespace) -> None:
 
 SECTIONS: dict[str, Callable[[argparse.Namespace], None]] = {
     "env": sec_env, "nvml": sec_nvml, "map": sec_map, "classify": sec_classify,
-    "nccl-inprocess": sec_nccl_inprocess, "nccl-job": sec_nccl_job, "nccl-2gpu": sec_nccl_2gpu}
+    "nccl-inprocess": sec_nccl_inprocess, "cuda-hang": sec_cuda_hang, "nccl-job": sec_nccl_job,
+    "nccl-2gpu": sec_nccl_2gpu}
 
 
 # ------------------------------------------------------------------ child and driver
@@ -303,7 +308,7 @@ def main() -> None:
     ap.add_argument("--cpu-dry-run", action="store_true",
                     help="no GPU needed: gloo and simulated GPUs, to prove the check's logic")
     ap.add_argument("--only", default="", help="comma-separated sections: " + ",".join(LIMITS))
-    ap.add_argument("--budget", type=float, default=320.0, help="seconds for everything")
+    ap.add_argument("--budget", type=float, default=440.0, help="seconds for everything")
     ap.add_argument("--section", choices=list(SECTIONS), help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.section:
