@@ -45,11 +45,11 @@ def install() -> None:
 
     def hook(kind: type[BaseException], value: BaseException, tb: TracebackType | None) -> None:
         _state["code"] = _code_of(value.code) if isinstance(value, SystemExit) else 1
+        write_error_file(value)
         one_line = getattr(value, "one_line", None)  # ftrun's own errors: one line, a hint
         if callable(one_line) and not os.environ.get("FTRUN_DEBUG"):
             print(f"ftrun: error: {one_line()}", file=sys.stderr, flush=True)
             return
-        write_error_file(value)
         real_hook(kind, value, tb)
 
     sys.exit = exit_  # type: ignore[assignment]

@@ -1,8 +1,10 @@
-"""The worker API a training script uses: init, wrap, register, steps, batch_slice, commit.
+"""The worker API a training script uses: init, wrap, register, loader, steps, batch_slice,
+no_sync, sync, commit, long_phase.
 
-Owns: this worker's view of the job (generation, rank, committed step), gradient all-reduce
-over the live group, the commit rule (a step is applied only if every collective of it
-succeeded), recovery at the next step boundary (rebuild the group, align on the highest
+Owns: this worker's view of the job (generation, rank, committed step), the step protocol
+(sync: every gradient bucket reduced; commit: the user stepped), the commit rule (a step is
+applied only if every collective of it succeeded), random streams replayed when a step is
+repeated, recovery at the next step boundary (rebuild the group, align on the highest
 committed step, heal from an up-to-date peer), where this worker is for the agent's hang
 detector (a few stores into its progress slot per step; `ft.long_phase` pauses it), and a
 plain mode for runs outside ftrun.
@@ -12,30 +14,26 @@ Must not import: typer, rich, NVML, the agent or the CLI. Torch is imported when
 from __future__ import annotations
 
 import contextlib
+import enum
 import os
-import signal
 import sys
 import time
 from collections.abc import Iterator
 from typing import Any
 
 from ftrun import _exit, timeouts
-from ftrun.comm import (
-    Abandoned,
-    CommError,
-    GenerationWatcher,
-    Group,
-    Interrupt,
-    build_group,
-    never_completes,
-)
+from ftrun.buckets import GradSync
+from ftrun.comm import Abandoned, CommError, GenerationWatcher, Group, Interrupt, build_group
+from ftrun.drills import Drills
 from ftrun.errors import WorkerApiError
-from ftrun.grads import FlatGrads
 from ftrun.joining import connect, native_group, plain_group, quiet_store_warnings, warm_up
-from ftrun.progress import Reporter, hang_here
+from ftrun.loader import Loader
+from ftrun.progress import Reporter
 from ftrun.rendezvous import Generation, heal_plan, latest_number, post_request, read_generation
+from ftrun.rng import RandomStreams
 from ftrun.spec import WorkerEnv
 from ftrun.transfer import pack, recv_state, send_state, unpack
+from ftrun.waits import await_assignment, await_newer, first_generation
 
 
 def init(backend: str | None = None, seed: int = 0) -> FaultTolerant:
@@ -47,6 +45,19 @@ def init(backend: str | None = None, seed: int = 0) -> FaultTolerant:
     if os.environ.get("FTRUN_FT_MODE") == "inprocess" and "FTRUN_WORKER_ID" in os.environ:
         return FaultTolerant(backend, seed, WorkerEnv.from_env())
     return FaultTolerant(backend, seed, None)
+
+
+_STREAMS = "ftrun.random_streams"  # the random streams' name beside the registered objects
+
+
+class StepState(enum.Enum):
+    """Where the current step is: sync() and commit() are allowed from the states below."""
+
+    IDLE = "not started"
+    RUNNING = "running"  # yielded by steps(): forward and backward
+    SYNCED = "synced"  # gradients averaged: the user steps, then commit()
+    FAILED = "failed"  # sync() failed: steps() repeats the step
+    COMMITTED = "committed"
 
 
 class FaultTolerant:
@@ -62,12 +73,11 @@ class FaultTolerant:
         self._broken: str | None = None  # why the current step or group failed
         self._pending_switch = False
         self._need_align = False
-        self._commit_pending = False
-        self._flat: Any = None
+        self._state = StepState.IDLE
         self._report_first_commit: dict[str, Any] | None = None
         self._progress: Reporter | None = None
-        self._slow = 0.0
-        self._stall: tuple[str, int] | None = None  # a stall or wedge drill, its generation
+        self._streams = RandomStreams()
+        self._replay: tuple[int, dict[str, Any]] | None = None  # a step's start: its streams
         self.committed = 0
         self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         cuda = backend == "nccl" and torch.cuda.is_available()
@@ -78,6 +88,9 @@ class FaultTolerant:
         self.device = torch.device("cuda", self.local_rank) if cuda else torch.device("cpu")
         if cuda:
             torch.cuda.set_device(self.device)
+        self._sync = GradSync(self.device, self._wants_switch, self._bucket_starting,
+                              self._in_collective)
+        self._drills = Drills(None, -1, self._comm_fault)
         if wenv is None:
             self._group = plain_group(backend)
             return
@@ -89,6 +102,7 @@ class FaultTolerant:
             warm_up()
         if wenv.progress_dir:
             self._progress = Reporter(wenv.progress_dir, wenv.worker_id)
+        self._drills = Drills(self._progress, self.worker_id, self._comm_fault)
         self._connect = lambda: connect(wenv)
         self._store = connect(wenv)
         self._native = native_group(self._connect(), wenv, backend)
@@ -100,7 +114,7 @@ class FaultTolerant:
             self._watcher = GenerationWatcher(lambda: connect(wenv), start, self._interrupt)
             return
         post_request(self._store, "hello", worker=self.worker_id, pid=os.getpid(), spare=False)
-        gen = self._first_generation()
+        gen = first_generation(self._store, self.worker_id)
         self._watcher = GenerationWatcher(lambda: connect(wenv), gen.number, self._interrupt)
         rank = gen.rank_of(self.worker_id)
         assert rank is not None
@@ -122,18 +136,26 @@ class FaultTolerant:
         return self._group.gen.number
 
     # ---------------------------------------------------------------- user API
-    def wrap(self, model: Any) -> Any:
-        """Gradients of `model` are averaged over the live group at each commit."""
+    def wrap(self, model: Any, bucket_mb: float = 25.0) -> Any:
+        """Gradients of `model` are averaged over the live group: bucket by bucket while
+        backward runs (buckets of about `bucket_mb`), finished by sync()."""
         self._models.append(model)
-        self._flat = None
+        self._sync.add(list(model.parameters()), bucket_mb)
         return model
 
     def register(self, **objects: Any) -> None:
-        """State a joining replica pulls from a healthy one (anything with state_dict())."""
+        """State a joining replica pulls from a healthy one (anything with state_dict():
+        models, optimizers, schedulers, scalers). The random streams travel with it."""
         for name, obj in objects.items():
             if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
                 raise WorkerApiError(f"ft.register({name}=...) needs state_dict/load_state_dict")
         self._objects.update(objects)
+
+    def loader(self, dataset: Any, global_batch_size: int, **options: Any) -> Loader:
+        """Step s's global batch, a fixed list of dataset indices; `batch(step, micro, accum)`
+        reads this rank's part (ftrun.loader.Loader: shuffle, seed, num_workers)."""
+        return Loader(dataset, global_batch_size, **options,
+                      membership=lambda: (self.rank, self.world_size, self.generation))
 
     def steps(self, total: int) -> Iterator[int]:
         """Yield the next uncommitted step until `total` steps are committed."""
@@ -143,11 +165,12 @@ class FaultTolerant:
                 if self._finished():
                     return
                 continue
-            self._commit_pending = True
-            self._before_step()
+            self._start_step()
             yield self.committed
-            if self._commit_pending:
-                raise WorkerApiError("each step must end with ft.commit(optimizer)")
+            if self._state in (StepState.RUNNING, StepState.SYNCED):
+                raise WorkerApiError("each step must end with ft.commit()",
+                                     hint="ft.sync(), your optimizer step, then ft.commit(); "
+                                          "or ft.commit(optimizer)")
 
     def batch_slice(self, global_batch: int) -> slice:
         """This rank's contiguous share of a global batch, from the live membership."""
@@ -165,106 +188,102 @@ class FaultTolerant:
         """A seed from (seed, step, rank): a replacement reproduces what the lost rank did."""
         return (self.seed * 1_000_003 + step) * 65_537 + self.rank
 
-    def commit(self, optimizer: Any) -> bool:
-        """Average gradients; step the optimizer only if that succeeded. Grads are zeroed."""
-        self._commit_pending = False
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Gradients accumulate locally, with no communication (DDP's no_sync)."""
+        self._sync.enabled = False
+        try:
+            yield
+        finally:
+            self._sync.enabled = True
+
+    def sync(self) -> bool:
+        """Wait for this step's gradient buckets (and start any still missing). True: every
+        wrapped parameter's .grad holds the global average, on every rank. False: the step
+        broke; do not step the optimizer, steps() repeats it."""
+        if self._state is not StepState.RUNNING:
+            raise WorkerApiError(f"ft.sync() in a step that is {self._state.value}",
+                                 hint="call it once per step, after backward, before commit")
         switch = False
+        if self._broken is None:
+            self._bucket_starting()  # a comm drill fires here if no bucket started it
         if self._broken is None:
             if self._progress is not None:  # collective 1 of this step
                 self._progress.collective_started(time.time())
             try:
-                switch = self._sync_gradients()
+                switch = self._sync.finish(self._group, self._interrupt)
             except (CommError, Abandoned) as exc:
                 self._broken = str(exc)
-        ok = self._broken is None
-        if not ok:
-            # an abandoned all-reduce is not cancelled and may still write into the buffer:
+        if self._broken is not None:
+            # an abandoned all-reduce is not cancelled and may still write into its bucket:
             # never let it near a later step's gradients
-            self._flat = None
-            optimizer.zero_grad(set_to_none=True)
-        if ok:
-            if self._progress is not None:
-                self._progress.optimizer(time.time())
-            optimizer.step()
-            self.committed += 1
-            if self._progress is not None:
-                self._progress.committed(self.committed, self.rank, self.generation, time.time())
-            self._pending_switch = self._pending_switch or switch
-            if self._report_first_commit is not None:
-                self._post("recovered", **self._report_first_commit, first_commit=time.time())
-                self._report_first_commit = None
-        optimizer.zero_grad(set_to_none=False)  # keeps grads as views of the flat buffer
-        return ok
+            self._sync.drop()
+            self._state = StepState.FAILED
+            return False
+        self._pending_switch = self._pending_switch or switch
+        self._state = StepState.SYNCED
+        if self._progress is not None:
+            self._progress.optimizer(time.time())
+        return True
 
-    def _before_step(self) -> None:
-        if self._progress is None:
-            return
-        self._progress.step_started(self.committed, self.rank, self.generation, time.time())
-        drill = self._progress.due_drill(self.committed)
-        if drill is not None:
-            self._apply_drill(*drill)
-        if self._slow:  # a "slow" drill: this rank computes slower from now on
-            time.sleep(self._slow)
-
-    def _apply_drill(self, kind: str, arg: float) -> None:
-        """A fault drill from `ftrun inject-fault`, acted out inside this worker."""
-        print(f"ftrun: drill: {kind} on worker {self.worker_id} at step {self.committed}",
-              file=sys.stderr, flush=True)
-        if kind in ("kill", "segv", "hang"):
-            sig = {"kill": signal.SIGKILL, "segv": signal.SIGSEGV, "hang": signal.SIGSTOP}[kind]
-            os.kill(os.getpid(), sig)
-        elif kind == "exit":
-            sys.stdout.flush()
-            os._exit(1)
-        elif kind == "exception":
-            raise RuntimeError(f"ftrun drill: exception injected at step {self.committed}")
-        elif kind == "slow":
-            self._slow = arg
-        elif kind in ("spin", "deadlock"):
-            hang_here(kind)
-        elif kind in ("stall", "wedge"):  # in this step's collective
-            self._stall = (kind, self.generation)
-        elif kind == "comm":
-            self._group.abandon()
-            self._broken = "ftrun drill: communicator failure injected"
-            self._post("comm_failed", worker=self.worker_id, generation=self.generation,
-                       error=self._broken)
+    def commit(self, *optimizers: Any) -> bool:
+        """After a successful sync() and the user's optimizer step: the step is committed.
+        `commit(opt, ...)` without sync() syncs, steps each optimizer only if the sync
+        succeeded, and zeroes the gradients. True when the step was committed."""
+        if not optimizers and self._state is not StepState.SYNCED:
+            raise WorkerApiError("ft.commit() without a successful ft.sync() in this step",
+                                 hint="call ft.sync() first, or ft.commit(optimizer)")
+        if self._state is StepState.RUNNING and not self.sync():
+            return False
+        for opt in optimizers:
+            opt.step()
+        self.committed += 1
+        self._state = StepState.COMMITTED
+        if self._progress is not None:
+            self._progress.committed(self.committed, self.rank, self.generation, time.time())
+        if self._report_first_commit is not None:
+            self._post("recovered", **self._report_first_commit, first_commit=time.time())
+            self._report_first_commit = None
+        self._sync.zero()  # grads stay views of their buckets
+        return True
 
     def close(self) -> None:
         if self._ft:
             self._watcher.stop()
 
-    # ---------------------------------------------------------------- gradients
-    def _params(self) -> list[Any]:
-        return [p for m in self._models for p in m.parameters() if p.requires_grad]
+    # ---------------------------------------------------------------- a step
+    def _start_step(self) -> None:
+        if self._ft and not self._replay_streams():
+            self._replay = (self.committed, self._streams.state_dict())
+        self._state = StepState.RUNNING
+        self._sync.next_step(self._group)
+        if self._progress is not None:
+            self._progress.step_started(self.committed, self.rank, self.generation,
+                                        time.time())
+        self._drills.before_step(self.committed, self.generation)
 
-    def _sync_gradients(self) -> bool:
-        """One all-reduce of every gradient plus a flag element: True when some rank has seen
-        a planned (non-urgent) generation, so that every rank switches at the same step."""
-        if self._flat is None:
-            self._flat = FlatGrads(self._params(), self.device)
-        flat = self._flat.gather()
+    def _replay_streams(self) -> bool:
+        """A step that failed is repeated: its random streams go back to the step's start."""
+        if self._replay is None or self._replay[0] != self.committed:
+            return False
+        self._streams.load_state_dict(self._replay[1])
+        return True
+
+    def _wants_switch(self) -> bool:
         newest = self._interrupt.newest
-        self._flat.flag.fill_(1.0 if newest is not None and newest.number > self.generation
-                              else 0.0)
-        if self.world_size > 1:
-            if self._stall is not None:
-                self._stalled(*self._stall)
-            self._group.allreduce(flat, self._interrupt)
-            flat[:-1].div_(self.world_size)
-        self._flat.scatter()
-        return bool(self._flat.flag.item() > 0)
+        return newest is not None and newest.number > self.generation
 
-    def _stalled(self, kind: str, generation: int) -> None:
-        """A drill: this rank's collective never completes, as behind a hung kernel. A stall
-        lasts until a newer generation abandons it (the rebuilt communicator works); a wedged
-        thread never comes back."""
-        if kind == "wedge":
-            hang_here(kind)
-        if generation != self.generation:
-            self._stall = None
-            return
-        never_completes(self._interrupt, generation)
+    def _bucket_starting(self) -> bool:
+        return self._drills.bucket_starting(self.generation)
+
+    def _in_collective(self) -> None:
+        self._drills.in_collective(self._interrupt, self.generation)
+
+    def _comm_fault(self, why: str) -> None:
+        """This rank's communicator failed (a drill): abandon it, tell the agent."""
+        self._group.abandon()
+        self._broken = why
+        self._post("comm_failed", worker=self.worker_id, generation=self.generation, error=why)
 
     # ---------------------------------------------------------------- recovery
     def _reconcile(self) -> None:
@@ -281,6 +300,7 @@ class FaultTolerant:
         noticed = time.time()
         if self._progress is not None:
             self._progress.recovering(noticed)
+        self._replay_streams()  # before a peer heals from us: the streams of the step's start
         while True:
             try:
                 target = self._target_generation()
@@ -311,34 +331,9 @@ class FaultTolerant:
             if number > self.generation:
                 return read_generation(self._store, number, timeouts.GENERATION_WAIT_S)
         if self._broken:
-            return self._await_newer(self._broken)
+            return await_newer(self._interrupt, self.worker_id, self.generation, self._broken,
+                               self._post)
         return self._group.gen
-
-    def _await_newer(self, why: str) -> Generation:
-        """The group failed: the agent publishes a newer generation when it sees the fault;
-        if it saw none (a lone communicator error), ask it for one."""
-        start = time.monotonic()
-        asked = suspected = False
-        while True:
-            newest = self._interrupt.newest
-            if newest is not None and newest.number > self.generation:
-                return newest
-            if not suspected:  # a peer's connection broke: a node may be gone, look now
-                self._post("suspect", worker=self.worker_id, generation=self.generation)
-                suspected = True
-            if self._interrupt.store_lost:
-                raise WorkerApiError(f"lost the agent ({self._interrupt.store_lost})")
-            waited = time.monotonic() - start
-            if not asked and waited > timeouts.FAULT_CONFIRM_S:
-                self._post("comm_failed", worker=self.worker_id, generation=self.generation,
-                           error=why)
-                asked = True
-            if waited > timeouts.FAULT_CONFIRM_S + timeouts.GENERATION_WAIT_S:
-                raise WorkerApiError(f"no new generation after a failure ({why})",
-                                     hint="the ftrun agent did not respond")
-            self._interrupt.wake.clear()
-            if self._interrupt.newest is None or self._interrupt.newest.number <= self.generation:
-                self._interrupt.wake.wait(0.5)
 
     def _switch_to(self, gen: Generation) -> None:
         rank = gen.rank_of(self.worker_id)
@@ -370,13 +365,14 @@ class FaultTolerant:
         if plan and not self._objects:
             raise WorkerApiError("a replica must heal but nothing is registered",
                                  hint="call ft.register(model=..., optimizer=...) before steps()")
+        objects = {**self._objects, _STREAMS: self._streams}
         payload: list[Any] | None = None
         for dst, src in sorted(plan.items()):
             if src == group.rank:
-                payload = payload if payload is not None else pack(self._objects, {})
+                payload = payload if payload is not None else pack(objects, {})
                 send_state(group, dst, payload, self._interrupt, self.device)
             elif dst == group.rank:
-                unpack(recv_state(group, src, self._interrupt, self.device), self._objects)
+                unpack(recv_state(group, src, self._interrupt, self.device), objects)
         self.committed = max(committed)
 
     def _finished(self) -> bool:
@@ -397,33 +393,9 @@ class FaultTolerant:
             return False
 
     def _await_assignment(self) -> None:
-        """A hot spare, model built: tell the agent, then wait for a generation with us in."""
-        if self._models:  # allocate and touch the gradient buffer now, not on the first step
-            self._flat = FlatGrads(self._params(), self.device)
-            self._flat.gather()
-        self._post("hello", worker=self.worker_id, pid=os.getpid(), spare=True)
-        deadline = time.monotonic() + timeouts.SPARE_ASSIGNMENT_S
-        intr = self._interrupt
-        while True:
-            newest = intr.newest
-            if newest is not None and newest.rank_of(self.worker_id) is not None:
-                self._need_align = True
-                return
-            if intr.store_lost:
-                raise WorkerApiError(f"lost the agent ({intr.store_lost})")
-            if time.monotonic() > deadline:
-                raise WorkerApiError("this spare was never called in",
-                                     hint="raise timeouts.SPARE_ASSIGNMENT_S")
-            intr.wake.clear()
-            if intr.newest is newest:
-                intr.wake.wait(1.0)
-
-    def _first_generation(self) -> Generation:
-        wait_s = timeouts.GENERATION_WAIT_S
-        gen = read_generation(self._store, latest_number(self._store, wait_s), wait_s)
-        while gen.rank_of(self.worker_id) is None:
-            gen = read_generation(self._store, gen.number + 1, wait_s)
-        return gen
+        self._sync.prepare()  # allocate the gradient buckets now, not on the first step
+        await_assignment(self._interrupt, self.worker_id, self._post)
+        self._need_align = True
 
     def _post(self, kind: str, **fields: Any) -> None:
         try:

@@ -52,3 +52,11 @@ def fixture_path() -> Callable[[str], str]:
 def _private_tmpdir(tmp_path, monkeypatch) -> None:
     """Launchers started by a test keep their temporary log directories inside the test's."""
     monkeypatch.setenv("TMPDIR", str(tmp_path))
+
+
+@pytest.fixture
+def private_run_dir(tmp_path, monkeypatch):
+    """A run directory of the test's own: `ftrun status` sees only the test's jobs."""
+    d = tmp_path / "run"
+    monkeypatch.setenv("FTRUN_RUN_DIR", str(d))
+    return d

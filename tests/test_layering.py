@@ -11,12 +11,13 @@ LAYERS = [  # lowest first
     {"policy", "gpuhealth"},
     {"procs", "store", "logs", "report", "rendezvous", "progress", "control", "gpu", "wakeup",
      "workerspec", "_run_path", "cluster"},
-    {"comm", "grads", "joining", "worker", "transfer", "loader"},
+    {"comm", "joining", "worker", "transfer", "buckets", "rng", "loader", "drills", "waits"},
     {"journal", "jobview", "roster", "nodehooks", "recovery", "observe", "health", "agent",
      "coordinator", "follower"},
     {"cli", "commands", "launch_args", "render", "__main__", "__init__"},
 ]
-WORKER_SIDE = {"comm", "grads", "joining", "worker", "transfer", "loader"}
+WORKER_SIDE = {"comm", "joining", "worker", "transfer", "buckets", "rng", "loader", "drills",
+               "waits"}
 HEAVY_FOR_WORKERS = {"typer", "rich", "pynvml", "psutil"}
 
 

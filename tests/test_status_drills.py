@@ -14,10 +14,8 @@ from ftrun.journal import FaultRecord, Journal, summarize
 
 
 @pytest.fixture(autouse=True)
-def private_run_dir(tmp_path, monkeypatch):
-    d = tmp_path / "run"
-    monkeypatch.setenv("FTRUN_RUN_DIR", str(d))
-    return d
+def _own_run_dir(private_run_dir):
+    """Every test here sees only its own jobs."""
 
 
 def ftrun_out(*args: str) -> subprocess.CompletedProcess[str]:
