@@ -34,9 +34,10 @@ def main() -> None:
     ap.add_argument("--dim", type=int, default=256)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--bucket-mb", type=float, default=1.0)
+    ap.add_argument("--batch", type=int, default=32, help="global batch (sequences per step)")
     a = ap.parse_args()
     model = ["--steps", str(a.steps), "--dim", str(a.dim), "--layers", str(a.layers),
-             "--bucket-mb", str(a.bucket_mb)]
+             "--bucket-mb", str(a.bucket_mb), "--batch", str(a.batch)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "LOGLEVEL": "ERROR"}
     results = {}
     with tempfile.TemporaryDirectory() as tmp:

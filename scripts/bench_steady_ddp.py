@@ -29,31 +29,40 @@ for name, default in (("steps", 40), ("batch", 32), ("accum", 2), ("block", 64),
     ap.add_argument(f"--{name}", type=int, default=default)
 ap.add_argument("--lr", type=float, default=3e-3)
 ap.add_argument("--bucket-mb", type=float, default=25.0)
+ap.add_argument("--workers", type=int, default=0, help="accepted for train_gpt.py's flags")
 ap.add_argument("--out", required=True)
 a = ap.parse_args()
 
-dist.init_process_group("gloo")
+cuda = torch.cuda.is_available()  # as ftrun.init() picks: nccl on CUDA, gloo on CPU
+dist.init_process_group("nccl" if cuda else "gloo")
 rank, world = dist.get_rank(), dist.get_world_size()
+device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if cuda else \
+    torch.device("cpu")
+if cuda:
+    torch.cuda.set_device(device)
 torch.manual_seed(0)
-model = DDP(GPT(a.block, a.dim, a.layers, a.heads, False), bucket_cap_mb=a.bucket_mb)
+model = DDP(GPT(a.block, a.dim, a.layers, a.heads, False).to(device),
+            device_ids=[device.index] if cuda else None, bucket_cap_mb=a.bucket_mb)
 opt = torch.optim.AdamW(param_groups(model.module, 0.1), lr=a.lr, betas=(0.9, 0.95))
 sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(a.warmup, a.steps))
 data = TokenDataset.from_text(block_size=a.block, stride=a.block // 2)
 loader = Loader(data, global_batch_size=a.batch, seed=0, membership=lambda: (rank, world, 0))
 log = []
 for step in range(a.steps):
-    t0 = time.time()
+    t0, total = time.time(), 0.0
     for micro in range(a.accum):
-        x, y = loader.batch(step, micro, a.accum)
+        x, y = (t.to(device) for t in loader.batch(step, micro, a.accum))
         quiet = model.no_sync() if micro < a.accum - 1 else contextlib.nullcontext()
-        with quiet, torch.autocast("cpu", dtype=torch.bfloat16):
-            loss = F.cross_entropy(model(x).float().view(-1, VOCAB_SIZE), y.view(-1))
-        (loss / a.accum).backward()
+        with quiet:
+            with torch.autocast(device.type, dtype=torch.bfloat16):
+                loss = F.cross_entropy(model(x).float().view(-1, VOCAB_SIZE), y.view(-1))
+            (loss / a.accum).backward()
+        total += loss.item() / a.accum  # as the example does (a sync per micro-batch)
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     opt.step()
     sched.step()
     opt.zero_grad()
-    log.append({"step": step, "ms": round((time.time() - t0) * 1000, 1)})
+    log.append({"step": step, "loss": total, "ms": round((time.time() - t0) * 1000, 1)})
 os.makedirs(a.out, exist_ok=True)
 with open(os.path.join(a.out, f"log_{rank}.json"), "w") as f:
     json.dump({"log": log}, f)

@@ -12,7 +12,8 @@ for the GPU, whether a group whose peer never comes is abandoned. cuda-hang: a C
 that spins for good on one rank is detected by progress alone and recovered (gpu_check_hang.py:
 one rank and a whole-group restart; two ranks on one GPU, replaced in-process). nccl-job:
 ftrun --nproc 1 on train_ddp.py, clean, then its worker killed (whole-group restart).
-nccl-2gpu: in-process recovery with 2 workers (2 GPUs; gloo in the dry run). Each section
+nccl-2gpu: in-process recovery with 2 workers (2 GPUs; gloo in the dry run). overlap: exposed
+communication per step, ftrun's buckets vs DDP (2 GPUs; gloo in the dry run). Each section
 ends PASS, FAIL or SKIP with a one-line reason and never stops the next; a hung child dumps
 its stacks and is killed.
 Exit status 1 if any section failed. The nccl-* sections are in gpu_check_nccl.py, the verdicts
@@ -49,9 +50,11 @@ from gpu_check_common import (
 )
 from gpu_check_hang import sec_cuda_hang
 from gpu_check_nccl import sec_nccl_2gpu, sec_nccl_inprocess, sec_nccl_job
+from gpu_check_overlap import sec_overlap
 
 LIMITS = {"env": 60, "nvml": 40, "map": 60, "classify": 40, "nccl-inprocess": 60,
-          "cuda-hang": 150, "nccl-job": 200, "nccl-2gpu": 120}  # seconds per section
+          "cuda-hang": 150, "nccl-job": 200, "nccl-2gpu": 120,
+          "overlap": 320}  # seconds per section
 
 
 # ------------------------------------------------------------------ versions and GPU health
@@ -201,7 +204,7 @@ def sec_classify(a: argparse.Namespace) -> None:
 SECTIONS: dict[str, Callable[[argparse.Namespace], None]] = {
     "env": sec_env, "nvml": sec_nvml, "map": sec_map, "classify": sec_classify,
     "nccl-inprocess": sec_nccl_inprocess, "cuda-hang": sec_cuda_hang, "nccl-job": sec_nccl_job,
-    "nccl-2gpu": sec_nccl_2gpu}
+    "nccl-2gpu": sec_nccl_2gpu, "overlap": sec_overlap}
 
 
 # ------------------------------------------------------------------ child and driver
