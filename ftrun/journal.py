@@ -18,12 +18,16 @@ from typing import IO, Any
 
 EventSink = Callable[[str, Mapping[str, object]], None]
 PHASES = ("detected", "published", "rebuilt", "healed", "first_commit")
+# drills whose fault is the whole group stuck in one collective: the rebuild that answers it
+# names no worker (-1), so it takes these drills of the members it covers
+GROUP_DRILLS = ("stall", "wedge")
 
 
 @dataclass
 class FaultRecord:
     id: int
-    kind: str  # kill, segv, exit, exception, hang, slow, comm, or "exit N"/"SIGNAL" if not a drill
+    kind: str  # the drill (kill, ..., stall, wedge) or the agent's kill (hang, straggler), else
+    # why it was detected (a rebuild's "comm", "exit N", "SIGNAL")
     worker: int
     rank: int
     at: float  # wall clock of the fault (injection time for drills, else detection)
@@ -76,7 +80,7 @@ class Journal:
     def _on_fault(self, f: Mapping[str, object]) -> None:
         worker = int(str(f["worker"]))
         detected = float(str(f.get("detected_at", time.time())))
-        drill = self._drills.pop(worker, None)
+        drill = self._drills.pop(worker, None) if worker >= 0 else self._group_drill()
         kind, at = drill if drill else (str(f.get("why", "fault")), detected)
         rec = FaultRecord(id=len(self.faults) + 1, kind=kind, worker=worker,
                           rank=int(str(f["rank"])), at=at, decision=str(f["decision"]),
@@ -84,6 +88,14 @@ class Journal:
                           committed_before=int(str(f.get("committed_before", -1))))
         rec.phases_ms = {"detected": round((detected - at) * 1000, 1)}
         self.faults.append(rec)
+
+    def _group_drill(self) -> tuple[str, float] | None:
+        """A rebuild covers every live member, and stall and wedge drills only ever target
+        live members: it answers every one pending (the earliest names it). Left pending, one
+        would name that worker's next, unrelated fault."""
+        taken = sorted((at, kind) for kind, at in self._drills.values() if kind in GROUP_DRILLS)
+        self._drills = {w: d for w, d in self._drills.items() if d[0] not in GROUP_DRILLS}
+        return (taken[0][1], taken[0][0]) if taken else None
 
     def _on_failure(self, f: Mapping[str, object]) -> None:
         """A failure on torchrun's path (a script without the API): a fault record too."""

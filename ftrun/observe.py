@@ -1,6 +1,8 @@
 """The agent's window to the outside: `ftrun status` answers and `ftrun inject-fault` drills.
 
-Owns: the run's control server, reading the workers' progress slots, building the status
+Owns: the run's control server, the agent's mappings of the workers' progress slots (open
+while a worker lives; an exited worker's last progress is kept as plain values and its
+mapping closed, so replacements cost the agent no descriptor each), building the status
 document, checking every field of a request where it enters (one-line errors; nothing
 malformed reaches the main loop) and applying drills from the agent's main loop: signals
 the agent sends itself, or drill slots a worker acts on at a step.
@@ -15,6 +17,7 @@ import os
 import queue
 import reprlib
 import signal
+import threading
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -102,7 +105,9 @@ class Observer:
     def __init__(self, agent: Agent, progress_dir: str) -> None:
         self.agent = agent
         self.progress_dir = progress_dir
-        self._slots: dict[int, Slot] = {}
+        self._slots: dict[int, Slot] = {}  # live (or starting) workers' mapped slots
+        self._final: dict[int, Progress] = {}  # exited members' last progress
+        self._lock = threading.Lock()  # the server and heartbeat threads read slots too
         self._drill_seq = 0
         self.drills: queue.SimpleQueue[dict[str, Any]] = queue.SimpleQueue()
         sock = os.path.join(run_dir(), f"{agent.control_name()}.sock")
@@ -112,8 +117,10 @@ class Observer:
 
     def close(self) -> None:
         self.server.close()
-        for slot in self._slots.values():
-            slot.close()
+        with self._lock:
+            for slot in self._slots.values():
+                slot.close()
+            self._slots.clear()
 
     # ------------------------------------------------------------ requests (server thread)
     def handle(self, req: dict[str, Any]) -> dict[str, Any]:
@@ -155,11 +162,13 @@ class Observer:
     def _rank_of(self, w: Worker) -> int:
         """Its rank now: from its progress slot once it reported one (ranks move with the
         generations), else the rank it was started with."""
-        p = self._slot(w.worker_id).read()
+        p = self.progress(w.worker_id)
         return p.rank if p.generation >= 0 and p.rank >= 0 else w.rank
 
     # ------------------------------------------------------------ drills (main loop)
     def apply_drills(self) -> None:
+        """The main loop's pass over the slots: close exited workers', apply queued drills."""
+        self._retire_exited()
         while True:
             try:
                 req = self.drills.get_nowait()
@@ -175,23 +184,42 @@ class Observer:
                     os.kill(worker.spawned.pid, AGENT_SIGNALS[kind])
             else:
                 self._drill_seq += 1
-                slot = self._slot(worker.worker_id)
-                slot.write_drill(self._drill_seq, kind, at_step, req["arg"])
+                with self._lock:
+                    slot = self._slot(worker.worker_id)
+                    slot.write_drill(self._drill_seq, kind, at_step, req["arg"])
             self.agent.emit("drill", {"worker": worker.worker_id, "rank": worker.rank,
                                       "kind": kind, "at_step": at_step})
 
-    # ------------------------------------------------------------ status
+    # ------------------------------------------------------------ slots
     def reset_slot(self, worker_id: int) -> None:
         """A worker id starts afresh (ids restart with every attempt)."""
-        self._slot(worker_id).reset()
+        with self._lock:
+            self._final.pop(worker_id, None)
+            self._slot(worker_id).reset()
 
     def progress(self, worker_id: int) -> Progress:
-        return self._slot(worker_id).read()
+        with self._lock:
+            final = self._final.get(worker_id)
+            return final if final is not None else self._slot(worker_id).read()
 
-    def _slot(self, worker_id: int) -> Slot:
+    def _slot(self, worker_id: int) -> Slot:  # under self._lock
         if worker_id not in self._slots:
             self._slots[worker_id] = Slot(slot_path(self.progress_dir, worker_id), create=True)
         return self._slots[worker_id]
+
+    def _retire_exited(self) -> None:
+        """An exited worker's slot no longer moves: its last progress, as plain values, is all
+        the fault accounting still reads (a finished member's committed step, the lost one's
+        in its fault record); once it has left the members, not even that."""
+        live = {w.worker_id for w in self.agent.workers_snapshot()}
+        ft = self.agent.ft
+        members = set(ft.members) if ft is not None else set()
+        with self._lock:
+            for wid in [wid for wid in self._slots if wid not in live]:
+                slot = self._slots.pop(wid)
+                self._final[wid] = slot.read()
+                slot.close()
+            self._final = {wid: p for wid, p in self._final.items() if wid in members}
 
     def status(self) -> dict[str, Any]:
         """The job as `ftrun status` shows it (a multi-node agent adds the other nodes)."""
@@ -218,7 +246,7 @@ class Observer:
         agent, ft = self.agent, self.agent.ft
         workers = []
         for w in agent.workers_snapshot():
-            p = self._slot(w.worker_id).read()
+            p = self.progress(w.worker_id)
             has = p is not None and p.generation >= 0
             role = role_of(ft, w.worker_id)
             workers.append({

@@ -1,6 +1,8 @@
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -55,8 +57,10 @@ def _private_tmpdir(tmp_path, monkeypatch) -> None:
 
 
 @pytest.fixture
-def private_run_dir(tmp_path, monkeypatch):
-    """A run directory of the test's own: `ftrun status` sees only the test's jobs."""
-    d = tmp_path / "run"
+def private_run_dir(monkeypatch):
+    """A run directory of the test's own: `ftrun status` sees only the test's jobs. Not under
+    tmp_path: pytest's numbered base directories grow past what a Unix socket path allows."""
+    d = Path(tempfile.mkdtemp(prefix="ftrun-test-", dir="/tmp")) / "run"
     monkeypatch.setenv("FTRUN_RUN_DIR", str(d))
-    return d
+    yield d
+    shutil.rmtree(d.parent, ignore_errors=True)

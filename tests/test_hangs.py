@@ -17,6 +17,7 @@ import pytest
 import torch
 from conftest import FIXTURES, ftrun_cmd, run_ftrun, wait_for
 
+from ftrun.journal import Journal
 from ftrun.policy import (
     HANG_MIN_S,
     HANG_WARMUP_S,
@@ -185,6 +186,30 @@ def test_status_document_fields_are_json(tmp_path: Path) -> None:
     assert Liveness(**json.loads(json.dumps(asdict(row)))) == row  # the heartbeat payload
 
 
+# ------------------------------------------------------------------ the journal
+def fault(worker: int, decision: str, at: float) -> dict[str, object]:
+    return {"worker": worker, "rank": max(worker, 0), "why": "comm" if worker < 0 else "exit",
+            "decision": decision, "reason": "r", "detected_at": at}
+
+
+def test_a_rebuild_takes_the_stall_drills_it_answers() -> None:
+    """stall and wedge drills end in a rebuild, which names no worker: it takes them, so the
+    worker's next fault is not mislabelled. A drill of another kind stays pending."""
+    j = Journal(lambda kind, fields: None)
+    j.drill_injected(1, "stall", 100.0)
+    j.drill_injected(0, "wedge", 100.5)
+    j.drill_injected(2, "hang", 101.0)  # a SIGSTOP: the detector's kill answers it
+    j.emit("fault", fault(-1, "rebuild", 103.0))
+    j.emit("fault", fault(-1, "rebuild", 110.0))  # no drill left for this one
+    j.drill_injected(1, "kill", 200.0)
+    j.emit("fault", fault(1, "replace", 200.5))
+    j.emit("fault", fault(0, "replace", 201.0))
+    j.emit("fault", fault(2, "replace", 202.0))
+    assert [(r.kind, r.worker, r.injected, r.phases_ms["detected"]) for r in j.faults] == [
+        ("stall", -1, True, 3000.0), ("comm", -1, False, 0.0), ("kill", 1, True, 500.0),
+        ("exit", 0, False, 0.0), ("hang", 2, True, 101_000.0)]
+
+
 # ------------------------------------------------------------------ real jobs
 SCRIPT = str(FIXTURES / "hang_train.py")
 STEPS = ("--steps", "60")
@@ -229,13 +254,6 @@ def test_spinning_stopped_and_deadlocked_ranks_are_replaced(reference, tmp_path:
     assert "rank 0 made no progress" in hangs[2] and "in user code before step 41" in hangs[2]
     assert "survived 3/3 faults" in r.stderr
     all_equal_to(tmp_path, reference, [3, 4, 5])
-
-
-@pytest.fixture
-def private_run_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    d = tmp_path / "run"
-    monkeypatch.setenv("FTRUN_RUN_DIR", str(d))
-    return d
 
 
 def start_job(*args: str) -> subprocess.Popen[str]:
@@ -313,7 +331,8 @@ def test_a_stuck_communicator_is_rebuilt_then_its_ranks_replaced(
         assert r.returncode == 0, r.stdout + r.stderr
         faults = status()["faults"]
         assert [f["decision"] for f in faults] == ["rebuild", "rebuild", "replace"]
-        assert faults[-1]["kind"] == "wedge" and faults[-1]["rank"] == 2
+        assert [f["kind"] for f in faults] == ["stall", "wedge", "hang"]  # the detector's
+        assert faults[-1]["rank"] == 2
         assert job.wait(120) == 0
     finally:
         if job.poll() is None:

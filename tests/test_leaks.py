@@ -1,7 +1,9 @@
 """Nothing leaks per fault: over 30 communicator faults, the threads and file descriptors of
 every worker, and the descriptors of the agent (which hosts the store the workers' group
 connections go to), stay flat. A leaked gloo group costs ~3 threads and world size + 4
-descriptors per worker, plus one store connection per worker in the agent."""
+descriptors per worker, plus one store connection per worker in the agent. Over 10 killed
+and replaced workers, the agent's descriptors stay flat too (a dead worker's progress slot
+mapping is one)."""
 import os
 import subprocess
 from pathlib import Path
@@ -45,9 +47,8 @@ def settled(agent: int, workers: list[int], base: dict[int, tuple[int, int]]) ->
 
 @pytest.mark.slow
 @pytest.mark.parametrize("comm", ["fresh", "native"])
-def test_comm_faults_leak_no_threads_or_descriptors(tmp_path: Path, monkeypatch,
+def test_comm_faults_leak_no_threads_or_descriptors(tmp_path: Path, private_run_dir,
                                                     comm: str) -> None:
-    monkeypatch.setenv("FTRUN_RUN_DIR", str(tmp_path / "run"))
     err = tmp_path / "ftrun.err"
     job = subprocess.Popen(
         ftrun_cmd("--nproc", str(NPROC), "--comm", comm, str(FIXTURES / "ft_train.py"),
@@ -87,6 +88,54 @@ def test_comm_faults_leak_no_threads_or_descriptors(tmp_path: Path, monkeypatch,
         job.wait(60)
     assert f"survived {TOTAL}/{TOTAL} faults" in err.read_text()
     assert "frame #" not in err.read_text()
+
+
+KILLS = 10
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)  # ten replacements, each importing torch on 2 shared cores
+def test_replaced_workers_leak_no_agent_descriptors(tmp_path: Path, private_run_dir) -> None:
+    err = tmp_path / "ftrun.err"
+    job = subprocess.Popen(
+        ftrun_cmd("--nproc", str(NPROC), str(FIXTURES / "ft_train.py"), "--steps", "1000000",
+                  "--step-time", "0.01"),
+        env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.DEVNULL,
+        stderr=open(err, "w"))  # noqa: SIM115
+    try:
+        def members_stepping(faults: int) -> object:
+            try:
+                doc = status()
+            except Exception:
+                return None
+            ws = [w for w in doc["workers"] if w["role"] == "member"]
+            return doc if len(doc["faults"]) == faults and all(
+                f["recovered"] for f in doc["faults"]) and len(ws) == NPROC and all(
+                (w["step"] or 0) > 3 for w in ws) else None
+
+        wait_for(lambda: members_stepping(0), 90, "every worker stepping")
+        base = counts(job.pid)[1]
+        for kill in range(1, KILLS + 1):
+            r = subprocess.run(ftrun_cmd("inject-fault", "--rank", "1", "--kind", "kill"),
+                               capture_output=True, text=True, timeout=60,
+                               env=os.environ.copy())
+            assert r.returncode == 0, r.stdout + r.stderr
+            doc = wait_for(lambda k=kill: members_stepping(k), 60, f"recovery from kill {kill}")
+        try:
+            now = wait_for(lambda: counts(job.pid)[1] <= base + FD_SLACK and counts(job.pid)[1],
+                           10, f"the agent's descriptors back near {base}")
+        except AssertionError:
+            fds = sorted(os.readlink(f"/proc/{job.pid}/fd/{fd}")
+                         for fd in os.listdir(f"/proc/{job.pid}/fd"))
+            raise AssertionError(f"agent {job.pid}: {len(fds)} descriptors after {KILLS} "
+                                 f"replaced workers, {base} before: {fds}") from None
+        print(f"\nagent descriptors: {base} before, {now} after {KILLS} replaced workers")
+        assert [f["kind"] for f in doc["faults"]] == ["kill"] * KILLS  # type: ignore[index]
+        assert all(f["committed_before"] > 0 for f in doc["faults"])  # type: ignore[index]
+    finally:
+        job.terminate()
+        job.wait(60)
+    assert f"survived {KILLS}/{KILLS} faults" in err.read_text()
 
 
 @pytest.mark.slow

@@ -63,8 +63,7 @@ def test_restarts_show_in_the_summary_with_their_cost(tmp_path) -> None:
     assert "goodput 1.00" not in line and "time lost 0.0 s" not in line
 
 
-def test_a_drill_kill_is_not_blamed_on_the_oom_killer(tmp_path, monkeypatch) -> None:
-    monkeypatch.setenv("FTRUN_RUN_DIR", str(tmp_path / "run"))
+def test_a_drill_kill_is_not_blamed_on_the_oom_killer(private_run_dir) -> None:
     job = subprocess.Popen(ftrun_cmd("--nproc", "2", BEHAVE, "--sleep", "60"),
                            env={**os.environ, "OMP_NUM_THREADS": "1"},
                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
