@@ -96,21 +96,23 @@ def _agent_for(spec: RunSpec) -> Agent:
     from ftrun.agent import Agent
     from ftrun.cluster import endpoint_of, is_multinode, try_host
 
-    if not is_multinode(spec):
-        return Agent(spec, emit=render.notice)
-    ep = endpoint_of(spec)
-    hosted = try_host(spec, ep)
     agent: Agent
-    if hosted is not None:
-        from ftrun.coordinator import Coordinator
-
-        agent = Coordinator(spec, hosted, ep, emit=render.notice)
+    if not is_multinode(spec):
+        agent = Agent(spec, emit=render.notice)
     else:
-        from ftrun.follower import Follower
+        ep = endpoint_of(spec)
+        hosted = try_host(spec, ep)
+        if hosted is not None:
+            from ftrun.coordinator import Coordinator
 
-        agent = Follower(spec, ep, emit=render.notice)
-    # the agents' store clients outlive peers by design; a vanished peer is reported in one
-    # line, not as c10d's C++ warning with a stack (workers keep the user's setting)
+            agent = Coordinator(spec, hosted, ep, emit=render.notice)
+        else:
+            from ftrun.follower import Follower
+
+            agent = Follower(spec, ep, emit=render.notice)
+    # the agent's store outlives its clients by design (a killed worker, a vanished peer);
+    # that is reported in one line, not as c10d's C++ warning with a stack. Set after the
+    # agent took its copy of the environment: workers keep the user's setting
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     return agent
 
