@@ -230,6 +230,11 @@ class FaultTolerant:
         """After a successful sync() and the user's optimizer step: the step is committed.
         `commit(opt, ...)` without sync() syncs, steps each optimizer only if the sync
         succeeded, and zeroes the gradients. True when the step was committed."""
+        if self._state is StepState.FAILED:
+            return False  # the step broke: nothing is committed, steps() repeats it
+        if self._state in (StepState.IDLE, StepState.COMMITTED):
+            raise WorkerApiError(f"ft.commit() in a step that is {self._state.value}",
+                                 hint="commit once per step, inside `for step in ft.steps(n)`")
         if not optimizers and self._state is not StepState.SYNCED:
             raise WorkerApiError("ft.commit() without a successful ft.sync() in this step",
                                  hint="call ft.sync() first, or ft.commit(optimizer)")

@@ -173,3 +173,26 @@ def test_gpt_shrink_grow(tmp_path) -> None:
         assert sorted(indices) == sorted(loader.indices(step)), step
     worlds = [e["world"] for e in lg[0]["log"]]
     assert 2 in worlds and worlds[-1] == 3  # it shrank, then grew back
+
+
+def test_api_misuse_is_a_one_line_error() -> None:
+    import ftrun
+    from ftrun.errors import WorkerApiError
+
+    ft = ftrun.init()  # plain python: a world of one, the same API
+    model = ft.wrap(torch.nn.Linear(2, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(WorkerApiError, match="in a step that is not started"):
+        ft.commit(opt)
+    for _ in ft.steps(1):
+        model(torch.ones(1, 2)).sum().backward()
+        with pytest.raises(WorkerApiError, match="without a successful ft.sync"):
+            ft.commit()
+        assert ft.sync()
+        with pytest.raises(WorkerApiError, match="ft.sync\\(\\) in a step that is synced"):
+            ft.sync()
+        opt.step()
+        assert ft.commit()
+        with pytest.raises(WorkerApiError, match="in a step that is committed"):
+            ft.commit()
+    assert ft.committed == 1
