@@ -140,12 +140,18 @@ def test_node_lost_then_replaced_without_restart(tmp_path: Path, nodes) -> None:
     assert "lost with 2 members" in a.stderr
 
     logs = {int(p.stem.split("_")[1]): json.loads(p.read_text()) for p in out.glob("log_*.json")}
+    committed: set[int] = set()
     for wid, pid in survivors.items():  # same processes from start to end: no restart
         assert logs[wid]["pid"] == pid
         steps = [e["step"] for e in logs[wid]["log"] if e["ok"]]
-        assert steps == list(range(260)), f"worker {wid} committed a step twice or skipped one"
+        assert steps == sorted(set(steps)), f"worker {wid} committed a step twice"
+        # the step the node died in: its gradient buckets may have been reduced on some
+        # survivors and not on others; those behind heal past it from a peer (design.md)
+        assert len(set(range(260)) - set(steps)) <= 1, f"worker {wid} skipped steps"
+        committed |= set(steps)
         worlds = [e["world"] for e in logs[wid]["log"]]
         assert 4 in worlds and worlds[0] == 6 and worlds[-1] == 6
+    assert committed == set(range(260))  # every step committed, by the job, once per worker
     import torch
 
     finals = [torch.load(out / f"params_{w}.pt") for w in logs]  # the lost node wrote none
