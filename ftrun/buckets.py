@@ -18,7 +18,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ftrun import timeouts
-from ftrun.comm import REAPER, Abandoned, CommError, Group, Interrupt
+from ftrun.comm import REAPER, CommError, Group, Interrupt
 from ftrun.errors import WorkerApiError
 
 
@@ -200,6 +200,3 @@ class _Failed:
 
     def is_completed(self) -> bool:
         return True
-
-
-__all__ = ["GradSync", "Abandoned", "CommError"]

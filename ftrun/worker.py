@@ -67,7 +67,6 @@ class FaultTolerant:
         self.backend = backend
         self.seed = seed
         self._ft = wenv is not None
-        self._models: list[Any] = []
         self._objects: dict[str, Any] = {}
         self._interrupt = Interrupt()
         self._broken: str | None = None  # why the current step or group failed
@@ -139,7 +138,6 @@ class FaultTolerant:
     def wrap(self, model: Any, bucket_mb: float = 25.0) -> Any:
         """Gradients of `model` are averaged over the live group: bucket by bucket while
         backward runs (buckets of about `bucket_mb`), finished by sync()."""
-        self._models.append(model)
         self._sync.add(list(model.parameters()), bucket_mb)
         return model
 
