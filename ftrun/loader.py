@@ -29,11 +29,7 @@ from multiprocessing.connection import Connection, wait
 from typing import Any
 
 from ftrun.errors import WorkerApiError
-
-# Deadlines (candidates for timeouts.py)
-LOADER_RESULT_S = 300.0  # one read-ahead micro-batch arriving from a reader process
-LOADER_CLOSE_S = 2.0  # reader processes leaving after close(), before they are killed
-LOADER_PARENT_POLL_S = 1.0  # an idle reader checks that the training process still lives
+from ftrun.timeouts import LOADER_CLOSE_S, LOADER_PARENT_POLL_S, LOADER_RESULT_S
 
 Key = tuple[int, int, int, int, int]  # (step, micro, accum, rank, world_size)
 Membership = Callable[[], tuple[int, int, int]]  # live (rank, world_size, generation)

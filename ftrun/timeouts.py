@@ -46,3 +46,6 @@ FAULT_CONFIRM_S = 10.0  # a worker whose collective failed waits this long for a
 GPU_POLL_S = 5.0  # periodic NVML readings
 GPU_EVENT_WAIT_S = 1.0  # one nvmlEventSetWait
 GPU_POLL_DEADLINE_S = 20.0  # an NVML call longer than this marks its GPU unresponsive (XID 119)
+LOADER_RESULT_S = 300.0  # one read-ahead micro-batch arriving from a loader reader process
+LOADER_CLOSE_S = 2.0  # loader reader processes leaving after close(), before they are killed
+LOADER_PARENT_POLL_S = 1.0  # an idle loader reader checks that the training process lives
