@@ -14,28 +14,28 @@ import signal
 import tempfile
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import replace
 
 from ftrun import timeouts
 from ftrun.exits import signal_name
 from ftrun.health import CHECK_EVERY_S, HealthWatch
-from ftrun.journal import Journal
+from ftrun.journal import EventSink, Journal
 from ftrun.logs import RunLogs
 from ftrun.nodehooks import NodeHooks
 from ftrun.observe import Observer
 from ftrun.policy import Action, Decision, decide_group
 from ftrun.procs import Guardian, signal_group, spawn
-from ftrun.recovery import FaultTolerance
+from ftrun.recovery import Recovery
+from ftrun.rendezvous import REQUEST_QUEUE
 from ftrun.report import WorkerExit
 from ftrun.roster import Outcome, RemoteWorker, RunResult, Worker
+from ftrun.slots import ProgressSlots
 from ftrun.spec import RunSpec
 from ftrun.states import WorkerState
-from ftrun.store import HostedStore, advertised_addr
+from ftrun.store import HostedStore, QueueReader, advertised_addr, client
 from ftrun.wakeup import Wakeup
 from ftrun.workerspec import spawn_error, worker_argv, worker_env
-
-EventSink = Callable[[str, Mapping[str, object]], None]
 
 
 def _ignore(kind: str, fields: Mapping[str, object]) -> None:
@@ -54,10 +54,11 @@ class Agent(NodeHooks):
         self._wakeup = Wakeup()
         self._workers: list[Worker] = []
         self.restarts = 0
-        self.ft: FaultTolerance | None = None
+        self.recovery: Recovery | None = None  # this attempt's, when recovery is in-process
         self._sel: selectors.BaseSelector | None = None
         self.worker_port = 0  # where workers reach this attempt's store
         self._next_id = spec.nproc
+        self._killed: set[tuple[int, int]] = set()
         self.group_rank, self.group_world_size, self.world_size = 0, 1, spec.nproc
 
     # ----------------------------------------------------------------- top level
@@ -74,8 +75,10 @@ class Agent(NodeHooks):
             self.progress_dir = (os.path.join(self.logs.run_dir, "progress") if self.logs.run_dir
                                  else tempfile.mkdtemp(prefix="ftrun_progress_"))
             os.makedirs(self.progress_dir, exist_ok=True)
-            self.health = HealthWatch(self)
-            self.observer = Observer(self, self.progress_dir)
+            self.slots = ProgressSlots(self.progress_dir)
+            self.health = HealthWatch(self, self.slots)
+            self.observer = Observer(self, self.slots, self.journal, self.health,
+                                     self.logs.run_dir)
             result = self._run_attempts()
             result = replace(result, faults=tuple(self.journal.faults))
             removed = self.logs.cleanup(result.exit_code == 0)
@@ -84,6 +87,8 @@ class Agent(NodeHooks):
             self._kill_all(signal.SIGKILL)
             if hasattr(self, "observer"):
                 self.observer.close()
+            if hasattr(self, "slots"):
+                self.slots.close()
             if hasattr(self, "health"):
                 self.health.close()
             if hasattr(self, "journal"):
@@ -102,7 +107,7 @@ class Agent(NodeHooks):
                 self._start_group(restarts, hosted)
                 hosted.serve()  # imports torch while the workers import theirs
                 if self.spec.on_fault != "restart":
-                    self.ft = FaultTolerance(self, hosted.store, hosted.port)
+                    self._start_recovery(hosted)
                 outcome = self._supervise()
                 if outcome.signum is not None:
                     return self._shutdown_on_signal(outcome, restarts)
@@ -113,7 +118,7 @@ class Agent(NodeHooks):
                     self._close_streams()
                     return RunResult(0, decision.reason, exits=tuple(outcome.exits),
                                      restarts_used=restarts, log_dir=self.logs.run_dir)
-                if self.ft is None or not self.ft.hello:  # FT faults were announced already
+                if not self.uses_api():  # in-process faults were announced already
                     self.emit("failure", {"reason": decision.reason, "rank": decision.culprit})
                 stop_sig = self._stop_workers(signal.SIGTERM, self.spec.shutdown_timeout)
                 self._close_streams()
@@ -127,10 +132,26 @@ class Agent(NodeHooks):
                 return RunResult(1, decision.reason, cause=outcome.cause, exits=exits,
                                  restarts_used=restarts, log_dir=self.logs.run_dir)
             finally:
-                if self.ft is not None:
-                    self.ft.close()
-                    self.ft = None
+                self._end_recovery(hosted)
                 hosted.close()
+
+    def _start_recovery(self, hosted: HostedStore) -> None:
+        self.recovery = Recovery(self, hosted.store)
+        self.observer.membership = self.recovery.membership
+        port = hosted.port
+        self._requests = QueueReader(
+            lambda: client("127.0.0.1", port, timeouts.WATCH_POLL_S), REQUEST_QUEUE,
+            self.recovery.deliver, lambda why: None, "ftrun-requests")
+
+    def _end_recovery(self, hosted: HostedStore) -> None:
+        """The attempt is over: its request reader is woken and joined before the store
+        goes (a thread left inside a C++ call aborts the interpreter's exit)."""
+        if self.recovery is None:
+            return
+        self._requests.close(hosted.store)
+        self.recovery.store = None
+        self.recovery = None
+        self.observer.membership = None
 
     # ----------------------------------------------------------------- environment
     def _static_port(self) -> int | None:
@@ -174,7 +195,7 @@ class Agent(NodeHooks):
                           progress_dir=self.progress_dir, world_size=self.world_size,
                           group_rank=self.group_rank, group_world_size=self.group_world_size)
         env = {**self.base_env, **wenv.to_env()}
-        self.observer.reset_slot(worker_id)  # no progress of an earlier attempt's worker
+        self.slots.reset(worker_id)  # no progress of an earlier attempt's worker
         try:
             spawned = spawn(worker_argv(self.spec, self.base_env, local_rank), env,
                             streams.stdout, streams.stderr)
@@ -191,10 +212,11 @@ class Agent(NodeHooks):
 
     def live_members(self) -> list[Worker]:
         """Workers of the current generation in rank order (all live workers without FT)."""
-        if self.ft is None or not self.ft.hello:
+        if self.recovery is None or not self.recovery.uses_api:
             return sorted((w for w in self._workers if w.alive), key=lambda w: w.rank)
         by_id = {w.worker_id: w for w in self._workers}
-        return [by_id[m] for m in self.ft.members if m in by_id and by_id[m].alive]
+        members = self.recovery.membership.members
+        return [by_id[m] for m in members if m in by_id and by_id[m].alive]
 
     def workers_snapshot(self) -> list[Worker]:
         return [w for w in list(self._workers) if w.alive]
@@ -215,8 +237,8 @@ class Agent(NodeHooks):
                     ended: list[Worker | RemoteWorker] = [
                         *self._reap_ready(sel, self._idle_wait()), *self._remote_exits()]
                     outcome.decision = self._tick()
-                    if self.ft is not None:
-                        outcome.decision = outcome.decision or self.ft.handle_requests()
+                    if self.recovery is not None:
+                        outcome.decision = outcome.decision or self.recovery.handle_requests()
                     self.observer.apply_drills()
                     for worker in ended:
                         self._on_exit(worker, outcome)
@@ -227,18 +249,19 @@ class Agent(NodeHooks):
         return outcome
 
     def _idle_wait(self) -> float | None:
-        return CHECK_EVERY_S if self.ft else None
+        return CHECK_EVERY_S if self.recovery else None
 
     def _on_exit(self, worker: Worker | RemoteWorker, outcome: Outcome) -> None:
         assert worker.exit is not None
         outcome.exits.append(worker.exit)
-        if self.ft is not None and not self.ft.owns(worker):
-            self.ft.catch_up()  # its hello may still be queued
-            decision = self.ft.handle_requests()
+        rec = self.recovery
+        if rec is not None and not rec.owns(worker):
+            rec.catch_up()  # its hello may still be queued
+            decision = rec.handle_requests()
             if decision is not None and outcome.decision is None:
                 outcome.decision = decision
-        if self.ft is not None and self.ft.owns(worker):
-            decision = self.ft.on_exit(worker)
+        if rec is not None and rec.owns(worker):
+            decision = rec.on_exit(worker)
             if decision is not None and outcome.decision is None:
                 outcome.decision, outcome.cause = decision, worker.exit
             return
@@ -247,13 +270,14 @@ class Agent(NodeHooks):
             outcome.cause = worker.exit
 
     def _group_decision(self, outcome: Outcome) -> Decision | None:
-        if self.ft is not None and outcome.first_failure is None:
-            if self.ft.done():
+        rec = self.recovery
+        if rec is not None and outcome.first_failure is None:
+            if rec.done():
                 return Decision(Action.SUCCEED, "every member finished")
-            if self.ft.hello:
+            if rec.uses_api:
                 return None
-        members = self.all_workers() if self.ft is None else [
-            w for w in self.all_workers() if w.worker_id in self.ft.members]
+        members = self.all_workers() if rec is None else [
+            w for w in self.all_workers() if w.worker_id in rec.membership.members]
         codes = {w.rank: (w.exit.returncode if w.exit else None) for w in members}
         decision = decide_group(codes, outcome.first_failure, self.restarts,
                                 self.spec.max_restarts)

@@ -2,9 +2,9 @@
 
 Owns: deciding which agent hosts the rendezvous store (the one that can bind the endpoint on
 this host; node rank 0 with the static backend), connecting the others, the store's keys,
-the messages between agents (a node joining, a worker's exit, commands to a node), node
-heartbeats, and the two threads that carry them (a queue reader and a heartbeat writer),
-each on a store connection of its own.
+the typed messages between agents (commands to a node; a node's reports: joining, a worker's
+exit, ...) and node heartbeats, written by a thread on a store connection of its own (the
+queues are read by `ftrun.store.QueueReader`).
 Must not import: typer, rich, the CLI, the agent or the worker library. Torch lazily.
 """
 
@@ -17,18 +17,17 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import timedelta
-from typing import Any
+from typing import Any, ClassVar
 
 from ftrun import timeouts
 from ftrun.errors import FtrunError, StoreError
-from ftrun.rendezvous import WORKER_ID_STRIDE
+from ftrun.rendezvous import WORKER_ID_STRIDE, decode, encode
 from ftrun.spec import RunSpec
-from ftrun.store import HostedStore
+from ftrun.store import HostedStore, client
 
 PREFIX = "ftrun/rdzv/"
 NODE_COUNTER = PREFIX + "nodes"  # c10d: followers draw their node index here (1, 2, ...)
-AGENT_QUEUE = PREFIX + "agents"  # follower -> coordinator: join, exit, left
+AGENT_QUEUE = PREFIX + "agents"  # follower -> coordinator: its reports (join, exit, left...)
 STATUS_KEY = PREFIX + "status"  # the coordinator's view of the whole job, for `ftrun status`
 DEFAULT_PORT = 29400  # torchrun's c10d default
 
@@ -119,10 +118,8 @@ def try_host(spec: RunSpec, ep: Endpoint) -> HostedStore | None:
 
 def connect(ep: Endpoint, timeout_s: float) -> Any:
     """A client connection to the rendezvous store; a clear error when nobody serves it."""
-    from torch.distributed import TCPStore
-
     try:
-        return TCPStore(ep.host, ep.port, None, False, timedelta(seconds=timeout_s))
+        return client(ep.host, ep.port, timeout_s)
     except Exception as exc:
         raise FtrunError(f"cannot reach the rendezvous store at {ep} within {timeout_s:g} s "
                          f"({str(exc).splitlines()[0][:120]})",
@@ -130,8 +127,150 @@ def connect(ep: Endpoint, timeout_s: float) -> Any:
                               "check --rdzv-endpoint / --master-addr and the firewall") from None
 
 
-def push(store: Any, queue_key: str, kind: str, **fields: Any) -> None:
-    store.queue_push(queue_key, json.dumps({"kind": kind, **fields}))
+# ------------------------------------------------------ coordinator -> follower: commands
+@dataclass(frozen=True)
+class Start:
+    """Start this node's workers for attempt `attempt` (ranks from `base_rank`; -1: joiners
+    or spares), whose store is at addr:port."""
+
+    kind: ClassVar[str] = "start"
+    attempt: int
+    addr: str
+    port: int
+    base_rank: int
+    world_size: int
+    group_rank: int
+    group_world_size: int
+    first_id: int
+    run_id: str
+    spare: bool
+
+
+@dataclass(frozen=True)
+class Spawn:
+    """Start one more worker (a replacement, a spare) on this node."""
+
+    kind: ClassVar[str] = "spawn"
+    worker: int
+    rank: int
+    local_rank: int
+    spare: bool
+
+
+@dataclass(frozen=True)
+class Kill:
+    kind: ClassVar[str] = "kill"
+    worker: int
+
+
+@dataclass(frozen=True)
+class Stop:
+    """Stop this attempt's workers (signal, then SIGKILL after `grace` seconds)."""
+
+    kind: ClassVar[str] = "stop"
+    signal: int
+    grace: float
+
+
+@dataclass(frozen=True)
+class End:
+    """The job is over (or this node is out of it): stop and exit with `code`."""
+
+    kind: ClassVar[str] = "end"
+    code: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class Ping:
+    kind: ClassVar[str] = "ping"
+    seq: int
+
+
+# ------------------------------------------------------ follower -> coordinator: reports
+@dataclass(frozen=True)
+class Join:
+    kind: ClassVar[str] = "join"
+    node: int
+    host: str
+    pid: int
+    nproc: int
+    rdzv_id: str
+
+
+@dataclass(frozen=True)
+class Spawned:
+    kind: ClassVar[str] = "spawned"
+    node: int
+    worker: int
+    pid: int
+    local_rank: int
+
+
+@dataclass(frozen=True)
+class Exited:
+    """A worker of attempt `attempt` ended; `error` is its error file's text, if any."""
+
+    kind: ClassVar[str] = "exit"
+    node: int
+    worker: int
+    attempt: int
+    pid: int
+    returncode: int
+    wall_time: float
+    error: str
+    by_launcher: bool
+
+
+@dataclass(frozen=True)
+class Stopped:
+    kind: ClassVar[str] = "stopped"
+    node: int
+
+
+@dataclass(frozen=True)
+class Left:
+    """The node's agent is leaving on its own (a signal)."""
+
+    kind: ClassVar[str] = "left"
+    node: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class Pong:
+    kind: ClassVar[str] = "pong"
+    node: int
+    seq: int
+
+
+@dataclass(frozen=True)
+class Bye:
+    """The node's agent has let go of the store: the coordinator may close it."""
+
+    kind: ClassVar[str] = "bye"
+    node: int
+
+
+Command = Start | Spawn | Kill | Stop | End | Ping
+Report = Join | Spawned | Exited | Stopped | Left | Pong | Bye
+COMMANDS: dict[str, type[Command]] = {c.kind: c for c in (Start, Spawn, Kill, Stop, End, Ping)}
+REPORTS: dict[str, type[Report]] = {
+    c.kind: c for c in (Join, Spawned, Exited, Stopped, Left, Pong, Bye)}
+
+
+def send(store: Any, queue_key: str, msg: Command | Report) -> None:
+    store.queue_push(queue_key, encode(msg))
+
+
+def parse_command(raw: str | bytes) -> Command | str:
+    """A command as a follower may obey it, or the one-line reason it is refused."""
+    return decode(raw, COMMANDS)
+
+
+def parse_report(raw: str | bytes) -> Report | str:
+    """A follower's report as the coordinator may act on it, or why it is refused."""
+    return decode(raw, REPORTS)
 
 
 def read_payload(store: Any, node: int) -> dict[str, Any]:
@@ -141,51 +280,6 @@ def read_payload(store: Any, node: int) -> dict[str, Any]:
         return dict(json.loads(store.get(key))) if store.check([key]) else {}
     except Exception:
         return {}
-
-
-class QueueReader:
-    """A thread blocked on one store queue: each message goes to `deliver`; a lost store
-    (the coordinator died) goes to `on_lost` once."""
-
-    def __init__(self, ep: Endpoint, queue_key: str, deliver: Callable[[dict[str, Any]], None],
-                 on_lost: Callable[[str], None], name: str) -> None:
-        self._ep, self._key = ep, queue_key
-        self._deliver, self._on_lost = deliver, on_lost
-        self._stop = threading.Event()
-        self._client: Any = None
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
-
-    def close(self, store: Any | None) -> None:
-        """Wake the reader with its own sentinel (it is blocked in C++), then join it.
-        `store` None: the store is gone, and so is the reader (or it never returns)."""
-        self._stop.set()
-        if store is None:
-            return
-        with contextlib.suppress(Exception):
-            push(store, self._key, "_stop")
-        self._thread.join(timeouts.THREAD_JOIN_S)
-
-    def _run(self) -> None:
-        try:
-            self._client = connect(self._ep, timeouts.STORE_CLIENT_CONNECT_S)
-            self._client.set_timeout(timedelta(seconds=timeouts.WATCH_POLL_S))
-        except Exception as exc:
-            self._on_lost(str(exc))
-            return
-        while not self._stop.is_set():
-            try:
-                raw = self._client.queue_pop(self._key, True)
-            except Exception as exc:
-                if "timeout" in str(exc).lower() and not self._stop.is_set():
-                    continue
-                if not self._stop.is_set():
-                    self._on_lost(str(exc).splitlines()[0][:200])
-                return
-            doc = json.loads(raw)
-            if doc.get("kind") == "_stop":
-                return
-            self._deliver(doc)
 
 
 class Heartbeat:

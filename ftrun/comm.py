@@ -23,6 +23,7 @@ from typing import Any, Protocol
 
 from ftrun import timeouts
 from ftrun.rendezvous import Generation, Store, gen_key
+from ftrun.store import is_timeout
 
 REAP_POLL_S = 0.5  # how often the reaper looks at abandoned ops that are still pending
 REAP_GRACE_S = 5.0  # past an op's own timeout, release it even if it never said it ended
@@ -350,7 +351,7 @@ class GenerationWatcher:
             try:
                 store.wait([key], timedelta(seconds=timeouts.WATCH_POLL_S))
             except Exception as exc:
-                if _is_timeout(exc):
+                if is_timeout(exc):
                     continue
                 self._lost(exc)
                 return
@@ -368,8 +369,3 @@ class GenerationWatcher:
         if not self._stop.is_set():
             self._interrupt.store_lost = str(exc).splitlines()[0][:200] if str(exc) else "lost"
             self._interrupt.wake.set()
-
-
-def _is_timeout(exc: Exception) -> bool:
-    text = str(exc).lower()
-    return "timeout" in text or "timed out" in text

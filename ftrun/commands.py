@@ -17,10 +17,10 @@ import typer
 
 from ftrun import control, render
 from ftrun.errors import FtrunError, UsageError
+from ftrun.faultkinds import ALL_KINDS, FaultKind
 from ftrun.gpuhealth import GpuSample as _Sample
 from ftrun.gpuhealth import Health, classify
-from ftrun.observe import GPU_KINDS, check_request
-from ftrun.progress import DRILL_KINDS
+from ftrun.observe import check_request
 
 app = typer.Typer(add_completion=False, no_args_is_help=False, pretty_exceptions_enable=False,
                   help="ftrun: see what a job is doing, and rehearse its failures.")
@@ -51,7 +51,7 @@ def status(run_id: Optional[str] = typer.Option(None, "--run-id", help="the job 
 
 @app.command("inject-fault")
 def inject_fault(
-    kind: str = typer.Option(..., "--kind", help="one of " + ", ".join((*DRILL_KINDS, *GPU_KINDS))),
+    kind: str = typer.Option(..., "--kind", help="one of " + ", ".join(ALL_KINDS)),
     rank: Optional[int] = typer.Option(None, "--rank", help="the rank to break"),  # noqa: UP045
     gpu: Optional[int] = typer.Option(None, "--gpu", help="the GPU to break (xid kinds)"),  # noqa: UP045,E501
     run_id: Optional[str] = typer.Option(None, "--run-id", help="the job (a prefix is enough)"),  # noqa: UP045,E501
@@ -62,9 +62,8 @@ def inject_fault(
     xid: Optional[int] = typer.Option(None, "--xid", help="the XID for --kind xid"),  # noqa: UP045
 ) -> None:
     """Break a running job on purpose and print how it recovered, phase by phase."""
-    if kind not in (*DRILL_KINDS, *GPU_KINDS):
-        raise UsageError(f"unknown fault kind {kind!r}",
-                         hint="use " + ", ".join((*DRILL_KINDS, *GPU_KINDS)))
+    if kind not in ALL_KINDS:
+        raise UsageError(f"unknown fault kind {kind!r}", hint="use " + ", ".join(ALL_KINDS))
     if not math.isfinite(every) or every < 0:
         raise UsageError(f"--every must be a number of seconds >= 0, not {every}",
                          hint="e.g. --every 5 --count 3")
@@ -93,7 +92,8 @@ def inject_fault(
         else:
             print(f"ftrun: injected {kind} into rank {reply['rank']} (worker "
                   f"{reply['worker']}, pid {reply['pid']})", flush=True)
-    if kind in ("slow", "thermal") or (kind == "xid" and xid_is_benign(xid)):
+    benign_xid = kind == FaultKind.XID and xid_is_benign(xid)
+    if kind in (FaultKind.SLOW, FaultKind.THERMAL) or benign_xid:
         return
     if not first.get("ft_api"):  # a plain script: torchrun semantics, no in-process record
         print("ftrun: the job does not use the ftrun worker API: it restarts or stops as "

@@ -5,7 +5,7 @@ Owns: the node table (who joined, their heartbeats, which are lost), global rank
 the remote workers as this agent knows them from their node's reports, starting, stopping and
 ending the other nodes' workers through their command queues, admitting a node into a
 running job, and publishing the whole job's status for `ftrun status` on any node.
-Generations and fault decisions stay with `FaultTolerance` and the pure policy.
+Generations and fault decisions stay with `Recovery` and the pure policy.
 Must not import: typer, rich, the CLI or the worker library.
 """
 
@@ -16,7 +16,6 @@ import queue
 import signal
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
 from ftrun import timeouts
@@ -25,37 +24,38 @@ from ftrun.cluster import (
     AGENT_QUEUE,
     STATUS_KEY,
     BeatTracker,
+    Bye,
+    Command,
+    End,
     Endpoint,
+    Exited,
+    Join,
+    Kill,
+    Left,
+    Ping,
+    Pong,
     Probe,
-    QueueReader,
+    Report,
+    Spawn,
+    Spawned,
+    Start,
+    Stop,
     command_queue,
     conf_float,
+    connect,
     first_worker_id,
-    push,
+    parse_report,
     read_payload,
+    send,
 )
 from ftrun.errors import FtrunError
-from ftrun.jobview import merge_job_status
+from ftrun.jobview import Node, merge_job_status
 from ftrun.policy import Decision, Liveness, find_lost_nodes
 from ftrun.rendezvous import node_of
 from ftrun.report import WorkerExit
 from ftrun.roster import RemoteWorker, Worker
 from ftrun.spec import RunSpec
-from ftrun.store import HostedStore
-
-
-@dataclass
-class Node:
-    index: int
-    host: str
-    pid: int
-    nproc: int
-    alive: bool = True
-    in_attempt: bool = False  # its workers belong to the current attempt
-
-    @property
-    def label(self) -> str:
-        return f"node {self.index} ({self.host})"
+from ftrun.store import HostedStore, QueueReader
 
 
 class Coordinator(Agent):
@@ -66,7 +66,7 @@ class Coordinator(Agent):
         self.ep = ep
         self.nodes: dict[int, Node] = {}
         self.remote: dict[int, RemoteWorker] = {}
-        self._inbox: queue.SimpleQueue[dict[str, Any]] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[Report | str] = queue.SimpleQueue()
         self._exited: list[RemoteWorker] = []
         self._beats = BeatTracker()
         self._ids: dict[int, int] = {}
@@ -96,7 +96,7 @@ class Coordinator(Agent):
                 reason = result.reason if result is not None else "the coordinator failed"
                 ending = self._alive()
                 for node in ending:
-                    self._send(node, "end", code=code, reason=reason)
+                    self._send(node, End(code=code, reason=reason))
                 self._await_byes({n.index for n in ending})
                 self._reader.close(self.rdzv.store)
             self.rdzv.close()
@@ -107,8 +107,8 @@ class Coordinator(Agent):
         # every follower reached the store through the endpoint host: their workers can too
         self.master_addr = self.spec.local_addr or self.ep.host
         self.rdzv.serve()
-        self._reader = QueueReader(self.ep, AGENT_QUEUE, self._deliver, lambda why: None,
-                                   "ftrun-agents")
+        self._reader = QueueReader(lambda: connect(self.ep, timeouts.STORE_CLIENT_CONNECT_S),
+                                   AGENT_QUEUE, self._deliver, lambda why: None, "ftrun-agents")
 
     def _await_byes(self, nodes: set[int]) -> None:
         """Followers disconnect before the store goes (c10d prints a stack trace if not)."""
@@ -118,15 +118,15 @@ class Coordinator(Agent):
                 msg = self._inbox.get(timeout=0.05)
             except queue.Empty:
                 continue
-            if msg.get("kind") in ("bye", "left"):
-                nodes.discard(int(msg.get("node", -1)))
+            if isinstance(msg, (Bye, Left)):
+                nodes.discard(msg.node)
 
-    def _deliver(self, msg: dict[str, Any]) -> None:  # reader thread
-        self._inbox.put(msg)
+    def _deliver(self, raw: str | bytes) -> None:  # reader thread
+        self._inbox.put(parse_report(raw))
         self.wake()
 
-    def _send(self, node: Node, kind: str, **fields: Any) -> None:
-        push(self.rdzv.store, command_queue(node.index), kind, **fields)  # our own store
+    def _send(self, node: Node, cmd: Command) -> None:
+        send(self.rdzv.store, command_queue(node.index), cmd)  # our own store
 
     def _alive(self) -> list[Node]:
         return [n for n in self.nodes.values() if n.alive]
@@ -153,10 +153,11 @@ class Coordinator(Agent):
         for i, wid in enumerate(ids):
             self.remote[wid] = RemoteWorker(base_rank + i if base_rank >= 0 else -1, i, wid,
                                             node.index)
-        self._send(node, "start", attempt=self.restarts, addr=self.master_addr,
-                   port=self.worker_port, base_rank=base_rank, world_size=self.world_size,
-                   group_rank=group_rank, group_world_size=self.group_world_size,
-                   first_id=first, run_id=self.run_id, spare=spare)
+        self._send(node, Start(attempt=self.restarts, addr=self.master_addr,
+                               port=self.worker_port, base_rank=base_rank,
+                               world_size=self.world_size, group_rank=group_rank,
+                               group_world_size=self.group_world_size, first_id=first,
+                               run_id=self.run_id, spare=spare))
         node.in_attempt = True
         return ids
 
@@ -194,34 +195,35 @@ class Coordinator(Agent):
                 msg = self._inbox.get_nowait()
             except queue.Empty:
                 return
-            kind, index = msg.get("kind"), int(msg.get("node", -1))
-            if kind == "join":
-                self._on_join(msg, running)
-            elif kind == "exit" and int(msg["worker"]) in self.remote and int(
-                    msg.get("attempt", -1)) == self.restarts:
-                self._on_remote_exit(msg)
-            elif kind == "spawned" and int(msg["worker"]) in self.remote:
-                self.remote[int(msg["worker"])].pid = int(msg["pid"])
-                self.remote[int(msg["worker"])].local_rank = int(msg["local_rank"])
-            elif kind == "left" and index in self.nodes and self.nodes[index].alive:
-                why = f"its agent left ({msg.get('reason', '')})"
-                if running:
-                    self._lost_nodes.append((index, why, 0.0))
-                else:
-                    self._node_lost(self.nodes[index], why, time.time())
-            elif kind == "pong":
-                self._probe.answer(index, int(msg["seq"]))
-            elif kind == "bye" and index in self.nodes:
-                self.nodes[index].alive = False  # it has ended for good
+            match msg:
+                case str():
+                    self.emit("notice", {"text": f"ignored a malformed agent message ({msg})"})
+                case Join():
+                    self._on_join(msg, running)
+                case Exited() if msg.worker in self.remote and msg.attempt == self.restarts:
+                    self._on_remote_exit(msg)
+                case Spawned() if msg.worker in self.remote:
+                    self.remote[msg.worker].pid = msg.pid
+                    self.remote[msg.worker].local_rank = msg.local_rank
+                case Left() if msg.node in self.nodes and self.nodes[msg.node].alive:
+                    why = f"its agent left ({msg.reason})"
+                    if running:
+                        self._lost_nodes.append((msg.node, why, 0.0))
+                    else:
+                        self._node_lost(self.nodes[msg.node], why, time.time())
+                case Pong():
+                    self._probe.answer(msg.node, msg.seq)
+                case Bye() if msg.node in self.nodes:
+                    self.nodes[msg.node].alive = False  # it has ended for good
 
-    def _on_join(self, msg: dict[str, Any], running: bool) -> None:
-        node = Node(int(msg["node"]), str(msg["host"]), int(msg["pid"]), int(msg["nproc"]))
-        if str(msg.get("rdzv_id")) != self.spec.rdzv_id:
-            self._send(node, "end", code=1, reason=f"this store serves --rdzv-id "
-                       f"{self.spec.rdzv_id!r}, not {msg.get('rdzv_id')!r}")
+    def _on_join(self, msg: Join, running: bool) -> None:
+        node = Node(msg.node, msg.host, msg.pid, msg.nproc)
+        if msg.rdzv_id != self.spec.rdzv_id:
+            self._send(node, End(code=1, reason=f"this store serves --rdzv-id "
+                                 f"{self.spec.rdzv_id!r}, not {msg.rdzv_id!r}"))
             return
         if node.index in self.nodes and self.nodes[node.index].alive:
-            self._send(node, "end", code=1, reason=f"node index {node.index} is taken")
+            self._send(node, End(code=1, reason=f"node index {node.index} is taken"))
             return
         self.nodes[node.index] = node
         self._beats.watch(node.index)  # a node waiting to be used can die too
@@ -232,30 +234,29 @@ class Coordinator(Agent):
     def _admit(self, node: Node) -> None:
         """A node joining a running job: its workers enter at a step boundary and heal, or,
         when spares already hold the first world size, they wait as spares."""
-        ft = self.ft
+        rec = self.recovery
         full = 1 + sum(n.in_attempt for n in self._alive()) >= self.spec.nnodes_max
-        if ft is None or not ft.hello or full:
+        if rec is None or not rec.uses_api or full:
             why = "the job is full" if full else "the script does not use the ftrun API"
             self.emit("notice", {"text": f"{node.label} waits for the next restart ({why})"})
             return
         self.group_world_size += 1  # group ranks are never reused within an attempt
-        if len(ft.members) >= len(self._members):
-            self._start_node(node, -1, self.group_world_size - 1, spare=True)
+        if len(rec.membership.members) >= len(self._members):
+            rec.add_spares(self._start_node(node, -1, self.group_world_size - 1, spare=True))
             return
-        self.world_size = len(ft.members) + node.nproc
-        ft.add_joiners(self._start_node(node, -1, self.group_world_size - 1))
+        self.world_size = len(rec.membership.members) + node.nproc
+        rec.add_joiners(self._start_node(node, -1, self.group_world_size - 1))
 
-    def _on_remote_exit(self, msg: dict[str, Any]) -> None:
-        w = self.remote[int(msg["worker"])]
+    def _on_remote_exit(self, msg: Exited) -> None:
+        w = self.remote[msg.worker]
         if w.exit is not None:
             return
-        w.exit = WorkerExit(rank=w.rank, local_rank=w.local_rank, pid=int(msg["pid"]),
-                            returncode=int(msg["returncode"]), detected_at=time.monotonic(),
-                            wall_time=float(msg["wall_time"]),
+        w.exit = WorkerExit(rank=w.rank, local_rank=w.local_rank, pid=msg.pid,
+                            returncode=msg.returncode, detected_at=time.monotonic(),
+                            wall_time=float(msg.wall_time),
                             error_file=self.logs.keep_error(  # its own is on its node
-                                self.restarts, f"node{w.node}.w{w.worker_id}",
-                                str(msg.get("error") or "")),
-                            killed_by_launcher=bool(msg.get("by_launcher")))
+                                self.restarts, f"node{w.node}.w{w.worker_id}", msg.error),
+                            killed_by_launcher=msg.by_launcher)
         self._exited.append(w)
 
     # ----------------------------------------------------------------- supervision hooks
@@ -287,8 +288,10 @@ class Coordinator(Agent):
         self._suspect_until = now + self.lost_after_s
         nodes = [n for n in self._alive() if n.in_attempt]
         seq = self._probe.start([n.index for n in nodes], now)
-        for node in nodes if seq is not None else []:
-            self._send(node, "ping", seq=seq)
+        if seq is None:  # a round is running
+            return
+        for node in nodes:
+            self._send(node, Ping(seq=seq))
 
     def _node_lost(self, node: Node, why: str, last_seen: float) -> Decision | None:
         """`last_seen`: wall clock of its last sign of life, the fault's best estimate."""
@@ -297,16 +300,16 @@ class Coordinator(Agent):
         node.alive = False
         self._beats.forget(node.index)
         self.emit("notice", {"text": f"{node.label} is lost: {why}"})
-        self._send(node, "end", code=1, reason=f"the coordinator declared this node lost ({why})")
+        self._send(node, End(code=1, reason=f"the coordinator declared this node lost ({why})"))
         gone = [w for w in self.remote.values() if w.node == node.index and w.alive]
         now = time.time()
         for w in gone:
             w.exit = WorkerExit(rank=w.rank, local_rank=w.local_rank, pid=w.pid,
                                 returncode=-int(signal.SIGKILL), detected_at=time.monotonic(),
                                 wall_time=now, error_file="", killed_by_launcher=False)
-        if self.ft is not None and self.ft.hello:
+        if self.recovery is not None and self.recovery.uses_api:
             left = 1 + len(self._alive())
-            return self.ft.on_node_lost(node.index, node.label, list(gone), left, last_seen)
+            return self.recovery.on_node_lost(node.index, node.label, list(gone), left, last_seen)
         self._exited += gone  # torchrun semantics: a failed member restarts or ends the job
         return None
 
@@ -326,8 +329,8 @@ class Coordinator(Agent):
             super().place(worker_id, rank, local_rank, spare)
             return
         self.remote[worker_id] = RemoteWorker(rank, local_rank, worker_id, node)
-        self._send(self.nodes[node], "spawn", worker=worker_id, rank=rank,
-                   local_rank=local_rank, spare=spare)
+        self._send(self.nodes[node], Spawn(worker=worker_id, rank=rank, local_rank=local_rank,
+                                           spare=spare))
 
     def live_nodes(self) -> list[int]:
         return [0] + [n.index for n in self._alive() if n.in_attempt]
@@ -351,7 +354,7 @@ class Coordinator(Agent):
             return super().kill_worker(worker_id)
         if not w.alive or not self.nodes[w.node].alive:
             return False
-        self._send(self.nodes[w.node], "kill", worker=worker_id)
+        self._send(self.nodes[w.node], Kill(worker=worker_id))
         return True
 
     def initial_members(self) -> tuple[int, ...]:
@@ -363,7 +366,7 @@ class Coordinator(Agent):
     def _stop_workers(self, sig: int, grace: float) -> int | None:
         waiting = [n for n in self._alive() if n.in_attempt]
         for node in waiting:
-            self._send(node, "stop", signal=int(sig), grace=grace)
+            self._send(node, Stop(signal=int(sig), grace=grace))
             node.in_attempt = False
         deadline = time.monotonic() + grace + timeouts.KILL_REAP_S
         received = super()._stop_workers(sig, grace)
@@ -377,7 +380,8 @@ class Coordinator(Agent):
     def decorate_status(self, doc: dict[str, Any]) -> dict[str, Any]:
         nodes = list(self.nodes.values())  # the control thread reads while the loop adds
         payloads = {n.index: self._payload(n.index) for n in nodes if n.alive}
-        return merge_job_status(doc, nodes, payloads, self.ft, self.world_size, str(self.ep))
+        membership = self.recovery.membership if self.recovery is not None else None
+        return merge_job_status(doc, nodes, payloads, membership, self.world_size, str(self.ep))
 
     def _payload(self, node: int) -> dict[str, Any]:
         """Read once per heartbeat period: a fault or a status asks for every member's."""

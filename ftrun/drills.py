@@ -11,15 +11,13 @@ Must not import: typer, rich, NVML, the agent, worker.py. Torch is not needed.
 from __future__ import annotations
 
 import os
-import signal
 import sys
 import time
 from collections.abc import Callable
 
 from ftrun.comm import Interrupt, never_completes
+from ftrun.faultkinds import AGENT_SIGNALS, GROUP_DRILLS, FaultKind
 from ftrun.progress import Reporter, hang_here
-
-_SIGNALS = {"kill": signal.SIGKILL, "segv": signal.SIGSEGV, "hang": signal.SIGSTOP}
 
 
 class Drills:
@@ -29,7 +27,7 @@ class Drills:
         self._worker_id = worker_id
         self._comm_fault = comm_fault  # break this rank's communicator, with the reason
         self._slow = 0.0
-        self._stall: tuple[str, int] | None = None  # a stall or wedge drill, its generation
+        self._stall: tuple[FaultKind, int] | None = None  # a stall or wedge drill, its generation
         self._comm_due = False
 
     def before_step(self, step: int, generation: int) -> None:
@@ -41,23 +39,23 @@ class Drills:
         if self._slow:  # a "slow" drill: this rank computes slower from now on
             time.sleep(self._slow)
 
-    def _act(self, kind: str, arg: float, step: int, generation: int) -> None:
+    def _act(self, kind: FaultKind, arg: float, step: int, generation: int) -> None:
         print(f"ftrun: drill: {kind} on worker {self._worker_id} at step {step}",
               file=sys.stderr, flush=True)
-        if kind in _SIGNALS:
-            os.kill(os.getpid(), _SIGNALS[kind])
-        elif kind == "exit":
+        if kind in AGENT_SIGNALS:  # at a step: the worker signals itself
+            os.kill(os.getpid(), AGENT_SIGNALS[kind])
+        elif kind == FaultKind.EXIT:
             sys.stdout.flush()
             os._exit(1)
-        elif kind == "exception":
+        elif kind == FaultKind.EXCEPTION:
             raise RuntimeError(f"ftrun drill: exception injected at step {step}")
-        elif kind == "slow":
+        elif kind == FaultKind.SLOW:
             self._slow = arg
-        elif kind in ("spin", "deadlock"):
+        elif kind in (FaultKind.SPIN, FaultKind.DEADLOCK):
             hang_here(kind)
-        elif kind in ("stall", "wedge"):  # in this step's collective
+        elif kind in GROUP_DRILLS:  # in this step's collective
             self._stall = (kind, generation)
-        elif kind == "comm":
+        elif kind == FaultKind.COMM:
             self._comm_due = True
 
     def bucket_starting(self, generation: int) -> bool:
@@ -77,7 +75,7 @@ class Drills:
         if self._stall is None:
             return
         kind, stalled_in = self._stall
-        if kind == "wedge":
+        if kind == FaultKind.WEDGE:
             hang_here(kind)
         if stalled_in != generation:
             self._stall = None

@@ -26,18 +26,34 @@ from ftrun.cluster import (
     AGENT_QUEUE,
     NODE_COUNTER,
     STATUS_KEY,
+    Bye,
+    Command,
+    End,
     Endpoint,
+    Exited,
     Heartbeat,
-    QueueReader,
+    Join,
+    Kill,
+    Left,
+    Ping,
+    Pong,
+    Report,
+    Spawn,
+    Spawned,
+    Start,
+    Stop,
+    Stopped,
     command_queue,
     conf_float,
     connect,
-    push,
+    parse_command,
+    send,
 )
 from ftrun.errors import FtrunError
 from ftrun.health import CHECK_EVERY_S
 from ftrun.roster import RunResult, Worker
 from ftrun.spec import RunSpec
+from ftrun.store import QueueReader
 
 MAX_ERROR_FILE_BYTES = 64 * 1024
 
@@ -49,13 +65,13 @@ class Follower(Agent):
         self.ep = ep
         self.node = -1
         self.link: Any = None
-        self._commands: queue.SimpleQueue[dict[str, Any]] = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[Command | str] = queue.SimpleQueue()
         self._lost: str | None = None
         self._payload_at, self._last_payload = 0.0, dict[str, Any]()
 
     # ----------------------------------------------------------------- threads
-    def _deliver(self, msg: dict[str, Any]) -> None:
-        self._commands.put(msg)
+    def _deliver(self, raw: str | bytes) -> None:
+        self._commands.put(parse_command(raw))
         self.wake()
 
     def _on_lost(self, why: str) -> None:
@@ -75,10 +91,10 @@ class Follower(Agent):
             self._payload_at = now
         return self._last_payload
 
-    def _report(self, kind: str, **fields: Any) -> None:
+    def _report(self, msg: Report) -> None:
         if self._lost is None:
             try:
-                push(self.link, AGENT_QUEUE, kind, node=self.node, **fields)
+                send(self.link, AGENT_QUEUE, msg)
             except Exception as exc:
                 self._on_lost(str(exc).splitlines()[0][:200])
 
@@ -91,20 +107,21 @@ class Follower(Agent):
         static = self.spec.rdzv_backend == "static"
         self.node = self.spec.node_rank if static else int(self.link.add(NODE_COUNTER, 1))
         self.link.delete_key(command_queue(self.node))  # an earlier agent's unread commands
-        reader = QueueReader(self.ep, command_queue(self.node), self._deliver, self._on_lost,
+        reader = QueueReader(lambda: connect(self.ep, timeouts.STORE_CLIENT_CONNECT_S),
+                             command_queue(self.node), self._deliver, self._on_lost,
                              "ftrun-commands")
         beat = Heartbeat(self.ep, self.node,
                          conf_float(self.spec, "heartbeat", timeouts.NODE_HEARTBEAT_S),
                          timeouts.STORE_LOST_S, self._payload, self._on_lost)
-        self._report("join", host=socket.gethostname(), pid=os.getpid(), nproc=self.spec.nproc,
-                     rdzv_id=self.spec.rdzv_id)
+        self._report(Join(node=self.node, host=socket.gethostname(), pid=os.getpid(),
+                          nproc=self.spec.nproc, rdzv_id=self.spec.rdzv_id))
         self.emit("notice", {"text": f"joined the rendezvous at {self.ep} as node {self.node}"})
         try:
             return self._serve()
         finally:
             beat.close()
             reader.close(self.link if self._lost is None else None)
-            self._report("bye")  # the coordinator may close the store now
+            self._report(Bye(node=self.node))  # the coordinator may close the store now
 
     def _connect(self) -> Any:
         """Reach the store, retrying in short tries so that Ctrl-C is honoured meanwhile."""
@@ -122,28 +139,33 @@ class Follower(Agent):
 
     def _serve(self) -> RunResult:
         while True:
-            cmd = self._next_command()
-            if isinstance(cmd, RunResult):
-                return cmd
-            if cmd["kind"] == "end":
-                return self._end(cmd)
-            if cmd["kind"] == "start":
-                self._start(cmd)
-                result = self._follow()
-                if result is not None:
-                    return result
-            elif cmd["kind"] == "stop":
-                self._report("stopped")
-            elif cmd["kind"] == "ping":
-                self._report("pong", seq=cmd["seq"])
+            match self._next_command():
+                case RunResult() as done:
+                    return done
+                case End() as cmd:
+                    return self._end(cmd)
+                case Start() as cmd:
+                    self._start(cmd)
+                    if (result := self._follow()) is not None:
+                        return result
+                case Stop():
+                    self._report(Stopped(node=self.node))
+                case Ping() as cmd:
+                    self._report(Pong(node=self.node, seq=cmd.seq))
+                case str() as why:
+                    self._refused(why)
 
-    def _next_command(self) -> dict[str, Any] | RunResult:
+    def _refused(self, why: str) -> None:
+        self.emit("notice", {"text": f"ignored a malformed command ({why})"})
+
+    def _next_command(self) -> Command | str | RunResult:
         """Wait (no deadline: the heartbeat notices a dead coordinator) for a command."""
         with self._selector() as sel:
             while True:
                 sig = self._wakeup.pop_signal()
                 if sig is not None:
-                    self._report("left", reason=f"received {signal.Signals(sig).name}")
+                    self._report(Left(node=self.node,
+                                      reason=f"received {signal.Signals(sig).name}"))
                     return self._signal_result(sig, self.restarts)
                 if self._lost is not None:
                     return self._lost_result(0)
@@ -155,19 +177,20 @@ class Follower(Agent):
                     if key.data is None:
                         self._wakeup.drain()
 
-    def _start(self, cmd: dict[str, Any]) -> None:
-        self.restarts = int(cmd["attempt"])
-        self.run_id = str(cmd.get("run_id", self.run_id))
-        self.master_addr, self.worker_port = str(cmd["addr"]), int(cmd["port"])
-        self.world_size = int(cmd["world_size"])
-        self.group_rank = int(cmd["group_rank"])
-        self.group_world_size = int(cmd["group_world_size"])
-        base, first = int(cmd["base_rank"]), int(cmd["first_id"])
+    def _start(self, cmd: Start) -> None:
+        self.restarts = cmd.attempt
+        self.run_id = cmd.run_id
+        self.master_addr, self.worker_port = cmd.addr, cmd.port
+        self.world_size = cmd.world_size
+        self.group_rank = cmd.group_rank
+        self.group_world_size = cmd.group_world_size
+        base, first = cmd.base_rank, cmd.first_id
         self._workers = []
         for i in range(self.spec.nproc):
             w = self.spawn_worker(first + i, rank=base + i if base >= 0 else -1, local_rank=i,
-                                  spare=bool(cmd.get("spare")))
-            self._report("spawned", worker=w.worker_id, pid=w.spawned.pid, local_rank=i)
+                                  spare=cmd.spare)
+            self._report(Spawned(node=self.node, worker=w.worker_id, pid=w.spawned.pid,
+                                 local_rank=i))
         self.emit("started", {"attempt": self.restarts, "world_size": self.world_size,
                               "pids": [w.spawned.pid for w in self._workers],
                               "master": f"{self.master_addr}:{self.worker_port}",
@@ -187,7 +210,7 @@ class Follower(Agent):
                         self._stop_workers(signal.SIGTERM, timeouts.LOST_STORE_GRACE_S)
                         return self._lost_result(alive)
                     self._reap_ready(sel, timeout=timeouts.NODE_HEARTBEAT_S)
-                    self.health.tick()
+                    self.act(self.health.tick(None, time.time()))  # no membership here
                     self.observer.apply_drills()
                     stop, result = self._obey()
                     if stop:
@@ -202,40 +225,41 @@ class Follower(Agent):
                 cmd = self._commands.get_nowait()
             except queue.Empty:
                 return False, None
-            kind = cmd["kind"]
-            if kind == "spawn":
-                w = self.spawn_worker(int(cmd["worker"]), rank=int(cmd["rank"]),
-                                      local_rank=self.health.pick_local_rank(
-                                          int(cmd["local_rank"])), spare=bool(cmd["spare"]))
-                self._report("spawned", worker=w.worker_id, pid=w.spawned.pid,
-                             local_rank=w.local_rank)
-            elif kind == "ping":  # a peer's connection broke somewhere: are we alive?
-                self._report("pong", seq=cmd["seq"])
-            elif kind == "kill":  # the coordinator found it hung, or a straggler to evict
-                self.kill_worker(int(cmd["worker"]))
-            elif kind == "stop":
-                self._stop_workers(int(cmd.get("signal", signal.SIGTERM)),
-                                   float(cmd.get("grace", self.spec.shutdown_timeout)))
-                self._close_streams()
-                self._report("stopped")
-                return True, None
-            elif kind == "end":
-                return True, self._end(cmd)
+            match cmd:
+                case Spawn():
+                    w = self.spawn_worker(cmd.worker, rank=cmd.rank,
+                                          local_rank=self.health.pick_local_rank(cmd.local_rank),
+                                          spare=cmd.spare)
+                    self._report(Spawned(node=self.node, worker=w.worker_id, pid=w.spawned.pid,
+                                         local_rank=w.local_rank))
+                case Ping():  # a peer's connection broke somewhere: are we alive?
+                    self._report(Pong(node=self.node, seq=cmd.seq))
+                case Kill():  # the coordinator found it hung, or a straggler to evict
+                    self.kill_worker(cmd.worker)
+                case Stop():
+                    self._stop_workers(cmd.signal, cmd.grace)
+                    self._close_streams()
+                    self._report(Stopped(node=self.node))
+                    return True, None
+                case End():
+                    return True, self._end(cmd)
+                case str():
+                    self._refused(cmd)
 
-    def _end(self, cmd: dict[str, Any]) -> RunResult:
+    def _end(self, cmd: End) -> RunResult:
         if any(w.alive for w in self._workers):
             self._stop_workers(signal.SIGTERM, self.spec.shutdown_timeout)
         self._close_streams()
-        code = int(cmd.get("code", 1))
+        code = cmd.code
         exits = tuple(w.exit for w in self._workers if w.exit is not None)
-        reason = f"the coordinator ended the job: {cmd.get('reason', '')}"
+        reason = f"the coordinator ended the job: {cmd.reason}"
         if code:
             self.emit("failure", {"reason": reason, "rank": None})
         return RunResult(code, reason,
                          exits=exits, restarts_used=self.restarts, log_dir=self.logs.run_dir)
 
     def _leave_on_signal(self, sig: int) -> RunResult:
-        self._report("left", reason=f"received {signal.Signals(sig).name}")
+        self._report(Left(node=self.node, reason=f"received {signal.Signals(sig).name}"))
         self._stop_workers(sig, self.spec.shutdown_timeout)
         self._close_streams()
         return self._signal_result(sig, self.restarts)
@@ -255,13 +279,14 @@ class Follower(Agent):
         if w.exit.error_file and os.path.exists(w.exit.error_file):
             with open(w.exit.error_file, errors="replace") as f:
                 error = f.read(MAX_ERROR_FILE_BYTES)
-        self._report("exit", worker=w.worker_id, attempt=self.restarts, pid=w.exit.pid,
-                     returncode=w.exit.returncode, wall_time=w.exit.wall_time, error=error,
-                     by_launcher=w.exit.killed_by_launcher)
+        self._report(Exited(node=self.node, worker=w.worker_id, attempt=self.restarts,
+                            pid=w.exit.pid, returncode=w.exit.returncode,
+                            wall_time=w.exit.wall_time, error=error,
+                            by_launcher=w.exit.killed_by_launcher))
 
     def uses_api(self) -> bool:
-        """No FaultTolerance here: a worker that reported a generation uses the API."""
-        return any(self.observer.progress(w.worker_id).generation >= 0
+        """No Recovery here: a worker that reported a generation uses the API."""
+        return any(self.slots.progress(w.worker_id).generation >= 0
                    for w in self.workers_snapshot())
 
     def decorate_status(self, doc: dict[str, Any]) -> dict[str, Any]:

@@ -21,6 +21,7 @@ from ftrun.comm import CommError, Group
 from ftrun.errors import WorkerApiError
 from ftrun.rendezvous import PREFIX, Generation, Store
 from ftrun.spec import WorkerEnv
+from ftrun.store import client
 
 HANDLE_POLL_S = 0.01  # a native reconfigure polling for its members' handles
 
@@ -80,12 +81,8 @@ def quiet_store_warnings() -> None:
 
 
 def connect(wenv: WorkerEnv) -> Any:
-    from datetime import timedelta
-
-    from torch.distributed import TCPStore
-
-    return TCPStore(wenv.master_addr, wenv.master_port, None, False,
-                    timedelta(seconds=timeouts.STORE_CLIENT_CONNECT_S))
+    """A connection of its own to the agent's store (each thread that blocks on it has one)."""
+    return client(wenv.master_addr, wenv.master_port, timeouts.STORE_CLIENT_CONNECT_S)
 
 
 def plain_group(backend: str) -> Group:

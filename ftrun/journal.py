@@ -16,11 +16,10 @@ from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import IO, Any
 
+from ftrun.faultkinds import GROUP_DRILLS  # the rebuild answering them names no worker (-1)
+
 EventSink = Callable[[str, Mapping[str, object]], None]
 PHASES = ("detected", "published", "rebuilt", "healed", "first_commit")
-# drills whose fault is the whole group stuck in one collective: the rebuild that answers it
-# names no worker (-1), so it takes these drills of the members it covers
-GROUP_DRILLS = ("stall", "wedge")
 
 
 @dataclass

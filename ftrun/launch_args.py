@@ -15,6 +15,7 @@ import signal
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NoReturn
 
+from ftrun import timeouts
 from ftrun.errors import UsageError
 from ftrun.spec import RunSpec, StdMask
 
@@ -376,7 +377,7 @@ def _parse_filter(text: str) -> frozenset[int] | None:
 
 def _shutdown_timeout(raw: object, env: Mapping[str, str]) -> float:
     if raw is None:
-        raw = env.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "30")
+        raw = env.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(timeouts.SHUTDOWN_GRACE_S))
     value = _float(raw, "--shutdown-timeout", positive=False)
     if value < 0:
         raise UsageError(f"--shutdown-timeout must be >= 0, got {value}", hint="e.g. 30")

@@ -1,8 +1,9 @@
 """What the rest of the agent asks of its node, answered for a single node.
 
-Owns: the hooks through which `FaultTolerance`, `HealthWatch` and the `Observer` reach workers
-(ids, placement, liveness, kills, status) and their one-node answers; the coordinator and
-follower agents of a multi-node job override them.
+Owns: the agent's side of `ports.AgentPort`, through which `Recovery`, `HealthWatch` and the
+`Observer` reach workers (ids, placement, liveness, kills, status), with its one-node answers
+(the coordinator and follower agents of a multi-node job override them), and acting on what
+the health watch found (kills, rebuilds).
 Must not import: torch, typer, rich, the CLI.
 """
 
@@ -10,27 +11,31 @@ from __future__ import annotations
 
 import os
 import signal
-from typing import TYPE_CHECKING, Any
+import time
+from typing import Any
 
+from ftrun.health import Finding, HealthWatch, Kill, Rebuild
+from ftrun.journal import EventSink, Journal
 from ftrun.policy import Decision, Liveness
 from ftrun.procs import signal_group
+from ftrun.recovery import Recovery
 from ftrun.roster import RemoteWorker, Worker
-
-if TYPE_CHECKING:
-    from ftrun.health import HealthWatch
-    from ftrun.observe import Observer
-    from ftrun.recovery import FaultTolerance
-    from ftrun.spec import RunSpec
+from ftrun.slots import ProgressSlots
+from ftrun.spec import RunSpec
 
 
 class NodeHooks:
     spec: RunSpec
     run_id: str
-    ft: FaultTolerance | None
+    restarts: int
+    recovery: Recovery | None
     health: HealthWatch
-    observer: Observer
+    slots: ProgressSlots
+    journal: Journal
     _workers: list[Worker]
     _next_id: int
+    _killed: set[tuple[int, int]]  # (attempt, worker id) the health watch had killed
+    emit: EventSink
 
     def spawn_worker(self, worker_id: int, rank: int, local_rank: int,
                      spare: bool = False) -> Worker:
@@ -55,7 +60,7 @@ class NodeHooks:
         return [0]
 
     def committed_step(self, worker_id: int) -> int:
-        return self.observer.progress(worker_id).step
+        return self.slots.committed_step(worker_id)
 
     def initial_members(self) -> tuple[int, ...]:
         return tuple(range(self.spec.nproc))
@@ -67,8 +72,26 @@ class NodeHooks:
         return []
 
     def _tick(self) -> Decision | None:
-        self.health.tick()
+        membership = self.recovery.membership if self.recovery is not None else None
+        self.act(self.health.tick(membership, time.time()))
         return None
+
+    def act(self, findings: list[Finding]) -> None:
+        """Do what the health watch found: kill a member once per attempt (on whichever node
+        it runs), rebuild a stuck communicator and have the watch follow it up."""
+        for f in findings:
+            if isinstance(f, Kill):
+                key = (self.restarts, f.worker)
+                if key in self._killed or not self.kill_worker(f.worker):
+                    continue
+                self._killed.add(key)
+                self.journal.drill_injected(f.worker, f.why, time.time())
+                if f.notice:
+                    self.emit("notice", {"text": f.notice})
+            elif (isinstance(f, Rebuild) and self.recovery is not None
+                  and self.recovery.rebuild(f.reason)):
+                self.health.rebuilt(self.recovery.membership.generation, f.stuck_at,
+                                    time.time())
 
     def suspect(self) -> None:
         """A worker saw a peer's connection break (multi-node: check the nodes now)."""
@@ -84,7 +107,7 @@ class NodeHooks:
         return True
 
     def uses_api(self) -> bool:
-        return self.ft is not None and bool(self.ft.hello)
+        return self.recovery is not None and self.recovery.uses_api
 
     def control_name(self) -> str:
         if self.spec.nnodes_max > 1:  # several agents of one job may share a host

@@ -1,12 +1,12 @@
 """The agent's window to the outside: `ftrun status` answers and `ftrun inject-fault` drills.
 
-Owns: the run's control server, the agent's mappings of the workers' progress slots (open
-while a worker lives; an exited worker's last progress is kept as plain values and its
-mapping closed, so replacements cost the agent no descriptor each), building the status
-document, checking every field of a request where it enters (one-line errors; nothing
-malformed reaches the main loop) and applying drills from the agent's main loop: signals
-the agent sends itself, or drill slots a worker acts on at a step.
-Must not import: torch, typer, rich, the CLI.
+Owns: the run's control server, building the status document (from the port, the progress
+slots, the journal, the health watch and the attempt's membership), checking every field of a
+request where it enters (one-line errors; nothing malformed reaches the main loop) and
+applying drills from the agent's main loop: signals the agent sends itself, or drill slots a
+worker acts on at a step.
+Must not import: torch, typer, rich, the CLI, the agent (it reaches the node through
+`ports.AgentPort`).
 """
 
 from __future__ import annotations
@@ -16,24 +16,21 @@ import math
 import os
 import queue
 import reprlib
-import signal
-import threading
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ftrun.control import ControlServer, RunInfo, run_dir
 from ftrun.errors import FtrunError
+from ftrun.faultkinds import AGENT_SIGNALS, ALL_KINDS, GPU_KINDS, WORKER_ONLY
+from ftrun.health import HealthWatch
 from ftrun.jobview import role_of
-from ftrun.journal import fault_docs, summarize
+from ftrun.journal import Journal, fault_docs, summarize
+from ftrun.membership import Membership
 from ftrun.policy import phase_text
-from ftrun.progress import DRILL_KINDS, Progress, Slot, slot_path
+from ftrun.ports import AgentPort
+from ftrun.roster import Worker
+from ftrun.slots import ProgressSlots
 
-if TYPE_CHECKING:
-    from ftrun.agent import Agent, Worker
-
-AGENT_SIGNALS = {"kill": signal.SIGKILL, "segv": signal.SIGSEGV, "hang": signal.SIGSTOP}
-WORKER_ONLY = ("exit", "exception", "slow", "comm", "spin", "deadlock", "stall", "wedge")
-GPU_KINDS = ("xid", "ecc", "thermal")
 MAX_DRILL_DELAY_S = 24 * 3600.0  # a "slow" drill slower than this is a stuck worker
 _MAX_INDEX = (1 << 31) - 1
 _MAX_STEP = (1 << 63) - 1  # the drill slot holds the step as an int64
@@ -62,9 +59,9 @@ def _check_inject(req: dict[str, Any]) -> dict[str, Any]:
         raise FtrunError(f"unknown field {_show(extra[0])} in an inject request",
                          hint="fields: " + ", ".join(_OPTIONS))
     kind = req.get("kind")
-    if not isinstance(kind, str) or kind not in (*DRILL_KINDS, *GPU_KINDS):
+    if not isinstance(kind, str) or kind not in ALL_KINDS:
         raise FtrunError(f"unknown fault kind {_show(kind)}",
-                         hint="use one of " + ", ".join((*DRILL_KINDS, *GPU_KINDS)))
+                         hint="use one of " + ", ".join(ALL_KINDS))
     rank, gpu = _integer(req, "rank", 0, _MAX_INDEX), _integer(req, "gpu", 0, _MAX_INDEX)
     if (rank is None) == (gpu is None):
         raise FtrunError("give exactly one of --rank or --gpu", hint="e.g. --rank 1")
@@ -102,25 +99,22 @@ def _show(value: object) -> str:
 
 
 class Observer:
-    def __init__(self, agent: Agent, progress_dir: str) -> None:
-        self.agent = agent
-        self.progress_dir = progress_dir
-        self._slots: dict[int, Slot] = {}  # live (or starting) workers' mapped slots
-        self._final: dict[int, Progress] = {}  # exited members' last progress
-        self._lock = threading.Lock()  # the server and heartbeat threads read slots too
+    def __init__(self, port: AgentPort, slots: ProgressSlots, journal: Journal,
+                 health: HealthWatch, log_dir: str | None) -> None:
+        self.port = port
+        self.slots = slots
+        self.journal = journal
+        self.health = health
+        self.membership: Membership | None = None  # the attempt's, while it runs in-process
         self._drill_seq = 0
         self.drills: queue.SimpleQueue[dict[str, Any]] = queue.SimpleQueue()
-        sock = os.path.join(run_dir(), f"{agent.control_name()}.sock")
-        self.info = RunInfo(agent.run_id, os.getpid(), agent.spec.script, time.time(), sock,
-                            agent.logs.run_dir)
+        sock = os.path.join(run_dir(), f"{port.control_name()}.sock")
+        self.info = RunInfo(port.run_id, os.getpid(), port.spec.script, time.time(), sock,
+                            log_dir)
         self.server = ControlServer(self.info, self.handle)
 
     def close(self) -> None:
         self.server.close()
-        with self._lock:
-            for slot in self._slots.values():
-                slot.close()
-            self._slots.clear()
 
     # ------------------------------------------------------------ requests (server thread)
     def handle(self, req: dict[str, Any]) -> dict[str, Any]:
@@ -128,12 +122,12 @@ class Observer:
         if req["op"] == "status":
             return {"ok": True, **self.status()}
         if req["gpu"] is not None:
-            uuid = self.agent.health.inject(req["gpu"], req["kind"], req["xid"])
+            uuid = self.health.inject(req["gpu"], req["kind"], req["xid"])
             return {"ok": True, "gpu": req["gpu"], "uuid": uuid}
         target = self._validate(req)
         self.drills.put({"worker": target.worker_id, "kind": req["kind"],
                          "at_step": req["at_step"], "arg": req["arg"]})
-        self.agent.wake()
+        self.port.wake()
         return {"ok": True, "worker": target.worker_id, "pid": target.spawned.pid,
                 "rank": target.rank}
 
@@ -143,124 +137,91 @@ class Observer:
         kind, at_step, rank = req["kind"], req["at_step"], req["rank"]
         if kind in GPU_KINDS:
             raise FtrunError(f"--kind {kind} breaks a GPU", hint="use --gpu N instead of --rank")
-        api = self.agent.uses_api()
-        if (kind in WORKER_ONLY or at_step >= 0) and not api:
+        if (kind in WORKER_ONLY or at_step >= 0) and not self.port.uses_api():
             raise FtrunError(f"--kind {kind} {'--at-step ' if kind not in WORKER_ONLY else ''}"
                              "needs a script that uses the ftrun worker API",
                              hint="use --kind kill, segv or hang without --at-step")
-        by_rank = {self._rank_of(w): w for w in self.agent.live_members()}
+        by_rank = {self._rank_of(w): w for w in self.port.live_members()}
         if rank not in by_rank:
             here = sorted(by_rank)
-            where = "on this node" if self.agent.spec.nnodes_max > 1 else "in this job"
+            multi = self.port.spec.nnodes_max > 1
+            where = "on this node" if multi else "in this job"
             raise FtrunError(f"no rank {rank} {where} (ranks here: "
                              f"{', '.join(map(str, here)) or 'none'})",
-                             hint="run inject-fault on the node that runs that rank" if
-                             self.agent.spec.nnodes_max > 1 else
-                             f"use --rank 0..{len(here) - 1}")
+                             hint="run inject-fault on the node that runs that rank" if multi
+                             else f"use --rank 0..{len(here) - 1}")
         return by_rank[rank]
 
     def _rank_of(self, w: Worker) -> int:
         """Its rank now: from its progress slot once it reported one (ranks move with the
         generations), else the rank it was started with."""
-        p = self.progress(w.worker_id)
+        p = self.slots.progress(w.worker_id)
         return p.rank if p.generation >= 0 and p.rank >= 0 else w.rank
 
     # ------------------------------------------------------------ drills (main loop)
     def apply_drills(self) -> None:
         """The main loop's pass over the slots: close exited workers', apply queued drills."""
-        self._retire_exited()
+        members = self.membership.members if self.membership is not None else ()
+        self.slots.retire({w.worker_id for w in self.port.workers_snapshot()}, members)
         while True:
             try:
                 req = self.drills.get_nowait()
             except queue.Empty:
                 return
-            worker = self.agent.worker_by_id(req["worker"])
+            worker = self.port.worker_by_id(req["worker"])
             if worker is None or not worker.alive:
                 continue
             kind, at_step = req["kind"], req["at_step"]  # checked by check_request
-            self.agent.journal.drill_injected(worker.worker_id, kind, time.time())
+            self.journal.drill_injected(worker.worker_id, kind, time.time())
             if kind in AGENT_SIGNALS and at_step < 0:
                 with contextlib.suppress(ProcessLookupError):  # it may have just exited
                     os.kill(worker.spawned.pid, AGENT_SIGNALS[kind])
             else:
                 self._drill_seq += 1
-                with self._lock:
-                    slot = self._slot(worker.worker_id)
-                    slot.write_drill(self._drill_seq, kind, at_step, req["arg"])
-            self.agent.emit("drill", {"worker": worker.worker_id, "rank": worker.rank,
-                                      "kind": kind, "at_step": at_step})
+                self.slots.write_drill(worker.worker_id, self._drill_seq, kind, at_step,
+                                       req["arg"])
+            self.port.emit("drill", {"worker": worker.worker_id, "rank": worker.rank,
+                                     "kind": kind, "at_step": at_step})
 
-    # ------------------------------------------------------------ slots
-    def reset_slot(self, worker_id: int) -> None:
-        """A worker id starts afresh (ids restart with every attempt)."""
-        with self._lock:
-            self._final.pop(worker_id, None)
-            self._slot(worker_id).reset()
-
-    def progress(self, worker_id: int) -> Progress:
-        with self._lock:
-            final = self._final.get(worker_id)
-            return final if final is not None else self._slot(worker_id).read()
-
-    def _slot(self, worker_id: int) -> Slot:  # under self._lock
-        if worker_id not in self._slots:
-            self._slots[worker_id] = Slot(slot_path(self.progress_dir, worker_id), create=True)
-        return self._slots[worker_id]
-
-    def _retire_exited(self) -> None:
-        """An exited worker's slot no longer moves: its last progress, as plain values, is all
-        the fault accounting still reads (a finished member's committed step, the lost one's
-        in its fault record); once it has left the members, not even that."""
-        live = {w.worker_id for w in self.agent.workers_snapshot()}
-        ft = self.agent.ft
-        members = set(ft.members) if ft is not None else set()
-        with self._lock:
-            for wid in [wid for wid in self._slots if wid not in live]:
-                slot = self._slots.pop(wid)
-                self._final[wid] = slot.read()
-                slot.close()
-            self._final = {wid: p for wid, p in self._final.items() if wid in members}
-
+    # ------------------------------------------------------------ status
     def status(self) -> dict[str, Any]:
         """The job as `ftrun status` shows it (a multi-node agent adds the other nodes)."""
-        return self.agent.decorate_status(self.local_status())
+        return self.port.decorate_status(self.local_status())
 
     def local_status(self) -> dict[str, Any]:
-        agent, now = self.agent, time.time()
-        ft = agent.ft
-        faults = agent.journal.faults
+        port, now, ms = self.port, time.time(), self.membership
+        faults = self.journal.faults
         return {
-            "run_id": agent.run_id, "script": agent.spec.script, "pid": os.getpid(),
+            "run_id": port.run_id, "script": port.spec.script, "pid": os.getpid(),
             "started_at": self.info.started_at, "uptime_s": round(now - self.info.started_at, 1),
-            "generation": ft.number if ft else 0,
-            "world_size": len(ft.members) if ft else agent.spec.nproc,
-            "policy": agent.spec.on_fault, "spares": agent.spec.spares,
-            "attempt": agent.restarts, "log_dir": self.info.log_dir,
-            "ft_api": bool(ft and ft.hello), "workers": self.worker_rows(now),
-            "hang_timeout_s": round(agent.health.timeout_s, 2) or None,
+            "generation": ms.generation if ms else 0,
+            "world_size": len(ms.members) if ms else port.spec.nproc,
+            "policy": port.spec.on_fault, "spares": port.spec.spares,
+            "attempt": port.restarts, "log_dir": self.info.log_dir,
+            "ft_api": bool(ms and ms.uses_api), "workers": self.worker_rows(now),
+            "hang_timeout_s": round(self.health.timeout_s, 2) or None,
             "faults": fault_docs(faults), "summary": summarize(faults, now - self.info.started_at),
         }
 
     def worker_rows(self, now: float) -> list[dict[str, Any]]:
         """One row per live worker of this node, from its progress slot."""
-        agent, ft = self.agent, self.agent.ft
-        workers = []
-        for w in agent.workers_snapshot():
-            p = self.progress(w.worker_id)
-            has = p is not None and p.generation >= 0
-            role = role_of(ft, w.worker_id)
-            workers.append({
-                "worker_id": w.worker_id, "rank": p.rank if has and p else w.rank,
+        rows = []
+        for w in self.port.workers_snapshot():
+            p = self.slots.progress(w.worker_id)
+            has = p.generation >= 0
+            gpu, health = self.health.gpu_of(w.local_rank)
+            rows.append({
+                "worker_id": w.worker_id, "rank": p.rank if has else w.rank,
                 "local_rank": w.local_rank, "pid": w.spawned.pid, "state": w.state.value,
-                "role": role, "step": p.step if has and p else None,
-                "committed_step": p.step - 1 if has and p else None,
-                "step_time_ms": round(p.step_time * 1000, 1) if has and p else None,
+                "role": role_of(self.membership, w.worker_id),
+                "step": p.step if has else None,
+                "committed_step": p.step - 1 if has else None,
+                "step_time_ms": round(p.step_time * 1000, 1) if has else None,
                 "since_progress_s": round(now - p.phase_started, 2)
                 if has and p.phase_started else None,
                 "phase": phase_text(p.phase, p.step, p.collective, p.label) if has else None,
-                "cpu": agent.health.cpu_state(w.spawned.pid, now),
-                "gpu": agent.health.gpu_of(w.local_rank)[0],
-                "health": agent.health.gpu_of(w.local_rank)[1],
-                "straggler": agent.health.stragglers.get(w.worker_id),
+                "cpu": self.health.cpu_state(w.spawned.pid, now),
+                "gpu": gpu, "health": health,
+                "straggler": self.health.stragglers.get(w.worker_id),
             })
-        return workers
+        return rows

@@ -1,9 +1,13 @@
 """Pure decisions: given what the agent observed, what to do next and why.
 
-Owns: `Action`, `Decision` and the decision functions. No I/O, no clocks read here: callers
+Owns every recovery decision: whole-group restarts (`decide_group`), and, from one frozen
+`Snapshot` of the membership and the budgets, a lost member (`decide_fault`), a lost node
+(`decide_node_loss`), a communicator failure (`decide_comm_failure`), a rebuild
+(`decide_rebuild`) and whether to start another joiner or spare (`decide_respawn`). Also the
+detectors that feed them: lost nodes, hangs, stragglers. No I/O, no clocks read here: callers
 pass `now` where time matters, and every decision carries a human-readable reason that
 `ftrun status` and the event log show as is.
-Must not import: anything but the standard library and `ftrun.exits`.
+Must not import: anything but the standard library, `ftrun.exits` and `ftrun.states`.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from ftrun.exits import describe_exit
+from ftrun.states import PAUSED_PHASES, Phase
 
 
 class Action(str, enum.Enum):
@@ -57,8 +62,10 @@ def decide_group(exits: Mapping[int, int | None], first_failure: int | None,
 class FaultAction(str, enum.Enum):
     REPLACE = "replace"  # same world size: a spare or a new process takes the lost rank
     SHRINK = "shrink"  # go on without it now; grow back when a replacement is ready
+    REBUILD = "rebuild"  # same members, a new communicator
     RESTART_GROUP = "restart-group"  # in-process recovery impossible: torchrun semantics
     FAIL = "fail"
+    NONE = "none"  # refused: nothing changes, the reason says why
 
 
 @dataclass(frozen=True)
@@ -71,6 +78,32 @@ class FaultDecision:
     regrow: bool = True  # SHRINK: start a replacement to grow back later
 
 
+@dataclass(frozen=True)
+class Snapshot:
+    """What the agent knows when it decides. `faults` counts the one being decided."""
+
+    members: tuple[int, ...]  # live members (finished ones excluded), rank order
+    spares: tuple[int, ...] = ()  # ready spares; for a member fault, its node's first
+    unhealed: frozenset[int] = frozenset()  # joiners without committed state: no source
+    faults: int = 0
+    max_faults: int = 0
+    restarts_left: int = 0
+    on_fault: str = "replace"
+    min_nproc: int = 1
+    nodes_left: int = 1
+    min_nodes: int = 1
+
+    @property
+    def over_budget(self) -> bool:
+        return self.faults > self.max_faults
+
+
+@dataclass(frozen=True)
+class Respawn:
+    allowed: bool
+    reason: str
+
+
 CRASH_LOOP_LIMIT = 3  # replacements in a row failing before their first commit: stop replacing
 
 
@@ -78,33 +111,33 @@ def _nth(n: int) -> str:
     return f"{n}{'st' if n == 1 else 'nd' if n == 2 else 'rd' if n == 3 else 'th'}"
 
 
-def decide_fault(lost: int, why: str, members: tuple[int, ...], on_fault: str, min_nproc: int,
-                 spares: tuple[int, ...], new_worker_id: int, faults: int, max_faults: int,
-                 restarts_left: int, unhealed: frozenset[int] = frozenset(),
+def _s(n: int) -> str:
+    return "s" if n != 1 else ""
+
+
+def decide_fault(s: Snapshot, lost: int, why: str, new_worker_id: int,
                  crash_loop: int = 0) -> FaultDecision:
     """A member of the current generation is gone. Pure: the agent does what this says.
-    `unhealed` are joiners that hold no committed state yet: they cannot be a healing source.
     `crash_loop`: how many replacements in a row for this rank (this one included) failed
     before their first commit."""
-    survivors = tuple(m for m in members if m != lost)
-    head = f"worker {lost} (rank {members.index(lost)}) {why}"
-    if faults > max_faults:
-        return _give_up(f"{head}; fault budget exhausted ({max_faults}, --max-faults)",
-                        restarts_left)
-    if not [m for m in survivors if m not in unhealed]:
-        return _give_up(f"{head}; no replica left to heal from", restarts_left)
+    survivors = tuple(m for m in s.members if m != lost)
+    rank = s.members.index(lost)
+    head = f"worker {lost} (rank {rank}) {why}"
+    if s.over_budget:
+        return _give_up(f"{head}; fault budget exhausted ({s.max_faults}, --max-faults)", s)
+    if not [m for m in survivors if m not in s.unhealed]:
+        return _give_up(f"{head}; no replica left to heal from", s)
     if crash_loop >= CRASH_LOOP_LIMIT:
-        return _crash_loop(head, crash_loop, members.index(lost), survivors, min_nproc)
-    if on_fault == "replace" or spares:  # shrink with a ready spare: no need to shrink
-        joiner = spares[0] if spares else new_worker_id
-        how = f"spare worker {joiner}" if spares else f"new worker {joiner}"
-        rank = members.index(lost)
+        return _crash_loop(head, crash_loop, rank, survivors, s.min_nproc)
+    if s.on_fault == "replace" or s.spares:  # shrink with a ready spare: no need to shrink
+        spare = s.spares[0] if s.spares else None
+        joiner = new_worker_id if spare is None else spare
+        how = f"new worker {joiner}" if spare is None else f"spare worker {joiner}"
         new_members = survivors[:rank] + (joiner,) + survivors[rank:]
         return FaultDecision(FaultAction.REPLACE, f"{head}; {how} takes rank {rank}",
-                             new_members, (joiner,), spares[0] if spares else None)
-    if len(survivors) < min_nproc:
-        return _give_up(f"{head}; {len(survivors)} left is below --min-nproc {min_nproc}",
-                        restarts_left)
+                             new_members, (joiner,), spare)
+    if len(survivors) < s.min_nproc:
+        return _give_up(f"{head}; {len(survivors)} left is below --min-nproc {s.min_nproc}", s)
     return FaultDecision(FaultAction.SHRINK,
                          f"{head}; continuing with {len(survivors)}, replacement to follow",
                          survivors)
@@ -123,39 +156,67 @@ def _crash_loop(head: str, count: int, rank: int, survivors: tuple[int, ...],
                          f"--min-nproc {min_nproc}: stopping")
 
 
-def decide_node_loss(node: str, lost: tuple[int, ...], members: tuple[int, ...],
-                     nodes_left: int, min_nodes: int, faults: int, max_faults: int,
-                     restarts_left: int, unhealed: frozenset[int] = frozenset(),
-                     spares: tuple[int, ...] = ()) -> FaultDecision:
+def decide_node_loss(s: Snapshot, node: str, lost: tuple[int, ...]) -> FaultDecision:
     """A whole node is gone (agent dead or unreachable): its workers leave together, in one
     generation. Ready spares on the other nodes take their ranks; without enough of them the
     job goes on smaller until a node joins again."""
-    survivors = tuple(m for m in members if m not in lost)
-    gone = len(members) - len(survivors)
-    head = f"{node} lost with {gone} member{'s' if gone != 1 else ''}"
-    if faults > max_faults:
-        return _give_up(f"{head}; fault budget exhausted ({max_faults}, --max-faults)",
-                        restarts_left)
-    if nodes_left < min_nodes:
-        return _give_up(f"{head}; {nodes_left} node{'s' if nodes_left != 1 else ''} left is "
-                        f"below --nnodes minimum {min_nodes}", restarts_left)
-    if not [m for m in survivors if m not in unhealed]:
-        return _give_up(f"{head}; no replica left to heal from", restarts_left)
-    pool, new, joiners = list(spares), [], []
-    for m in members:
+    survivors = tuple(m for m in s.members if m not in lost)
+    gone = len(s.members) - len(survivors)
+    head = f"{node} lost with {gone} member{_s(gone)}"
+    if s.over_budget:
+        return _give_up(f"{head}; fault budget exhausted ({s.max_faults}, --max-faults)", s)
+    if s.nodes_left < s.min_nodes:
+        return _give_up(f"{head}; {s.nodes_left} node{_s(s.nodes_left)} left is below "
+                        f"--nnodes minimum {s.min_nodes}", s)
+    if not [m for m in survivors if m not in s.unhealed]:
+        return _give_up(f"{head}; no replica left to heal from", s)
+    pool, new, joiners = list(s.spares), [], []
+    for m in s.members:
         if m not in lost:
             new.append(m)
         elif pool:  # a spare takes the lost member's rank
             joiners.append(pool.pop(0))
             new.append(joiners[-1])
-    where = f"on {nodes_left} node{'s' if nodes_left != 1 else ''}"
+    where = f"on {s.nodes_left} node{_s(s.nodes_left)}"
     if joiners and len(joiners) == gone:
         return FaultDecision(FaultAction.REPLACE, f"{head}; spare workers "
                              f"{', '.join(map(str, joiners))} take their ranks {where}",
                              tuple(new), tuple(joiners))
-    used = f" ({len(joiners)} spare{'s' if len(joiners) != 1 else ''} used)" if joiners else ""
+    used = f" ({len(joiners)} spare{_s(len(joiners))} used)" if joiners else ""
     return FaultDecision(FaultAction.SHRINK, f"{head}; continuing with {len(new)} workers "
                          f"{where}{used}", tuple(new), tuple(joiners))
+
+
+def decide_comm_failure(s: Snapshot, worker: int, error: str) -> FaultDecision:
+    """A worker's collective failed: same members, a new communicator. Over the fault budget
+    the job stops (FAIL even with restarts left, unlike `decide_fault`)."""
+    reason = f"worker {worker} reported a communicator failure: {error}"
+    if s.over_budget:
+        return FaultDecision(FaultAction.FAIL, f"{reason}; fault budget exhausted "
+                             f"({s.max_faults}, --max-faults)")
+    return FaultDecision(FaultAction.REBUILD, reason, s.members)
+
+
+def decide_rebuild(s: Snapshot, reason: str) -> FaultDecision:
+    """No member is to blame but the group is stuck: same members, a new communicator; over
+    the fault budget, NONE: nothing changes."""
+    if s.over_budget:
+        return FaultDecision(FaultAction.NONE, f"{reason}; fault budget exhausted "
+                             f"({s.max_faults}): not rebuilding")
+    return FaultDecision(FaultAction.REBUILD, reason, s.members)
+
+
+def decide_respawn(s: Snapshot, what: str, kind: str, node: int, in_a_row: int,
+                   node_alive: bool) -> Respawn:
+    """Start another joiner or spare on `node` after `what`, unless the budget is spent, the
+    node is gone, or its last CRASH_LOOP_LIMIT ones (`in_a_row`, this one included) all died
+    before committing a step."""
+    if s.over_budget or not node_alive:
+        return Respawn(False, f"{what}; not starting another")
+    if in_a_row >= CRASH_LOOP_LIMIT:
+        return Respawn(False, f"{what}: {in_a_row} {kind} in a row on node {node} failed "
+                              f"before their first commit (a crash loop); not starting more")
+    return Respawn(True, f"{what}; starting another")
 
 
 def find_lost_nodes(ages: Mapping[int, float], lost_after_s: float,
@@ -172,8 +233,8 @@ def find_lost_nodes(ages: Mapping[int, float], lost_after_s: float,
     return lost
 
 
-def _give_up(reason: str, restarts_left: int) -> FaultDecision:
-    if restarts_left > 0:
+def _give_up(reason: str, s: Snapshot) -> FaultDecision:
+    if s.restarts_left > 0:
         return FaultDecision(FaultAction.RESTART_GROUP, f"{reason}; restarting all workers")
     return FaultDecision(FaultAction.FAIL, reason)
 
@@ -182,7 +243,6 @@ HANG_STEPS = 10  # the default hang timeout: this many p95 step times...
 HANG_MIN_S = 10.0  # ...and never less than this
 HANG_WARMUP_S = 300.0  # until step times are measured (first-step compile, warm-up): as long
 # as one collective may take (timeouts.COLLECTIVE_S), so the detector is never the stricter
-PAUSED = ("long", "recovering")  # ft.long_phase; recovery has timeouts of its own
 
 
 @dataclass(frozen=True)
@@ -199,7 +259,7 @@ class Liveness:
     compute_s: float  # EMA of step start -> its first collective
     step_s: float  # EMA of commit -> commit
     generation: int = -1  # the generation its progress belongs to
-    phase: str = "step"  # progress.PHASES
+    phase: Phase = Phase.STEP
     collective: int = 0  # collectives entered in this step (the one it waits in, if it does)
     label: str = ""  # the long phase's name
     step_p95_s: float = 0.0  # p95 of its recent step times; 0: not measured yet
@@ -213,10 +273,12 @@ class Hang:
 
 def phase_text(phase: str, step: int, collective: int, label: str = "") -> str:
     """Where a worker is, in words (`ftrun status` and hang reasons)."""
-    return {"step": f"in step {step}'s own code", "collective":
-            f"in collective {collective} of step {step}", "optimizer":
-            f"in step {step}'s optimizer", "user": f"in user code before step {step}",
-            "long": f"in long phase {label!r}", "recovering": "recovering"}.get(phase, "starting")
+    return {Phase.STEP: f"in step {step}'s own code",
+            Phase.COLLECTIVE: f"in collective {collective} of step {step}",
+            Phase.OPTIMIZER: f"in step {step}'s optimizer",
+            Phase.USER: f"in user code before step {step}",
+            Phase.LONG: f"in long phase {label!r}",
+            Phase.RECOVERING: "recovering"}.get(phase, "starting")  # type: ignore[call-overload]
 
 
 def hang_timeout(members: list[Liveness], override_s: float | None) -> float:
@@ -235,7 +297,7 @@ def find_hang(members: list[Liveness], timeout_s: float, world_size: int | None 
     when it is stopped; or, alone in its generation, when it made no progress at all). When
     every member has waited that long in one collective, the communicator is stuck. Members
     in a long phase or recovering are never blamed."""
-    judged = [m for m in members if m.phase not in PAUSED]
+    judged = [m for m in members if m.phase not in PAUSED_PHASES]  # their own timeouts
     for m in judged:
         if m.stopped and m.idle_s > timeout_s:
             return Hang(m.worker, f"rank {m.rank} is stopped and made no progress for "

@@ -23,6 +23,9 @@ from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from ftrun.faultkinds import SLOT_DRILLS, FaultKind
+from ftrun.states import Phase
+
 ENV = "FTRUN_PROGRESS_DIR"
 LABEL_BYTES = 32  # a long phase's name, UTF-8, cut to this
 # The one layout: (field, struct code). Every offset below is derived from it; add fields at
@@ -41,7 +44,7 @@ FIELDS: tuple[tuple[str, str], ...] = (
     ("collective_started", "d"),  # entered the collective it is in (0: in none)
     ("compute_time", "d"),  # EMA of step start -> its first collective (what tells a
     # straggler: all-reduces make every rank's step time equal)
-    ("phase", "q"),  # index into PHASES
+    ("phase", "q"),  # index into Phase
     ("phase_started", "d"),  # the slot's last advance: a hang is measured from here
     ("collective", "q"),  # collectives entered in this step (n of "collective n of step s")
     ("step_p95", "d"),  # p95 of recent step times, 0 until WARMUP_STEPS were measured
@@ -50,12 +53,8 @@ FIELDS: tuple[tuple[str, str], ...] = (
 NAMES = tuple(name for name, _ in FIELDS)
 _LAYOUT = struct.Struct("<" + "".join(code for _, code in FIELDS))
 SIZE = _LAYOUT.size
-DRILL_KINDS = ("kill", "segv", "exit", "exception", "hang", "slow", "comm", "spin", "deadlock",
-               "stall", "wedge")
-# "": not reported yet; step: the step's own code (forward, backward); collective: waiting in
-# one; optimizer; user: code between steps (and before the first); long: ft.long_phase(name),
-# which pauses the detector; recovering: rebuild, align and heal, bounded by their own timeouts
-PHASES = ("", "step", "collective", "optimizer", "user", "long", "recovering")
+DRILL_KINDS = SLOT_DRILLS  # observe.py's name for them, until it imports faultkinds
+_PHASES = tuple(Phase)  # the slot's phase codes
 WARMUP_STEPS = 10  # step times measured before a p95 is published (first-step compile, warm-up)
 P95_WINDOW = 128  # recent step times the p95 is taken over
 P95_EVERY = 16  # once the window is full, commits between two p95 updates
@@ -94,12 +93,28 @@ class Progress:
     drill_arg: float = 0.0
     collective_started: float = 0.0
     compute_time: float = 0.0
-    phase: str = ""
+    phase: Phase = Phase.NONE
     phase_started: float = 0.0
     collective: int = 0
     step_p95: float = 0.0
     label: str = ""
 
+
+def unpack(buffer: bytes | mmap.mmap) -> Progress:
+    """A slot's bytes as a Progress (an unknown phase code reads as not reported yet)."""
+    raw = dict(zip(NAMES, _LAYOUT.unpack_from(buffer, 0), strict=True))
+    code = raw["phase"]
+    raw["phase"] = _PHASES[code] if 0 <= code < len(_PHASES) else Phase.NONE
+    raw["label"] = raw["label"].rstrip(b"\0").decode("utf-8", "replace")
+    return Progress(**raw)
+
+
+def pack(p: Progress) -> bytes:
+    """A whole slot holding `p`: the inverse of unpack (a label is cut to LABEL_BYTES)."""
+    raw = {name: getattr(p, name) for name in NAMES}
+    raw["phase"] = _PHASES.index(p.phase)
+    raw["label"] = p.label.encode("utf-8")[:LABEL_BYTES]
+    return _LAYOUT.pack(*raw.values())
 
 
 class Slot:
@@ -117,11 +132,7 @@ class Slot:
         self.path = path
 
     def read(self) -> Progress:
-        raw = dict(zip(NAMES, _LAYOUT.unpack_from(self._map, 0), strict=True))
-        code = raw["phase"]
-        raw["phase"] = PHASES[code] if 0 <= code < len(PHASES) else ""
-        raw["label"] = raw["label"].rstrip(b"\0").decode("utf-8", "replace")
-        return Progress(**raw)
+        return unpack(self._map)
 
     def put(self, span: tuple[int, struct.Struct], *values: object) -> None:
         span[1].pack_into(self._map, span[0], *values)
@@ -130,19 +141,19 @@ class Slot:
                        step_started: float, rank: int, generation: int) -> None:
         self.put(_PROGRESS, step, last_commit, step_time, step_started, rank, generation)
 
-    def write_phase(self, phase: str, since: float) -> None:
+    def write_phase(self, phase: Phase, since: float) -> None:
         """The phase last: a reader that sees it sees when it began."""
-        self.put(_PHASE, PHASES.index(phase), since)
+        self.put(_PHASE, _PHASES.index(phase), since)
 
     def reset(self) -> None:
         """A worker id starts afresh (ids restart with every attempt)."""
         self._map[:] = bytes(SIZE)
         self.write_progress(-1, 0.0, 0.0, 0.0, -1, -1)
-        self.write_drill(0, "kill", -1, 0.0)
+        self.write_drill(0, FaultKind.KILL, -1, 0.0)
 
     def write_drill(self, seq: int, kind: str, at_step: int, arg: float) -> None:
         # the sequence number last: a reader that sees the new number sees the whole drill
-        self.put(_DRILL_BODY, DRILL_KINDS.index(kind), at_step, arg)
+        self.put(_DRILL_BODY, SLOT_DRILLS.index(kind), at_step, arg)
         self.put(_DRILL_SEQ, seq)
 
     def close(self) -> None:
@@ -173,9 +184,9 @@ class Reporter:
         self._times: deque[float] = deque(maxlen=P95_WINDOW)
         self._commits = 0
         self._long: list[str] = []  # nested long phases, innermost last
-        self._phase = "user"  # what a long phase returns to
+        self._phase = Phase.USER  # what a long phase returns to
 
-    def _mark(self, phase: str, now: float) -> None:
+    def _mark(self, phase: Phase, now: float) -> None:
         self._phase = phase
         if not self._long:
             self.slot.write_phase(phase, now)
@@ -185,7 +196,7 @@ class Reporter:
         self.slot.put(_COLLECTIVE_STARTED, 0.0)
         self.slot.put(_COUNT, 0)
         self.slot.write_progress(step, self._last, self._ema, now, rank, generation)
-        self._mark("step", now)
+        self._mark(Phase.STEP, now)
 
     def collective_started(self, now: float) -> None:
         """Entering collective n (n = 1, 2, ...) of this step."""
@@ -195,16 +206,16 @@ class Reporter:
             self._compute = compute if not self._compute else 0.8 * self._compute + 0.2 * compute
         self.slot.put(_COLLECTIVE, now, self._compute)
         self.slot.put(_COUNT, self._count)
-        self._mark("collective", now)
+        self._mark(Phase.COLLECTIVE, now)
 
     def finished(self, now: float) -> None:
         """Past the last collective of the run: the script's own code from here."""
         self.slot.put(_COLLECTIVE_STARTED, 0.0)
-        self._mark("user", now)
+        self._mark(Phase.USER, now)
 
     def optimizer(self, now: float) -> None:
         self.slot.put(_COLLECTIVE_STARTED, 0.0)
-        self._mark("optimizer", now)
+        self._mark(Phase.OPTIMIZER, now)
 
     def committed(self, step: int, rank: int, generation: int, now: float) -> None:
         took = now - (self._last or self._started)
@@ -216,7 +227,7 @@ class Reporter:
         self.slot.put(_COLLECTIVE_STARTED, 0.0)
         self.slot.put(_COUNT, 0)  # the next step's collectives are yet to come
         self.slot.write_progress(step, now, self._ema, now, rank, generation)
-        self._mark("user", now)
+        self._mark(Phase.USER, now)
 
     def _record(self, took: float) -> None:
         self._times.append(took)
@@ -232,7 +243,7 @@ class Reporter:
         self.slot.put(_COLLECTIVE_STARTED, 0.0)
         if generation >= 0:
             self.slot.put(_MEMBER, rank, generation)
-        self._mark("recovering", now)
+        self._mark(Phase.RECOVERING, now)
 
     @contextlib.contextmanager
     def long_phase(self, name: str) -> Iterator[None]:
@@ -246,7 +257,7 @@ class Reporter:
         self._long.append(name)
         self.slot.put(_LABEL, name.encode("utf-8")[:LABEL_BYTES])
         if len(self._long) == 1:
-            self.slot.write_phase("long", now)
+            self.slot.write_phase(Phase.LONG, now)
 
     def long_phase_left(self, now: float) -> None:
         self._long.pop()
@@ -257,12 +268,12 @@ class Reporter:
         self.slot.write_phase(self._phase, now)  # the time spent in it counts as progress
         self.slot.put(_LABEL, b"")
 
-    def due_drill(self, step: int) -> tuple[str, float] | None:
+    def due_drill(self, step: int) -> tuple[FaultKind, float] | None:
         p = self.slot.read()
         if p.drill_seq == self._seen_drill or (p.drill_at >= 0 and step < p.drill_at):
             return None
         self._seen_drill = p.drill_seq
-        return DRILL_KINDS[p.drill_kind], p.drill_arg
+        return SLOT_DRILLS[p.drill_kind], p.drill_arg
 
 
 def hang_here(kind: str) -> None:
@@ -270,7 +281,7 @@ def hang_here(kind: str) -> None:
     deadlock (a lock it already holds) or wedge (blocked, as a host thread behind a kernel
     that never ends). Only the agent's SIGKILL ends it."""
     print(f"ftrun: drill: the training thread hangs ({kind})", file=sys.stderr, flush=True)
-    if kind == "spin":
+    if kind == FaultKind.SPIN:
         while True:
             pass
     lock = threading.Lock()

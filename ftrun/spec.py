@@ -12,6 +12,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import MISSING, dataclass, field, fields
 
+from ftrun import timeouts
 from ftrun.errors import UsageError
 
 STDOUT = 1
@@ -71,7 +72,7 @@ class RunSpec:
     tee: StdMask = field(default_factory=StdMask)
     local_ranks_filter: frozenset[int] | None = None
     local_addr: str | None = None
-    shutdown_timeout: float = 30.0
+    shutdown_timeout: float = timeouts.SHUTDOWN_GRACE_S
     signals_to_handle: tuple[str, ...] = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
     on_fault: str = "replace"  # replace | shrink | restart (for scripts using the ftrun API)
     min_nproc: int = 1

@@ -1,18 +1,23 @@
-"""The c10d TCPStore the agent hosts at MASTER_ADDR:MASTER_PORT.
+"""The c10d TCPStore: the one the agent hosts at MASTER_ADDR:MASTER_PORT, and the plumbing
+every store channel shares.
 
 Owns: binding the store's port before torch is imported (so workers start while the agent
 is still importing torch: the server is created later on the already-listening socket),
 creating a fresh store server for every attempt (so a restart never reads the keys of the
 attempt before it, the hang of pytorch#135712), choosing the address workers use and the
 interface the store listens on (a single-node job's store is not reachable from the network:
-anyone who can reach it can stop or steer the job).
-Must not import: typer, rich, the agent. Imports torch lazily, in `serve()` only.
+anyone who can reach it can stop or steer the job); building a client connection, telling a
+blocking call that expired from a lost store, and the thread that reads one store queue.
+Must not import: typer, rich, the agent. Imports torch lazily, inside functions only.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import socket
+import threading
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -100,3 +105,69 @@ def _ipv4_of(name: str) -> list[str]:
     except (OSError, UnicodeError):
         return []
     return [str(a[4][0]) for a in found]
+
+
+def client(host: str, port: int, timeout_s: float) -> Any:
+    """A client connection (never the server) to the TCPStore at host:port; `timeout_s` bounds
+    connecting and, until `set_timeout`, every call on it."""
+    from torch.distributed import TCPStore
+
+    return TCPStore(host, port, None, False, timedelta(seconds=timeout_s))
+
+
+def is_timeout(exc: BaseException) -> bool:
+    """A blocking store call that expired (poll again), not a lost store. c10d says so only in
+    its text: "wait timeout after ..." for a store call, "... timed out ..." for its socket."""
+    text = str(exc).lower()
+    return "timeout" in text or "timed out" in text
+
+
+# pushed by `QueueReader.close` on the reader's own queue: the only way to wake a thread
+# blocked inside c10d's queue_pop
+_WAKE = b'{"kind": "_stop"}'
+
+
+class QueueReader:
+    """A thread blocked on one store queue, on a connection of its own made by `connect`: each
+    message goes, raw, to `deliver` in the order pushed; a lost store (not a poll timeout) goes
+    to `on_lost` once, with its first line."""
+
+    def __init__(self, connect: Callable[[], Any], key: str,
+                 deliver: Callable[[str | bytes], None], on_lost: Callable[[str], None],
+                 name: str) -> None:
+        self._connect, self._key = connect, key
+        self._deliver, self._on_lost = deliver, on_lost
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def close(self, store: Any | None, timeout_s: float = timeouts.THREAD_JOIN_S) -> None:
+        """Wake the reader with its sentinel, pushed through `store` (any live connection to
+        the same server), then join it: a thread left inside a C++ call aborts the
+        interpreter's exit. `store` None: the store is gone, and the reader with it."""
+        self._stop.set()
+        if store is None:
+            return
+        with contextlib.suppress(Exception):
+            store.queue_push(self._key, _WAKE)
+        self._thread.join(timeout_s)
+
+    def _run(self) -> None:
+        try:
+            conn = self._connect()
+            conn.set_timeout(timedelta(seconds=timeouts.WATCH_POLL_S))
+        except Exception as exc:
+            self._on_lost(str(exc))
+            return
+        while not self._stop.is_set():
+            try:
+                raw = conn.queue_pop(self._key, True)
+            except Exception as exc:
+                if is_timeout(exc) and not self._stop.is_set():
+                    continue
+                if not self._stop.is_set():
+                    self._on_lost((str(exc).splitlines() or [""])[0][:200])
+                return
+            if (raw.encode() if isinstance(raw, str) else bytes(raw)) == _WAKE:
+                return
+            self._deliver(raw)

@@ -4,10 +4,10 @@ no_sync, sync, commit, long_phase.
 Owns: this worker's view of the job (generation, rank, committed step), the step protocol
 (sync: every gradient bucket reduced; commit: the user stepped), the commit rule (a step is
 applied only if every collective of it succeeded), random streams replayed when a step is
-repeated, recovery at the next step boundary (rebuild the group, align on the highest
-committed step, heal from an up-to-date peer), where this worker is for the agent's hang
-detector (a few stores into its progress slot per step; `ft.long_phase` pauses it), and a
-plain mode for runs outside ftrun.
+repeated, recovery at the next step boundary (what is due: states.RecoveryMode; rebuild the
+group, then aligning.py aligns on the highest committed step and heals those behind), where
+this worker is for the agent's hang detector (a few stores into its progress slot per step;
+`ft.long_phase` pauses it), and a plain mode for runs outside ftrun.
 Must not import: typer, rich, NVML, the agent or the CLI. Torch is imported when init() runs.
 """
 
@@ -22,6 +22,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from ftrun import _exit, timeouts
+from ftrun.aligning import align
 from ftrun.buckets import GradSync
 from ftrun.comm import Abandoned, CommError, GenerationWatcher, Group, Interrupt, build_group
 from ftrun.drills import Drills
@@ -29,10 +30,17 @@ from ftrun.errors import WorkerApiError
 from ftrun.joining import connect, native_group, plain_group, quiet_store_warnings, warm_up
 from ftrun.loader import Loader
 from ftrun.progress import Reporter
-from ftrun.rendezvous import Generation, heal_plan, latest_number, post_request, read_generation
+from ftrun.rendezvous import (
+    REQUESTS,
+    Generation,
+    Hello,
+    latest_number,
+    read_generation,
+    send_request,
+)
 from ftrun.rng import RandomStreams
 from ftrun.spec import WorkerEnv
-from ftrun.transfer import pack, recv_state, send_state, unpack
+from ftrun.states import RecoveryMode
 from ftrun.waits import await_assignment, await_newer, first_generation
 
 
@@ -45,9 +53,6 @@ def init(backend: str | None = None, seed: int = 0) -> FaultTolerant:
     if os.environ.get("FTRUN_FT_MODE") == "inprocess" and "FTRUN_WORKER_ID" in os.environ:
         return FaultTolerant(backend, seed, WorkerEnv.from_env())
     return FaultTolerant(backend, seed, None)
-
-
-_STREAMS = "ftrun.random_streams"  # the random streams' name beside the registered objects
 
 
 class StepState(enum.Enum):
@@ -69,9 +74,8 @@ class FaultTolerant:
         self._ft = wenv is not None
         self._objects: dict[str, Any] = {}
         self._interrupt = Interrupt()
-        self._broken: str | None = None  # why the current step or group failed
-        self._pending_switch = False
-        self._need_align = False
+        self._recovery = RecoveryMode.NONE  # what the next step boundary must do first
+        self._why = ""  # why the step or group broke (RecoveryMode.broken)
         self._state = StepState.IDLE
         self._report_first_commit: dict[str, Any] | None = None
         self._progress: Reporter | None = None
@@ -112,13 +116,14 @@ class FaultTolerant:
             self._group = Group(Generation(start, ()), -1, None)
             self._watcher = GenerationWatcher(lambda: connect(wenv), start, self._interrupt)
             return
-        post_request(self._store, "hello", worker=self.worker_id, pid=os.getpid(), spare=False)
+        send_request(self._store, Hello(self.worker_id, os.getpid(), spare=False))
         gen = first_generation(self._store, self.worker_id)
         self._watcher = GenerationWatcher(lambda: connect(wenv), gen.number, self._interrupt)
         rank = gen.rank_of(self.worker_id)
         assert rank is not None
         self._group = Group(gen, rank, None)  # built at the first steps() iteration
-        self._need_align = gen.number > 0
+        if gen.number > 0:
+            self._recovery = RecoveryMode.ALIGN
         os.environ.update(RANK=str(rank), WORLD_SIZE=str(gen.world_size))
 
     # ---------------------------------------------------------------- live view
@@ -203,22 +208,23 @@ class FaultTolerant:
             raise WorkerApiError(f"ft.sync() in a step that is {self._state.value}",
                                  hint="call it once per step, after backward, before commit")
         switch = False
-        if self._broken is None:
+        if not self._recovery.broken:
             self._bucket_starting()  # a comm drill fires here if no bucket started it
-        if self._broken is None:
+        if not self._recovery.broken:
             if self._progress is not None:  # collective 1 of this step
                 self._progress.collective_started(time.time())
             try:
                 switch = self._sync.finish(self._group, self._interrupt)
             except (CommError, Abandoned) as exc:
-                self._broken = str(exc)
-        if self._broken is not None:
+                self._broke(str(exc))
+        if self._recovery.broken:
             # an abandoned all-reduce is not cancelled and may still write into its bucket:
             # never let it near a later step's gradients
             self._sync.drop()
             self._state = StepState.FAILED
             return False
-        self._pending_switch = self._pending_switch or switch
+        if switch:
+            self._recovery = self._recovery.escalate(RecoveryMode.SWITCH)
         self._state = StepState.SYNCED
         if self._progress is not None:
             self._progress.optimizer(time.time())
@@ -285,20 +291,24 @@ class FaultTolerant:
     def _comm_fault(self, why: str) -> None:
         """This rank's communicator failed (a drill): abandon it, tell the agent."""
         self._group.abandon()
-        self._broken = why
+        self._broke(why)
         self._post("comm_failed", worker=self.worker_id, generation=self.generation, error=why)
 
     # ---------------------------------------------------------------- recovery
+    def _broke(self, why: str) -> None:
+        self._why = why
+        self._recovery = self._recovery.escalate(RecoveryMode.BROKEN)
+
     def _reconcile(self) -> None:
         if not self._ft:
-            if self._broken:
-                raise CommError(self._broken)
+            if self._recovery.broken:
+                raise CommError(self._why)
             return
         if self.rank < 0:
             self._await_assignment()
         urgent = self._interrupt.urgent_above > self.generation
         unbuilt = self._group.pg is None and self.world_size > 1
-        if not (self._broken or self._pending_switch or self._need_align or urgent or unbuilt):
+        if self._recovery is RecoveryMode.NONE and not (urgent or unbuilt):
             return
         noticed = time.time()
         if self._progress is not None:
@@ -315,9 +325,9 @@ class FaultTolerant:
             except Abandoned:
                 continue
             except CommError as exc:
-                self._broken = str(exc)
+                self._broke(str(exc))
         gen = self._group.gen
-        self._broken, self._pending_switch, self._need_align = None, False, False
+        self._recovery, self._why = RecoveryMode.NONE, ""
         if gen.number == 0:
             return  # the first group of the run: nothing was recovered
         self._report_first_commit = {
@@ -329,12 +339,12 @@ class FaultTolerant:
         newest = self._interrupt.newest
         if newest is not None and newest.number > self.generation:
             return newest
-        if self._pending_switch:  # a peer saw it first; our watcher will too, read it now
+        if self._recovery.switch_voted:  # a peer saw it first; our watcher will too, read it now
             number = latest_number(self._store, timeouts.GENERATION_WAIT_S)
             if number > self.generation:
                 return read_generation(self._store, number, timeouts.GENERATION_WAIT_S)
-        if self._broken:
-            return await_newer(self._interrupt, self.worker_id, self.generation, self._broken,
+        if self._recovery.broken:
+            return await_newer(self._interrupt, self.worker_id, self.generation, self._why,
                                self._post)
         return self._group.gen
 
@@ -350,33 +360,14 @@ class FaultTolerant:
             self._progress.recovering(time.time(), rank, gen.number)
         self._group = build_group(self._connect, gen, rank, self.backend, self.device,
                                   self._interrupt, self._native)
-        self._need_align = gen.number > 0
+        if gen.number > 0:
+            self._recovery = self._recovery.escalate(RecoveryMode.ALIGN)
         os.environ.update(RANK=str(rank), WORLD_SIZE=str(gen.world_size))
 
     def _align(self) -> None:
         """Agree on the highest committed step; those behind load a peer's state."""
-        import torch
-
-        group = self._group
-        if group.size == 1:
-            return
-        steps = torch.zeros(group.size, dtype=torch.int64, device=self.device)
-        steps[group.rank] = self.committed
-        group.allreduce(steps, self._interrupt)
-        committed = [int(s) for s in steps.tolist()]
-        plan = heal_plan(committed)
-        if plan and not self._objects:
-            raise WorkerApiError("a replica must heal but nothing is registered",
-                                 hint="call ft.register(model=..., optimizer=...) before steps()")
-        objects = {**self._objects, _STREAMS: self._streams}
-        payload: list[Any] | None = None
-        for dst, src in sorted(plan.items()):
-            if src == group.rank:
-                payload = payload if payload is not None else pack(objects, {})
-                send_state(group, dst, payload, self._interrupt, self.device)
-            elif dst == group.rank:
-                unpack(recv_state(group, src, self._interrupt, self.device), objects)
-        self.committed = max(committed)
+        self.committed = align(self._group, self.committed, self._objects, self._streams,
+                               self._interrupt, self.device)
 
     def _finished(self) -> bool:
         """Every member reached the end: one last collective so no one leaves a peer behind."""
@@ -392,16 +383,17 @@ class FaultTolerant:
                 self._progress.finished(time.time())
             return True
         except (CommError, Abandoned) as exc:
-            self._broken = str(exc)
+            self._broke(str(exc))
             return False
 
     def _await_assignment(self) -> None:
         self._sync.prepare()  # allocate the gradient buckets now, not on the first step
         await_assignment(self._interrupt, self.worker_id, self._post)
-        self._need_align = True
+        self._recovery = self._recovery.escalate(RecoveryMode.ALIGN)
 
     def _post(self, kind: str, **fields: Any) -> None:
+        request = REQUESTS[kind](**fields)  # a misspelt field fails here, not at the agent
         try:
-            post_request(self._store, kind, **fields)
+            send_request(self._store, request)
         except Exception as exc:  # the agent is gone; the next collective will say so
             self._interrupt.store_lost = str(exc)[:200]

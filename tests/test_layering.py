@@ -7,17 +7,18 @@ from pathlib import Path
 PKG = Path(__file__).parent.parent / "ftrun"
 
 LAYERS = [  # lowest first
-    {"errors", "timeouts", "spec", "states", "exits", "_exit", "xid"},
-    {"policy", "gpuhealth"},
+    {"errors", "timeouts", "spec", "states", "exits", "_exit", "xid", "faultkinds"},
+    {"policy", "gpuhealth", "membership"},
     {"procs", "store", "logs", "report", "rendezvous", "progress", "control", "gpu", "wakeup",
-     "workerspec", "_run_path", "cluster"},
-    {"comm", "joining", "worker", "transfer", "buckets", "rng", "loader", "drills", "waits"},
-    {"journal", "jobview", "roster", "nodehooks", "recovery", "observe", "health", "agent",
-     "coordinator", "follower"},
+     "workerspec", "_run_path", "cluster", "slots"},
+    {"comm", "joining", "worker", "transfer", "buckets", "rng", "loader", "drills", "waits",
+     "aligning"},
+    {"journal", "jobview", "roster", "ports", "nodehooks", "recovery", "observe", "health",
+     "agent", "coordinator", "follower"},
     {"cli", "commands", "launch_args", "render", "__main__", "__init__"},
 ]
 WORKER_SIDE = {"comm", "joining", "worker", "transfer", "buckets", "rng", "loader", "drills",
-               "waits"}
+               "waits", "aligning"}
 HEAVY_FOR_WORKERS = {"typer", "rich", "pynvml", "psutil"}
 
 
@@ -49,6 +50,51 @@ def test_layers_import_only_downwards() -> None:
                 if me == "__init__" or other == me:
                     continue
                 assert layer_of(other) <= layer_of(me), f"{me} imports {other} (upwards)"
+
+
+def _graph() -> dict[str, set[str]]:
+    """Module -> the ftrun modules it imports anywhere: at the top, in a function, or only
+    for type checking (a type-only import back is still a circle in the design)."""
+    graph: dict[str, set[str]] = {}
+    for path in PKG.glob("*.py"):
+        deps = {imp.split(".")[1] for imp in imports_of(path)
+                if imp.startswith("ftrun.") and imp.count(".") == 1}
+        graph[path.stem] = deps - {path.stem}
+    return graph
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for dep in sorted(graph.get(node, ())):
+            if state.get(dep) == 1:
+                return path[path.index(dep):] + [dep]
+            if dep not in state and (found := visit(dep)) is not None:
+                return found
+        path.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (found := visit(node)) is not None:
+            return found
+    return None
+
+
+def test_no_import_cycle_anywhere_type_only_imports_included() -> None:
+    graph = _graph()
+    assert _cycle(graph) is None, " -> ".join(_cycle(graph) or [])
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]  # it can fail
+
+
+def test_no_helper_of_the_agent_holds_an_agent() -> None:
+    graph = _graph()
+    for helper in ("recovery", "health", "observe", "slots", "ports", "jobview", "journal"):
+        assert not graph[helper] & {"agent", "nodehooks", "coordinator", "follower"}, helper
 
 
 def test_worker_side_never_imports_launcher_or_ui() -> None:

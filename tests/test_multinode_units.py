@@ -1,28 +1,30 @@
 """The pure parts of multi-node: node-loss decisions, heartbeat ages, SLURM and endpoints."""
+from dataclasses import replace
+
 import pytest
 
 from ftrun.cluster import BeatTracker, Probe, endpoint_of
 from ftrun.launch_args import first_host, parse_run_args
-from ftrun.policy import FaultAction, decide_node_loss, find_lost_nodes
+from ftrun.policy import FaultAction, Snapshot, decide_node_loss, find_lost_nodes
 from ftrun.rendezvous import WORKER_ID_STRIDE, node_of
 
 MEMBERS = (0, 1, 10_000, 10_001, 20_000, 20_001)
 
 
 def test_a_lost_node_leaves_in_one_generation() -> None:
-    d = decide_node_loss("node 1", (10_000, 10_001), MEMBERS, nodes_left=2, min_nodes=2,
-                         faults=1, max_faults=10, restarts_left=0)
+    d = decide_node_loss(Snapshot(MEMBERS, faults=1, max_faults=10, nodes_left=2, min_nodes=2),
+                         "node 1", (10_000, 10_001))
     assert d.action is FaultAction.SHRINK
     assert d.members == (0, 1, 20_000, 20_001)
     assert "node 1 lost with 2 members" in d.reason and "on 2 nodes" in d.reason
 
 
 def test_ready_spares_on_other_nodes_take_the_lost_ranks() -> None:
-    d = decide_node_loss("node 1", (10_000, 10_001), MEMBERS, 2, 2, 1, 10, 0,
-                         spares=(2, 20_002))
+    snap = Snapshot(MEMBERS, (2, 20_002), faults=1, max_faults=10, nodes_left=2, min_nodes=2)
+    d = decide_node_loss(snap, "node 1", (10_000, 10_001))
     assert d.action is FaultAction.REPLACE and d.joiners == (2, 20_002)
     assert d.members == (0, 1, 2, 20_002, 20_000, 20_001)  # the lost ranks, kept
-    short = decide_node_loss("node 1", (10_000, 10_001), MEMBERS, 2, 2, 1, 10, 0, spares=(2,))
+    short = decide_node_loss(replace(snap, spares=(2,)), "node 1", (10_000, 10_001))
     assert short.action is FaultAction.SHRINK and short.members == (0, 1, 2, 20_000, 20_001)
     assert "(1 spare used)" in short.reason
 
@@ -35,8 +37,9 @@ def test_ready_spares_on_other_nodes_take_the_lost_ranks() -> None:
 ])
 def test_node_loss_limits(nodes_left, min_nodes, faults, unhealed, restarts, action,
                           needle) -> None:
-    d = decide_node_loss("node 1", (10_000, 10_001), MEMBERS, nodes_left, min_nodes, faults,
-                         10, restarts, unhealed)
+    snap = Snapshot(MEMBERS, (), unhealed, faults, 10, restarts, nodes_left=nodes_left,
+                    min_nodes=min_nodes)
+    d = decide_node_loss(snap, "node 1", (10_000, 10_001))
     assert d.action is action and needle in d.reason
 
 

@@ -3,8 +3,8 @@ import itertools
 
 import pytest
 
-from ftrun.policy import Action, FaultAction, decide_fault, decide_group
-from ftrun.rendezvous import Generation, heal_plan, parse_request
+from ftrun.policy import Action, FaultAction, Snapshot, decide_fault, decide_group
+from ftrun.rendezvous import Generation, Suspect, heal_plan, parse_request
 from ftrun.spec import WorkerEnv
 from ftrun.states import TransitionError, WorkerState, allowed, check_transition
 
@@ -36,12 +36,10 @@ def test_decide_group(exits, first, used, max_r, action) -> None:
     assert d.action is action and d.reason
 
 
-def fault(**kw):
-    args = dict(lost=1, why="exited with -9 (SIGKILL)", members=(0, 1, 2), on_fault="replace",
-                min_nproc=1, spares=(), new_worker_id=3, faults=1, max_faults=10,
-                restarts_left=0)
-    args.update(kw)
-    return decide_fault(**args)
+def fault(lost=1, crash_loop=0, **kw):
+    snap = dict(members=(0, 1, 2), on_fault="replace", faults=1, max_faults=10)
+    snap.update(kw)
+    return decide_fault(Snapshot(**snap), lost, "exited with -9 (SIGKILL)", 3, crash_loop)
 
 
 def test_replace_keeps_the_rank_with_a_new_worker_or_a_spare() -> None:
@@ -96,7 +94,7 @@ def test_malformed_worker_requests_are_refused_with_a_reason(raw, why) -> None:
 
 def test_a_well_formed_request_passes() -> None:
     raw = '{"kind": "suspect", "worker": 1, "generation": 4}'
-    assert parse_request(raw) == {"kind": "suspect", "worker": 1, "generation": 4}
+    assert parse_request(raw) == Suspect(worker=1, generation=4)
 
 
 @pytest.mark.parametrize("steps, plan", [

@@ -1,0 +1,330 @@
+"""The recovery core without processes: every role transition, and `Recovery` acting on exits,
+requests and node losses through a fake port and an in-memory store (no torch, no threads)."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+from ftrun.membership import ALLOWED, Membership, RoleError, WorkerRole
+from ftrun.policy import Action, Liveness
+from ftrun.recovery import Recovery
+from ftrun.rendezvous import LATEST_KEY, Generation, gen_key
+from ftrun.report import WorkerExit
+from ftrun.roster import RemoteWorker, Worker
+from ftrun.spec import RunSpec
+
+R = WorkerRole
+
+
+class MemoryStore:
+    """What `Recovery` needs of a TCPStore, with its semantics: keys hold the last value."""
+
+    def __init__(self) -> None:
+        self.keys: dict[str, bytes] = {}
+
+    def set(self, key: str, value: str | bytes) -> None:
+        self.keys[key] = value.encode() if isinstance(value, str) else value
+
+    def get(self, key: str) -> bytes:
+        return self.keys[key]
+
+    def queue_len(self, key: str) -> int:
+        return 0  # the fake port delivers requests directly
+
+    def generation(self) -> Generation:
+        return Generation.from_json(self.keys[gen_key(int(self.keys[LATEST_KEY]))])
+
+
+@dataclass
+class FakePort:
+    """The agent as the helpers see it: workers are records, placing one records it."""
+
+    spec: RunSpec
+    nodes: list[int] = field(default_factory=lambda: [0])
+    run_id: str = "core"
+    restarts: int = 0
+    events: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
+    workers: dict[int, RemoteWorker] = field(default_factory=dict)
+    placed: list[tuple[int, int, bool]] = field(default_factory=list)  # (id, rank, spare)
+    suspects: int = 0
+
+    def __post_init__(self) -> None:
+        for i in range(self.spec.nproc):
+            self.workers[i] = RemoteWorker(i, i, i, 0)
+        self._next = self.spec.nproc
+
+    def emit(self, kind: str, fields: Mapping[str, object]) -> None:
+        self.events.append((kind, dict(fields)))
+
+    def wake(self) -> None:
+        pass
+
+    def allocate_id(self, node: int) -> int:
+        self._next += 1
+        return self._next - 1
+
+    def peek_id(self, node: int) -> int:
+        return self._next
+
+    def place(self, worker_id: int, rank: int, local_rank: int, spare: bool) -> None:
+        self.workers[worker_id] = RemoteWorker(rank, local_rank, worker_id, 0)
+        self.placed.append((worker_id, rank, spare))
+
+    def live_nodes(self) -> list[int]:
+        return self.nodes
+
+    def initial_members(self) -> tuple[int, ...]:
+        return tuple(range(self.spec.nproc))
+
+    def all_workers(self) -> list[Worker | RemoteWorker]:
+        return list(self.workers.values())
+
+    def workers_snapshot(self) -> list[Worker]:
+        return []
+
+    def live_members(self) -> list[Worker]:
+        return []
+
+    def worker_by_id(self, worker_id: int) -> Worker | None:
+        return None
+
+    def committed_step(self, worker_id: int) -> int:
+        return 7
+
+    def remote_liveness(self) -> list[Liveness]:
+        return []
+
+    def suspect(self) -> None:
+        self.suspects += 1
+
+    def uses_api(self) -> bool:
+        return False
+
+    def control_name(self) -> str:
+        return self.run_id
+
+    def decorate_status(self, doc: dict[str, Any]) -> dict[str, Any]:
+        return doc
+
+    def notices(self) -> list[str]:
+        return [str(f["text"]) for k, f in self.events if k == "notice"]
+
+    def faults(self) -> list[dict[str, Any]]:
+        return [f for k, f in self.events if k == "fault"]
+
+
+def make(**spec: Any) -> tuple[Recovery, FakePort, MemoryStore]:
+    port, store = FakePort(RunSpec("train.py", **{"nproc": 2, **spec})), MemoryStore()
+    return Recovery(port, store), port, store
+
+
+def exit_(port: FakePort, wid: int, code: int) -> RemoteWorker:
+    w = port.workers[wid]
+    w.exit = WorkerExit(w.rank, w.local_rank, 100 + wid, code, 0.0, 1000.0)
+    return w
+
+
+def say(rec: Recovery, kind: str, **fields: Any) -> Any:
+    rec.deliver(json.dumps({"kind": kind, **fields}))
+    return rec.handle_requests()
+
+
+def hello(rec: Recovery, wid: int, spare: bool = False) -> None:
+    assert say(rec, "hello", worker=wid, pid=100 + wid, spare=spare) is None
+
+
+def recovered(rec: Recovery, wid: int) -> None:
+    gen = rec.membership.generation
+    assert say(rec, "recovered", worker=wid, generation=gen, fault_at=1.0, published_at=1.0,
+               noticed=1.0, rebuilt=1.0, healed=1.0, step=3, first_commit=1.0) is None
+
+
+# ------------------------------------------------------------------ roles
+EDGES = [(a, b) for a, b in itertools.product([None, *WorkerRole], WorkerRole)]
+
+
+@pytest.mark.parametrize(("start", "to"), EDGES, ids=lambda r: r.name if r else "new")
+def test_every_role_transition_is_allowed_or_refused_by_the_table(
+        start: WorkerRole | None, to: WorkerRole) -> None:
+    ms = Membership(())
+    path = {None: [], R.STARTING_SPARE: [R.STARTING_SPARE], R.SPARE: [R.STARTING_SPARE, R.SPARE],
+            R.JOINING: [R.JOINING], R.READY: [R.JOINING, R.READY], R.HEALING: [R.HEALING],
+            R.MEMBER: [R.MEMBER], R.FINISHED: [R.MEMBER, R.FINISHED], R.GONE: [R.MEMBER, R.GONE]}
+    for role in path[start]:
+        ms.move(9, role)
+    if to in ALLOWED[start]:
+        ms.move(9, to)
+        assert ms.role(9) is to
+    else:
+        with pytest.raises(RoleError):
+            ms.move(9, to)
+
+
+def test_the_table_has_one_way_in_and_no_way_out_of_the_ends() -> None:
+    assert ALLOWED[R.GONE] == ALLOWED[R.FINISHED] == frozenset()
+    assert R.MEMBER in ALLOWED[None] and R.SPARE not in ALLOWED[None]
+
+
+def test_spares_are_used_in_the_order_they_became_ready() -> None:
+    ms = Membership((0, 1))
+    for s in (5, 6):
+        ms.move(s, R.STARTING_SPARE)
+    ms.move(6, R.SPARE)
+    ms.move(5, R.SPARE)
+    assert ms.snapshot().spares == (6, 5)
+    ms.publish((0, 6), joiners=(6,))
+    assert (ms.role(1), ms.role(6), ms.generation) == (R.GONE, R.HEALING, 1)
+    assert ms.snapshot().unhealed == frozenset({6})
+
+
+# ------------------------------------------------------------------ member faults
+def test_fault_without_a_spare_starts_a_new_worker_in_the_lost_rank() -> None:
+    rec, port, store = make()
+    hello(rec, 0)
+    assert rec.on_exit(exit_(port, 1, 1)) is None
+    assert port.placed == [(2, 1, False)]
+    assert store.generation().members == (0, 2) and store.generation().joiners == (2,)
+    assert (rec.membership.role(1), rec.membership.role(2)) == (R.GONE, R.HEALING)
+    fault, = port.faults()
+    assert fault["reason"] == "worker 1 (rank 1) exited with 1; new worker 2 takes rank 1"
+    assert fault["committed_before"] == 7 and fault["decision"] == "replace"
+
+
+def test_fault_with_a_ready_spare_uses_it_and_refills_after_recovery() -> None:
+    rec, port, store = make(spares=1)
+    hello(rec, 0)  # the script uses the API: the spare starts now
+    assert port.placed == [(2, -1, True)] and rec.membership.role(2) is R.STARTING_SPARE
+    hello(rec, 2, spare=True)
+    assert rec.on_exit(exit_(port, 0, -9)) is None
+    assert store.generation().members == (2, 1)
+    assert port.faults()[0]["reason"] == ("worker 0 (rank 0) exited with -9 (SIGKILL); "
+                                          "spare worker 2 takes rank 0")
+    recovered(rec, 2)
+    assert port.placed[-1] == (3, -1, True)  # the refill, once recovered
+    assert rec.membership.role(2) is R.MEMBER
+    assert [k for k, _ in port.events].count("recovered") == 1
+    recovered(rec, 1)  # the same generation again: announced once
+    assert [k for k, _ in port.events].count("recovered") == 1
+
+
+def test_replacements_that_die_before_committing_end_in_a_crash_loop_shrink() -> None:
+    rec, port, store = make(nproc=3, min_nproc=2)
+    hello(rec, 0)
+    lost = 1  # the member, then its replacements 3 and 4
+    for _ in range(3):
+        assert rec.on_exit(exit_(port, lost, 1)) is None
+        lost = port.placed[-1][0]
+    assert rec.on_exit(exit_(port, lost, 1)) is None
+    assert store.generation().members == (0, 2)
+    assert port.faults()[-1]["decision"] == "shrink"
+    assert "the 3rd replacement in a row for rank 1 to fail before its first commit" in \
+        port.faults()[-1]["reason"]
+    recovered(rec, 0)
+    assert len(port.placed) == 3  # no regrow after a crash loop
+
+
+def test_budget_exhausted_restarts_the_group_or_fails() -> None:
+    rec, port, _ = make(max_faults=0, max_restarts=1)
+    hello(rec, 0)
+    d = rec.on_exit(exit_(port, 1, 1))
+    assert d is not None and d.action is Action.RESTART_GROUP and d.culprit == 1
+    rec, port, _ = make(max_faults=0)
+    hello(rec, 0)
+    d = rec.on_exit(exit_(port, 1, 1))
+    assert d is not None and d.action is Action.FAIL
+    assert d.reason == ("worker 1 (rank 1) exited with 1; fault budget exhausted "
+                        "(0, --max-faults)")
+
+
+# ------------------------------------------------------------------ shrink, then grow
+def test_shrink_then_grow_back_through_joining_ready_healing_member() -> None:
+    rec, port, store = make(nproc=3, on_fault="shrink", min_nproc=2)
+    hello(rec, 0)
+    assert rec.on_exit(exit_(port, 2, 1)) is None
+    assert store.generation().members == (0, 1) and port.placed == []
+    recovered(rec, 0)  # the shrunk job committed: now the replacement starts
+    joiner = port.placed[-1][0]
+    assert rec.membership.role(joiner) is R.JOINING
+    hello(rec, joiner)
+    gen = store.generation()
+    assert gen.members == (0, 1, joiner) and gen.reason == f"worker {joiner} joins as rank 2"
+    assert rec.membership.role(joiner) is R.HEALING
+    recovered(rec, joiner)
+    assert rec.membership.role(joiner) is R.MEMBER
+
+
+def test_a_joiner_dying_before_it_joins_is_started_again() -> None:
+    rec, port, _ = make(nproc=2, on_fault="shrink", min_nproc=1)
+    hello(rec, 0)
+    rec.on_exit(exit_(port, 1, 1))
+    recovered(rec, 0)
+    joiner = port.placed[-1][0]
+    assert rec.on_exit(exit_(port, joiner, 1)) is None
+    assert port.notices()[-1] == (f"joining worker {joiner} exited with 1 before "
+                                  f"joining; starting another")
+    assert rec.membership.role(port.placed[-1][0]) is R.JOINING
+
+
+def test_a_late_hello_of_a_dead_spare_does_not_put_it_back_in_the_pool() -> None:
+    rec, port, _ = make(spares=1)
+    hello(rec, 0)
+    rec.on_exit(exit_(port, 2, 0))
+    hello(rec, 2, spare=True)
+    assert rec.membership.role(2) is R.GONE and rec.membership.snapshot().spares == ()
+
+
+# ------------------------------------------------------------------ nodes, comm, requests
+def test_node_loss_hands_its_ranks_to_spares_elsewhere() -> None:
+    rec, port, store = make(nproc=2, spares=1)
+    port.nodes = [0, 1]
+    hello(rec, 0)
+    spares = [wid for wid, _, spare in port.placed if spare]
+    for s in spares:
+        hello(rec, s, spare=True)
+    lost = [port.workers[1]]
+    d = rec.on_node_lost(1, "node 1 (h)", lost, nodes_left=1, last_seen=999.0)
+    assert d is None and store.generation().members == (0, spares[0])
+    assert port.faults()[0]["reason"] == (f"node 1 (h) lost with 1 member; spare workers "
+                                          f"{spares[0]} take their ranks on 1 node")
+
+
+def test_comm_failure_rebuilds_the_current_generation_only() -> None:
+    rec, port, store = make()
+    hello(rec, 0)
+    assert say(rec, "comm_failed", worker=1, generation=5, error="old") is None
+    assert rec.membership.generation == 0  # a stale report
+    assert say(rec, "comm_failed", worker=1, generation=0, error="reset") is None
+    assert store.generation().members == (0, 1) and store.generation().urgent
+    assert port.faults()[0]["reason"] == "worker 1 reported a communicator failure: reset"
+    rec.spec = port.spec = RunSpec("train.py", nproc=2, max_faults=1)
+    d = say(rec, "comm_failed", worker=0, generation=1, error="again")
+    assert d is not None and d.action is Action.FAIL
+    assert d.reason.endswith("; fault budget exhausted (1, --max-faults)")
+
+
+def test_malformed_and_unknown_requests_are_refused_with_a_notice() -> None:
+    rec, port, _ = make()
+    rec.deliver(b"{not json")
+    assert rec.handle_requests() is None
+    say(rec, "hello", worker=77, pid=1, spare=False)
+    say(rec, "suspect", worker=1, generation=0)
+    assert port.notices() == ["ignored a malformed worker request (not JSON)",
+                              "ignored a hello request from worker 77, which this job never "
+                              "started"]
+    assert port.suspects == 1 and not rec.uses_api
+
+
+def test_done_when_every_member_with_state_finished() -> None:
+    rec, port, _ = make()
+    hello(rec, 0)
+    rec.on_exit(exit_(port, 1, 1))  # worker 2 replaces it, healing
+    for wid in (0,):
+        assert rec.on_exit(exit_(port, wid, 0)) is None
+    assert rec.done()  # worker 2 holds no committed state: not needed
+    assert rec.membership.role(0) is R.FINISHED
