@@ -6,7 +6,7 @@ typer, rich or NVML until `ftrun.init()` runs.
 
 from __future__ import annotations
 
-from ftrun.worker import FaultTolerant, init
+from ftrun.worker.api import FaultTolerant, init
 
 __all__ = ["FaultTolerant", "init"]
 __version__ = "0.1.0"

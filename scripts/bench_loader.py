@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from ftrun.loader import Loader
+from ftrun.worker.loader import Loader
 
 
 class SlowItems:

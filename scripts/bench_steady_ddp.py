@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from gpt_data import VOCAB_SIZE, TokenDataset  # noqa: E402
 from train_gpt import GPT, param_groups, warmup_cosine  # noqa: E402
 
-from ftrun.loader import Loader  # noqa: E402
+from ftrun.worker.loader import Loader  # noqa: E402
 
 ap = argparse.ArgumentParser()
 for name, default in (("steps", 40), ("batch", 32), ("accum", 2), ("block", 64), ("dim", 128),

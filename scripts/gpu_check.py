@@ -106,14 +106,14 @@ def sec_env(a: argparse.Namespace) -> None:
 
 
 def open_gpus(a: argparse.Namespace) -> Any:
-    from ftrun.gpu import NvmlBackend, SimBackend  # in the sections: ftrun may be mid-edit
+    from ftrun.gpu.monitor import NvmlBackend, SimBackend  # in the sections: ftrun may be mid-edit
 
     return SimBackend(2) if a.cpu_dry_run else NvmlBackend()
 
 
 def nvml_calls(n: Any, h: Any) -> dict[str, Callable[[], Any]]:
     """Each NVML call NvmlBackend.sample makes, to time them one by one."""
-    from ftrun.gpu import _field
+    from ftrun.gpu.monitor import _field
 
     return {"uuid": lambda: n.nvmlDeviceGetUUID(h),
             "mem_used": lambda: n.nvmlDeviceGetMemoryInfo(h).used,
@@ -128,7 +128,7 @@ def nvml_calls(n: Any, h: Any) -> dict[str, Callable[[], Any]]:
 
 
 def sec_nvml(a: argparse.Namespace) -> None:
-    from ftrun.gpu import NvmlBackend
+    from ftrun.gpu.monitor import NvmlBackend
 
     t = time.monotonic()
     b = open_gpus(a)
@@ -166,7 +166,7 @@ def sec_nvml(a: argparse.Namespace) -> None:
 def sec_map(a: argparse.Namespace) -> None:
     import torch
 
-    from ftrun.gpu import uuids_by_local_rank
+    from ftrun.gpu.monitor import uuids_by_local_rank
 
     b = open_gpus(a)
     gpus = b.devices()
@@ -186,7 +186,7 @@ def sec_map(a: argparse.Namespace) -> None:
 
 
 def sec_classify(a: argparse.Namespace) -> None:
-    from ftrun.gpuhealth import Health, classify
+    from ftrun.gpu.verdicts import Health, classify
 
     b, failed = open_gpus(a), []
     for g in b.devices():

@@ -39,11 +39,11 @@ def sec_nccl_inprocess(a: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
 
-    from ftrun import comm
-    from ftrun.joining import connect
-    from ftrun.rendezvous import Generation as Gen
-    from ftrun.store import HostedStore
-    from ftrun.transfer import pack, unpack
+    from ftrun.adapters.store import HostedStore
+    from ftrun.protocol.rendezvous import Generation as Gen
+    from ftrun.worker import comm
+    from ftrun.worker.joining import connect
+    from ftrun.worker.transfer import pack, unpack
 
     backend, dev = "gloo", torch.device("cpu")
     if not a.cpu_dry_run:

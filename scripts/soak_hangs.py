@@ -27,7 +27,7 @@ from typing import Any
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
-from ftrun import control  # noqa: E402
+from ftrun.adapters import control  # noqa: E402
 
 SCRIPT = os.path.join(ROOT, "tests", "fixtures", "hang_train.py")
 NPROC = 3

@@ -13,10 +13,11 @@ import time
 import pytest
 from conftest import FIXTURES, ftrun_cmd, run_ftrun, wait_for
 
-from ftrun import control
-from ftrun.cli import main
-from ftrun.errors import FtrunError
-from ftrun.observe import check_request
+from ftrun.adapters import control
+from ftrun.agent.control_plane import InjectOp, StatusOp, check_request
+from ftrun.cli.main import main
+from ftrun.core.errors import FtrunError
+from ftrun.core.faultkinds import FaultKind
 
 # Each gets a one-line refusal; none may end the server thread or the agent's main loop.
 JUNK = [
@@ -75,7 +76,7 @@ def dead_pid() -> int:
 # ---------------------------------------------------------------- the server, in process
 def test_server_answers_junk_with_one_line_and_keeps_serving(private_run_dir) -> None:
     def handler(req: dict) -> dict:
-        return {"ok": True, **check_request(req)}
+        return {"ok": True, **check_request(req).to_wire()}
 
     server = serve(private_run_dir, handler)
     try:
@@ -193,8 +194,10 @@ def test_inject_fault_rejects_bad_values(extra, needle, capsys) -> None:
 
 def test_checked_requests_are_typed() -> None:
     req = check_request({"op": "inject", "kind": "slow", "rank": 1, "arg": 2})
-    assert req == {"op": "inject", "kind": "slow", "rank": 1, "gpu": None, "at_step": -1,
-                   "arg": 2.0, "xid": None}
+    assert req == InjectOp(FaultKind.SLOW, rank=1, gpu=None, at_step=-1, arg=2.0, xid=None)
+    assert req.to_wire() == {"op": "inject", "kind": "slow", "rank": 1, "gpu": None,
+                             "at_step": -1, "arg": 2.0, "xid": None}
+    assert type(req.arg) is float and check_request({"op": "status"}) == StatusOp()
     for bad in (math.nan, -math.inf, True, "1", [1], 1e9):
         with pytest.raises(FtrunError):
             check_request({"op": "inject", "kind": "slow", "rank": 1, "arg": bad})

@@ -4,7 +4,8 @@ import sys
 
 import pytest
 
-PROLOGUE = "from ftrun import _exit\n_exit.install()\n_exit.arm()\nimport atexit\n"
+PROLOGUE = ("from ftrun.worker import errorfile\nerrorfile.install()\nerrorfile.arm()\n"
+            "import atexit\n")
 
 
 @pytest.mark.parametrize("body, code", [
@@ -22,6 +23,7 @@ def test_exit_status_is_kept(body: str, code: int) -> None:
 
 
 def test_not_armed_exits_normally() -> None:
-    r = subprocess.run([sys.executable, "-c", "from ftrun import _exit\n_exit.install()\n"
+    r = subprocess.run([sys.executable, "-c", "from ftrun.worker import errorfile\n"
+                        "errorfile.install()\n"
                         "import sys; sys.exit(5)"], capture_output=True, timeout=30)
     assert r.returncode == 5

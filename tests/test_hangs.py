@@ -17,8 +17,8 @@ import pytest
 import torch
 from conftest import FIXTURES, ftrun_cmd, run_ftrun, wait_for
 
-from ftrun.journal import Journal
-from ftrun.policy import (
+from ftrun.agent.journal import Journal
+from ftrun.core.policy import (
     HANG_MIN_S,
     HANG_WARMUP_S,
     Liveness,
@@ -26,7 +26,7 @@ from ftrun.policy import (
     hang_timeout,
     replace_after_rebuild,
 )
-from ftrun.progress import FIELDS, NAMES, SIZE, WARMUP_STEPS, Progress, Reporter, Slot, p95
+from ftrun.protocol.progress import FIELDS, NAMES, SIZE, WARMUP_STEPS, Progress, Reporter, Slot, p95
 
 
 def live(worker: int, **kw: object) -> Liveness:

@@ -3,11 +3,11 @@ import time
 
 import pytest
 
-from ftrun.errors import UsageError
-from ftrun.gpu import GpuMonitor, NvmlBackend, SimBackend, open_backend, uuids_by_local_rank
-from ftrun.gpuhealth import GpuSample, Health, classify
-from ftrun.policy import Liveness, find_hang, find_straggler, hang_timeout
-from ftrun.xid import XidClass, known_xids, xid_verdict
+from ftrun.core.errors import UsageError
+from ftrun.core.policy import Liveness, find_hang, find_straggler, hang_timeout
+from ftrun.gpu.monitor import GpuMonitor, NvmlBackend, SimBackend, open_backend, uuids_by_local_rank
+from ftrun.gpu.verdicts import GpuSample, Health, classify
+from ftrun.gpu.xid import XidClass, known_xids, xid_verdict
 
 EXPECTED = {XidClass.GPU_FATAL: Health.FAILED, XidClass.APP_FAULT: Health.HEALTHY,
             XidClass.INFO: Health.HEALTHY, XidClass.SYMPATHETIC: Health.HEALTHY,

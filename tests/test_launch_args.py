@@ -1,10 +1,10 @@
 """The torchrun-compatible command line, parsed in-process (no workers started)."""
 import pytest
 
-from ftrun.cli import main
-from ftrun.errors import UsageError
-from ftrun.launch_args import parse_endpoint, parse_run_args
-from ftrun.spec import StdMask
+from ftrun.cli.launch_args import parse_endpoint, parse_run_args
+from ftrun.cli.main import main
+from ftrun.core.errors import UsageError
+from ftrun.core.spec import StdMask
 
 
 def parse(*argv: str, env: dict[str, str] | None = None):

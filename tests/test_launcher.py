@@ -275,8 +275,8 @@ def test_single_node_store_listens_on_loopback_only(tmp_path) -> None:
     (2, "127.0.0.1", "0.0.0.0"),  # other nodes may know this host by a name that is loopback here
 ])
 def test_workers_store_interface(nnodes, workers_at, listens_on) -> None:
-    from ftrun.spec import RunSpec
-    from ftrun.store import HostedStore
+    from ftrun.adapters.store import HostedStore
+    from ftrun.core.spec import RunSpec
 
     hosted = HostedStore.for_workers(RunSpec("t.py", nnodes_max=nnodes), 0, workers_at)
     try:

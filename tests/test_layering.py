@@ -1,4 +1,5 @@
-"""Each layer imports only from layers below it; the worker side and `status` stay light."""
+"""Packages import only from packages below them, no module imports in a circle (type-only
+imports included), the worker side and `ftrun status` stay light."""
 import ast
 import subprocess
 import sys
@@ -6,60 +7,67 @@ from pathlib import Path
 
 PKG = Path(__file__).parent.parent / "ftrun"
 
-LAYERS = [  # lowest first
-    {"errors", "timeouts", "spec", "states", "exits", "_exit", "xid", "faultkinds"},
-    {"policy", "gpuhealth", "membership"},
-    {"procs", "store", "logs", "report", "rendezvous", "progress", "control", "gpu", "wakeup",
-     "workerspec", "_run_path", "cluster", "slots"},
-    {"comm", "joining", "worker", "transfer", "buckets", "rng", "loader", "drills", "waits",
-     "aligning"},
-    {"journal", "jobview", "roster", "ports", "nodehooks", "recovery", "observe", "health",
-     "agent", "coordinator", "follower"},
-    {"cli", "commands", "launch_args", "render", "__main__", "__init__"},
+LAYERS = [  # packages, lowest first; a package may import itself and those below it
+    {"core"},
+    {"protocol", "gpu"},
+    {"adapters"},
+    {"worker"},
+    {"agent"},
+    {"cluster"},
+    {"cli"},
 ]
-WORKER_SIDE = {"comm", "joining", "worker", "transfer", "buckets", "rng", "loader", "drills",
-               "waits", "aligning"}
+NEVER = {  # beside the layering: what a package must not import although it is lower
+    "agent": {"worker"},  # the agent never loads the worker library (nor torch with it)
+    "cluster": {"worker"},
+}
 HEAVY_FOR_WORKERS = {"typer", "rich", "pynvml", "psutil"}
+STDLIB_ONLY = {"core"}
 
 
-def layer_of(module: str) -> int:
+def package_of(module: str) -> str:
+    """ftrun.agent.node and ftrun.agent -> agent; ftrun and ftrun.__main__ -> ''."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 and (PKG / parts[1]).is_dir() else ""
+
+
+def layer_of(package: str) -> int:
     for i, names in enumerate(LAYERS):
-        if module in names:
+        if package in names:
             return i
-    raise AssertionError(f"ftrun/{module}.py is in no layer: add it to LAYERS")
+    raise AssertionError(f"ftrun/{package}/ is in no layer: add it to LAYERS")
+
+
+def modules() -> dict[str, Path]:
+    out = {}
+    for path in PKG.rglob("*.py"):
+        rel = path.relative_to(PKG.parent).with_suffix("")
+        name = ".".join(rel.parts)
+        out[name.removesuffix(".__init__")] = path
+    return out
 
 
 def imports_of(path: Path) -> set[str]:
+    """Every module `path` imports: at the top, in a function, or only for type checking."""
     found: set[str] = set()
+    known = modules()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom) and node.module:
             found.add(node.module)
-            if node.module == "ftrun":
-                found.update(f"ftrun.{a.name}" for a in node.names)
+            found.update(f"{node.module}.{a.name}" for a in node.names
+                         if f"{node.module}.{a.name}" in known)  # from ftrun.core import x
         elif isinstance(node, ast.Import):
             found.update(a.name for a in node.names)
     return found
 
 
-def test_layers_import_only_downwards() -> None:
-    for path in PKG.glob("*.py"):
-        me = path.stem
-        for imp in imports_of(path):
-            if imp.startswith("ftrun.") and imp.count(".") == 1:
-                other = imp.split(".")[1]
-                if me == "__init__" or other == me:
-                    continue
-                assert layer_of(other) <= layer_of(me), f"{me} imports {other} (upwards)"
-
-
 def _graph() -> dict[str, set[str]]:
-    """Module -> the ftrun modules it imports anywhere: at the top, in a function, or only
-    for type checking (a type-only import back is still a circle in the design)."""
+    known = modules()
     graph: dict[str, set[str]] = {}
-    for path in PKG.glob("*.py"):
-        deps = {imp.split(".")[1] for imp in imports_of(path)
-                if imp.startswith("ftrun.") and imp.count(".") == 1}
-        graph[path.stem] = deps - {path.stem}
+    for name, path in known.items():
+        if path.name == "__init__.py":
+            continue  # a package's docstring file: importing a module runs it first
+        deps = {imp for imp in imports_of(path) if imp in known}
+        graph[name] = {d for d in deps if known[d].name != "__init__.py"} - {name}
     return graph
 
 
@@ -85,6 +93,35 @@ def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
     return None
 
 
+def test_every_module_lives_in_a_layered_package() -> None:
+    for name in modules():
+        if name not in ("ftrun", "ftrun.__main__"):
+            layer_of(package_of(name) or name.split(".")[1])
+
+
+def test_packages_import_only_downwards() -> None:
+    for name, path in modules().items():
+        me = package_of(name)
+        if not me:
+            continue
+        for imp in imports_of(path):
+            other = package_of(imp) if imp.startswith("ftrun.") else ""
+            if not other or other == me:
+                continue
+            assert layer_of(other) <= layer_of(me), f"{name} imports {imp} (upwards)"
+            assert other not in NEVER.get(me, set()), f"{name} imports {imp}"
+
+
+def test_the_core_imports_only_the_standard_library() -> None:
+    for name, path in modules().items():
+        if package_of(name) in STDLIB_ONLY:
+            roots = {imp.split(".")[0] for imp in imports_of(path)} - {"__future__"}
+            outside = {r for r in roots if r not in sys.stdlib_module_names and r != "ftrun"}
+            assert not outside, f"{name} imports {outside}"
+            assert all(package_of(i) == "core" for i in imports_of(path)
+                       if i.startswith("ftrun.")), name
+
+
 def test_no_import_cycle_anywhere_type_only_imports_included() -> None:
     graph = _graph()
     assert _cycle(graph) is None, " -> ".join(_cycle(graph) or [])
@@ -93,18 +130,18 @@ def test_no_import_cycle_anywhere_type_only_imports_included() -> None:
 
 def test_no_helper_of_the_agent_holds_an_agent() -> None:
     graph = _graph()
-    for helper in ("recovery", "health", "observe", "slots", "ports", "jobview", "journal"):
-        assert not graph[helper] & {"agent", "nodehooks", "coordinator", "follower"}, helper
+    agents = {"ftrun.agent.node", "ftrun.agent.nodehooks", "ftrun.cluster.coordinator",
+              "ftrun.cluster.follower"}
+    for helper in ("recovery", "watch", "control_plane", "ports", "jobview", "journal"):
+        assert not graph[f"ftrun.agent.{helper}"] & agents, helper
 
 
 def test_worker_side_never_imports_launcher_or_ui() -> None:
-    for me in WORKER_SIDE:
-        path = PKG / f"{me}.py"
-        if not path.exists():
+    for name, path in modules().items():
+        if package_of(name) != "worker":
             continue
         roots = {imp.split(".")[0] for imp in imports_of(path)}
-        assert not roots & HEAVY_FOR_WORKERS, f"{me} imports {roots & HEAVY_FOR_WORKERS}"
-        assert "ftrun.agent" not in imports_of(path) and "ftrun.cli" not in imports_of(path)
+        assert not roots & HEAVY_FOR_WORKERS, f"{name} imports {roots & HEAVY_FOR_WORKERS}"
 
 
 def _modules_after(code: str) -> set[str]:
@@ -120,5 +157,5 @@ def test_import_ftrun_is_light() -> None:
 
 
 def test_cli_module_does_not_import_torch() -> None:
-    mods = _modules_after("import ftrun.cli, ftrun.launch_args")
+    mods = _modules_after("import ftrun.cli.main, ftrun.cli.launch_args")
     assert "torch" not in mods

@@ -12,7 +12,7 @@ import pytest
 from conftest import FIXTURES, ftrun_cmd, wait_for
 from test_multinode import Node, free_port, ft_job, stepping, wait_listening
 
-from ftrun import control
+from ftrun.adapters import control
 
 NPROC = 3
 FIRST, TOTAL = 5, 30

@@ -13,8 +13,8 @@ import pytest
 import torch
 from conftest import pid_alive, wait_for
 
-from ftrun.errors import WorkerApiError
-from ftrun.loader import Loader, ReaderTraceback, dist_membership, share
+from ftrun.core.errors import WorkerApiError
+from ftrun.worker.loader import Loader, ReaderTraceback, dist_membership, share
 
 ROOT = Path(__file__).parent.parent
 sys.path.insert(0, str(ROOT / "examples"))
@@ -220,7 +220,7 @@ def test_readers_end_with_close_and_with_garbage_collection() -> None:
 CHILD = """
 import os, sys, time, torch
 sys.path.insert(0, {root!r})
-from ftrun.loader import Loader
+from ftrun.worker.loader import Loader
 loader = Loader([torch.tensor(i) for i in range(40)], 8, num_workers=2)
 loader.batch(0)
 print(*loader.worker_pids(), flush=True)
@@ -275,7 +275,7 @@ def test_outside_ftrun_membership_follows_torch_distributed() -> None:
     code = textwrap.dedent(f"""
         import os, sys, torch, torch.distributed as dist
         sys.path.insert(0, {str(ROOT)!r})
-        from ftrun.loader import Loader
+        from ftrun.worker.loader import Loader
         dist.init_process_group("gloo")
         loader = Loader([torch.tensor(i) for i in range(40)], 8, shuffle=False)
         print(loader.batch(1, 1, 2).tolist(), flush=True)
@@ -298,7 +298,7 @@ def _free_port() -> int:
 
 
 def test_importing_the_loader_pulls_no_torch() -> None:
-    out = subprocess.run([sys.executable, "-c", "import sys, ftrun.loader; print('torch' in "
+    out = subprocess.run([sys.executable, "-c", "import sys, ftrun.worker.loader; print('torch' in "
                           "sys.modules)"], capture_output=True, text=True, check=True, timeout=60)
     assert out.stdout.strip() == "False"
 

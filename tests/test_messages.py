@@ -8,8 +8,10 @@ from datetime import timedelta
 import pytest
 from conftest import wait_for
 
-from ftrun import cluster, timeouts
-from ftrun.rendezvous import (
+from ftrun.adapters.store import QueueReader, client, is_timeout
+from ftrun.cluster import link as cluster
+from ftrun.core import timeouts
+from ftrun.protocol.rendezvous import (
     REQUEST_QUEUE,
     CommFailed,
     Hello,
@@ -21,7 +23,6 @@ from ftrun.rendezvous import (
     send_request,
     to_fields,
 )
-from ftrun.store import QueueReader, client, is_timeout
 
 REQUESTS = [
     Hello(worker=3, pid=4242, spare=True),

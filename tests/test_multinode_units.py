@@ -3,10 +3,10 @@ from dataclasses import replace
 
 import pytest
 
-from ftrun.cluster import BeatTracker, Probe, endpoint_of
-from ftrun.launch_args import first_host, parse_run_args
-from ftrun.policy import FaultAction, Snapshot, decide_node_loss, find_lost_nodes
-from ftrun.rendezvous import WORKER_ID_STRIDE, node_of
+from ftrun.cli.launch_args import first_host, parse_run_args
+from ftrun.cluster.link import BeatTracker, Probe, endpoint_of
+from ftrun.core.policy import FaultAction, Snapshot, decide_node_loss, find_lost_nodes
+from ftrun.protocol.rendezvous import WORKER_ID_STRIDE, node_of
 
 MEMBERS = (0, 1, 10_000, 10_001, 20_000, 20_001)
 

@@ -4,7 +4,7 @@ from dataclasses import FrozenInstanceError, replace
 
 import pytest
 
-from ftrun.policy import (
+from ftrun.core.policy import (
     FaultAction,
     FaultDecision,
     Respawn,

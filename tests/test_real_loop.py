@@ -10,7 +10,7 @@ import pytest
 import torch
 from conftest import FIXTURES, ftrun_cmd, run_ftrun, wait_for
 
-from ftrun.loader import Loader
+from ftrun.worker.loader import Loader
 
 CHECK = str(FIXTURES / "loop_check.py")
 GPT = str(FIXTURES / "gpt_train.py")
@@ -177,7 +177,7 @@ def test_gpt_shrink_grow(tmp_path) -> None:
 
 def test_api_misuse_is_a_one_line_error() -> None:
     import ftrun
-    from ftrun.errors import WorkerApiError
+    from ftrun.core.errors import WorkerApiError
 
     ft = ftrun.init()  # plain python: a world of one, the same API
     model = ft.wrap(torch.nn.Linear(2, 1))

@@ -11,13 +11,13 @@ from typing import Any
 
 import pytest
 
-from ftrun.membership import ALLOWED, Membership, RoleError, WorkerRole
-from ftrun.policy import Action, Liveness
-from ftrun.recovery import Recovery
-from ftrun.rendezvous import LATEST_KEY, Generation, gen_key
-from ftrun.report import WorkerExit
-from ftrun.roster import RemoteWorker, Worker
-from ftrun.spec import RunSpec
+from ftrun.adapters.report import WorkerExit
+from ftrun.agent.recovery import Recovery
+from ftrun.agent.roster import RemoteWorker, Worker
+from ftrun.core.membership import ALLOWED, Membership, RoleError, WorkerRole
+from ftrun.core.policy import Action, Liveness
+from ftrun.core.spec import RunSpec
+from ftrun.protocol.rendezvous import LATEST_KEY, Generation, gen_key
 
 R = WorkerRole
 

@@ -5,8 +5,8 @@ import sys
 
 from conftest import FIXTURES, ftrun_cmd, run_ftrun, wait_for
 
-from ftrun.journal import FaultRecord, Journal, summarize
-from ftrun.report import hint_for
+from ftrun.adapters.report import hint_for
+from ftrun.agent.journal import FaultRecord, Journal, summarize
 
 BEHAVE = str(FIXTURES / "behave.py")
 

@@ -9,8 +9,8 @@ import time
 import pytest
 from conftest import FIXTURES, ftrun_cmd, wait_for
 
-from ftrun.cli import main
-from ftrun.journal import FaultRecord, Journal, summarize
+from ftrun.agent.journal import FaultRecord, Journal, summarize
+from ftrun.cli.main import main
 
 
 @pytest.fixture(autouse=True)
@@ -72,7 +72,7 @@ def test_summary_percentiles() -> None:
 
 
 def test_status_rendering_of_a_document(capsys) -> None:
-    from ftrun.render import print_status
+    from ftrun.cli.render import print_status
 
     print_status({"run_id": "abc", "script": "t.py", "uptime_s": 3.0, "generation": 2,
                   "world_size": 2, "policy": "shrink", "spares": 0,

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 from conftest import FIXTURES, ftrun_cmd, wait_for
 
-from ftrun.logs import PARTIAL_LINE_MAX, RunLogs
-from ftrun.spec import RunSpec, StdMask
+from ftrun.adapters.logs import PARTIAL_LINE_MAX, RunLogs
+from ftrun.core.spec import RunSpec, StdMask
 
 PAYLOAD = 50 * 1024 * 1024
 PREFIX = b"[default0]:"

@@ -3,10 +3,10 @@ import itertools
 
 import pytest
 
-from ftrun.policy import Action, FaultAction, Snapshot, decide_fault, decide_group
-from ftrun.rendezvous import Generation, Suspect, heal_plan, parse_request
-from ftrun.spec import WorkerEnv
-from ftrun.states import TransitionError, WorkerState, allowed, check_transition
+from ftrun.core.policy import Action, FaultAction, Snapshot, decide_fault, decide_group
+from ftrun.core.spec import WorkerEnv
+from ftrun.core.states import TransitionError, WorkerState, allowed, check_transition
+from ftrun.protocol.rendezvous import Generation, Suspect, heal_plan, parse_request
 
 EDGES = {
     (WorkerState.RUNNING, WorkerState.STOPPING), (WorkerState.RUNNING, WorkerState.SUCCEEDED),
@@ -128,7 +128,7 @@ def test_worker_env_round_trip() -> None:
 def test_state_transfer_pack_unpack_is_exact() -> None:
     import torch
 
-    from ftrun.transfer import pack, unpack
+    from ftrun.worker.transfer import pack, unpack
 
     torch.manual_seed(0)
     src = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3))

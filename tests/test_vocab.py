@@ -11,7 +11,7 @@ import json
 import signal
 from pathlib import Path
 
-from ftrun.faultkinds import (
+from ftrun.core.faultkinds import (
     AGENT_SIGNALS,
     ALL_KINDS,
     GPU_KINDS,
@@ -20,8 +20,8 @@ from ftrun.faultkinds import (
     WORKER_ONLY,
     FaultKind,
 )
-from ftrun.progress import SIZE, Progress, Reporter, Slot, pack, unpack
-from ftrun.states import PAUSED_PHASES, Phase, RecoveryMode
+from ftrun.core.states import PAUSED_PHASES, Phase, RecoveryMode
+from ftrun.protocol.progress import SIZE, Progress, Reporter, Slot, pack, unpack
 
 OLD_DRILL_KINDS = ("kill", "segv", "exit", "exception", "hang", "slow", "comm", "spin",
                    "deadlock", "stall", "wedge")

@@ -1,0 +1,343 @@
+"""The local control channel of a run: a Unix socket private to the user, and its client.
+
+Owns: the per-user run directory (`$XDG_RUNTIME_DIR/ftrun` or `/tmp/ftrun-<uid>`, mode 0700,
+never a symlink nor someone else's) holding `<name>.sock` (mode 0600) and `<name>.json` (who
+and what), the server thread that answers one JSON request per connection (a malformed one
+gets a one-line error, never the thread), and the torch-free client used by `ftrun status`
+and `ftrun inject-fault`.
+Must not import: torch, typer, rich, the agent (the server gets a handler function).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import stat
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from ftrun.core import timeouts
+from ftrun.core.errors import FtrunError
+
+Handler = Callable[[dict[str, Any]], dict[str, Any]]
+MAX_REQUEST = 1 << 16  # a request is one small object; the server reads no more
+MAX_REPLY = 64 << 20  # a status document of a very large job; bounds the client's memory
+_MAX_META = 1 << 16  # a `<name>.json` file larger than this was not written by ftrun
+_NO_RUN_DIR_HINT = "set FTRUN_RUN_DIR to a directory of your own"
+
+
+def run_dir() -> str:
+    """The run directory, created if missing; refused if it is a symlink or not this user's,
+    made private (0700) if it is this user's with group or other permissions."""
+    base = os.environ.get("FTRUN_RUN_DIR")
+    if not base:
+        xdg = os.environ.get("XDG_RUNTIME_DIR")
+        base = os.path.join(xdg, "ftrun") if xdg else f"/tmp/ftrun-{os.getuid()}"
+    base = os.path.abspath(base)  # also drops a trailing slash, which would follow a link
+    try:
+        os.makedirs(os.path.dirname(base), exist_ok=True)
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(base, 0o700)
+    except OSError as exc:
+        raise FtrunError(f"cannot create the run directory {base} ({exc.strerror})",
+                         hint=_NO_RUN_DIR_HINT) from None
+    _make_private(base)
+    return base
+
+
+def _make_private(base: str) -> None:
+    if os.path.islink(base):
+        raise FtrunError(f"the run directory {base} is a symbolic link, which another user "
+                         "could point anywhere", hint=f"remove it, or {_NO_RUN_DIR_HINT}")
+    try:  # checked through the opened directory: a link swapped in after islink() fails here
+        fd = os.open(base, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except OSError as exc:
+        raise FtrunError(f"cannot use {base} as the run directory ({exc.strerror})",
+                         hint=_NO_RUN_DIR_HINT) from None
+    try:
+        st = os.fstat(fd)
+        if st.st_uid != os.getuid():
+            raise FtrunError(f"the run directory {base} belongs to uid {st.st_uid}, not to you",
+                             hint=f"remove it, or {_NO_RUN_DIR_HINT}")
+        if st.st_mode & 0o077:
+            os.fchmod(fd, 0o700)
+    finally:
+        os.close(fd)
+
+
+@dataclass(frozen=True)
+class RunInfo:
+    run_id: str
+    pid: int
+    script: str
+    started_at: float
+    socket: str
+    log_dir: str | None
+
+    @property
+    def alive(self) -> bool:
+        try:
+            os.kill(self.pid, 0)
+            return True
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+
+
+class JobGone(FtrunError):
+    """The job's control socket is gone or has no listener: the job has ended."""
+
+
+_MAX_SOCKET_PATH = 107  # sun_path is 108 bytes with its terminating NUL
+
+
+class ControlServer:
+    """Serve requests on the run's socket from a daemon thread; one request per connection."""
+
+    def __init__(self, info: RunInfo, handler: Handler) -> None:
+        self.info = info
+        self._handler = handler
+        self._meta = info.socket[: -len(".sock")] + ".json"
+        if len(os.fsencode(info.socket)) > _MAX_SOCKET_PATH:
+            raise FtrunError(f"the control socket path {info.socket} is too long for a Unix "
+                             f"socket ({_MAX_SOCKET_PATH} bytes at most)",
+                             hint="set FTRUN_RUN_DIR to a shorter directory, e.g. /tmp/ftrun")
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(info.socket)
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        old = os.umask(0o177)  # the socket is created 0600: no window where others may connect
+        try:
+            self._sock.bind(info.socket)
+        finally:
+            os.umask(old)
+        self._sock.listen(16)
+        _write_private(self._meta, json.dumps(info.__dict__).encode())
+        self._closed = False
+        self._thread = threading.Thread(target=self._serve, name="ftrun-control", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        self._closed = True
+        for path in (self.info.socket, self._meta):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)  # wakes the blocked accept()
+        self._sock.close()
+        self._thread.join(timeouts.THREAD_JOIN_S)
+
+    def _serve(self) -> None:
+        while not self._closed:
+            try:
+                conn, _ = self._sock.accept()
+            except OSError:
+                return
+            with conn:
+                conn.settimeout(timeouts.CONTROL_REQUEST_S)
+                with contextlib.suppress(Exception):  # no request may end this thread
+                    self._answer(conn)
+
+    def _answer(self, conn: socket.socket) -> None:
+        uid = _peer_uid(conn)
+        if uid is not None and uid != os.getuid():
+            _send(conn, {"ok": False, "error": "permission denied"})
+            return
+        raw: bytes | FtrunError
+        try:
+            raw = _recv_line(conn, MAX_REQUEST, timeouts.CONTROL_REQUEST_S)
+        except TimeoutError:
+            raw = FtrunError(f"no complete request within {timeouts.CONTROL_REQUEST_S:g} s",
+                             hint="end the request with a newline")
+        except FtrunError as exc:  # too large
+            raw = exc
+        reply = self._reply(raw)
+        conn.settimeout(timeouts.CONTROL_REPLY_S)  # sendall's limit is for the whole reply
+        _send(conn, reply)
+
+    def _reply(self, raw: bytes | FtrunError) -> dict[str, Any]:
+        try:
+            if isinstance(raw, FtrunError):
+                raise raw
+            return self._handler(parse_request(raw))
+        except FtrunError as exc:
+            return {"ok": False, "error": exc.message, "hint": exc.hint}
+        except Exception as exc:  # the server must outlive any one bad request
+            return {"ok": False, "error": f"internal error: {type(exc).__name__}: {exc}",
+                    "hint": "try again; set FTRUN_DEBUG=1 on the job for details"}
+
+
+def parse_request(raw: bytes) -> dict[str, Any]:
+    """One request line as a JSON object, or a one-line FtrunError saying what is wrong."""
+    hint = 'send one JSON object per connection, e.g. {"op": "status"}'
+    try:
+        doc = json.loads(raw)
+    except RecursionError:
+        raise FtrunError("the request is nested too deeply", hint=hint) from None
+    except ValueError as exc:  # UnicodeDecodeError is one too
+        raise FtrunError(f"the request is not JSON ({_one_line(exc)})", hint=hint) from None
+    if not isinstance(doc, dict):
+        raise FtrunError(f"the request must be a JSON object, not {type(doc).__name__}",
+                         hint=hint)
+    return doc
+
+
+def _one_line(what: object) -> str:
+    return " ".join(str(what).split())[:300]
+
+
+def _peer_uid(conn: socket.socket) -> int | None:
+    try:
+        creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12)
+    except (OSError, AttributeError):
+        return None
+    return int.from_bytes(creds[4:8], "little")
+
+
+def _recv_line(conn: socket.socket, limit: int, total_s: float) -> bytes:
+    """Bytes up to and including the first newline (or the peer closing), at most `limit`
+    of them, within `total_s`; each wait for more is also bounded by the socket's timeout."""
+    deadline = time.monotonic() + total_s
+    data = bytearray()
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise FtrunError(f"no complete message within {total_s:g} s",
+                             hint="the other side is stalled")
+        conn.settimeout(min(left, timeouts.CONTROL_REQUEST_S))
+        chunk = conn.recv(1 << 16)
+        if not chunk:
+            return bytes(data)
+        data += chunk
+        if len(data) > limit:
+            raise FtrunError(f"message larger than {limit} bytes",
+                             hint="a request is one small JSON object")
+        if b"\n" in chunk:
+            return bytes(data)
+
+
+def _send(conn: socket.socket, doc: dict[str, Any]) -> None:
+    conn.sendall(json.dumps(doc).encode() + b"\n")
+
+
+def _write_private(path: str, data: bytes) -> None:
+    """Replace `path` with a 0600 file holding data, never writing through a planted link."""
+    tmp = f"{path}.tmp"
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(tmp)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+    os.replace(tmp, path)  # readers see the whole file or none
+
+
+# ---------------------------------------------------------------- client side
+def list_runs() -> list[RunInfo]:
+    """This user's live runs, oldest first; files left by dead launchers are removed."""
+    base = run_dir()
+    runs = []
+    for name in sorted(os.listdir(base)):
+        if not name.endswith(".json"):
+            continue
+        info = _read_run(base, name)
+        if info is None:
+            continue
+        if info.alive:
+            runs.append(info)
+            continue
+        # the socket's name comes from the file's, never from its contents: a stale file
+        # must not be able to name what gets deleted
+        for stale in (os.path.join(base, name), info.socket):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(stale)
+    return sorted(runs, key=lambda r: r.started_at)
+
+
+def _read_run(base: str, name: str) -> RunInfo | None:
+    """The run a `<name>.json` describes; None for anything ftrun did not write."""
+    try:  # not through a link, and a FIFO does not block the read
+        fd = os.open(os.path.join(base, name), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return None
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_size > _MAX_META:
+            return None
+        try:
+            doc = json.loads(f.read(_MAX_META))
+        except (OSError, ValueError, RecursionError):
+            return None
+    if not isinstance(doc, dict):
+        return None
+    run_id, pid, script = doc.get("run_id"), doc.get("pid"), doc.get("script")
+    started, log_dir = doc.get("started_at"), doc.get("log_dir")
+    if (not isinstance(run_id, str) or not isinstance(script, str)
+            or not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0
+            or not isinstance(started, (int, float)) or not isinstance(log_dir, (str, type(None)))):
+        return None
+    sock = os.path.join(base, name[: -len(".json")] + ".sock")
+    return RunInfo(run_id, pid, script, float(started), sock, log_dir)
+
+
+def find_run(run_id: str | None) -> RunInfo:
+    runs = list_runs()
+    if run_id:
+        matches = [r for r in runs if r.run_id.startswith(run_id)]
+        if len(matches) == 1:
+            return matches[0]
+        if not matches:
+            raise FtrunError(f"no running ftrun job with id {run_id!r}",
+                             hint="`ftrun status` lists your jobs")
+        raise FtrunError(f"{len(matches)} jobs match {run_id!r}", hint="give more of the id")
+    if not runs:
+        raise FtrunError("no ftrun job is running for this user",
+                         hint="start one with `ftrun --nproc N script.py`")
+    if len(runs) > 1:
+        listing = ", ".join(f"{r.run_id[:8]} ({os.path.basename(r.script)})" for r in runs)
+        raise FtrunError(f"{len(runs)} jobs are running: {listing}",
+                         hint="pick one with --run-id")
+    return runs[0]
+
+
+def request(info: RunInfo, doc: dict[str, Any],
+            timeout_s: float = timeouts.CONTROL_REQUEST_S) -> dict[str, Any]:
+    """Send one request and read the whole reply (up to MAX_REPLY bytes). Raises JobGone when
+    the job's socket is gone or dead, FtrunError for any other failure or a refusal."""
+    name = info.run_id[:8]
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(timeout_s)
+        try:
+            s.connect(info.socket)
+            _send(s, doc)
+            raw = _recv_line(s, MAX_REPLY, timeouts.CONTROL_REPLY_S)
+        except (FileNotFoundError, ConnectionRefusedError):
+            raise JobGone(f"job {name} has ended", hint="`ftrun status` lists running jobs") \
+                from None
+        except OSError as exc:
+            if not info.alive:
+                raise JobGone(f"job {name} has ended", hint="`ftrun status` lists running "
+                              "jobs") from None
+            raise FtrunError(f"job {name} did not answer ({exc})",
+                             hint="it may be shutting down; try again") from None
+        except FtrunError as exc:
+            raise FtrunError(f"job {name} did not answer: {exc.message}", hint="try again") \
+                from None
+    if not raw:
+        if not info.alive:
+            raise JobGone(f"job {name} has ended", hint="`ftrun status` lists running jobs")
+        raise FtrunError(f"job {name} closed the connection without answering", hint="try again")
+    try:
+        reply = json.loads(raw)
+    except (ValueError, RecursionError):
+        raise FtrunError(f"job {name} sent a malformed reply", hint="try again") from None
+    if not isinstance(reply, dict):
+        raise FtrunError(f"job {name} sent a malformed reply", hint="try again")
+    if not reply.get("ok", False):
+        raise FtrunError(_one_line(reply.get("error", "request refused")),
+                         hint=_one_line(reply.get("hint", "")))
+    return reply

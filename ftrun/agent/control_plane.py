@@ -1,0 +1,263 @@
+"""The agent's window to the outside: `ftrun status` answers and `ftrun inject-fault` drills.
+
+Owns: the run's control server, building the status document (from the port, the progress
+slots, the journal, the health watch and the attempt's membership), checking every field of a
+request where it enters (one-line errors; nothing malformed reaches the main loop) and
+applying drills from the agent's main loop: signals the agent sends itself, or drill slots a
+worker acts on at a step.
+Must not import: torch, typer, rich, the CLI, the agent (it reaches the node through
+`ports.AgentPort`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import queue
+import reprlib
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from ftrun.adapters.control import ControlServer, RunInfo, run_dir
+from ftrun.adapters.slots import ProgressSlots
+from ftrun.agent.jobview import role_of
+from ftrun.agent.journal import Journal, fault_docs, summarize
+from ftrun.agent.ports import AgentPort
+from ftrun.agent.roster import Worker
+from ftrun.agent.watch import HealthWatch
+from ftrun.core.errors import FtrunError
+from ftrun.core.events import Event
+from ftrun.core.faultkinds import AGENT_SIGNALS, ALL_KINDS, GPU_KINDS, WORKER_ONLY, FaultKind
+from ftrun.core.membership import Membership
+from ftrun.core.policy import phase_text
+
+MAX_DRILL_DELAY_S = 24 * 3600.0  # a "slow" drill slower than this is a stuck worker
+_MAX_INDEX = (1 << 31) - 1
+_MAX_STEP = (1 << 63) - 1  # the drill slot holds the step as an int64
+# each inject field and the `ftrun inject-fault` option that sets it
+_OPTIONS = {"kind": "--kind", "rank": "--rank", "gpu": "--gpu", "at_step": "--at-step",
+            "arg": "--delay", "xid": "--xid"}
+_SHOW = reprlib.Repr()
+_SHOW.maxstring, _SHOW.maxother, _SHOW.maxlevel = 40, 40, 2
+
+
+@dataclass(frozen=True)
+class StatusOp:
+    """`ftrun status`: the job's document."""
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"op": "status"}
+
+
+@dataclass(frozen=True)
+class InjectOp:
+    """`ftrun inject-fault`: a drill on one rank of this node, or a fault of one GPU."""
+
+    kind: FaultKind
+    rank: int | None
+    gpu: int | None
+    at_step: int = -1  # -1: now
+    arg: float = 0.0  # slow: extra seconds per step
+    xid: int | None = None
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"op": "inject", **asdict(self)}
+
+
+ControlOp = StatusOp | InjectOp
+
+
+@dataclass(frozen=True)
+class Drill:
+    """A checked drill on its way from the server thread to the main loop."""
+
+    worker: int
+    kind: FaultKind
+    at_step: int
+    arg: float
+
+
+def check_request(req: dict[str, Any]) -> ControlOp:
+    """A control request with every field checked and typed, or a one-line FtrunError. The
+    server checks here, before anything reaches the agent's main loop; the CLI checks too."""
+    op = req.get("op")
+    if op == "status":
+        return StatusOp()
+    if op == "inject":
+        return _check_inject(req)
+    raise FtrunError(f"unknown request {_show(op)}",
+                     hint='use "op": "status" or "inject", or upgrade the ftrun client')
+
+
+def _check_inject(req: dict[str, Any]) -> InjectOp:
+    extra = sorted(str(k) for k in set(req) - {"op", *_OPTIONS})
+    if extra:
+        raise FtrunError(f"unknown field {_show(extra[0])} in an inject request",
+                         hint="fields: " + ", ".join(_OPTIONS))
+    kind = req.get("kind")
+    if not isinstance(kind, str) or kind not in ALL_KINDS:
+        raise FtrunError(f"unknown fault kind {_show(kind)}",
+                         hint="use one of " + ", ".join(ALL_KINDS))
+    rank, gpu = _integer(req, "rank", 0, _MAX_INDEX), _integer(req, "gpu", 0, _MAX_INDEX)
+    if (rank is None) == (gpu is None):
+        raise FtrunError("give exactly one of --rank or --gpu", hint="e.g. --rank 1")
+    if gpu is not None and kind not in GPU_KINDS:
+        raise FtrunError(f"--gpu takes --kind xid, ecc or thermal, not {kind}",
+                         hint="e.g. --gpu 0 --kind xid --xid 79")
+    at_step = _integer(req, "at_step", -1, _MAX_STEP)
+    return InjectOp(FaultKind(kind), rank, gpu, -1 if at_step is None else at_step,
+                    _delay(req.get("arg")), _integer(req, "xid", 0, _MAX_INDEX))
+
+
+def _integer(req: dict[str, Any], field: str, lo: int, hi: int) -> int | None:
+    value = req.get(field)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+        raise FtrunError(f"{_OPTIONS[field]} must be an integer {lo}..{hi}, not {_show(value)}",
+                         hint=f"e.g. {_OPTIONS[field]} {max(lo, 0)}")
+    return value
+
+
+def _delay(value: object) -> float:
+    if value is None:
+        return 0.0
+    if (isinstance(value, bool) or not isinstance(value, (int, float))
+            or not math.isfinite(value) or not 0 <= value <= MAX_DRILL_DELAY_S):
+        raise FtrunError(f"--delay must be a number of seconds 0..{MAX_DRILL_DELAY_S:g}, "
+                         f"not {_show(value)}", hint="e.g. --delay 0.5")
+    return float(value)
+
+
+def _show(value: object) -> str:
+    return " ".join(_SHOW.repr(value).split())
+
+
+class ControlPlane:
+    def __init__(self, port: AgentPort, slots: ProgressSlots, journal: Journal,
+                 health: HealthWatch, log_dir: str | None) -> None:
+        self.port = port
+        self.slots = slots
+        self.journal = journal
+        self.health = health
+        self.membership: Membership | None = None  # the attempt's, while it runs in-process
+        self._drill_seq = 0
+        self.drills: queue.SimpleQueue[Drill] = queue.SimpleQueue()
+        sock = os.path.join(run_dir(), f"{port.control_name()}.sock")
+        self.info = RunInfo(port.run_id, os.getpid(), port.spec.script, time.time(), sock,
+                            log_dir)
+        self.server = ControlServer(self.info, self.handle)
+
+    def close(self) -> None:
+        self.server.close()
+
+    # ------------------------------------------------------------ requests (server thread)
+    def handle(self, req: dict[str, Any]) -> dict[str, Any]:
+        op = check_request(req)
+        if isinstance(op, StatusOp):
+            return {"ok": True, **self.status()}
+        if op.gpu is not None:
+            uuid = self.health.inject(op.gpu, op.kind, op.xid)
+            return {"ok": True, "gpu": op.gpu, "uuid": uuid}
+        target = self._validate(op)
+        self.drills.put(Drill(target.worker_id, op.kind, op.at_step, op.arg))
+        self.port.wake()
+        return {"ok": True, "worker": target.worker_id, "pid": target.spawned.pid,
+                "rank": target.rank}
+
+    def _validate(self, op: InjectOp) -> Worker:
+        """What a checked request asks of this job: a worker-API drill of a plain script, or a
+        rank this node does not run, is refused here."""
+        kind, at_step, rank = op.kind, op.at_step, op.rank
+        if kind in GPU_KINDS:
+            raise FtrunError(f"--kind {kind} breaks a GPU", hint="use --gpu N instead of --rank")
+        if (kind in WORKER_ONLY or at_step >= 0) and not self.port.uses_api():
+            raise FtrunError(f"--kind {kind} {'--at-step ' if kind not in WORKER_ONLY else ''}"
+                             "needs a script that uses the ftrun worker API",
+                             hint="use --kind kill, segv or hang without --at-step")
+        by_rank = {self._rank_of(w): w for w in self.port.live_members()}
+        if rank not in by_rank:
+            here = sorted(by_rank)
+            multi = self.port.spec.nnodes_max > 1
+            where = "on this node" if multi else "in this job"
+            raise FtrunError(f"no rank {rank} {where} (ranks here: "
+                             f"{', '.join(map(str, here)) or 'none'})",
+                             hint="run inject-fault on the node that runs that rank" if multi
+                             else f"use --rank 0..{len(here) - 1}")
+        return by_rank[rank]
+
+    def _rank_of(self, w: Worker) -> int:
+        """Its rank now: from its progress slot once it reported one (ranks move with the
+        generations), else the rank it was started with."""
+        p = self.slots.progress(w.worker_id)
+        return p.rank if p.generation >= 0 and p.rank >= 0 else w.rank
+
+    # ------------------------------------------------------------ drills (main loop)
+    def apply_drills(self) -> None:
+        """The main loop's pass over the slots: close exited workers', apply queued drills."""
+        members = self.membership.members if self.membership is not None else ()
+        self.slots.retire({w.worker_id for w in self.port.workers_snapshot()}, members)
+        while True:
+            try:
+                drill = self.drills.get_nowait()
+            except queue.Empty:
+                return
+            worker = self.port.worker_by_id(drill.worker)
+            if worker is None or not worker.alive:
+                continue
+            kind, at_step = drill.kind, drill.at_step  # checked by check_request
+            self.journal.drill_injected(worker.worker_id, kind, time.time())
+            if kind in AGENT_SIGNALS and at_step < 0:
+                with contextlib.suppress(ProcessLookupError):  # it may have just exited
+                    os.kill(worker.spawned.pid, AGENT_SIGNALS[kind])
+            else:
+                self._drill_seq += 1
+                self.slots.write_drill(worker.worker_id, self._drill_seq, kind, at_step,
+                                       drill.arg)
+            self.port.emit(Event.DRILL, {"worker": worker.worker_id, "rank": worker.rank,
+                                     "kind": kind, "at_step": at_step})
+
+    # ------------------------------------------------------------ status
+    def status(self) -> dict[str, Any]:
+        """The job as `ftrun status` shows it (a multi-node agent adds the other nodes)."""
+        return self.port.decorate_status(self.local_status())
+
+    def local_status(self) -> dict[str, Any]:
+        port, now, ms = self.port, time.time(), self.membership
+        faults = self.journal.faults
+        return {
+            "run_id": port.run_id, "script": port.spec.script, "pid": os.getpid(),
+            "started_at": self.info.started_at, "uptime_s": round(now - self.info.started_at, 1),
+            "generation": ms.generation if ms else 0,
+            "world_size": len(ms.members) if ms else port.spec.nproc,
+            "policy": port.spec.on_fault, "spares": port.spec.spares,
+            "attempt": port.restarts, "log_dir": self.info.log_dir,
+            "ft_api": bool(ms and ms.uses_api), "workers": self.worker_rows(now),
+            "hang_timeout_s": round(self.health.timeout_s, 2) or None,
+            "faults": fault_docs(faults), "summary": summarize(faults, now - self.info.started_at),
+        }
+
+    def worker_rows(self, now: float) -> list[dict[str, Any]]:
+        """One row per live worker of this node, from its progress slot."""
+        rows = []
+        for w in self.port.workers_snapshot():
+            p = self.slots.progress(w.worker_id)
+            has = p.generation >= 0
+            gpu, health = self.health.gpu_of(w.local_rank)
+            rows.append({
+                "worker_id": w.worker_id, "rank": p.rank if has else w.rank,
+                "local_rank": w.local_rank, "pid": w.spawned.pid, "state": w.state.value,
+                "role": role_of(self.membership, w.worker_id),
+                "step": p.step if has else None,
+                "committed_step": p.step - 1 if has else None,
+                "step_time_ms": round(p.step_time * 1000, 1) if has else None,
+                "since_progress_s": round(now - p.phase_started, 2)
+                if has and p.phase_started else None,
+                "phase": phase_text(p.phase, p.step, p.collective, p.label) if has else None,
+                "cpu": self.health.cpu_state(w.spawned.pid, now),
+                "gpu": gpu, "health": health,
+                "straggler": self.health.stragglers.get(w.worker_id),
+            })
+        return rows

@@ -1,0 +1,199 @@
+"""What happened in a run: the event log (JSON lines), fault records with recovery phases,
+the `ftrun status` document and the end-of-run summary figures.
+
+Owns: `Journal` (every agent event goes through it: written to `<run dir>/events.jsonl`,
+passed on to the console sink, and folded into `FaultRecord`s), and the pure helpers that
+turn records into the status document and the drill/run summary.
+Must not import: torch, typer, rich, the CLI.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from typing import IO, Any
+
+from ftrun.core.events import Event, EventSink
+from ftrun.core.faultkinds import GROUP_DRILLS  # the rebuild answering them names no worker (-1)
+
+PHASES = ("detected", "published", "rebuilt", "healed", "first_commit")
+
+
+@dataclass
+class FaultRecord:
+    id: int
+    kind: str  # the drill (kill, ..., stall, wedge) or the agent's kill (hang, straggler), else
+    # why it was detected (a rebuild's "comm", "exit N", "SIGNAL")
+    worker: int
+    rank: int
+    at: float  # wall clock of the fault (injection time for drills, else detection)
+    decision: str = ""
+    reason: str = ""
+    injected: bool = False
+    generation: int | None = None
+    recovered: bool = False
+    recovery_ms: float | None = None
+    phases_ms: dict[str, float] = field(default_factory=dict)
+    lost_steps: int = 0  # committed before the fault, minus the step training resumed from
+    committed_before: int = -1
+    lost_from: float | None = None  # wall clock where lost work starts (a restart: the attempt)
+
+
+class Journal:
+    def __init__(self, sink: EventSink, log_path: str | None = None) -> None:
+        self._sink = sink
+        self._file: IO[str] | None = open(log_path, "a") if log_path else None  # noqa: SIM115
+        self.faults: list[FaultRecord] = []
+        self._drills: dict[int, tuple[str, float]] = {}  # worker -> (kind, injected at)
+        self.started_at = time.time()
+        self._attempt_started_at = self.started_at
+        self._restarting: list[FaultRecord] = []  # faults a whole-group restart answers
+        self._folds = {Event.FAULT: self._on_fault, Event.FAILURE: self._on_failure,
+                       Event.RESTART: self._on_restart, Event.STARTED: self._on_started,
+                       Event.GENERATION: self._on_generation,
+                       Event.RECOVERED: self._on_recovered}  # what fault records are made of
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+    def emit(self, kind: Event, fields: Mapping[str, object]) -> None:
+        if self._file is not None:
+            self._file.write(json.dumps({"t": time.time(), "event": kind, **fields},
+                                        default=str) + "\n")
+            self._file.flush()
+        fold = self._folds.get(Event(kind))  # Event(): a bare string that names none fails
+        if fold is not None:
+            fold(fields)
+        self._sink(kind, fields)
+
+    def pending_drill(self, worker: int) -> str | None:
+        """The drill (or the agent's own kill: hang, straggler) waiting for `worker`'s fault."""
+        drill = self._drills.get(worker)
+        return drill[0] if drill else None
+
+    def drill_injected(self, worker: int, kind: str, at: float) -> None:
+        """The next fault of `worker` is this drill (the first one named wins: a SIGSTOP drill
+        stays a "hang" dated from the injection, when the hang detector later kills it)."""
+        self._drills.setdefault(worker, (kind, at))
+
+    # -------------------------------------------------------------- folding events
+    def _on_fault(self, f: Mapping[str, object]) -> None:
+        worker = int(str(f["worker"]))
+        detected = float(str(f.get("detected_at", time.time())))
+        drill = self._drills.pop(worker, None) if worker >= 0 else self._group_drill()
+        kind, at = drill if drill else (str(f.get("why", "fault")), detected)
+        rec = FaultRecord(id=len(self.faults) + 1, kind=kind, worker=worker,
+                          rank=int(str(f["rank"])), at=at, decision=str(f["decision"]),
+                          reason=str(f["reason"]), injected=drill is not None,
+                          committed_before=int(str(f.get("committed_before", -1))))
+        rec.phases_ms = {"detected": round((detected - at) * 1000, 1)}
+        self.faults.append(rec)
+
+    def _group_drill(self) -> tuple[str, float] | None:
+        """A rebuild covers every live member, and stall and wedge drills only ever target
+        live members: it answers every one pending (the earliest names it). Left pending, one
+        would name that worker's next, unrelated fault."""
+        taken = sorted((at, kind) for kind, at in self._drills.values() if kind in GROUP_DRILLS)
+        self._drills = {w: d for w, d in self._drills.items() if d[0] not in GROUP_DRILLS}
+        return (taken[0][1], taken[0][0]) if taken else None
+
+    def _on_failure(self, f: Mapping[str, object]) -> None:
+        """A failure on torchrun's path (a script without the API): a fault record too."""
+        rank = int(str(f["rank"])) if f.get("rank") is not None else -1
+        drill = self._drills.pop(rank, None)  # first-attempt worker ids are the ranks
+        now = time.time()
+        kind, at = drill if drill else ("failure", now)
+        self.faults.append(FaultRecord(id=len(self.faults) + 1, kind=kind, worker=rank,
+                                       rank=rank, at=at, decision="fail",
+                                       reason=str(f["reason"]), injected=drill is not None,
+                                       phases_ms={"detected": round((now - at) * 1000, 1)}))
+
+    def _on_restart(self, f: Mapping[str, object]) -> None:
+        for rec in self.faults:
+            if not rec.recovered and rec.decision in ("fail", "restart-group") and \
+                    rec not in self._restarting:
+                rec.decision = "restart-group"
+                self._restarting.append(rec)
+
+    def _on_started(self, f: Mapping[str, object]) -> None:
+        """A new attempt runs: the faults it answers are recovered. What they cost: the time
+        until now, and, for API scripts (which restart from step 0), every committed step of
+        the attempt before, with the time spent reaching them."""
+        now = time.time()
+        for rec in self._restarting:
+            rec.recovered = True
+            rec.recovery_ms = round((now - rec.at) * 1000, 1)
+            rec.phases_ms = {**rec.phases_ms, "restarted": rec.recovery_ms}
+            if rec.committed_before >= 0:
+                rec.lost_steps = rec.committed_before
+                rec.lost_from = self._attempt_started_at
+        self._restarting = []
+        self._attempt_started_at = now
+
+    def _on_generation(self, f: Mapping[str, object]) -> None:
+        if not f.get("urgent"):
+            return
+        for rec in reversed(self.faults):
+            if rec.generation is None and rec.decision in ("replace", "shrink", "rebuild"):
+                rec.generation = int(str(f["generation"]))
+                ms = round((float(str(f["published_at"])) - rec.at) * 1000, 1)
+                rec.phases_ms = {**rec.phases_ms, "published": ms}  # copy: status reads it
+                return
+
+    def _on_recovered(self, f: Mapping[str, object]) -> None:
+        gen = int(str(f["generation"]))
+        for rec in self.faults:  # faults close together are all recovered by the newest gen
+            if rec.generation is not None and rec.generation <= gen and not rec.recovered:
+                phases = dict(rec.phases_ms)
+                for name, key in (("rebuilt", "rebuilt"), ("healed", "healed"),
+                                  ("first_commit", "first_commit")):
+                    if f.get(key):
+                        phases[name] = round((float(str(f[key])) - rec.at) * 1000, 1)
+                rec.phases_ms = phases
+                if f.get("step") is not None and rec.committed_before >= 0:
+                    rec.lost_steps = max(0, rec.committed_before - int(str(f["step"])))
+                rec.recovered = True
+                rec.recovery_ms = phases.get("first_commit")
+
+
+def summarize(faults: list[FaultRecord], run_seconds: float) -> dict[str, Any]:
+    """Figures for a drill table or the end-of-run summary."""
+    times = sorted(r.recovery_ms for r in faults if r.recovery_ms is not None)
+    lost_s = _union_s([(r.at if r.lost_from is None else r.lost_from, r.at + r.recovery_ms / 1000)
+                       for r in faults if r.recovery_ms is not None])
+    return {
+        "faults": len(faults),
+        "recovered": sum(r.recovered for r in faults),
+        "p50_ms": _pct(times, 50), "p95_ms": _pct(times, 95),
+        "max_ms": times[-1] if times else None,
+        "lost_steps": sum(r.lost_steps for r in faults),
+        "time_lost_s": round(lost_s, 3),
+        "goodput": round(1 - lost_s / run_seconds, 4) if run_seconds > 0 else None,
+    }
+
+
+def _union_s(spans: list[tuple[float, float]]) -> float:
+    """Seconds covered by the spans: faults recovered together are not counted twice."""
+    total, reach = 0.0, float("-inf")
+    for start, end in sorted(spans):
+        if end > reach:
+            total += end - max(start, reach)
+            reach = end
+    return total
+
+
+def _pct(values: list[float], p: int) -> float | None:
+    if not values:
+        return None
+    if len(values) == 1:
+        return values[0]
+    return round(statistics.quantiles(values, n=100, method="inclusive")[p - 1], 1)
+
+
+def fault_docs(faults: list[FaultRecord]) -> list[dict[str, Any]]:
+    return [asdict(r) for r in faults]

@@ -1,0 +1,354 @@
+"""The agent's side of in-process recovery: generations, spares, joiners, worker requests.
+
+Owns: the attempt's `Membership` (who is what, the generation), publishing generation records,
+the worker requests the agent's reader delivers (hello, comm_failed, suspect, recovered),
+doing what `policy` decides on a member's fault, a node's loss or a stuck communicator
+(replace with a spare or a new process, shrink then grow, rebuild), the crash-loop counters
+the policy reads, and keeping the spare pool full.
+Must not import: typer, rich, the CLI, the worker library, the agent (it reaches the node
+through `ports.AgentPort`).
+"""
+
+from __future__ import annotations
+
+import queue
+import time
+from dataclasses import replace
+from typing import Any
+
+from ftrun.agent.ports import AgentPort
+from ftrun.agent.roster import RemoteWorker, Worker
+from ftrun.core import timeouts
+from ftrun.core.events import Event
+from ftrun.core.exits import describe_exit
+from ftrun.core.membership import Membership, WorkerRole
+from ftrun.core.policy import (
+    Action,
+    Decision,
+    FaultAction,
+    FaultDecision,
+    Snapshot,
+    decide_comm_failure,
+    decide_fault,
+    decide_node_loss,
+    decide_rebuild,
+    decide_respawn,
+)
+from ftrun.protocol.rendezvous import (
+    REQUEST_QUEUE,
+    CommFailed,
+    Generation,
+    Hello,
+    Recovered,
+    Request,
+    Suspect,
+    node_of,
+    parse_request,
+    publish,
+    to_fields,
+)
+
+AnyWorker = Worker | RemoteWorker
+R = WorkerRole
+
+
+class Recovery:
+    def __init__(self, port: AgentPort, store: Any) -> None:
+        self.port = port
+        self.spec = port.spec
+        self.store = store
+        self.membership = Membership(port.initial_members())
+        self.faults = 0
+        self.requests: queue.SimpleQueue[Request | str] = queue.SimpleQueue()
+        self._reported: set[int] = set()  # generations whose recovery was announced
+        self._refills: list[tuple[int, int]] = []  # (node, local rank): spares to start
+        self._joiners_to_start: list[tuple[int, int]] = []  # shrink mode: replacements
+        # failures in a row before a first commit, per ("rank", r), ("join", node) and
+        # ("spare", node): the policy stops replacing at CRASH_LOOP_LIMIT
+        self._early_failures: dict[tuple[str, int], int] = {}
+        publish(store, Generation(0, self.membership.members, reason="start",
+                                  published_at=time.time()))
+
+    @property
+    def uses_api(self) -> bool:
+        return self.membership.uses_api
+
+    def deliver(self, raw: str | bytes) -> None:
+        """The request reader's thread: checked here, acted on by the main loop."""
+        self.requests.put(parse_request(raw))
+        self.port.wake()
+
+    def _snapshot(self, **extra: Any) -> Snapshot:
+        return self.membership.snapshot(
+            faults=self.faults, max_faults=self.spec.max_faults,
+            restarts_left=self.spec.max_restarts - self.port.restarts,
+            on_fault=self.spec.on_fault, min_nproc=self.spec.min_nproc,
+            min_nodes=self.spec.nnodes_min, **extra)
+
+    # ------------------------------------------------------------ generations
+    def _publish(self, members: tuple[int, ...], reason: str, urgent: bool,
+                 fault_at: float = 0.0, joiners: tuple[int, ...] = ()) -> None:
+        self.membership.publish(members, joiners)
+        number = self.membership.generation
+        gen = Generation(number, members, reason, urgent, time.time(), fault_at, joiners)
+        publish(self.store, gen)
+        self.port.emit(Event.GENERATION, {"generation": number, "world_size": len(members),
+                                      "reason": reason, "urgent": urgent,
+                                      "published_at": gen.published_at})
+
+    def _spawn(self, node: int, local_rank: int, role: WorkerRole | None = None,
+               rank: int = -1) -> int:
+        """Start a worker on `node`; `local_rank` is the preferred device (the node's agent
+        moves it off an excluded GPU). A replacement takes its role when it is published."""
+        wid = self.port.allocate_id(node)
+        self.port.place(wid, rank=rank, local_rank=local_rank,
+                        spare=role is R.STARTING_SPARE)
+        if role is not None:
+            self.membership.move(wid, role)
+        return wid
+
+    def _start_spares(self, node: int) -> None:
+        for i in range(self.spec.spares):
+            self._spawn(node, self.spec.nproc + i, R.STARTING_SPARE)
+
+    # ------------------------------------------------------------ worker exits
+    def owns(self, w: AnyWorker) -> bool:
+        """Once one worker said hello the script uses the API: every exit is an in-process
+        fault, a replacement's that died before its own hello included."""
+        return self.uses_api or w.worker_id not in self.membership.members
+
+    def on_exit(self, w: AnyWorker) -> Decision | None:
+        """A worker that uses the ftrun API ended. None: handled, training goes on."""
+        assert w.exit is not None
+        wid, code, role = w.worker_id, w.exit.returncode, self.membership.role(w.worker_id)
+        node = node_of(wid)
+        if role in (R.JOINING, R.READY):  # died before joining
+            self.membership.leave([wid])
+            self.faults += 1
+            what = f"joining worker {wid} exited with {describe_exit(code)} before joining"
+            if self._respawn_allowed(("join", node), what, "replacements"):
+                self._spawn(node, w.local_rank, R.JOINING)
+            self._grow_if_ready(node)
+            return None
+        if role in (R.SPARE, R.STARTING_SPARE):
+            self.membership.leave([wid])
+            if code != 0:
+                self.faults += 1
+                what = f"spare worker {wid} exited with {describe_exit(code)}"
+                if self._respawn_allowed(("spare", node), what, "spares"):
+                    self._spawn(node, w.local_rank, R.STARTING_SPARE)
+            return None
+        if wid not in self.membership.members:
+            return None  # replaced or evicted earlier; its end is expected
+        if code == 0:
+            self.membership.move(wid, R.FINISHED)
+            return None
+        self.faults += 1
+        return self._on_member_fault(w, f"exited with {describe_exit(code)}")
+
+    def _respawn_allowed(self, key: tuple[str, int], what: str, kind: str) -> bool:
+        count = self._early_failures[key] = self._early_failures.get(key, 0) + 1
+        r = decide_respawn(self._snapshot(), what, kind, key[1], count,
+                           key[1] in self.port.live_nodes())
+        self.port.emit(Event.NOTICE, {"text": r.reason})
+        return r.allowed
+
+    def _on_member_fault(self, w: AnyWorker, why: str) -> Decision | None:
+        assert w.exit is not None
+        live = self.membership.live()
+        node = node_of(w.worker_id)
+        new_id = self.port.peek_id(node)  # allocated only if a new worker is started
+        snap = self._snapshot()
+        near = tuple(sorted(snap.spares, key=lambda s: node_of(s) != node))  # same node first
+        rank_key = ("rank", live.index(w.worker_id))
+        healing = self.membership.role(w.worker_id) is R.HEALING
+        loop = self._early_failures.get(rank_key, 0) + 1 if healing else 0
+        self._early_failures[rank_key] = loop
+        d = decide_fault(replace(snap, spares=near), w.worker_id, why, new_id, crash_loop=loop)
+        self._emit_fault({"worker": w.worker_id, "rank": live.index(w.worker_id), "why": why,
+                          "decision": d.action.value, "reason": d.reason,
+                          "detected_at": w.exit.wall_time})
+        fault_at = w.exit.wall_time
+        if d.action is FaultAction.REPLACE:
+            if d.spare_used is not None:
+                self._refills.append((node, w.local_rank))  # the lost device goes to a spare
+            else:
+                self._spawn(node, w.local_rank, rank=d.members.index(d.joiners[0]))
+            self._publish(d.members, d.reason, True, fault_at, d.joiners)
+            return None
+        if d.action is FaultAction.SHRINK:
+            self._publish(d.members, d.reason, True, fault_at)
+            if d.regrow:
+                self._joiners_to_start.append((node, w.local_rank))  # after the first commit
+            return None
+        return _stop(d, w.rank)
+
+    def _emit_fault(self, fields: dict[str, Any]) -> None:
+        """A fault event, with the highest step any member had committed before it: the
+        journal compares it with the step training resumes from (committed work lost)."""
+        steps = [self.port.committed_step(m) for m in self.membership.members]
+        self.port.emit(Event.FAULT, {**fields, "committed_before": max(steps, default=-1)})
+
+    def rebuild(self, reason: str) -> bool:
+        """No member is to blame but the group is stuck: same members, a new communicator.
+        False: refused (the fault budget is spent)."""
+        self.faults += 1
+        d = decide_rebuild(self._snapshot(), reason)
+        if d.action is FaultAction.NONE:
+            self.port.emit(Event.NOTICE, {"text": d.reason})
+            return False
+        self._emit_fault({"worker": -1, "rank": -1, "why": "comm", "decision": d.action.value,
+                          "reason": d.reason, "detected_at": time.time()})
+        self._publish(d.members, d.reason, True, time.time())
+        return True
+
+    # ------------------------------------------------------------ growing back
+    def _grow(self, wids: tuple[int, ...]) -> None:
+        members = self.membership.live() + wids
+        ranks = ", ".join(str(members.index(w)) for w in wids)
+        who = f"worker {wids[0]}" if len(wids) == 1 else f"workers {', '.join(map(str, wids))}"
+        self._publish(members, f"{who} join{'s' if len(wids) == 1 else ''} as rank"
+                      f"{'s' if len(wids) > 1 else ''} {ranks}", False, joiners=wids)
+
+    def add_joiners(self, wids: list[int]) -> None:
+        """A node joined a running job: its workers enter together once each said hello."""
+        for wid in wids:
+            self.membership.move(wid, R.JOINING)
+
+    def add_spares(self, wids: list[int]) -> None:
+        """A node joined a job already at its size: its workers wait as spares once ready."""
+        for wid in wids:
+            self.membership.move(wid, R.STARTING_SPARE)
+
+    def _grow_if_ready(self, node: int) -> None:
+        if any(node_of(w) == node for w in self.membership.with_role(R.JOINING)):
+            return  # the rest of its node is still starting
+        batch = tuple(w for w in self.membership.with_role(R.READY) if node_of(w) == node)
+        if batch:
+            self._grow(batch)
+
+    def on_node_lost(self, node: int, label: str, lost: list[AnyWorker], nodes_left: int,
+                     last_seen: float) -> Decision | None:
+        """Every worker of `node` is gone at once: one decision, one generation."""
+        ids = {w.worker_id for w in lost}
+        live = self.membership.live()
+        self.membership.leave(ids - set(live))  # its spares and joiners
+        self._refills = [r for r in self._refills if r[0] != node]
+        self._joiners_to_start = [r for r in self._joiners_to_start if r[0] != node]
+        lost_members = tuple(m for m in live if m in ids)
+        if not lost_members:
+            return None
+        self.faults += 1
+        d: FaultDecision = decide_node_loss(self._snapshot(nodes_left=nodes_left), label,
+                                            lost_members)
+        now = time.time()
+        self._emit_fault({"worker": lost_members[0], "rank": live.index(lost_members[0]),
+                          "why": f"{label} lost", "decision": d.action.value,
+                          "reason": d.reason, "detected_at": now, "node": node})
+        if d.action in (FaultAction.SHRINK, FaultAction.REPLACE):
+            # spares that take a rank leave the pool for good: the lost node's devices are
+            # gone, so there is none to start a new spare on
+            self._publish(d.members, d.reason, True, min(last_seen, now), d.joiners)
+            return None
+        return _stop(d, None)
+
+    def done(self) -> bool:
+        return self.membership.done()
+
+    # ------------------------------------------------------------ requests
+    def handle_requests(self) -> Decision | None:
+        """Act on what workers asked; a Decision when the run cannot go on in-process."""
+        while True:
+            try:
+                req = self.requests.get_nowait()
+            except queue.Empty:
+                return None
+            if isinstance(req, str):
+                self.port.emit(Event.NOTICE, {"text": f"ignored a malformed worker request "
+                                                  f"({req})"})
+                continue
+            if not any(w.worker_id == req.worker for w in self.port.all_workers()):
+                self.port.emit(Event.NOTICE, {"text": f"ignored a {req.kind} request from worker "
+                                                  f"{req.worker}, which this job never "
+                                                  f"started"})
+                continue
+            decision = self._act_on(req)
+            if decision is not None:
+                return decision
+
+    def _act_on(self, req: Request) -> Decision | None:
+        match req:
+            case Hello():
+                self._on_hello(req)
+            case CommFailed() if req.generation == self.membership.generation:
+                return self._on_comm_failed(req)
+            case Suspect():
+                self.port.suspect()
+            case Recovered():
+                self._committed_first(req.worker)
+                if req.generation not in self._reported:
+                    self._reported.add(req.generation)  # the first member to commit
+                    self.port.emit(Event.RECOVERED, to_fields(req))
+                    self._refill()
+        return None
+
+    def _on_hello(self, req: Hello) -> None:
+        ms, wid = self.membership, req.worker
+        if not ms.uses_api:  # the script uses the API: now spares are worth starting
+            for node in self.port.live_nodes():
+                self._start_spares(node)
+        ms.api_users.add(wid)
+        if req.spare and ms.role(wid) is R.STARTING_SPARE:
+            ms.move(wid, R.SPARE)
+        if ms.role(wid) is R.JOINING:
+            ms.move(wid, R.READY)
+            self._grow_if_ready(node_of(wid))
+
+    def _on_comm_failed(self, req: CommFailed) -> Decision | None:
+        live = self.membership.live()
+        self.faults += 1
+        d = decide_comm_failure(self._snapshot(), req.worker, req.error)
+        self._emit_fault({"worker": req.worker,
+                          "rank": live.index(req.worker) if req.worker in live else -1,
+                          "why": "comm", "decision": d.action.value, "reason": d.reason,
+                          "detected_at": time.time()})
+        if d.action is not FaultAction.REBUILD:
+            return _stop(d, None)
+        self._publish(d.members, d.reason, True, time.time())
+        return None
+
+    def _committed_first(self, wid: int) -> None:
+        """A joiner holds committed state now: the crash-loop counts behind it start over."""
+        if self.membership.role(wid) is not R.HEALING:
+            return
+        self.membership.move(wid, R.MEMBER)
+        for key in (("join", node_of(wid)), ("spare", node_of(wid))):
+            self._early_failures.pop(key, None)
+        if wid in self.membership.members:
+            self._early_failures.pop(("rank", self.membership.members.index(wid)), None)
+
+    def _refill(self) -> None:
+        """New spares and shrink-mode replacements start once the job has recovered:
+        importing torch takes a core for seconds, which the recovering step should not
+        have to share."""
+        while self._refills:
+            node, local_rank = self._refills.pop(0)
+            self._spawn(node, local_rank, R.STARTING_SPARE)
+        while self._joiners_to_start:
+            node, local_rank = self._joiners_to_start.pop(0)
+            self._spawn(node, local_rank, R.JOINING)
+
+    def catch_up(self, timeout_s: float = timeouts.REQUEST_CATCH_UP_S) -> None:
+        """Before judging an exit: let the reader take what is already queued (a worker that
+        said hello and died at once must be recovered, not restarted with everyone)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and self.store is not None:
+            if self.store.queue_len(REQUEST_QUEUE) == 0:
+                break
+            time.sleep(0.002)
+
+
+def _stop(d: FaultDecision, culprit: int | None) -> Decision:
+    """The run cannot go on in-process: torchrun's whole-group restart, or the end."""
+    action = Action.RESTART_GROUP if d.action is FaultAction.RESTART_GROUP else Action.FAIL
+    return Decision(action, d.reason, culprit)

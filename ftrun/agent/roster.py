@@ -1,0 +1,74 @@
+"""What the agent knows of each worker, and how a run ended.
+
+Owns: `Worker` (a local process with its state machine), `RemoteWorker` (a worker another
+node's agent runs, as the coordinating agent sees it), `RunResult`, the supervise `Outcome`.
+Must not import: torch, typer, rich, the agent.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ftrun.adapters.logs import WorkerStreams
+from ftrun.adapters.procs import Spawned
+from ftrun.adapters.report import WorkerExit
+from ftrun.agent.journal import FaultRecord
+from ftrun.core.policy import Decision
+from ftrun.core.states import WorkerState, check_transition
+
+
+@dataclass
+class Worker:
+    rank: int
+    local_rank: int
+    worker_id: int
+    spawned: Spawned
+    streams: WorkerStreams
+    state: WorkerState = WorkerState.RUNNING
+    exit: WorkerExit | None = None
+
+    def move(self, state: WorkerState) -> None:
+        check_transition(self.state, state)
+        self.state = state
+
+    @property
+    def alive(self) -> bool:
+        return self.exit is None
+
+
+@dataclass(frozen=True)
+class RunResult:
+    exit_code: int
+    reason: str
+    cause: WorkerExit | None = None
+    exits: tuple[WorkerExit, ...] = ()
+    restarts_used: int = 0
+    log_dir: str | None = None
+    signal_received: str | None = None
+    faults: tuple[FaultRecord, ...] = ()
+
+
+@dataclass
+class Outcome:
+    decision: Decision | None = None
+    signum: int | None = None
+    first_failure: int | None = None
+    cause: WorkerExit | None = None
+    exits: list[WorkerExit] = field(default_factory=list)
+
+
+
+@dataclass
+class RemoteWorker:
+    """A worker on another node: the coordinator knows it from that node's reports."""
+
+    rank: int
+    local_rank: int
+    worker_id: int
+    node: int
+    pid: int = 0
+    exit: WorkerExit | None = None
+
+    @property
+    def alive(self) -> bool:
+        return self.exit is None

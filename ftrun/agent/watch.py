@@ -1,0 +1,246 @@
+"""The agent's watch over silent faults: hung workers, stragglers and GPU health.
+
+Owns: the GPU monitor of the run (backend chosen by --gpu-backend), the map from local ranks
+to GPU UUIDs and the set of excluded GPUs, and `tick()`, run from the agent's main loop, which
+turns GPU verdicts, hangs and stragglers into findings (`Kill`, `Rebuild`) through the pure
+functions of core.policy; the agent acts on them.
+Hangs are judged by progress (the workers' slots), never by CPU use: a rank spinning in a busy
+loop is as hung as a stopped one. A rebuild of a stuck communicator is followed up: if no step
+is committed within another timeout, the ranks are replaced.
+Must not import: torch, typer, rich, the CLI, the agent (it reaches the node through
+`ports.AgentPort`).
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+from dataclasses import dataclass
+
+from ftrun.adapters.slots import ProgressSlots
+from ftrun.agent.ports import AgentPort
+from ftrun.core.errors import FtrunError
+from ftrun.core.events import Event
+from ftrun.core.membership import Membership
+from ftrun.core.policy import (
+    Liveness,
+    find_hang,
+    find_straggler,
+    hang_timeout,
+    replace_after_rebuild,
+)
+from ftrun.core.states import Phase
+from ftrun.gpu.monitor import GpuMonitor, SimBackend, open_backend, uuids_by_local_rank
+from ftrun.gpu.verdicts import Health, Verdict
+
+
+@dataclass(frozen=True)
+class Kill:
+    """Kill this member (once per attempt); `why` names the fault in its record, `notice` is
+    said once it is done."""
+
+    worker: int
+    why: str
+    notice: str = ""
+
+
+@dataclass(frozen=True)
+class Rebuild:
+    """No member is to blame: rebuild the communicator with the same members."""
+
+    reason: str
+    stuck_at: int  # the highest step a member works on: a commit past it means it helped
+
+
+Finding = Kill | Rebuild
+CHECK_EVERY_S = 0.25
+STRAGGLER_CHECKS = 8  # consecutive checks (2 s) before a rank is called a straggler
+CPU_IDLE_S = 1.0  # `ftrun status` calls a worker idle after this long without CPU time
+
+
+class HealthWatch:
+    def __init__(self, port: AgentPort, slots: ProgressSlots) -> None:
+        self.port = port
+        self.slots = slots
+        spec = port.spec
+        # simulated GPUs: one per worker and spare, one free for a replacement, or
+        # FTRUN_SIM_GPUS (drills that exclude several GPUs need more)
+        count = int(os.environ.get("FTRUN_SIM_GPUS", 0)) or (
+            spec.nproc + spec.spares + (1 if spec.spares == 0 else 0))
+        backend, message = open_backend(spec.gpu_backend, count)
+        if message:
+            port.emit(Event.NOTICE, {"text": message})
+        self.backend = backend
+        self.uuids = (uuids_by_local_rank(backend, os.environ.get("CUDA_VISIBLE_DEVICES"))
+                      if backend else [])
+        self.excluded: set[str] = set()
+        self.changes: queue.SimpleQueue[tuple[str, Verdict]] = queue.SimpleQueue()
+        self.monitor = GpuMonitor(backend, self._on_change) if backend else None
+        self.stragglers: dict[int, str] = {}
+        self._hits: dict[int, int] = {}
+        self._cpu: dict[int, tuple[int, float]] = {}  # pid -> (utime+stime ticks, changed at)
+        self.timeout_s = 0.0  # the hang timeout in force (shown by `ftrun status`)
+        self._rebuilt: tuple[int, int, float] | None = None  # (generation, step stuck at, when)
+        self._kept: set[int] = set()  # replicas kept through failed rebuilds at _kept_step
+        self._kept_step = -1
+        self._next = 0.0
+
+    def close(self) -> None:
+        if self.monitor is not None:
+            self.monitor.close()
+
+    # ------------------------------------------------------------ GPUs
+    def _on_change(self, uuid: str, verdict: Verdict) -> None:  # monitor threads
+        self.changes.put((uuid, verdict))
+        self.port.wake()
+
+    def gpu_of(self, local_rank: int) -> tuple[str | None, str | None]:
+        if local_rank >= len(self.uuids):
+            return None, None
+        uuid = self.uuids[local_rank]
+        verdict = self.monitor.verdicts.get(uuid) if self.monitor else None
+        return uuid, verdict.health.value if verdict else "healthy"
+
+    def pick_local_rank(self, preferred: int) -> int:
+        """The lost worker's device, unless its GPU is excluded: then a free healthy one."""
+        if not self.uuids or self.uuids[preferred % len(self.uuids)] not in self.excluded:
+            return preferred
+        busy = {w.local_rank for w in self.port.workers_snapshot()}
+        for local_rank, uuid in enumerate(self.uuids):
+            if uuid not in self.excluded and local_rank not in busy:
+                return local_rank
+        self.port.emit(Event.NOTICE, {"text": "no healthy GPU is free: the replacement starts "
+                                          "without one of its own"})
+        return len(self.uuids) + preferred
+
+    def inject(self, index: int, kind: str, xid: int | None) -> str:
+        if not isinstance(self.backend, SimBackend):
+            raise FtrunError("GPU faults can only be injected into simulated GPUs",
+                             hint="start the job with --gpu-backend sim")
+        return self.backend.inject(index, kind, xid)
+
+    def _gpu_findings(self) -> list[Finding]:
+        found: list[Finding] = []
+        while True:
+            try:
+                uuid, verdict = self.changes.get_nowait()
+            except queue.Empty:
+                return found
+            local = [i for i, u in enumerate(self.uuids) if u == uuid]
+            self.port.emit(Event.GPU, {"uuid": uuid, "health": verdict.health.value,
+                                   "reason": verdict.reason, "local_ranks": local})
+            if verdict.health is Health.FAILED:
+                self.excluded.add(uuid)
+                found += [Kill(w.worker_id, f"gpu: {verdict.reason}")
+                          for w in self.port.workers_snapshot() if w.local_rank in local]
+
+    # ------------------------------------------------------------ hangs and stragglers
+    def tick(self, membership: Membership | None, now: float) -> list[Finding]:
+        """What the agent should do about GPUs, hangs and stragglers; it acts, this watches."""
+        found = self._gpu_findings()
+        if now < self._next or membership is None or not membership.uses_api:
+            return found
+        self._next = now + CHECK_EVERY_S
+        rows = [m for m in self.local_liveness(now) + self.port.remote_liveness()
+                if m.worker in membership.members]
+        members = [m for m in rows if m.generation == membership.generation]  # the others:
+        if not rows:  # not started, or still recovering into it
+            return found
+        self.timeout_s = hang_timeout(members or rows, self.port.spec.hang_timeout)
+        failed = self._rebuild_failed(rows, membership.generation, now)
+        if failed is not None or not members:
+            return found + (failed or [])
+        hang = find_hang(members, self.timeout_s, len(membership.members))
+        if hang is not None and hang.worker is None:
+            return [*found, Rebuild(hang.reason, max(m.step for m in members))]
+        if hang is not None and hang.worker is not None:
+            return [*found, Kill(hang.worker, "hang", f"hang: {hang.reason}; killing worker "
+                                                      f"{hang.worker}")]
+        return found + (self._check_straggler(members) if len(members) > 1 else [])
+
+    def rebuilt(self, generation: int, stuck_at: int, now: float) -> None:
+        """The agent rebuilt the communicator for a `Rebuild`: watch that it helps."""
+        self._rebuilt = (generation, stuck_at, now)
+
+    def local_liveness(self, now: float) -> list[Liveness]:
+        """This node's members that reported progress (a follower sends these to the
+        coordinator in its heartbeat, so hangs are judged over the whole job)."""
+        out = []
+        live = self.port.live_members()
+        for w in live:
+            p = self.slots.progress(w.worker_id)
+            if p.generation < 0:
+                continue
+            in_collective = p.phase == Phase.COLLECTIVE and p.collective_started > 0
+            out.append(Liveness(
+                worker=w.worker_id, rank=p.rank, step=p.step,
+                idle_s=now - (p.phase_started or max(p.last_commit, p.step_started)),
+                waiting_s=now - p.collective_started if in_collective else None,
+                stopped=_stopped(w.spawned.pid), compute_s=p.compute_time, step_s=p.step_time,
+                generation=p.generation, phase=p.phase or Phase.STEP,
+                collective=p.collective,
+                label=p.label, step_p95_s=p.step_p95))
+        pids = {w.spawned.pid for w in live}
+        self._cpu = {pid: seen for pid, seen in self._cpu.items() if pid in pids}
+        return out
+
+    def cpu_state(self, pid: int, now: float) -> str:
+        """"busy" or "idle" (no CPU time for a second): shown, never used to decide."""
+        ticks = _cpu_ticks(pid)
+        last = self._cpu.get(pid)
+        if last is None or last[0] != ticks:
+            self._cpu[pid] = (ticks, now)
+            return "busy"
+        return "idle" if now - last[1] > CPU_IDLE_S else "busy"
+
+    def _rebuild_failed(self, rows: list[Liveness], current: int, now: float
+                        ) -> list[Finding] | None:
+        """After a rebuild, no member committed a step for another timeout: the rebuilt
+        communicator is stuck too (or members never reached it). Replace the ranks. None:
+        no rebuild has failed (judge hangs as usual)."""
+        stuck_at = max(m.step for m in rows)
+        if self._kept and stuck_at > self._kept_step:
+            self._kept = set()  # the job moved on: a later incident starts afresh
+        if self._rebuilt is None:
+            return None
+        generation, step, at = self._rebuilt
+        if current != generation or stuck_at > step:
+            self._rebuilt = None  # it helped, or another fault took over
+            return None
+        if now - at <= self.timeout_s:
+            return None
+        self._rebuilt = None
+        out, why = replace_after_rebuild(rows, generation, frozenset(self._kept))
+        if all(m.generation >= generation for m in rows):  # one replica kept: not again
+            self._kept.update(m.worker for m in rows if m.worker not in out)
+            self._kept_step = step
+        self.port.emit(Event.NOTICE, {"text": f"hang: {why}"})
+        return [Kill(worker, "hang") for worker in out]
+
+    def _check_straggler(self, members: list[Liveness]) -> list[Finding]:
+        found = find_straggler(members, self.port.spec.straggler_factor)
+        worker = found[0] if found else None
+        self._hits = {worker: self._hits.get(worker, 0) + 1} if worker is not None else {}
+        if found is None or self._hits[found[0]] != STRAGGLER_CHECKS:
+            return []
+        self.stragglers[found[0]] = found[1]
+        evict = self.port.spec.evict_stragglers
+        self.port.emit(Event.STRAGGLER, {"worker": found[0], "reason": found[1], "evicted": evict})
+        return [Kill(found[0], "straggler")] if evict else []
+
+
+def _cpu_ticks(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return int(fields[11]) + int(fields[12])  # utime + stime
+    except (OSError, IndexError, ValueError):
+        return -1
+
+
+def _stopped(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
+    except (OSError, IndexError):
+        return False

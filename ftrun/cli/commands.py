@@ -1,0 +1,139 @@
+"""`ftrun status` and `ftrun inject-fault`: typer commands over the control client.
+
+Owns: the subcommands' arguments (checked with the job's own request checks), the drill
+schedule (--every/--count) and waiting for the drill's recoveries; a job that ends before
+its drill settles is an error. Rendering lives in render.py.
+Must not import: torch (a status check must work, fast, on a node without CUDA).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from typing import Any, Optional
+
+import typer
+
+from ftrun.adapters import control
+from ftrun.agent.control_plane import check_request
+from ftrun.cli import render
+from ftrun.core.errors import FtrunError, UsageError
+from ftrun.core.faultkinds import ALL_KINDS, FaultKind
+from ftrun.gpu.verdicts import GpuSample as _Sample
+from ftrun.gpu.verdicts import Health, classify
+
+app = typer.Typer(add_completion=False, no_args_is_help=False, pretty_exceptions_enable=False,
+                  help="ftrun: see what a job is doing, and rehearse its failures.")
+DRILL_WAIT_S = 120.0  # how long inject-fault waits for the drill's recoveries
+
+
+@app.command()
+def status(run_id: Optional[str] = typer.Option(None, "--run-id", help="the job (a prefix is enough)"),  # noqa: UP045,E501
+           as_json: bool = typer.Option(False, "--json", help="print a stable JSON document"),
+           watch: bool = typer.Option(False, "--watch", help="refresh in place")) -> None:
+    """Show a running job: generation, workers, recent faults and their recovery phases."""
+    if run_id is None and not watch and not as_json:
+        runs = control.list_runs()
+        if len(runs) > 1:
+            render.print_runs(runs)
+            return
+    info = control.find_run(run_id)
+    if watch:
+        render.watch_status(lambda: control.request(info, {"op": "status"}))
+        return
+    doc = control.request(info, {"op": "status"})
+    if as_json:
+        doc.pop("ok", None)
+        print(json.dumps(doc, indent=2, sort_keys=True))
+    else:
+        render.print_status(doc)
+
+
+@app.command("inject-fault")
+def inject_fault(
+    kind: str = typer.Option(..., "--kind", help="one of " + ", ".join(ALL_KINDS)),
+    rank: Optional[int] = typer.Option(None, "--rank", help="the rank to break"),  # noqa: UP045
+    gpu: Optional[int] = typer.Option(None, "--gpu", help="the GPU to break (xid kinds)"),  # noqa: UP045,E501
+    run_id: Optional[str] = typer.Option(None, "--run-id", help="the job (a prefix is enough)"),  # noqa: UP045,E501
+    at_step: int = typer.Option(-1, "--at-step", help="let the worker fail when it reaches this step"),  # noqa: E501
+    every: float = typer.Option(0.0, "--every", help="seconds between repeated faults"),
+    count: int = typer.Option(1, "--count", help="how many faults"),
+    delay: float = typer.Option(0.5, "--delay", help="slow: extra seconds per step"),
+    xid: Optional[int] = typer.Option(None, "--xid", help="the XID for --kind xid"),  # noqa: UP045
+) -> None:
+    """Break a running job on purpose and print how it recovered, phase by phase."""
+    if kind not in ALL_KINDS:
+        raise UsageError(f"unknown fault kind {kind!r}", hint="use " + ", ".join(ALL_KINDS))
+    if not math.isfinite(every) or every < 0:
+        raise UsageError(f"--every must be a number of seconds >= 0, not {every}",
+                         hint="e.g. --every 5 --count 3")
+    if count < 1 or (count > 1 and every <= 0):
+        raise UsageError("--count N needs --every SECONDS > 0", hint="e.g. --every 5 --count 3")
+    try:  # the job checks the same way; checking here first gives a usage error, exit 2
+        drill = check_request({"op": "inject", "kind": kind, "rank": rank, "gpu": gpu,
+                               "at_step": at_step, "arg": delay, "xid": xid})
+    except FtrunError as exc:
+        raise UsageError(exc.message, hint=exc.hint) from None
+    info = control.find_run(run_id)
+    first = control.request(info, {"op": "status"})
+    before = len(first["faults"])
+    for i in range(count):
+        if i:
+            time.sleep(every)
+        try:
+            reply = control.request(info, drill.to_wire())
+        except control.JobGone:
+            raise control.JobGone(f"job {info.run_id[:8]} ended before the drill was injected "
+                                  f"({i}/{count} faults injected)",
+                                  hint="see its log directory") from None
+        if gpu is not None:
+            print(f"ftrun: injected {kind} {xid or ''} into GPU {gpu} ({reply['uuid']})",
+                  flush=True)
+        else:
+            print(f"ftrun: injected {kind} into rank {reply['rank']} (worker "
+                  f"{reply['worker']}, pid {reply['pid']})", flush=True)
+    benign_xid = kind == FaultKind.XID and xid_is_benign(xid)
+    if kind in (FaultKind.SLOW, FaultKind.THERMAL) or benign_xid:
+        return
+    if not first.get("ft_api"):  # a plain script: torchrun semantics, no in-process record
+        print("ftrun: the job does not use the ftrun worker API: it restarts or stops as "
+              "torchrun would; see `ftrun status`")
+        return
+    faults, ended = _wait_for_recoveries(info, before, count)
+    render.print_drill(faults)
+    if ended:
+        settled = sum(1 for f in faults if _settled(f))
+        raise control.JobGone(f"job {info.run_id[:8]} ended before the drill completed "
+                              f"({settled}/{count} faults settled)",
+                              hint="see its log directory for why")
+
+
+def _wait_for_recoveries(info: control.RunInfo, before: int,
+                         count: int) -> tuple[list[dict[str, Any]], bool]:
+    """The drill's faults once each is recovered or decided (or DRILL_WAIT_S passed), and
+    whether the job ended before that."""
+    deadline = time.monotonic() + DRILL_WAIT_S
+    faults: list[dict[str, Any]] = []
+    while time.monotonic() < deadline:
+        try:
+            faults = control.request(info, {"op": "status"})["faults"][before:]
+        except control.JobGone:
+            return faults, True
+        except FtrunError:
+            pass  # busy or shutting down: the next try tells which
+        else:
+            if len(faults) >= count and all(_settled(f) for f in faults):
+                return faults, False
+        time.sleep(0.2)
+    return faults, False
+
+
+def _settled(fault: dict[str, Any]) -> bool:
+    """Recovered, or decided in a way that ends the job (a drill can: that is the report)."""
+    return bool(fault["recovered"]) or fault["decision"] in ("fail", "restart-group")
+
+
+def xid_is_benign(xid: int | None) -> bool:
+    """An XID that fails no GPU (an application error, info): no recovery to wait for."""
+    return xid is None or classify(None, _Sample(), (xid,)).health is not Health.FAILED

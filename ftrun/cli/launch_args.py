@@ -1,0 +1,396 @@
+"""torchrun-compatible command line for `ftrun [OPTIONS] SCRIPT [ARGS...]`.
+
+Owns: the argparse parser (both --foo-bar and --foo_bar spellings, unambiguous prefixes,
+PET_* environment fallbacks, exit 2 on usage errors) and its translation into a `RunSpec`.
+Must not import: torch, typer, rich, the agent.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import re
+import signal
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NoReturn
+
+from ftrun.core import timeouts
+from ftrun.core.errors import UsageError
+from ftrun.core.spec import RunSpec, StdMask
+
+NPROC_WORDS = ("cpu", "gpu", "auto")
+STATIC_DEFAULT_PORT = 29500
+_HOST_RE = re.compile(r"[\w.-]+")  # a host name or an IPv4 address
+_IPV6_RE = re.compile(r"[\w.:%-]+")  # inside brackets (a zone like %eth0 included)
+# --rdzv-conf keys read as seconds (ftrun's own and torchrun's); all others pass through
+_CONF_SECONDS = ("timeout", "interval", "heartbeat")
+_CONF_ZERO_OK = frozenset({"last_call_timeout"})  # 0: no wait for late nodes
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(message, hint="see ftrun --help")
+
+
+def _both(name: str) -> list[str]:
+    """`--nproc-per-node` and `--nproc_per_node`."""
+    dashed = "--" + name.replace("_", "-")
+    under = "--" + name.replace("-", "_")
+    return [dashed] if dashed == under else [dashed, under]
+
+
+def _pet(env: Mapping[str, str], dest: str, default: Any) -> Any:
+    return env.get(f"PET_{dest.upper()}", default)
+
+
+def _pet_flag(env: Mapping[str, str], dest: str) -> bool:
+    raw = env.get(f"PET_{dest.upper()}")
+    if raw is None:
+        return False
+    try:
+        return bool(int(raw))
+    except ValueError:
+        raise UsageError(
+            f"PET_{dest.upper()}={raw!r} is not 0 or 1", hint="set it to 1 to enable, 0 to disable"
+        ) from None
+
+
+def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
+    p = _Parser(
+        prog="ftrun",
+        description="Launch a PyTorch distributed job (torchrun-compatible) with native fault "
+        "tolerance. Other commands: `ftrun status`, `ftrun inject-fault`.",
+        usage="ftrun [OPTIONS] SCRIPT [ARGS...]",
+        allow_abbrev=True,
+    )
+
+    def opt(name: str, *extra: str, default: Any = None, **kw: Any) -> None:
+        dest = name.replace("-", "_")
+        p.add_argument(*extra, *_both(name), dest=dest, default=_pet(env, dest, default), **kw)
+
+    def flag(name: str, *extra: str, help: str) -> None:
+        dest = name.replace("-", "_")
+        p.add_argument(*extra, *_both(name), dest=dest, action="store_true",
+                       default=_pet_flag(env, dest), help=help)
+
+    p.add_argument("--nproc", "--nproc-per-node", "--nproc_per_node", dest="nproc_per_node",
+                   default=_pet(env, "nproc_per_node", "1"),
+                   help="workers on this node: an int, cpu, gpu or auto (default 1)")
+    opt("nnodes", default="1:1", help="N or MIN:MAX nodes")
+    opt("node-rank", default="0", help="this node's rank (static rendezvous)")
+    opt("rdzv-backend", default="static", help="static or c10d")
+    opt("rdzv-endpoint", default="", help="HOST[:PORT] of the rendezvous store")
+    opt("rdzv-id", default="none", help="run id")
+    opt("rdzv-conf", default="", help="k=v,k=v backend options")
+    flag("standalone", help="single node, store on a free local port")
+    opt("master-addr", default="127.0.0.1", help="store host (static rendezvous)")
+    opt("master-port", default=None, help="store port (static rendezvous)")
+    opt("max-restarts", default="0", help="whole-group restarts after a failure")
+    opt("monitor-interval", default="0.1", help="kept for compatibility; exits are seen at once")
+    opt("start-method", default="spawn", choices=["spawn", "fork", "forkserver"],
+        help="kept for compatibility (used by --run-path only in torchrun)")
+    opt("role", default="default", help="worker role name")
+    flag("module", "-m", help="run SCRIPT as a module (python -m)")
+    flag("no-python", help="run SCRIPT as an executable, without python")
+    flag("run-path", help="run SCRIPT through runpy.run_path")
+    opt("log-dir", default=None, help="base directory for logs and error files")
+    opt("redirects", "-r", default="0", help="send streams to log files: 0-3 or i:v,...")
+    opt("tee", "-t", default="0", help="also copy streams to log files: 0-3 or i:v,...")
+    opt("local-ranks-filter", default="", help="local ranks whose output reaches the console")
+    opt("local-addr", default=None, help="this node's address")
+    opt("shutdown-timeout", default=None, help="seconds between a forwarded signal and SIGKILL")
+    opt("signals-to-handle", default="SIGTERM,SIGINT,SIGHUP,SIGQUIT",
+        help="signals forwarded to the workers before shutdown")
+    opt("event-log-handler", default="null", help="kept for compatibility")
+    flag("virtual-local-rank", help="kept for compatibility; refused when set")
+    opt("on-fault", default="replace", choices=["replace", "shrink", "restart"],
+        help="scripts using the ftrun API: replace the lost rank (world size held), shrink "
+        "and grow back, or restart every worker as torchrun does (default replace)")
+    opt("min-nproc", default="1", help="shrink: the fewest workers to go on with")
+    opt("spares", default="0", help="hot spare workers, started and waiting")
+    opt("max-faults", default="100", help="faults recovered in-process before giving up")
+    opt("comm", default="auto", choices=["auto", "native", "fresh"],
+        help="how survivors re-form their communicator: torch's native reconfigure of the "
+        "default group, or a fresh group per generation (auto: native where supported)")
+    opt("gpu-backend", default="auto", choices=["auto", "nvml", "sim", "none"],
+        help="GPU health: NVML, simulated GPUs (drills on CPU machines), or none")
+    opt("hang-timeout", default=None,
+        help="seconds a rank may make no progress while a peer waits for it in a collective "
+        "(or while stopped) before it is declared hung and replaced; used exactly as given "
+        "(default: 10x the p95 step time, at least 10 s; 300 s until 10 steps are measured)")
+    opt("straggler-factor", default="1.5", help="a rank this many times slower is flagged")
+    flag("evict-stragglers", help="replace a flagged straggler")
+    p.add_argument("training_script", nargs="?", help="the training script (or module)")
+    p.add_argument("training_script_args", nargs=argparse.REMAINDER)
+    return p
+
+
+def parse_run_args(
+    argv: Sequence[str],
+    env: Mapping[str, str] | None = None,
+    gpu_count: Callable[[], int] | None = None,
+) -> RunSpec:
+    env = os.environ if env is None else env
+    ns = build_parser(env).parse_args(list(argv))
+    if not ns.training_script:
+        raise UsageError("no training script given", hint="usage: ftrun [OPTIONS] SCRIPT [ARGS...]")
+    if ns.module and ns.no_python:
+        raise UsageError("-m/--module and --no-python cannot be used together",
+                         hint="drop one of them")
+    if ns.virtual_local_rank:
+        raise UsageError("--virtual-local-rank is not supported yet", hint="drop the flag")
+    endpoint_port = None
+    if ns.rdzv_endpoint:
+        host, endpoint_port = parse_endpoint(ns.rdzv_endpoint)
+        if ns.rdzv_backend == "static":  # torchrun: host[:port] of the store
+            ns.master_addr = host
+            ns.master_port = endpoint_port if endpoint_port is not None else (
+                ns.master_port or STATIC_DEFAULT_PORT)
+    _slurm_defaults(ns, env)
+    nmin, nmax = _parse_nnodes(str(ns.nnodes))
+    if ns.rdzv_backend not in ("static", "c10d"):
+        raise UsageError(f"--rdzv-backend {ns.rdzv_backend!r} is not supported",
+                         hint="use static or c10d")
+    if nmax > 1:
+        _check_multinode(ns, nmin, nmax, endpoint_port)
+    nproc = resolve_nproc(str(ns.nproc_per_node), gpu_count)
+    return RunSpec(
+        script=ns.training_script,
+        script_args=tuple(ns.training_script_args),
+        nproc=nproc,
+        nnodes_min=nmin,
+        nnodes_max=nmax,
+        node_rank=_int(ns.node_rank, "--node-rank", minimum=0),
+        rdzv_backend=ns.rdzv_backend,
+        rdzv_endpoint=ns.rdzv_endpoint,
+        rdzv_id=ns.rdzv_id,
+        rdzv_conf=_parse_conf(ns.rdzv_conf),
+        standalone=ns.standalone,
+        master_addr=ns.master_addr,
+        master_port=None if ns.master_port is None else _port(ns.master_port),
+        max_restarts=_int(ns.max_restarts, "--max-restarts", minimum=0),
+        monitor_interval=_float(ns.monitor_interval, "--monitor-interval", positive=True),
+        role=ns.role,
+        module=ns.module,
+        no_python=ns.no_python,
+        run_path=ns.run_path,
+        log_dir=ns.log_dir,
+        redirects=StdMask.parse(str(ns.redirects), "--redirects"),
+        tee=StdMask.parse(str(ns.tee), "--tee"),
+        local_ranks_filter=_parse_filter(ns.local_ranks_filter),
+        local_addr=ns.local_addr,
+        shutdown_timeout=_shutdown_timeout(ns.shutdown_timeout, env),
+        signals_to_handle=_parse_signals(ns.signals_to_handle),
+        on_fault=ns.on_fault,
+        min_nproc=_min_nproc(ns.min_nproc, nproc, nmax),
+        spares=_int(ns.spares, "--spares", minimum=0),
+        max_faults=_int(ns.max_faults, "--max-faults", minimum=0),
+        comm=ns.comm,
+        gpu_backend=ns.gpu_backend,
+        hang_timeout=None if ns.hang_timeout is None else _float(ns.hang_timeout,
+                                                                 "--hang-timeout", positive=True),
+        straggler_factor=_straggler_factor(ns.straggler_factor),
+        evict_stragglers=ns.evict_stragglers,
+    )
+
+
+def _check_multinode(ns: argparse.Namespace, nmin: int, nmax: int,
+                     endpoint_port: int | None) -> None:
+    if ns.rdzv_backend == "c10d" and not ns.rdzv_endpoint:
+        raise UsageError("--rdzv-backend c10d needs --rdzv-endpoint HOST[:PORT]",
+                         hint="name the host that serves the store (the same on every node)")
+    port = endpoint_port if ns.rdzv_backend == "c10d" else ns.master_port
+    if port is not None and _port(port, "--rdzv-endpoint" if ns.rdzv_endpoint
+                                  else "--master-port") == 0:
+        raise UsageError("a multi-node job cannot serve its store on port 0 (any free port)",
+                         hint="every node must know the port: use 1-65535, e.g. 29400")
+    if ns.rdzv_backend == "static" and nmin != nmax:
+        raise UsageError(f"--nnodes {ns.nnodes} needs --rdzv-backend c10d",
+                         hint="static rendezvous takes a fixed node count, e.g. --nnodes 2")
+    if ns.rdzv_backend == "static" and _int(ns.node_rank, "--node-rank", 0) >= nmax:
+        raise UsageError(f"--node-rank {ns.node_rank} is not below --nnodes {nmax}",
+                         hint=f"use --node-rank 0..{nmax - 1} (0 serves the store)")
+
+
+def _slurm_defaults(ns: argparse.Namespace, env: Mapping[str, str]) -> None:
+    """Under `srun ftrun ...` (one task per node), SLURM already knows what torchrun asks
+    for: the node count, this node's rank and the first node, which serves the store."""
+    nodes = env.get("SLURM_STEP_NUM_NODES") or ""
+    if not nodes.isdigit() or int(nodes) < 2 or ns.nnodes != "1:1" or ns.standalone:
+        return  # not a multi-node step, or the user said it themselves
+    ns.nnodes = nodes
+    if ns.node_rank == "0":  # one task per node: the task's rank within this step
+        one_per_node = env.get("SLURM_STEP_NUM_TASKS") == nodes
+        ns.node_rank = env.get("SLURM_PROCID" if one_per_node else "SLURM_NODEID", "0")
+    first = first_host(env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST", ""))
+    if ns.rdzv_backend == "static" and ns.master_addr == "127.0.0.1" and first:
+        ns.master_addr = first
+    ns.master_port = ns.master_port or "29500"
+
+
+def first_host(nodelist: str) -> str:
+    """The first host of a SLURM node list: `gpu[03-05,9],cpu1` -> `gpu03`."""
+    head = nodelist.split(",")[0] if "[" not in nodelist.split(",")[0] else \
+        nodelist[:nodelist.index("]") + 1]
+    if "[" not in head:
+        return head.strip()
+    prefix, _, ranges = head.partition("[")
+    return prefix + ranges.rstrip("]").split(",")[0].split("-")[0]
+
+
+def resolve_nproc(value: str, gpu_count: Callable[[], int] | None = None) -> int:
+    value = value.strip()
+    cpu = len(os.sched_getaffinity(0))
+    if value == "cpu":
+        return cpu
+    if value in ("gpu", "auto"):
+        gpus = gpu_count() if gpu_count else 0
+        if gpus > 0:
+            return gpus
+        if value == "gpu":
+            raise UsageError("--nproc gpu: no CUDA device is visible",
+                             hint="use --nproc cpu or a number")
+        return cpu
+    n = _int(value, "--nproc", minimum=None)
+    if n < 1:
+        raise UsageError(f"--nproc must be at least 1, got {n}", hint="e.g. --nproc 4")
+    return n
+
+
+def _int(raw: object, flag: str, minimum: int | None) -> int:
+    try:
+        value = int(str(raw))
+    except ValueError:
+        raise UsageError(f"{flag} {raw!r} is not an integer",
+                         hint=f"pass a whole number to {flag}") from None
+    if minimum is not None and value < minimum:
+        raise UsageError(f"{flag} must be >= {minimum}, got {value}", hint=f"fix {flag}")
+    return value
+
+
+def _float(raw: object, flag: str, positive: bool, unit: str = "seconds") -> float:
+    try:
+        value = float(str(raw))
+    except ValueError:
+        raise UsageError(f"{flag} {raw!r} is not a number",
+                         hint=f"pass {unit} to {flag}") from None
+    if not math.isfinite(value):  # nan compares false with everything; inf never expires
+        raise UsageError(f"{flag} must be a finite number, got {raw}",
+                         hint=f"pass {unit} to {flag}")
+    if positive and value <= 0:
+        raise UsageError(f"{flag} must be > 0, got {value}", hint=f"fix {flag}")
+    return value
+
+
+def _straggler_factor(raw: object) -> float:
+    value = _float(raw, "--straggler-factor", positive=False, unit="a factor like 1.5")
+    if value <= 1:
+        raise UsageError(f"--straggler-factor must be > 1, got {value}",
+                         hint="how many times slower than its peers a rank must be, e.g. 1.5")
+    return value
+
+
+def _min_nproc(raw: object, nproc: int, nnodes_max: int) -> int:
+    value = _int(raw, "--min-nproc", minimum=1)
+    most = nproc * nnodes_max
+    if value > most:
+        has = f"--nproc {nproc}" if nnodes_max == 1 else \
+            f"the job's {most} workers (--nproc {nproc} x --nnodes {nnodes_max})"
+        raise UsageError(f"--min-nproc {value} is above {has}",
+                         hint=f"the fewest workers to go on with: use 1-{most}")
+    return value
+
+
+def _port(raw: object, flag: str = "--master-port") -> int:
+    port = _int(raw, flag, minimum=0)
+    if port > 65535:
+        raise UsageError(f"{flag}: port {port} is out of range", hint="use 1-65535")
+    return port
+
+
+def parse_endpoint(text: str) -> tuple[str, int | None]:
+    """`HOST`, `HOST:PORT`, `[IPV6]` or `[IPV6]:PORT` -> (host, port or None)."""
+    text = text.strip()
+    hint = "use HOST[:PORT], e.g. node0:29400, or [IPV6]:PORT"
+    if text.startswith("["):
+        host, close, rest = text[1:].partition("]")
+        if not close or (rest and not rest.startswith(":")):
+            raise UsageError(f"--rdzv-endpoint {text!r} is not [IPV6] or [IPV6]:PORT",
+                             hint="close the bracket, e.g. [::1]:29400")
+        valid, port = bool(_IPV6_RE.fullmatch(host)), rest[1:] if rest else None
+    else:
+        if text.count(":") > 1:
+            raise UsageError(f"--rdzv-endpoint {text!r}: an IPv6 address needs brackets",
+                             hint="e.g. [::1]:29400")
+        host, sep, tail = text.partition(":")
+        valid, port = bool(_HOST_RE.fullmatch(host)), tail if sep else None
+    if not valid:
+        raise UsageError(f"--rdzv-endpoint {text!r} has no valid host", hint=hint)
+    if port is None:
+        return host, None
+    if not port.isdigit():
+        raise UsageError(f"--rdzv-endpoint {text!r}: port {port!r} is not a number", hint=hint)
+    return host, _port(port, "--rdzv-endpoint")
+
+
+def _parse_nnodes(text: str) -> tuple[int, int]:
+    parts = text.split(":")
+    if len(parts) not in (1, 2):
+        raise UsageError(f"--nnodes {text!r} is not N or MIN:MAX", hint="e.g. --nnodes 2 or 1:4")
+    nmin = _int(parts[0], "--nnodes", minimum=1)
+    nmax = _int(parts[-1], "--nnodes", minimum=1)
+    if nmin > nmax:
+        raise UsageError(f"--nnodes {text}: MIN is larger than MAX", hint="use MIN <= MAX")
+    return nmin, nmax
+
+
+def _parse_conf(text: str) -> tuple[tuple[str, str], ...]:
+    pairs: list[tuple[str, str]] = []
+    for item in filter(None, (s.strip() for s in text.split(","))):
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip() or not value.strip():
+            raise UsageError(f"--rdzv-conf item {item!r} is not key=value", hint="e.g. timeout=60")
+        pairs.append((key.strip(), value.strip()))
+        if key.strip().endswith(_CONF_SECONDS):
+            _conf_seconds(key.strip(), value.strip())
+    return tuple(pairs)
+
+
+def _conf_seconds(key: str, raw: str) -> float:
+    flag = f"--rdzv-conf {key}"
+    value = _float(raw, flag, positive=key not in _CONF_ZERO_OK)
+    if value < 0:
+        raise UsageError(f"{flag} must be >= 0, got {value}", hint=f"e.g. {key}=1")
+    return value
+
+
+def _parse_filter(text: str) -> frozenset[int] | None:
+    if not text.strip():
+        return None
+    try:
+        return frozenset(int(x) for x in text.split(","))
+    except ValueError:
+        raise UsageError(f"--local-ranks-filter {text!r} is not a list of integers",
+                         hint="e.g. --local-ranks-filter 0,1") from None
+
+
+def _shutdown_timeout(raw: object, env: Mapping[str, str]) -> float:
+    if raw is None:
+        raw = env.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(timeouts.SHUTDOWN_GRACE_S))
+    value = _float(raw, "--shutdown-timeout", positive=False)
+    if value < 0:
+        raise UsageError(f"--shutdown-timeout must be >= 0, got {value}", hint="e.g. 30")
+    return value
+
+
+def _parse_signals(text: str) -> tuple[str, ...]:
+    names: list[str] = []
+    for name in filter(None, (s.strip().upper() for s in text.split(","))):
+        if not name.startswith("SIG"):
+            name = "SIG" + name
+        if not hasattr(signal, name) or name in ("SIGKILL", "SIGSTOP"):
+            raise UsageError(f"--signals-to-handle: {name} cannot be handled",
+                             hint="use names like SIGTERM,SIGINT,SIGUSR1")
+        names.append(name)
+    return tuple(names)

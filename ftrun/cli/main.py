@@ -1,0 +1,143 @@
+"""The `ftrun` command: a thin layer over the agent (and, for subcommands, over the API).
+
+Owns: dispatching `ftrun [OPTIONS] SCRIPT` to the launcher and named subcommands to the
+typer app, the one error table (one line + hint, exit code), and printing results.
+Must not import: torch at module level (subcommands such as `status` must stay torch-free).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from ftrun.core.errors import EXIT_FAILURE, FtrunError, UsageError
+
+if TYPE_CHECKING:
+    from ftrun.agent.node import Agent
+    from ftrun.core.spec import RunSpec
+
+DEBUG_ENV = "FTRUN_DEBUG"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    try:
+        return _launch(args)
+    except FtrunError as exc:
+        print(f"ftrun: error: {exc.one_line()}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print("ftrun: interrupted", file=sys.stderr)
+        return EXIT_FAILURE
+    except Exception as exc:
+        if os.environ.get(DEBUG_ENV):
+            raise
+        print(f"ftrun: internal error: {type(exc).__name__}: {exc} "
+              f"(set {DEBUG_ENV}=1 for a traceback, and please report it)", file=sys.stderr)
+        return EXIT_FAILURE
+
+
+SUBCOMMANDS = ("status", "inject-fault")
+
+
+def _subcommand(args: list[str]) -> int:
+    from ftrun.cli.commands import app
+
+    try:
+        app(args, prog_name="ftrun", standalone_mode=False)
+    except SystemExit as exc:
+        return int(exc.code or 0)
+    except Exception as exc:  # click's (typer vendors its own copy): one line, exit 2
+        if type(exc).__name__ == "Exit":
+            return int(getattr(exc, "exit_code", 0))
+        if type(exc).__name__ == "Abort":
+            return EXIT_FAILURE
+        if hasattr(exc, "format_message"):
+            print(f"ftrun: error: {exc.format_message()} (see ftrun {args[0]} --help)",
+                  file=sys.stderr)
+            return int(getattr(exc, "exit_code", 2))
+        raise
+    return 0
+
+
+def _launch(args: list[str]) -> int:
+    if args and args[0] in SUBCOMMANDS:
+        return _subcommand(args)
+    from ftrun.cli.launch_args import parse_run_args
+
+    spec = parse_run_args(args, gpu_count=_cuda_device_count)
+    _check_entrypoint(spec.script, spec.module, spec.no_python)
+
+    from ftrun.adapters.report import copy_to_parent_error_file
+    from ftrun.cli import render
+
+    started = time.time()
+    result = _agent_for(spec).run()
+    render.print_run_summary(result.faults, time.time() - started)
+    if result.cause is not None:
+        render.print_failure(spec.entry_name, result.cause, result.exits, result.restarts_used,
+                             spec.max_restarts, result.log_dir)
+        parent = os.environ.get("TORCHELASTIC_ERROR_FILE")
+        try:
+            copy_to_parent_error_file(result.cause, parent)
+        except OSError as exc:
+            print(f"ftrun: could not write TORCHELASTIC_ERROR_FILE {parent}: {exc.strerror}",
+                  file=sys.stderr)
+    return result.exit_code
+
+
+def _agent_for(spec: RunSpec) -> Agent:
+    """One node: the agent. Many: the coordinator where the store is served, else a follower."""
+    from ftrun.agent.node import Agent
+    from ftrun.cli import render
+    from ftrun.cluster.link import endpoint_of, is_multinode, try_host
+
+    agent: Agent
+    if not is_multinode(spec):
+        agent = Agent(spec, emit=render.notice)
+    else:
+        ep = endpoint_of(spec)
+        hosted = try_host(spec, ep)
+        if hosted is not None:
+            from ftrun.cluster.coordinator import Coordinator
+
+            agent = Coordinator(spec, hosted, ep, emit=render.notice)
+        else:
+            from ftrun.cluster.follower import Follower
+
+            agent = Follower(spec, ep, emit=render.notice)
+    # the agent's store outlives its clients by design (a killed worker, a vanished peer);
+    # that is reported in one line, not as c10d's C++ warning with a stack. Set after the
+    # agent took its copy of the environment: workers keep the user's setting
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+    return agent
+
+
+def _check_entrypoint(script: str, module: bool, no_python: bool) -> None:
+    if module:
+        return  # resolved by the worker's python, with the worker's sys.path
+    if no_python:
+        found = shutil.which(script) if os.sep not in script else (
+            script if os.path.isfile(script) and os.access(script, os.X_OK) else None)
+        if not found:
+            raise UsageError(f"executable not found: {script}",
+                             hint="check the name and PATH, or drop --no-python")
+        return
+    if os.path.isdir(script):  # `python DIR` runs DIR/__main__.py, and so do the workers
+        if not os.path.isfile(os.path.join(script, "__main__.py")):
+            raise UsageError(f"{script} is a directory without __main__.py",
+                             hint="name the script inside it, or add a __main__.py")
+        return
+    if not os.path.isfile(script):
+        raise UsageError(f"training script not found: {script}",
+                         hint="check the path; it is relative to the current directory")
+
+
+def _cuda_device_count() -> int:
+    import torch
+
+    return int(torch.cuda.device_count()) if torch.cuda.is_available() else 0

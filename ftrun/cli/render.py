@@ -1,0 +1,198 @@
+"""Turning results into text for people: rich on a terminal, plain when piped.
+
+Owns: printing agent notices, the end-of-run failure report and fault summary, and the
+`ftrun status` / drill tables.
+Must not import: torch, the agent internals (it receives plain data).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, TextIO
+
+from ftrun.adapters.report import WorkerExit, failure_block
+
+_PHASES = (("published", "published_at"), ("noticed", "noticed"), ("rebuilt", "rebuilt"),
+           ("healed", "healed"), ("committed", "first_commit"))
+
+
+def use_rich(stream: TextIO) -> bool:
+    return stream.isatty()
+
+
+def notice(kind: str, fields: Mapping[str, object], stream: TextIO | None = None) -> None:
+    stream = stream or sys.stderr
+    text = _notice_text(kind, fields)
+    if text:
+        print(f"ftrun: {text}", file=stream, flush=True)
+
+
+def _notice_text(kind: str, f: Mapping[str, object]) -> str | None:
+    if kind == "notice":
+        return str(f["text"])
+    if kind == "failure":
+        return str(f["reason"])
+    if kind == "fault":
+        return str(f["reason"])
+    if kind == "generation":
+        return f"generation {f['generation']}: {f['world_size']} workers ({f['reason']})"
+    if kind == "recovered" and f.get("fault_at"):
+        # a survivor's collective can fail before the agent reaps the dead peer: the fault
+        # began no later than the first sign of it, so no phase comes out negative
+        t0 = min(float(str(f[key])) for _, key in _PHASES if f.get(key))
+        t0 = min(t0, float(str(f["fault_at"])))
+        phases = ", ".join(f"{name} +{(float(str(f[key])) - t0) * 1000:.0f}"
+                           for name, key in _PHASES if f.get(key))
+        return (f"generation {f['generation']} committed step {f['step']} "
+                f"(ms after the fault: {phases})")
+    if kind == "restart":
+        return f"restart {f['attempt']} starting"
+    if kind == "signal":
+        if f["workers"]:
+            return (f"received {f['signal']}; forwarded to {f['workers']} workers, "
+                    f"SIGKILL in {f['grace_s']}s (send it again to kill now)")
+        return f"received {f['signal']} again; killing the workers now"
+    return None
+
+
+def print_failure(title: str, cause: WorkerExit, exits: tuple[WorkerExit, ...],
+                  restarts_used: int, max_restarts: int, log_dir: str | None,
+                  stream: TextIO | None = None) -> None:
+    stream = stream or sys.stderr
+    lines = failure_block(title, cause, exits, restarts_used, max_restarts, log_dir)
+    if use_rich(stream):
+        from rich.console import Console
+        from rich.panel import Panel
+        from rich.text import Text
+
+        body = Text("\n".join(lines[1:]))
+        Console(file=stream).print(Panel(body, title=f"[bold red]{lines[0]}", expand=False))
+        return
+    width = min(max(len(ln) for ln in lines), 60)
+    print("\n".join(["=" * width, lines[0], "-" * width, *lines[1:], "=" * width]),
+          file=stream, flush=True)
+
+
+# ------------------------------------------------------------------ status and drills
+def _fmt(value: object, unit: str = "") -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.0f}{unit}" if abs(value) >= 10 else f"{value:.2f}{unit}"
+    return f"{value}{unit}"
+
+
+def print_runs(runs: Sequence[Any], stream: TextIO | None = None) -> None:
+    stream = stream or sys.stdout
+    print(f"{len(runs)} ftrun jobs are running (pick one with --run-id):", file=stream)
+    for r in runs:
+        print(f"  {r.run_id}  pid {r.pid}  {r.script}", file=stream)
+
+
+def status_tables(doc: Mapping[str, Any]) -> list[Any]:
+    from rich.table import Table
+
+    head = Table.grid(padding=(0, 2))
+    head.add_row("run", str(doc["run_id"]), "script", str(doc["script"]))
+    head.add_row("uptime", f"{doc['uptime_s']:.0f}s", "generation", str(doc["generation"]))
+    head.add_row("world size", str(doc["world_size"]), "policy",
+                 f"{doc['policy']} (spares {doc['spares']})")
+    nodes = doc.get("nodes")
+    if nodes:
+        served = doc.get("served_by")
+        head.add_row("nodes", str(sum(n["alive"] for n in nodes)), "store",
+                     str(doc.get("endpoint", "")) + (f" (this is node {served['node']})"
+                                                     if served else " (this node)"))
+    workers = Table(title="workers", title_justify="left")
+    keys: tuple[str, ...] = ("rank", "local_rank", "worker_id", "pid", "state", "role", "step",
+                             "committed_step", "step_time_ms", "since_progress_s", "phase",
+                             "gpu")
+    cols = ["rank", "local", "worker", "pid", "state", "role", "step", "committed", "step ms",
+            "idle s", "phase", "gpu"]
+    if nodes:
+        keys, cols = ("node", "host", *keys), ["node", "host", *cols]
+    for col in cols:
+        workers.add_column(col)
+    for w in sorted(doc["workers"], key=lambda w: (w["rank"] < 0, w["rank"])):
+        workers.add_row(*(_fmt(w.get(k)) for k in keys))
+    out: list[Any] = [head, workers]
+    if doc["faults"]:
+        out.append(fault_table("faults", doc["faults"][-10:]))
+        out += [f"  #{f['id']}: {f['reason']}" for f in doc["faults"][-5:]]
+    return out
+
+
+def fault_table(title: str, faults: Sequence[Mapping[str, Any]]) -> Any:
+    """One row per fault: what, where, the decision, and the recovery phases in ms."""
+    from rich.table import Table
+
+    table = Table(title=title, title_justify="left")
+    for col in ("#", "kind", "rank", "decision", "recovered", "ms", *PHASE_COLUMNS):
+        table.add_column(col)
+    for f in faults:
+        table.add_row(str(f["id"]), f["kind"], str(f["rank"]), f["decision"],
+                      "yes" if f["recovered"] else "no", _fmt(f["recovery_ms"]),
+                      *(_fmt(f["phases_ms"].get(p)) for p in PHASE_KEYS))
+    return table
+
+
+PHASE_KEYS = ("detected", "published", "rebuilt", "healed", "first_commit")
+PHASE_COLUMNS = ("detected", "published", "comm rebuilt", "healed", "1st commit")
+
+
+def print_status(doc: Mapping[str, Any], stream: TextIO | None = None) -> None:
+    stream = stream or sys.stdout
+    from rich.console import Console
+
+    console = Console(file=stream, force_terminal=stream.isatty(), width=140)
+    for part in status_tables(doc):
+        console.print(part)
+
+
+def watch_status(fetch: Callable[[], Mapping[str, Any]], period_s: float = 1.0) -> None:
+    import time
+
+    from rich.console import Group
+    from rich.live import Live
+
+    with Live(refresh_per_second=4, screen=False) as live:
+        try:
+            while True:
+                live.update(Group(*status_tables(fetch())))
+                time.sleep(period_s)
+        except KeyboardInterrupt:
+            return
+
+
+def print_drill(faults: Sequence[Mapping[str, Any]], stream: TextIO | None = None) -> None:
+    stream = stream or sys.stdout
+    from ftrun.agent.journal import FaultRecord, summarize
+
+    if not faults:
+        print("ftrun: no fault was recorded (the job may have ended first)", file=stream)
+        return
+    from rich.console import Console
+
+    console = Console(file=stream, force_terminal=stream.isatty(), width=140)
+    console.print(fault_table("drill", faults))
+    s = summarize([FaultRecord(**dict(f)) for f in faults], 0.0)
+    console.print(f"recovery p50 {_fmt(s['p50_ms'], ' ms')}, p95 {_fmt(s['p95_ms'], ' ms')}, "
+                  f"max {_fmt(s['max_ms'], ' ms')}; committed steps lost: {s['lost_steps']}")
+
+
+def print_run_summary(faults: Sequence[Any], run_seconds: float,
+                      stream: TextIO | None = None) -> None:
+    """After a run that survived faults: how many, how fast, what it cost."""
+    from ftrun.agent.journal import summarize
+
+    stream = stream or sys.stderr
+    if all(f.decision == "fail" for f in faults):
+        return  # nothing was recovered or tried: the failure report says it all
+    s = summarize(list(faults), run_seconds)
+    restarted = sum(f.decision == "restart-group" and f.recovered for f in faults)
+    how = f" ({restarted} by restarting every worker)" if restarted else ""
+    print(f"ftrun: survived {s['recovered']}/{s['faults']} faults{how}; recovery p50 "
+          f"{_fmt(s['p50_ms'], ' ms')}, p95 {_fmt(s['p95_ms'], ' ms')}, max "
+          f"{_fmt(s['max_ms'], ' ms')}; time lost {s['time_lost_s']} s; goodput "
+          f"{_fmt(s['goodput'])}", file=stream, flush=True)

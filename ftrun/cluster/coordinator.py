@@ -1,0 +1,404 @@
+"""The coordinating agent of a multi-node job: it serves the rendezvous store and decides.
+
+Owns: the node table (who joined, their heartbeats, which are lost), global rank assignment
+(nodes in join order, this node first, ranks contiguous per node as torchrun assigns them),
+the remote workers as this agent knows them from their node's reports, starting, stopping and
+ending the other nodes' workers through their command queues, admitting a node into a
+running job, and publishing the whole job's status for `ftrun status` on any node.
+Generations and fault decisions stay with `Recovery` and the pure policy.
+Must not import: typer, rich, the CLI or the worker library.
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+import signal
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from ftrun.adapters.report import WorkerExit
+from ftrun.adapters.store import HostedStore, QueueReader
+from ftrun.agent.jobview import Node, merge_job_status
+from ftrun.agent.node import Agent, _ignore
+from ftrun.agent.roster import RemoteWorker, Worker
+from ftrun.cluster.link import (
+    AGENT_QUEUE,
+    STATUS_KEY,
+    BeatTracker,
+    Bye,
+    Command,
+    End,
+    Endpoint,
+    Exited,
+    Join,
+    Kill,
+    Left,
+    Ping,
+    Pong,
+    Probe,
+    Report,
+    Spawn,
+    Spawned,
+    Start,
+    Stop,
+    command_queue,
+    conf_float,
+    connect,
+    first_worker_id,
+    parse_report,
+    read_payload,
+    send,
+)
+from ftrun.core import timeouts
+from ftrun.core.errors import FtrunError
+from ftrun.core.events import Event, EventSink
+from ftrun.core.policy import Decision, Liveness, find_lost_nodes
+from ftrun.core.spec import RunSpec
+from ftrun.protocol.rendezvous import node_of
+
+
+class Coordinator(Agent):
+    def __init__(self, spec: RunSpec, rdzv: HostedStore, ep: Endpoint,
+                 env: Mapping[str, str] | None = None, emit: EventSink = _ignore) -> None:
+        super().__init__(spec, env, emit)
+        self.rdzv = rdzv
+        self.ep = ep
+        self.nodes: dict[int, Node] = {}
+        self.remote: dict[int, RemoteWorker] = {}
+        self._inbox: queue.SimpleQueue[Report | str] = queue.SimpleQueue()
+        self._exited: list[RemoteWorker] = []
+        self._beats = BeatTracker()
+        self._ids: dict[int, int] = {}
+        self._members: tuple[int, ...] = ()
+        self._next_status = 0.0
+        self._suspect_until = 0.0
+        self.beat_s = conf_float(spec, "heartbeat", timeouts.NODE_HEARTBEAT_S)
+        self.lost_after_s = conf_float(spec, "node_timeout", timeouts.NODE_LOST_S)
+        # after a broken connection: silent this long means gone (a busy host's agent may
+        # miss a few beats; killing a healthy node costs far more than a second)
+        self.suspect_after_s = conf_float(spec, "suspect_timeout",
+                                          max(10 * self.beat_s, timeouts.NODE_SUSPECT_S))
+        self._reader: QueueReader | None = None
+        self._lost_nodes: list[tuple[int, str, float]] = []  # node, why, silent for (s)
+        self._payloads: dict[int, tuple[float, dict[str, Any]]] = {}
+        self._probe = Probe()
+
+    # ----------------------------------------------------------------- lifecycle
+    def run(self) -> Any:
+        result = None
+        try:
+            result = super().run()
+            return result
+        finally:
+            if self._reader is not None:  # the store was served
+                code = result.exit_code if result is not None else 1
+                reason = result.reason if result is not None else "the coordinator failed"
+                ending = self._alive()
+                for node in ending:
+                    self._send(node, End(code=code, reason=reason))
+                self._await_byes({n.index for n in ending})
+                self._reader.close(self.rdzv.store)
+            self.rdzv.close()
+
+    def _prepare_env(self) -> None:
+        """After the guardian is forked (no thread may exist before): serve the store."""
+        super()._prepare_env()
+        # every follower reached the store through the endpoint host: their workers can too
+        self.master_addr = self.spec.local_addr or self.ep.host
+        self.rdzv.serve()
+        self._reader = QueueReader(lambda: connect(self.ep, timeouts.STORE_CLIENT_CONNECT_S),
+                                   AGENT_QUEUE, self._deliver, lambda why: None, "ftrun-agents")
+
+    def _await_byes(self, nodes: set[int]) -> None:
+        """Followers disconnect before the store goes (c10d prints a stack trace if not)."""
+        deadline = time.monotonic() + timeouts.THREAD_JOIN_S + self.spec.shutdown_timeout
+        while nodes and time.monotonic() < deadline:
+            try:
+                msg = self._inbox.get(timeout=0.05)
+            except queue.Empty:
+                continue
+            if isinstance(msg, (Bye, Left)):
+                nodes.discard(msg.node)
+
+    def _deliver(self, raw: str | bytes) -> None:  # reader thread
+        self._inbox.put(parse_report(raw))
+        self.wake()
+
+    def _send(self, node: Node, cmd: Command) -> None:
+        send(self.rdzv.store, command_queue(node.index), cmd)  # our own store
+
+    def _alive(self) -> list[Node]:
+        return [n for n in self.nodes.values() if n.alive]
+
+    # ----------------------------------------------------------------- rendezvous
+    def _start_group(self, restarts: int, hosted: HostedStore) -> None:
+        self._gather_nodes()
+        order = sorted(self._alive(), key=lambda n: n.index)
+        self.group_world_size = 1 + len(order)
+        self.world_size = self.spec.nproc + sum(n.nproc for n in order)
+        self.remote, self._ids, self._exited = {}, {}, []  # nothing of an earlier attempt
+        super()._start_group(restarts, hosted)
+        members = list(range(self.spec.nproc))
+        for position, node in enumerate(order, start=1):
+            members += self._start_node(node, len(members), position)
+        self._members = tuple(members)
+
+    def _start_node(self, node: Node, base_rank: int, group_rank: int,
+                    spare: bool = False) -> list[int]:
+        """Tell `node` to start its workers (ranks from `base_rank`; -1: joiners or spares)."""
+        first = first_worker_id(node.index)
+        ids = list(range(first, first + node.nproc))
+        self._ids[node.index] = first + node.nproc
+        for i, wid in enumerate(ids):
+            self.remote[wid] = RemoteWorker(base_rank + i if base_rank >= 0 else -1, i, wid,
+                                            node.index)
+        self._send(node, Start(attempt=self.restarts, addr=self.master_addr,
+                               port=self.worker_port, base_rank=base_rank,
+                               world_size=self.world_size, group_rank=group_rank,
+                               group_world_size=self.group_world_size, first_id=first,
+                               run_id=self.run_id, spare=spare))
+        node.in_attempt = True
+        return ids
+
+    def _gather_nodes(self) -> None:
+        """Wait for the nodes of this attempt: MAX, or MIN and then a last call for more."""
+        join_s = conf_float(self.spec, "join_timeout", timeouts.NODE_JOIN_S)
+        last_call_s = conf_float(self.spec, "last_call_timeout", timeouts.LAST_CALL_S)
+        start = time.monotonic()
+        enough_at: float | None = None
+        while True:
+            self._drain_inbox(running=False)
+            for index, why in find_lost_nodes(self._beats.ages(self.rdzv.store),
+                                              self.lost_after_s):
+                self._node_lost(self.nodes[index], why, time.time())  # no attempt runs
+            count = 1 + len(self._alive())
+            if count >= self.spec.nnodes_max:
+                return
+            now = time.monotonic()
+            if count >= self.spec.nnodes_min:
+                enough_at = enough_at or now
+                if now - enough_at >= last_call_s:
+                    return
+            elif now - start > join_s:
+                raise FtrunError(f"only {count} of {self.spec.nnodes_min} nodes joined the "
+                                 f"rendezvous at {self.ep} within {join_s:g} s",
+                                 hint="start ftrun on the other nodes with the same "
+                                      "--rdzv-endpoint, or lower --nnodes")
+            if self._wakeup.pop_signal() is not None:
+                raise FtrunError("interrupted while waiting for nodes to join")
+            self._wakeup.wait(self.beat_s)  # a join wakes it at once
+
+    def _drain_inbox(self, running: bool) -> None:
+        while True:
+            try:
+                msg = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            match msg:
+                case str():
+                    self.emit(Event.NOTICE, {"text": f"ignored a malformed agent message ({msg})"})
+                case Join():
+                    self._on_join(msg, running)
+                case Exited() if msg.worker in self.remote and msg.attempt == self.restarts:
+                    self._on_remote_exit(msg)
+                case Spawned() if msg.worker in self.remote:
+                    self.remote[msg.worker].pid = msg.pid
+                    self.remote[msg.worker].local_rank = msg.local_rank
+                case Left() if msg.node in self.nodes and self.nodes[msg.node].alive:
+                    why = f"its agent left ({msg.reason})"
+                    if running:
+                        self._lost_nodes.append((msg.node, why, 0.0))
+                    else:
+                        self._node_lost(self.nodes[msg.node], why, time.time())
+                case Pong():
+                    self._probe.answer(msg.node, msg.seq)
+                case Bye() if msg.node in self.nodes:
+                    self.nodes[msg.node].alive = False  # it has ended for good
+
+    def _on_join(self, msg: Join, running: bool) -> None:
+        node = Node(msg.node, msg.host, msg.pid, msg.nproc)
+        if msg.rdzv_id != self.spec.rdzv_id:
+            self._send(node, End(code=1, reason=f"this store serves --rdzv-id "
+                                 f"{self.spec.rdzv_id!r}, not {msg.rdzv_id!r}"))
+            return
+        if node.index in self.nodes and self.nodes[node.index].alive:
+            self._send(node, End(code=1, reason=f"node index {node.index} is taken"))
+            return
+        self.nodes[node.index] = node
+        self._beats.watch(node.index)  # a node waiting to be used can die too
+        self.emit(Event.NOTICE, {"text": f"{node.label} joined with {node.nproc} workers"})
+        if running:
+            self._admit(node)
+
+    def _admit(self, node: Node) -> None:
+        """A node joining a running job: its workers enter at a step boundary and heal, or,
+        when spares already hold the first world size, they wait as spares."""
+        rec = self.recovery
+        full = 1 + sum(n.in_attempt for n in self._alive()) >= self.spec.nnodes_max
+        if rec is None or not rec.uses_api or full:
+            why = "the job is full" if full else "the script does not use the ftrun API"
+            self.emit(Event.NOTICE, {"text": f"{node.label} waits for the next restart ({why})"})
+            return
+        self.group_world_size += 1  # group ranks are never reused within an attempt
+        if len(rec.membership.members) >= len(self._members):
+            rec.add_spares(self._start_node(node, -1, self.group_world_size - 1, spare=True))
+            return
+        self.world_size = len(rec.membership.members) + node.nproc
+        rec.add_joiners(self._start_node(node, -1, self.group_world_size - 1))
+
+    def _on_remote_exit(self, msg: Exited) -> None:
+        w = self.remote[msg.worker]
+        if w.exit is not None:
+            return
+        w.exit = WorkerExit(rank=w.rank, local_rank=w.local_rank, pid=msg.pid,
+                            returncode=msg.returncode, detected_at=time.monotonic(),
+                            wall_time=float(msg.wall_time),
+                            error_file=self.logs.keep_error(  # its own is on its node
+                                self.restarts, f"node{w.node}.w{w.worker_id}", msg.error),
+                            killed_by_launcher=msg.by_launcher)
+        self._exited.append(w)
+
+    # ----------------------------------------------------------------- supervision hooks
+    def _remote_exits(self) -> list[RemoteWorker]:
+        self._drain_inbox(running=True)
+        out, self._exited = self._exited, []
+        return out
+
+    def _idle_wait(self) -> float | None:
+        return self.beat_s
+
+    def _tick(self) -> Decision | None:
+        super()._tick()
+        self._publish_status()
+        ages = self._beats.ages(self.rdzv.store)
+        limit = self.suspect_after_s if time.monotonic() < self._suspect_until \
+            else self.lost_after_s
+        silent = frozenset(self._probe.silent(time.monotonic(), timeouts.NODE_PING_S))
+        lost = self._lost_nodes + [(n, why, ages[n]) for n, why in find_lost_nodes(
+            ages, limit, silent, timeouts.NODE_PING_S)]
+        self._lost_nodes = []
+        decisions = [self._node_lost(self.nodes[i], why, time.time() - s) for i, why, s in lost]
+        return next((d for d in decisions if d is not None), None)
+
+    def suspect(self) -> None:
+        """A worker saw a peer's connection break: ping every node (a live agent answers in
+        ms) and check the heartbeats on a short fuse."""
+        now = time.monotonic()
+        self._suspect_until = now + self.lost_after_s
+        nodes = [n for n in self._alive() if n.in_attempt]
+        seq = self._probe.start([n.index for n in nodes], now)
+        if seq is None:  # a round is running
+            return
+        for node in nodes:
+            self._send(node, Ping(seq=seq))
+
+    def _node_lost(self, node: Node, why: str, last_seen: float) -> Decision | None:
+        """`last_seen`: wall clock of its last sign of life, the fault's best estimate."""
+        if not node.alive:
+            return None
+        node.alive = False
+        self._beats.forget(node.index)
+        self.emit(Event.NOTICE, {"text": f"{node.label} is lost: {why}"})
+        self._send(node, End(code=1, reason=f"the coordinator declared this node lost ({why})"))
+        gone = [w for w in self.remote.values() if w.node == node.index and w.alive]
+        now = time.time()
+        for w in gone:
+            w.exit = WorkerExit(rank=w.rank, local_rank=w.local_rank, pid=w.pid,
+                                returncode=-int(signal.SIGKILL), detected_at=time.monotonic(),
+                                wall_time=now, error_file="", killed_by_launcher=False)
+        if self.recovery is not None and self.recovery.uses_api:
+            left = 1 + len(self._alive())
+            return self.recovery.on_node_lost(node.index, node.label, list(gone), left, last_seen)
+        self._exited += gone  # torchrun semantics: a failed member restarts or ends the job
+        return None
+
+    def allocate_id(self, node: int) -> int:
+        if node == 0:
+            return super().allocate_id(node)
+        self._ids[node] = self.peek_id(node) + 1
+        return self._ids[node] - 1
+
+    def peek_id(self, node: int) -> int:
+        return super().peek_id(node) if node == 0 else self._ids.get(node,
+                                                                      first_worker_id(node))
+
+    def place(self, worker_id: int, rank: int, local_rank: int, spare: bool) -> None:
+        node = node_of(worker_id)
+        if node == 0:
+            super().place(worker_id, rank, local_rank, spare)
+            return
+        self.remote[worker_id] = RemoteWorker(rank, local_rank, worker_id, node)
+        self._send(self.nodes[node], Spawn(worker=worker_id, rank=rank, local_rank=local_rank,
+                                           spare=spare))
+
+    def live_nodes(self) -> list[int]:
+        return [0] + [n.index for n in self._alive() if n.in_attempt]
+
+    def committed_step(self, worker_id: int) -> int:
+        node = node_of(worker_id)
+        if node == 0:
+            return super().committed_step(worker_id)
+        doc = self._payload(node)
+        step = next((w.get("step") for w in doc.get("workers", [])
+                     if w.get("worker_id") == worker_id), None)
+        return -1 if step is None else int(step)
+
+    def remote_liveness(self) -> list[Liveness]:
+        nodes = [n for n in self._alive() if n.in_attempt]
+        return [Liveness(**d) for n in nodes for d in self._payload(n.index).get("liveness", [])]
+
+    def kill_worker(self, worker_id: int) -> bool:
+        w = self.remote.get(worker_id)
+        if w is None:
+            return super().kill_worker(worker_id)
+        if not w.alive or not self.nodes[w.node].alive:
+            return False
+        self._send(self.nodes[w.node], Kill(worker=worker_id))
+        return True
+
+    def initial_members(self) -> tuple[int, ...]:
+        return self._members
+
+    def all_workers(self) -> list[Worker | RemoteWorker]:
+        return [*self._workers, *self.remote.values()]
+
+    def _stop_workers(self, sig: int, grace: float) -> int | None:
+        waiting = [n for n in self._alive() if n.in_attempt]
+        for node in waiting:
+            self._send(node, Stop(signal=int(sig), grace=grace))
+            node.in_attempt = False
+        deadline = time.monotonic() + grace + timeouts.KILL_REAP_S
+        received = super()._stop_workers(sig, grace)
+        while time.monotonic() < deadline and any(
+                w.alive and self.nodes[w.node].alive for w in self.remote.values()):
+            self._drain_inbox(running=False)
+            time.sleep(0.02)
+        return received
+
+    # ----------------------------------------------------------------- status
+    def decorate_status(self, doc: dict[str, Any]) -> dict[str, Any]:
+        nodes = list(self.nodes.values())  # the control thread reads while the loop adds
+        payloads = {n.index: self._payload(n.index) for n in nodes if n.alive}
+        membership = self.recovery.membership if self.recovery is not None else None
+        return merge_job_status(doc, nodes, payloads, membership, self.world_size, str(self.ep))
+
+    def _payload(self, node: int) -> dict[str, Any]:
+        """Read once per heartbeat period: a fault or a status asks for every member's."""
+        now = time.monotonic()
+        seen_at, doc = self._payloads.get(node, (-1.0, {}))
+        if now - seen_at >= self.beat_s:
+            doc = read_payload(self.rdzv.store, node)
+            self._payloads[node] = (now, doc)
+        return doc
+
+    def _publish_status(self) -> None:
+        now = time.monotonic()
+        if now < self._next_status:
+            return
+        self._next_status = now + timeouts.STATUS_EVERY_S
+        try:
+            self.rdzv.store.set(STATUS_KEY, json.dumps(self.control_plane.status()))
+        except Exception as exc:  # a status snapshot must never stop the job
+            self.emit(Event.NOTICE, {"text": f"could not publish the job status: {exc}"})

@@ -1,0 +1,45 @@
+"""The fault kinds: what `ftrun inject-fault --kind` accepts, and who acts each one out.
+
+Owns: `FaultKind` and the groups derived from it: the drills a worker's progress slot
+carries (their order is the slot's format), the ones the agent acts out with a signal, the
+ones only a worker can act out, the GPU kinds and the drills that stall a whole group.
+Must not import: anything beyond the standard library and ftrun.core.states.
+"""
+
+from __future__ import annotations
+
+import signal
+
+from ftrun.core.states import TextEnum
+
+
+class FaultKind(TextEnum):
+    # drills of a worker: the progress slot stores the index into SLOT_DRILLS, so this
+    # order is the on-disk format (append new drills after WEDGE)
+    KILL = "kill"
+    SEGV = "segv"
+    EXIT = "exit"
+    EXCEPTION = "exception"
+    HANG = "hang"  # SIGSTOP
+    SLOW = "slow"
+    COMM = "comm"  # its communicator fails, mid-backward
+    SPIN = "spin"
+    DEADLOCK = "deadlock"
+    STALL = "stall"  # its collective never completes, until a new generation
+    WEDGE = "wedge"  # its training thread blocks for good inside the collective
+    # faults of a GPU (--gpu N)
+    XID = "xid"
+    ECC = "ecc"
+    THERMAL = "thermal"
+
+
+GPU_KINDS = (FaultKind.XID, FaultKind.ECC, FaultKind.THERMAL)
+SLOT_DRILLS = tuple(kind for kind in FaultKind if kind not in GPU_KINDS)
+# with no --at-step the agent sends these itself; with one, the worker signals itself. Keyed
+# by str: a request's plain kind looks its signal up
+AGENT_SIGNALS: dict[str, signal.Signals] = {
+    FaultKind.KILL: signal.SIGKILL, FaultKind.SEGV: signal.SIGSEGV, FaultKind.HANG: signal.SIGSTOP}
+WORKER_ONLY = tuple(kind for kind in SLOT_DRILLS if kind not in AGENT_SIGNALS)
+# the whole group stuck in one collective: the rebuild that answers it names no worker
+GROUP_DRILLS = (FaultKind.STALL, FaultKind.WEDGE)
+ALL_KINDS = tuple(FaultKind)  # in `ftrun inject-fault --help`'s order

@@ -1,0 +1,111 @@
+"""Who each worker is to the job: one role per worker id, moved only along allowed edges.
+
+Owns: `WorkerRole`, its transition table, and `Membership`: the current generation's number
+and members in rank order, every worker's role, and which workers said hello (use the ftrun
+API). Pure: no I/O, no clock; the agent's recovery mutates it, the policy reads `snapshot`.
+Must not import: anything but the standard library and `ftrun.core.policy`.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable
+
+from ftrun.core.policy import Snapshot
+
+
+class WorkerRole(str, enum.Enum):
+    STARTING_SPARE = "spare (starting)"  # spawned as a hot spare; not ready yet
+    SPARE = "spare"  # ready: takes a lost rank without a cold start
+    JOINING = "joining"  # started to grow the job back; has not said hello yet
+    READY = "ready"  # said hello; enters with the rest of its node
+    HEALING = "healing"  # a member that holds no committed state yet (cannot be a source)
+    MEMBER = "member"
+    FINISHED = "finished"  # a member that exited 0
+    GONE = "gone"  # exited, replaced or lost
+
+    @property
+    def shown(self) -> str:
+        """The role as `ftrun status` names it."""
+        return "joining" if self in (WorkerRole.READY, WorkerRole.HEALING) else self.value
+
+
+_R = WorkerRole
+ALLOWED: dict[WorkerRole | None, frozenset[WorkerRole]] = {
+    None: frozenset({_R.STARTING_SPARE, _R.JOINING, _R.HEALING, _R.MEMBER}),
+    _R.STARTING_SPARE: frozenset({_R.SPARE, _R.GONE}),
+    _R.SPARE: frozenset({_R.HEALING, _R.GONE}),
+    _R.JOINING: frozenset({_R.READY, _R.GONE}),
+    _R.READY: frozenset({_R.HEALING, _R.GONE}),
+    _R.HEALING: frozenset({_R.MEMBER, _R.FINISHED, _R.GONE}),
+    _R.MEMBER: frozenset({_R.FINISHED, _R.GONE}),
+    _R.FINISHED: frozenset(),
+    _R.GONE: frozenset(),
+}
+
+
+class RoleError(AssertionError):
+    """A move the table does not allow: a bug in the agent, never a user error."""
+
+
+class Membership:
+    def __init__(self, members: tuple[int, ...]) -> None:
+        self.generation = 0  # the number of the generation last published
+        self.members = members  # its members, rank order
+        self.roles: dict[int, WorkerRole] = {}  # insertion order = the order roles were taken
+        self.api_users: set[int] = set()  # said hello: the script uses the ftrun API
+        for m in members:
+            self.move(m, WorkerRole.MEMBER)
+
+    @property
+    def uses_api(self) -> bool:
+        return bool(self.api_users)
+
+    def role(self, worker_id: int) -> WorkerRole | None:
+        return self.roles.get(worker_id)
+
+    def move(self, worker_id: int, role: WorkerRole) -> None:
+        """Take `role`; re-inserted so that `with_role` lists workers in the order they
+        took theirs (the oldest ready spare is used first, joiners enter in hello order)."""
+        now = self.roles.get(worker_id)
+        if role not in ALLOWED[now]:
+            raise RoleError(f"worker {worker_id}: {now and now.name} -> {role.name}")
+        self.roles.pop(worker_id, None)
+        self.roles[worker_id] = role
+
+    def leave(self, worker_ids: Iterable[int]) -> None:
+        """Workers that ended or were lost: GONE, whatever they were (FINISHED stays)."""
+        for wid in worker_ids:
+            if self.roles.get(wid) not in (None, WorkerRole.GONE, WorkerRole.FINISHED):
+                self.move(wid, WorkerRole.GONE)
+
+    def with_role(self, *roles: WorkerRole) -> list[int]:
+        return [w for w, r in self.roles.items() if r in roles]
+
+    def live(self) -> tuple[int, ...]:
+        """Members that still train (a finished member holds no rank in the next one)."""
+        return tuple(m for m in self.members if self.roles.get(m) is not WorkerRole.FINISHED)
+
+    def unhealed(self) -> frozenset[int]:
+        return frozenset(self.with_role(WorkerRole.HEALING))
+
+    def publish(self, members: tuple[int, ...], joiners: tuple[int, ...] = ()) -> None:
+        """A new generation: joiners must heal, members left out are gone."""
+        left = [m for m in self.members if m not in members]
+        self.generation += 1
+        self.members = members
+        for j in joiners:
+            self.move(j, WorkerRole.HEALING)
+        self.leave(left)
+
+    def done(self) -> bool:
+        """Every member holding state finished; joiners still on their way are not needed."""
+        stateful = [m for m in self.members if self.roles.get(m) is not WorkerRole.HEALING]
+        return bool(stateful) and all(self.roles.get(m) is WorkerRole.FINISHED
+                                      for m in stateful)
+
+    def snapshot(self, **limits: int | str) -> Snapshot:
+        """What the policy decides from: the live members, ready spares, who cannot heal
+        others; `limits` are the run's budgets (faults, max_faults, restarts_left, ...)."""
+        return Snapshot(members=self.live(), spares=tuple(self.with_role(WorkerRole.SPARE)),
+                        unhealed=self.unhealed(), **limits)  # type: ignore[arg-type]

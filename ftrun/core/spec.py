@@ -1,0 +1,181 @@
+"""Frozen descriptions of a run and of one worker's environment.
+
+Owns: `StdMask` (torchrun's -r/-t values), `RunSpec` (what the user asked for, resolved),
+`WorkerEnv` (the typed contract between agent and worker, with to_env/from_env).
+Must not import: torch, typer, rich, or any ftrun module but `errors`.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import MISSING, dataclass, field, fields
+
+from ftrun.core import timeouts
+from ftrun.core.errors import UsageError
+
+STDOUT = 1
+STDERR = 2
+_STD_MAP_RE = re.compile(r"^(\d+:[0123],)*(\d+:[0123])$")
+
+
+@dataclass(frozen=True)
+class StdMask:
+    """Which streams (bit 1 stdout, bit 2 stderr) apply, by local rank."""
+
+    default: int = 0
+    per_rank: tuple[tuple[int, int], ...] = ()
+
+    @classmethod
+    def parse(cls, text: str, flag: str) -> StdMask:
+        text = text.strip()
+        if re.fullmatch(r"[0123]", text):
+            return cls(default=int(text))
+        if _STD_MAP_RE.match(text):
+            pairs = tuple((int(r), int(v)) for r, v in (p.split(":") for p in text.split(",")))
+            return cls(default=0, per_rank=pairs)
+        raise UsageError(
+            f"{flag} {text!r} is not a stream mask",
+            hint="use 0-3 (1=stdout, 2=stderr, 3=both) or a map like 0:3,1:1",
+        )
+
+    def for_rank(self, local_rank: int) -> int:
+        return dict(self.per_rank).get(local_rank, self.default)
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """A single launch, as the user asked for it, after validation."""
+
+    script: str
+    script_args: tuple[str, ...] = ()
+    nproc: int = 1
+    nnodes_min: int = 1
+    nnodes_max: int = 1
+    node_rank: int = 0
+    rdzv_backend: str = "static"
+    rdzv_endpoint: str = ""
+    rdzv_id: str = "none"
+    rdzv_conf: tuple[tuple[str, str], ...] = ()
+    standalone: bool = False
+    master_addr: str = "127.0.0.1"
+    master_port: int | None = None
+    max_restarts: int = 0
+    monitor_interval: float = 0.1
+    role: str = "default"
+    module: bool = False
+    no_python: bool = False
+    run_path: bool = False
+    log_dir: str | None = None
+    redirects: StdMask = field(default_factory=StdMask)
+    tee: StdMask = field(default_factory=StdMask)
+    local_ranks_filter: frozenset[int] | None = None
+    local_addr: str | None = None
+    shutdown_timeout: float = timeouts.SHUTDOWN_GRACE_S
+    signals_to_handle: tuple[str, ...] = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
+    on_fault: str = "replace"  # replace | shrink | restart (for scripts using the ftrun API)
+    min_nproc: int = 1
+    spares: int = 0
+    max_faults: int = 100
+    comm: str = "auto"  # auto | native | fresh
+    gpu_backend: str = "auto"  # auto | nvml | sim | none
+    hang_timeout: float | None = None  # seconds; None: derived from step times
+    straggler_factor: float = 1.5
+    evict_stragglers: bool = False
+
+    @property
+    def entry_name(self) -> str:
+        """What torchrun calls the entrypoint in its failure title."""
+        return self.script
+
+    def console_visible(self, local_rank: int) -> bool:
+        return self.local_ranks_filter is None or local_rank in self.local_ranks_filter
+
+
+def _env_name(attr: str) -> str:
+    return _ENV_NAMES[attr]
+
+
+_ENV_NAMES: dict[str, str] = {
+    "rank": "RANK",
+    "local_rank": "LOCAL_RANK",
+    "world_size": "WORLD_SIZE",
+    "local_world_size": "LOCAL_WORLD_SIZE",
+    "group_rank": "GROUP_RANK",
+    "group_world_size": "GROUP_WORLD_SIZE",
+    "role_rank": "ROLE_RANK",
+    "role_name": "ROLE_NAME",
+    "role_world_size": "ROLE_WORLD_SIZE",
+    "master_addr": "MASTER_ADDR",
+    "master_port": "MASTER_PORT",
+    "restart_count": "TORCHELASTIC_RESTART_COUNT",
+    "max_restarts": "TORCHELASTIC_MAX_RESTARTS",
+    "run_id": "TORCHELASTIC_RUN_ID",
+    "use_agent_store": "TORCHELASTIC_USE_AGENT_STORE",
+    "nccl_async_error_handling": "TORCH_NCCL_ASYNC_ERROR_HANDLING",
+    "error_file": "TORCHELASTIC_ERROR_FILE",
+    "worker_id": "FTRUN_WORKER_ID",
+    "spare": "FTRUN_SPARE",
+    "comm": "FTRUN_COMM",
+    "progress_dir": "FTRUN_PROGRESS_DIR",
+    "attempt": "FTRUN_ATTEMPT",
+    "ft_mode": "FTRUN_FT_MODE",
+}
+
+
+@dataclass(frozen=True)
+class WorkerEnv:
+    """Everything the agent tells one worker through its environment."""
+
+    rank: int
+    local_rank: int
+    world_size: int
+    local_world_size: int
+    group_rank: int
+    group_world_size: int
+    role_rank: int
+    role_name: str
+    role_world_size: int
+    master_addr: str
+    master_port: int
+    restart_count: int
+    max_restarts: int
+    run_id: str
+    use_agent_store: bool
+    nccl_async_error_handling: str
+    error_file: str
+    worker_id: int
+    spare: bool = False  # a hot spare: waits in steps() to be called in
+    comm: str = "auto"  # how communicators are re-formed: auto | native | fresh
+    progress_dir: str = ""  # where the progress/drill slot lives ("" = none)
+    attempt: int = 0
+    ft_mode: str = "restart"
+
+    def to_env(self) -> dict[str, str]:
+        return {_env_name(f.name): _to_str(getattr(self, f.name)) for f in fields(self)}
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> WorkerEnv:
+        env = os.environ if env is None else env
+        values: dict[str, object] = {}
+        for f in fields(cls):
+            raw = env.get(_env_name(f.name))
+            if raw is None:
+                if f.default is not MISSING:
+                    continue
+                raise KeyError(_env_name(f.name))
+            values[f.name] = _from_str(raw, f.type)
+        return cls(**values)  # type: ignore[arg-type]
+
+
+def _to_str(value: object) -> str:
+    return str(value)  # str(True) == "True" is exactly what torch expects
+
+
+def _from_str(raw: str, type_name: object) -> object:
+    if type_name in ("int", int):
+        return int(raw)
+    if type_name in ("bool", bool):
+        return raw == "True"
+    return raw

@@ -1,0 +1,243 @@
+"""Generations: who is in the job now, under which ranks, and why. Shared by agent and workers.
+
+Owns: the `Generation` record and its store keys, the worker->agent request queue (through the
+same store) and its typed requests, the codec of every typed message on a store queue (the
+agents' own in `ftrun.cluster.link` too), and the pure healing plan every member computes from the
+members' committed steps.
+Must not import: torch at module level, typer, rich, the agent or the worker library.
+The store object is duck-typed (anything with set/get/add/wait/check, like c10d's TCPStore).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field, fields
+from datetime import timedelta
+from typing import Any, ClassVar, Protocol, TypeVar, get_type_hints
+
+PREFIX = "ftrun/"
+LATEST_KEY = PREFIX + "gen/latest"
+REQUEST_QUEUE = PREFIX + "requests"
+WORKER_ID_STRIDE = 10_000  # node k's worker ids are k*STRIDE + n: unique across the job
+
+
+def node_of(worker_id: int) -> int:
+    return worker_id // WORKER_ID_STRIDE
+
+
+def gen_key(number: int) -> str:
+    return f"{PREFIX}gen/{number}"
+
+
+class Store(Protocol):
+    def set(self, key: str, value: str | bytes) -> None: ...
+    def get(self, key: str) -> bytes: ...
+    def add(self, key: str, amount: int) -> int: ...
+    def wait(self, keys: list[str], timeout: timedelta) -> None: ...
+    def check(self, keys: list[str]) -> bool: ...
+
+
+@dataclass(frozen=True)
+class Generation:
+    """One membership of the job. Rank r is `members[r]` (stable worker ids)."""
+
+    number: int
+    members: tuple[int, ...]
+    reason: str = ""
+    urgent: bool = False  # a member was lost: abandon in-flight collectives now
+    published_at: float = 0.0  # wall clock, for recovery-latency phases
+    fault_at: float = 0.0  # wall clock when the agent saw the fault (0 if none)
+    joiners: tuple[int, ...] = field(default_factory=tuple)  # members that must heal
+
+    @property
+    def world_size(self) -> int:
+        return len(self.members)
+
+    @property
+    def pg_prefix(self) -> str:
+        """A store prefix never used before: stale keys of an older group can't leak in."""
+        return f"{PREFIX}pg/{self.number}/"
+
+    def rank_of(self, worker_id: int) -> int | None:
+        try:
+            return self.members.index(worker_id)
+        except ValueError:
+            return None
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, raw: str | bytes) -> Generation:
+        doc = json.loads(raw)
+        doc["members"] = tuple(doc["members"])
+        doc["joiners"] = tuple(doc.get("joiners", ()))
+        return cls(**doc)
+
+
+def publish(store: Store, gen: Generation) -> None:
+    """The record first, then the pointer: a reader of `latest` always finds the record."""
+    store.set(gen_key(gen.number), gen.to_json())
+    store.set(LATEST_KEY, str(gen.number))
+
+
+def read_generation(store: Store, number: int, timeout_s: float) -> Generation:
+    store.wait([gen_key(number)], timedelta(seconds=timeout_s))
+    return Generation.from_json(store.get(gen_key(number)))
+
+
+def latest_number(store: Store, timeout_s: float) -> int:
+    store.wait([LATEST_KEY], timedelta(seconds=timeout_s))
+    return int(store.get(LATEST_KEY))
+
+
+class Message(Protocol):
+    """A frozen dataclass of scalar fields that travels on a store queue as one JSON object,
+    {"kind": kind, field: value, ...} in field order."""
+
+    kind: ClassVar[str]
+    __dataclass_fields__: ClassVar[dict[str, Any]]
+
+
+M = TypeVar("M", bound=Message)
+
+# fields that name a worker or a node: an id, never negative
+_IDS = ("worker", "node")
+
+
+def to_fields(msg: Message) -> dict[str, Any]:
+    """The message as its JSON object: "kind" first, then the fields in order."""
+    return {"kind": msg.kind, **{f.name: getattr(msg, f.name) for f in fields(msg)}}
+
+
+def encode(msg: Message) -> str:
+    return json.dumps(to_fields(msg))
+
+
+def decode(raw: str | bytes, kinds: Mapping[str, type[M]]) -> M | str:
+    """The message `raw` carries, or the one-line reason it is refused. Anything may arrive on
+    a queue (any process that reaches the store can push), so every field is checked against
+    its dataclass here, where it enters: present, of its type (no bool for an int, a finite
+    float, an int for a float), an id not negative. Unknown fields are dropped."""
+    try:
+        doc = json.loads(raw)
+    except (ValueError, RecursionError):
+        return "not JSON"
+    if not isinstance(doc, dict):
+        return f"a JSON {type(doc).__name__}, not an object"
+    kind = doc.get("kind")
+    cls = kinds.get(kind) if isinstance(kind, str) else None
+    if cls is None:
+        return f"unknown kind {str(kind)[:40]!r}"
+    schema = _schema(cls)
+    for name, want in schema.items():
+        if name not in doc:
+            return f"{kind}: no {name!r}"
+        if not _is_a(doc[name], want):
+            return f"{kind}: {name!r} is {str(doc[name])[:40]!r}, not {want.__name__}"
+    for name in _IDS:
+        if name in schema and doc[name] < 0:
+            return f"{kind}: {name} {doc[name]} is negative"
+    return cls(**{name: doc[name] for name in schema})
+
+
+@functools.cache
+def _schema(cls: type) -> dict[str, type]:
+    hints = get_type_hints(cls)
+    return {f.name: hints[f.name] for f in fields(cls)}
+
+
+def _is_a(value: object, want: type) -> bool:
+    if want is float:
+        return (isinstance(value, (int, float)) and not isinstance(value, bool)
+                and math.isfinite(value))
+    if want is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, want)
+
+
+# ---------------------------------------------------------------- worker -> agent requests
+@dataclass(frozen=True)
+class Hello:
+    """A worker is up (a spare: ready to be called in)."""
+
+    kind: ClassVar[str] = "hello"
+    worker: int
+    pid: int
+    spare: bool
+
+
+@dataclass(frozen=True)
+class CommFailed:
+    """A collective of generation `generation` failed on this worker."""
+
+    kind: ClassVar[str] = "comm_failed"
+    worker: int
+    generation: int
+    error: str
+
+
+@dataclass(frozen=True)
+class Suspect:
+    """A peer's connection broke: the agents should check their nodes now."""
+
+    kind: ClassVar[str] = "suspect"
+    worker: int
+    generation: int
+
+
+@dataclass(frozen=True)
+class Recovered:
+    """A worker's first commit in generation `generation`, with its recovery's phases (wall
+    clock)."""
+
+    kind: ClassVar[str] = "recovered"
+    worker: int
+    generation: int
+    fault_at: float
+    published_at: float
+    noticed: float
+    rebuilt: float
+    healed: float
+    step: int
+    first_commit: float
+
+
+Request = Hello | CommFailed | Suspect | Recovered
+REQUESTS: dict[str, type[Request]] = {c.kind: c for c in (Hello, CommFailed, Suspect, Recovered)}
+
+
+def send_request(store: Any, req: Request) -> None:
+    """Worker -> agent, through the store's queue (one atomic push: a worker killed midway
+    leaves no hole for the reader to wait on)."""
+    store.queue_push(REQUEST_QUEUE, encode(req))
+
+
+def post_request(store: Any, kind: str, **fields_: Any) -> None:
+    """`send_request` by kind and fields; a misspelt or missing field is a TypeError here, at
+    the sender."""
+    if kind not in REQUESTS:
+        raise ValueError(f"unknown worker request kind {kind!r}")
+    send_request(store, REQUESTS[kind](**fields_))
+
+
+def parse_request(raw: str | bytes) -> Request | str:
+    """A worker request as the agent may act on it, or the one-line reason it is refused."""
+    return decode(raw, REQUESTS)
+
+
+def heal_plan(committed: list[int]) -> dict[int, int]:
+    """Ranks behind the highest committed step -> the up-to-date rank each heals from.
+
+    Sources are spread round-robin over the up-to-date ranks so that several joiners do not
+    all pull from one peer. Pure and deterministic: every member computes the same plan.
+    """
+    if not committed:
+        return {}
+    best = max(committed)
+    sources = [r for r, s in enumerate(committed) if s == best]
+    behind = [r for r, s in enumerate(committed) if s < best]
+    return {dst: sources[i % len(sources)] for i, dst in enumerate(behind)}

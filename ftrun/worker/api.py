@@ -1,0 +1,400 @@
+"""The worker API a training script uses: init, wrap, register, loader, steps, batch_slice,
+no_sync, sync, commit, long_phase.
+
+Owns: this worker's view of the job (generation, rank, committed step), the step protocol
+(sync: every gradient bucket reduced; commit: the user stepped), the commit rule (a step is
+applied only if every collective of it succeeded), random streams replayed when a step is
+repeated, recovery at the next step boundary (what is due: states.RecoveryMode; rebuild the
+group, then aligning.py aligns on the highest committed step and heals those behind), where
+this worker is for the agent's hang detector (a few stores into its progress slot per step;
+`ft.long_phase` pauses it), and a plain mode for runs outside ftrun.
+Must not import: typer, rich, NVML, the agent or the CLI. Torch is imported when init() runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import os
+import sys
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from ftrun.core import timeouts
+from ftrun.core.errors import WorkerApiError
+from ftrun.core.spec import WorkerEnv
+from ftrun.core.states import RecoveryMode
+from ftrun.protocol.progress import Reporter
+from ftrun.protocol.rendezvous import (
+    REQUESTS,
+    Generation,
+    Hello,
+    latest_number,
+    read_generation,
+    send_request,
+)
+from ftrun.worker import errorfile
+from ftrun.worker.aligning import align
+from ftrun.worker.buckets import GradSync
+from ftrun.worker.comm import Abandoned, CommError, GenerationWatcher, Group, Interrupt, build_group
+from ftrun.worker.drills import Drills
+from ftrun.worker.joining import connect, native_group, plain_group, quiet_store_warnings, warm_up
+from ftrun.worker.loader import Loader
+from ftrun.worker.rng import RandomStreams
+from ftrun.worker.waits import await_assignment, await_newer, first_generation
+
+
+def init(backend: str | None = None, seed: int = 0) -> FaultTolerant:
+    """Join the job. Under ftrun: fault tolerant. Under torchrun or plain python: the same API
+    over torch.distributed's default group (or a world of one), without recovery."""
+    import torch
+
+    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    if os.environ.get("FTRUN_FT_MODE") == "inprocess" and "FTRUN_WORKER_ID" in os.environ:
+        return FaultTolerant(backend, seed, WorkerEnv.from_env())
+    return FaultTolerant(backend, seed, None)
+
+
+class StepState(enum.Enum):
+    """Where the current step is: sync() and commit() are allowed from the states below."""
+
+    IDLE = "not started"
+    RUNNING = "running"  # yielded by steps(): forward and backward
+    SYNCED = "synced"  # gradients averaged: the user steps, then commit()
+    FAILED = "failed"  # sync() failed: steps() repeats the step
+    COMMITTED = "committed"
+
+
+class FaultTolerant:
+    def __init__(self, backend: str, seed: int, wenv: WorkerEnv | None) -> None:
+        import torch
+
+        self.backend = backend
+        self.seed = seed
+        self._managed = wenv is not None  # run by an ftrun agent: faults recover in-process
+        self._objects: dict[str, Any] = {}
+        self._interrupt = Interrupt()
+        self._recovery = RecoveryMode.NONE  # what the next step boundary must do first
+        self._why = ""  # why the step or group broke (RecoveryMode.broken)
+        self._state = StepState.IDLE
+        self._report_first_commit: dict[str, Any] | None = None
+        self._progress: Reporter | None = None
+        self._streams = RandomStreams()
+        self._replay: tuple[int, dict[str, Any]] | None = None  # a step's start: its streams
+        self.committed = 0
+        self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        cuda = backend == "nccl" and torch.cuda.is_available()
+        if cuda and wenv is not None:
+            # torchrun's default (1) kills the process on a NCCL error; in-process recovery
+            # needs the communicator aborted and the error raised (2, CleanUpOnly)
+            os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "2"
+        self.device = torch.device("cuda", self.local_rank) if cuda else torch.device("cpu")
+        if cuda:
+            torch.cuda.set_device(self.device)
+        self._sync = GradSync(self.device, self._wants_switch, self._bucket_starting,
+                              self._in_collective)
+        self._drills = Drills(None, -1, self._comm_fault)
+        if wenv is None:
+            self._group = plain_group(backend)
+            return
+        self.worker_id = wenv.worker_id
+        quiet_store_warnings()
+        errorfile.install()
+        errorfile.arm()
+        if wenv.spare:
+            warm_up()
+        if wenv.progress_dir:
+            self._progress = Reporter(wenv.progress_dir, wenv.worker_id)
+        self._drills = Drills(self._progress, self.worker_id, self._comm_fault)
+        self._connect = lambda: connect(wenv)
+        self._store = connect(wenv)
+        self._native = native_group(self._connect(), wenv, backend)
+        if wenv.spare:
+            # a hot spare returns at once, so the script builds its model now; steps()
+            # announces it ready and waits there to be called in
+            start = latest_number(self._store, timeouts.GENERATION_WAIT_S)
+            self._group = Group(Generation(start, ()), -1, None)
+            self._watcher = GenerationWatcher(lambda: connect(wenv), start, self._interrupt)
+            return
+        send_request(self._store, Hello(self.worker_id, os.getpid(), spare=False))
+        gen = first_generation(self._store, self.worker_id)
+        self._watcher = GenerationWatcher(lambda: connect(wenv), gen.number, self._interrupt)
+        rank = gen.rank_of(self.worker_id)
+        assert rank is not None
+        self._group = Group(gen, rank, None)  # built at the first steps() iteration
+        if gen.number > 0:
+            self._recovery = RecoveryMode.ALIGN
+        os.environ.update(RANK=str(rank), WORLD_SIZE=str(gen.world_size))
+
+    # ---------------------------------------------------------------- live view
+    @property
+    def rank(self) -> int:
+        return self._group.rank
+
+    @property
+    def world_size(self) -> int:
+        return self._group.size
+
+    @property
+    def generation(self) -> int:
+        return self._group.gen.number
+
+    # ---------------------------------------------------------------- user API
+    def wrap(self, model: Any, bucket_mb: float = 25.0) -> Any:
+        """Gradients of `model` are averaged over the live group: bucket by bucket while
+        backward runs (buckets of about `bucket_mb`), finished by sync()."""
+        self._sync.add(list(model.parameters()), bucket_mb)
+        return model
+
+    def register(self, **objects: Any) -> None:
+        """State a joining replica pulls from a healthy one (anything with state_dict():
+        models, optimizers, schedulers, scalers). The random streams travel with it."""
+        for name, obj in objects.items():
+            if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
+                raise WorkerApiError(f"ft.register({name}=...) needs state_dict/load_state_dict")
+        self._objects.update(objects)
+
+    def loader(self, dataset: Any, global_batch_size: int, **options: Any) -> Loader:
+        """Step s's global batch, a fixed list of dataset indices; `batch(step, micro, accum)`
+        reads this rank's part (ftrun.worker.loader.Loader: shuffle, seed, num_workers)."""
+        return Loader(dataset, global_batch_size, **options,
+                      membership=lambda: (self.rank, self.world_size, self.generation))
+
+    def steps(self, total: int) -> Iterator[int]:
+        """Yield the next uncommitted step until `total` steps are committed."""
+        while True:
+            self._reconcile()
+            if self.committed >= total:
+                if self._finished():
+                    return
+                continue
+            self._start_step()
+            yield self.committed
+            if self._state in (StepState.RUNNING, StepState.SYNCED):
+                raise WorkerApiError("each step must end with ft.commit()",
+                                     hint="ft.sync(), your optimizer step, then ft.commit(); "
+                                          "or ft.commit(optimizer)")
+
+    def batch_slice(self, global_batch: int) -> slice:
+        """This rank's contiguous share of a global batch, from the live membership."""
+        base, extra = divmod(global_batch, self.world_size)
+        start = self.rank * base + min(self.rank, extra)
+        return slice(start, start + base + (1 if self.rank < extra else 0))
+
+    def long_phase(self, name: str) -> contextlib.AbstractContextManager[None]:
+        """`with ft.long_phase("eval"):` a legitimately long phase (an evaluation, a
+        checkpoint, a compile): the hang detector leaves this rank alone meanwhile, and
+        `ftrun status` shows `name`. Outside ftrun it does nothing."""
+        return self._progress.long_phase(str(name)) if self._progress else contextlib.nullcontext()
+
+    def seed_for(self, step: int) -> int:
+        """A seed from (seed, step, rank): a replacement reproduces what the lost rank did."""
+        return (self.seed * 1_000_003 + step) * 65_537 + self.rank
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Gradients accumulate locally, with no communication (DDP's no_sync)."""
+        self._sync.enabled = False
+        try:
+            yield
+        finally:
+            self._sync.enabled = True
+
+    def sync(self) -> bool:
+        """Wait for this step's gradient buckets (and start any still missing). True: every
+        wrapped parameter's .grad holds the global average, on every rank. False: the step
+        broke; do not step the optimizer, steps() repeats it."""
+        if self._state is not StepState.RUNNING:
+            raise WorkerApiError(f"ft.sync() in a step that is {self._state.value}",
+                                 hint="call it once per step, after backward, before commit")
+        switch = False
+        if not self._recovery.broken:
+            self._bucket_starting()  # a comm drill fires here if no bucket started it
+        if not self._recovery.broken:
+            if self._progress is not None:  # collective 1 of this step
+                self._progress.collective_started(time.time())
+            try:
+                switch = self._sync.finish(self._group, self._interrupt)
+            except (CommError, Abandoned) as exc:
+                self._broke(str(exc))
+        if self._recovery.broken:
+            # an abandoned all-reduce is not cancelled and may still write into its bucket:
+            # never let it near a later step's gradients
+            self._sync.drop()
+            self._state = StepState.FAILED
+            return False
+        if switch:
+            self._recovery = self._recovery.escalate(RecoveryMode.SWITCH)
+        self._state = StepState.SYNCED
+        if self._progress is not None:
+            self._progress.optimizer(time.time())
+        return True
+
+    def commit(self, *optimizers: Any) -> bool:
+        """After a successful sync() and the user's optimizer step: the step is committed.
+        `commit(opt, ...)` without sync() syncs, steps each optimizer only if the sync
+        succeeded, and zeroes the gradients. True when the step was committed."""
+        if self._state is StepState.FAILED:
+            return False  # the step broke: nothing is committed, steps() repeats it
+        if self._state in (StepState.IDLE, StepState.COMMITTED):
+            raise WorkerApiError(f"ft.commit() in a step that is {self._state.value}",
+                                 hint="commit once per step, inside `for step in ft.steps(n)`")
+        if not optimizers and self._state is not StepState.SYNCED:
+            raise WorkerApiError("ft.commit() without a successful ft.sync() in this step",
+                                 hint="call ft.sync() first, or ft.commit(optimizer)")
+        if self._state is StepState.RUNNING and not self.sync():
+            return False
+        for opt in optimizers:
+            opt.step()
+        self.committed += 1
+        self._state = StepState.COMMITTED
+        if self._progress is not None:
+            self._progress.committed(self.committed, self.rank, self.generation, time.time())
+        if self._report_first_commit is not None:
+            self._post("recovered", **self._report_first_commit, first_commit=time.time())
+            self._report_first_commit = None
+        self._sync.zero()  # grads stay views of their buckets
+        return True
+
+    def close(self) -> None:
+        if self._managed:
+            self._watcher.stop()
+
+    # ---------------------------------------------------------------- a step
+    def _start_step(self) -> None:
+        if self._managed and not self._replay_streams():
+            self._replay = (self.committed, self._streams.state_dict())
+        self._state = StepState.RUNNING
+        self._sync.next_step(self._group)
+        if self._progress is not None:
+            self._progress.step_started(self.committed, self.rank, self.generation,
+                                        time.time())
+        self._drills.before_step(self.committed, self.generation)
+
+    def _replay_streams(self) -> bool:
+        """A step that failed is repeated: its random streams go back to the step's start."""
+        if self._replay is None or self._replay[0] != self.committed:
+            return False
+        self._streams.load_state_dict(self._replay[1])
+        return True
+
+    def _wants_switch(self) -> bool:
+        newest = self._interrupt.newest
+        return newest is not None and newest.number > self.generation
+
+    def _bucket_starting(self) -> bool:
+        return self._drills.bucket_starting(self.generation)
+
+    def _in_collective(self) -> None:
+        self._drills.in_collective(self._interrupt, self.generation)
+
+    def _comm_fault(self, why: str) -> None:
+        """This rank's communicator failed (a drill): abandon it, tell the agent."""
+        self._group.abandon()
+        self._broke(why)
+        self._post("comm_failed", worker=self.worker_id, generation=self.generation, error=why)
+
+    # ---------------------------------------------------------------- recovery
+    def _broke(self, why: str) -> None:
+        self._why = why
+        self._recovery = self._recovery.escalate(RecoveryMode.BROKEN)
+
+    def _reconcile(self) -> None:
+        if not self._managed:
+            if self._recovery.broken:
+                raise CommError(self._why)
+            return
+        if self.rank < 0:
+            self._await_assignment()
+        urgent = self._interrupt.urgent_above > self.generation
+        unbuilt = self._group.pg is None and self.world_size > 1
+        if self._recovery is RecoveryMode.NONE and not (urgent or unbuilt):
+            return
+        noticed = time.time()
+        if self._progress is not None:
+            self._progress.recovering(noticed)
+        self._replay_streams()  # before a peer heals from us: the streams of the step's start
+        while True:
+            try:
+                target = self._target_generation()
+                if target.number != self.generation or self._group.pg is None:
+                    self._switch_to(target)
+                rebuilt = time.time()
+                self._align()
+                break
+            except Abandoned:
+                continue
+            except CommError as exc:
+                self._broke(str(exc))
+        gen = self._group.gen
+        self._recovery, self._why = RecoveryMode.NONE, ""
+        if gen.number == 0:
+            return  # the first group of the run: nothing was recovered
+        self._report_first_commit = {
+            "worker": self.worker_id, "generation": gen.number, "fault_at": gen.fault_at,
+            "published_at": gen.published_at, "noticed": noticed, "rebuilt": rebuilt,
+            "healed": time.time(), "step": self.committed}
+
+    def _target_generation(self) -> Generation:
+        newest = self._interrupt.newest
+        if newest is not None and newest.number > self.generation:
+            return newest
+        if self._recovery.switch_voted:  # a peer saw it first; our watcher will too, read it now
+            number = latest_number(self._store, timeouts.GENERATION_WAIT_S)
+            if number > self.generation:
+                return read_generation(self._store, number, timeouts.GENERATION_WAIT_S)
+        if self._recovery.broken:
+            return await_newer(self._interrupt, self.worker_id, self.generation, self._why,
+                               self._post)
+        return self._group.gen
+
+    def _switch_to(self, gen: Generation) -> None:
+        rank = gen.rank_of(self.worker_id)
+        if rank is None:
+            print(f"ftrun: worker {self.worker_id} left the job (generation {gen.number}: "
+                  f"{gen.reason})", file=sys.stderr, flush=True)
+            raise SystemExit(0)
+        self._group.abandon()
+        self._group = Group(gen, rank, None)
+        if self._progress is not None:  # out of the old collective: arrived in `gen`
+            self._progress.recovering(time.time(), rank, gen.number)
+        self._group = build_group(self._connect, gen, rank, self.backend, self.device,
+                                  self._interrupt, self._native)
+        if gen.number > 0:
+            self._recovery = self._recovery.escalate(RecoveryMode.ALIGN)
+        os.environ.update(RANK=str(rank), WORLD_SIZE=str(gen.world_size))
+
+    def _align(self) -> None:
+        """Agree on the highest committed step; those behind load a peer's state."""
+        self.committed = align(self._group, self.committed, self._objects, self._streams,
+                               self._interrupt, self.device)
+
+    def _finished(self) -> bool:
+        """Every member reached the end: one last collective so no one leaves a peer behind."""
+        if not self._managed or self.world_size == 1:
+            return True
+        import torch
+
+        if self._progress is not None:
+            self._progress.collective_started(time.time())
+        try:
+            self._group.allreduce(torch.ones(1, device=self.device), self._interrupt)
+            if self._progress is not None:
+                self._progress.finished(time.time())
+            return True
+        except (CommError, Abandoned) as exc:
+            self._broke(str(exc))
+            return False
+
+    def _await_assignment(self) -> None:
+        self._sync.prepare()  # allocate the gradient buckets now, not on the first step
+        await_assignment(self._interrupt, self.worker_id, self._post)
+        self._recovery = self._recovery.escalate(RecoveryMode.ALIGN)
+
+    def _post(self, kind: str, **fields: Any) -> None:
+        request = REQUESTS[kind](**fields)  # a misspelt field fails here, not at the agent
+        try:
+            send_request(self._store, request)
+        except Exception as exc:  # the agent is gone; the next collective will say so
+            self._interrupt.store_lost = str(exc)[:200]

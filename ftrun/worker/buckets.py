@@ -1,0 +1,202 @@
+"""Gradient sync overlapped with backward: buckets of gradients all-reduced as they are ready.
+
+Owns: laying the wrapped parameters' gradients out in buckets of about `bucket_mb` (reverse
+parameter order, as autograd produces them; one flat buffer per bucket, `param.grad` a view
+into it so autograd accumulates in place), the post-accumulate-grad hooks that start each
+bucket's all-reduce as soon as its last gradient arrives, `no_sync` (gradients accumulate
+locally), and finishing a step's sync: start what is left, wait for every bucket while
+watching for a newer generation, average, and hand the result back to every `param.grad`.
+Buckets are always started in index order, so every rank issues the same collectives in the
+same order whatever order its gradients arrive in. The step-boundary vote (a planned
+generation seen by some rank) is one extra element at the end of the last bucket.
+Must not import: typer, rich, NVML, the agent. Torch is imported lazily.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from ftrun.core import timeouts
+from ftrun.core.errors import WorkerApiError
+from ftrun.worker.comm import REAPER, CommError, Group, Interrupt
+
+
+class Bucket:
+    def __init__(self, params: list[Any], device: Any, flag: bool) -> None:
+        import torch
+
+        self.params = params
+        self.dtype = params[0].dtype
+        total = sum(p.numel() for p in params)
+        self.flat = torch.zeros(total + (1 if flag else 0), dtype=self.dtype, device=device)
+        self.views: list[Any] = []
+        offset = 0
+        for p in params:
+            self.views.append(self.flat[offset:offset + p.numel()].view_as(p))
+            offset += p.numel()
+        self.ready = 0
+        self.work: Any = None
+        self.started = False
+
+    def take(self, p: Any, view: Any) -> None:
+        """Make the bucket hold `p`'s gradient; bind the grad as a view where possible."""
+        grad = p.grad
+        if grad is not None and grad.data_ptr() == view.data_ptr():
+            return
+        if grad is None:
+            view.zero_()
+        else:
+            view.copy_(grad)
+        if view.device == p.device:
+            p.grad = view
+
+
+class GradSync:
+    def __init__(self, device: Any, want_switch: Callable[[], bool],
+                 first_start: Callable[[], bool], before_wait: Callable[[], None]) -> None:
+        self.device = device
+        self.bucket_bytes = 25 * 2**20
+        self.want_switch = want_switch  # this rank saw a planned generation: vote to switch
+        # the step's first bucket is about to start; False: hold the step's buckets back
+        self.first_start = first_start
+        self._held = False
+        self.before_wait = before_wait  # the step's sync is about to wait for its buckets
+        self.params: list[Any] = []
+        self.enabled = True  # False inside no_sync()
+        self.group: Group | None = None  # the step's group; None: do not start anything
+        self._buckets: list[Bucket] | None = None
+        self._where: dict[int, tuple[int, int]] = {}  # id(param) -> (bucket, index)
+        self._next = 0  # the next bucket to start
+
+    # ---------------------------------------------------------------- layout
+    def add(self, params: list[Any], bucket_mb: float) -> None:
+        self.bucket_bytes = max(1, int(bucket_mb * 2**20))
+        for p in params:
+            if p.requires_grad and all(p is not q for q in self.params):
+                p.register_post_accumulate_grad_hook(self._on_ready)
+                self.params.append(p)
+        self.drop()
+
+    def _layout(self) -> list[Bucket]:
+        if self._buckets is None:
+            groups: list[list[Any]] = []
+            size = self.bucket_bytes
+            for p in reversed(self.params):
+                nbytes = p.numel() * p.element_size()
+                same = groups and groups[-1][0].dtype == p.dtype
+                if not same or size + nbytes > self.bucket_bytes:
+                    groups.append([])
+                    size = 0
+                groups[-1].append(p)
+                size += nbytes
+            self._buckets = [Bucket(ps, self.device, i == len(groups) - 1)
+                             for i, ps in enumerate(groups)]
+            self._where = {id(p): (b, i) for b, ps in enumerate(groups)
+                           for i, p in enumerate(ps)}
+            self._next = 0
+        return self._buckets
+
+    def prepare(self) -> None:
+        """Allocate the buckets now (a hot spare, before it is called in)."""
+        if self.params:
+            self._layout()
+
+    def drop(self) -> None:
+        """Forget the buffers (an abandoned all-reduce may still write into them): grads go
+        back to None and the next step lays out fresh buckets."""
+        if self._buckets is not None:
+            for b in self._buckets:
+                if b.work is not None and self.group is not None:
+                    REAPER.hold_op(self.group.pg, b.work, b.work.is_completed,
+                                   timeouts.COLLECTIVE_S)
+        for p in self.params:
+            p.grad = None
+        self._buckets = None
+
+    # ---------------------------------------------------------------- during backward
+    def _on_ready(self, p: Any) -> None:
+        if not self.enabled or self.group is None or self.group.pg is None:
+            return
+        buckets = self._layout()
+        b, i = self._where[id(p)]
+        bucket = buckets[b]
+        if bucket.started:
+            raise WorkerApiError("a gradient changed after its bucket's all-reduce started "
+                                 "(a second backward in one step)",
+                                 hint="run the backward of every micro-batch but the last "
+                                      "inside `with ft.no_sync():`")
+        bucket.take(p, bucket.views[i])
+        bucket.ready += 1
+        while self._next < len(buckets) and buckets[self._next].ready == \
+                len(buckets[self._next].params):
+            self._start(buckets[self._next])
+
+    def _start(self, bucket: Bucket) -> None:
+        assert self.group is not None
+        if self._next == 0:
+            self._held = not self.first_start()
+        bucket.started = True
+        self._next += 1
+        if self._next == len(self._buckets or ()):
+            bucket.flat[-1:].fill_(1.0 if self.want_switch() else 0.0)
+        if self._held or self.group.pg is None or self.group.size == 1:
+            return
+        try:
+            bucket.work = self.group.pg.allreduce([bucket.flat])
+        except RuntimeError as exc:  # the group broke: sync() reports it
+            bucket.work = _Failed(str(exc).splitlines()[0][:200])
+
+    # ---------------------------------------------------------------- the step's end
+    def finish(self, group: Group, interrupt: Interrupt) -> bool:
+        """Every bucket reduced and averaged; True when some rank voted to switch to a
+        planned generation. Raises CommError or Abandoned when the step failed."""
+        self.group = group
+        buckets = self._layout()
+        for b in buckets[self._next:]:
+            for p, view in zip(b.params, b.views, strict=True):
+                b.take(p, view)
+            b.ready = len(b.params)
+        while self._next < len(buckets):
+            self._start(buckets[self._next])
+        if group.size > 1:
+            self.before_wait()
+        for b in buckets:
+            if isinstance(b.work, _Failed):
+                raise CommError(b.work.error)
+            if b.work is not None:
+                work, b.work = b.work, None
+                group.wait(work, interrupt)
+        size = group.size
+        for b in buckets:
+            grads = b.flat[:-1] if b is buckets[-1] else b.flat
+            if size > 1:
+                grads.div_(size)
+            for p, view in zip(b.params, b.views, strict=True):
+                if p.grad is None or p.grad.data_ptr() != view.data_ptr():
+                    p.grad = view.to(p.dtype).clone() if p.grad is None else p.grad.copy_(view)
+        return bool(buckets[-1].flat[-1].item() > 0)
+
+    def next_step(self, group: Group) -> None:
+        """A new step begins on `group`: every bucket may start again."""
+        self.group = group
+        self._held = False
+        if self._buckets is not None:
+            for b in self._buckets:
+                b.ready, b.started, b.work = 0, False, None
+            self._next = 0
+
+    def zero(self) -> None:
+        if self._buckets is not None:
+            for b in self._buckets:
+                b.flat.zero_()
+
+
+class _Failed:
+    """Stands for a bucket whose all-reduce could not even start."""
+
+    def __init__(self, error: str) -> None:
+        self.error = error
+
+    def is_completed(self) -> bool:
+        return True

@@ -1,0 +1,371 @@
+"""One generation's communicator on the worker side, and collectives that can be abandoned.
+
+Owns: building a process group for a generation (the native reconfigure path where torch
+offers it, a fresh gloo/nccl group under the generation's never-used store prefix otherwise),
+waiting on a collective while watching for a newer generation (gloo's abort() does not cancel
+a pending op, so the op is abandoned, its reference kept, and the group rebuilt), releasing
+abandoned groups and ops once nothing of theirs is pending (the reaper thread), and the
+generation watcher thread.
+Must not import: typer, rich, NVML, the agent. Torch is imported lazily by the worker.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import ctypes
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Protocol
+
+from ftrun.adapters.store import is_timeout
+from ftrun.core import timeouts
+from ftrun.protocol.rendezvous import Generation, Store, gen_key
+
+REAP_POLL_S = 0.5  # how often the reaper looks at abandoned ops that are still pending
+REAP_GRACE_S = 5.0  # past an op's own timeout, release it even if it never said it ended
+
+
+class Abandoned(Exception):
+    """A newer generation was published while this worker waited: drop the operation."""
+
+
+class CommError(Exception):
+    """A collective or the group itself failed (a peer died, a timeout)."""
+
+
+class Interrupt:
+    """What a waiting worker wakes up for: an op completing, or an urgent new generation."""
+
+    def __init__(self) -> None:
+        self.wake = threading.Event()
+        self.newest: Generation | None = None  # newest generation seen by the watcher
+        self.urgent_above = -1  # an urgent generation with a number above this abandons
+        self.store_lost: str | None = None
+
+    def check(self, current: int) -> None:
+        if self.store_lost:
+            raise CommError(f"the agent's store is gone: {self.store_lost}")
+        if self.urgent_above > current:
+            raise Abandoned(f"generation {self.urgent_above} published")
+
+
+def never_completes(interrupt: Interrupt, generation: int,
+                    timeout_s: float = timeouts.COLLECTIVE_S) -> None:
+    """Wait as in a collective that never completes (a drill of a hung kernel): until a newer
+    urgent generation abandons it, or its timeout."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        interrupt.wake.clear()
+        interrupt.check(generation)
+        interrupt.wake.wait(0.5)
+    raise CommError(f"collective timed out after {timeout_s:.0f}s")
+
+
+def keep_forever(obj: Any) -> None:
+    """Leak `obj` on purpose: destroying a gloo group or work with an op still pending at
+    interpreter exit aborts the process ("terminate called without an active exception")."""
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(obj))
+
+
+class Reaper:
+    """Releases abandoned groups and ops on a thread of its own, once nothing of theirs is
+    pending. gloo's abort() does not cancel a pending op and destroying a group or work whose
+    op is pending blocks until the op's timeout, so an abandoned op is held until it completes
+    (its peers closed their side, or its timeout) and its group until none of its ops is held.
+    Dropping the last reference then frees the group's threads, sockets and store connection
+    (the agent's end of it closes too) and, for NCCL, the aborted communicator's memory.
+    torch destroys process groups with the GIL released: the training thread never waits."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._ops: list[tuple[int, Any, Callable[[], bool], float]] = []  # key, work, done, by
+        self._groups: list[tuple[int, Any]] = []  # key, process group
+        self._thread: threading.Thread | None = None
+        atexit.register(self._leak_all)
+
+    def hold_op(self, pg: Any, work: Any, done: Callable[[], bool], timeout_s: float) -> None:
+        """`work`, abandoned in `pg`, is released once `done()` (or after its timeout)."""
+        deadline = time.monotonic() + timeout_s + REAP_GRACE_S
+        self._add(lambda: self._ops.append((id(pg), work, done, deadline)))
+
+    def hold_group(self, pg: Any) -> None:
+        """`pg` (aborted) is released once none of its abandoned ops is held any more."""
+        self._add(lambda: self._groups.append((id(pg), pg)))
+
+    def _add(self, append: Callable[[], None]) -> None:
+        with self._cond:
+            append()
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name="ftrun-reaper",
+                                                daemon=True)
+                self._thread.start()
+            self._cond.notify()
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not (self._ops or self._groups):
+                    self._cond.wait()
+                now = time.monotonic()
+                ended = [op for op in self._ops if now > op[3] or _ended(op[2])]
+                self._ops = [op for op in self._ops if not any(op is e for e in ended)]
+                busy = {op[0] for op in self._ops}
+                free = [g for g in self._groups if g[0] not in busy]
+                self._groups = [g for g in self._groups if g[0] in busy]
+            # the last references go here, outside the lock: ops first, then their groups
+            ended.clear()
+            free.clear()
+            with self._cond:
+                if self._ops or self._groups:
+                    self._cond.wait(REAP_POLL_S)
+
+    def _leak_all(self) -> None:
+        with self._cond:
+            for held in (*self._ops, *self._groups):
+                keep_forever(held)
+
+
+def _ended(done: Callable[[], bool]) -> bool:
+    try:
+        return bool(done())
+    except RuntimeError:  # the op failed: it is over
+        return True
+
+
+REAPER = Reaper()
+
+
+NCCL_POLL_S = 0.0005  # a hung NCCL kernel must stay abandonable; a step is ~100s of ms
+
+
+class Reconfigurable(Protocol):
+    """A group re-formed in place per generation (joining.NativeGroup)."""
+
+    def reconfigure(self, store: Store, gen: Generation, timeout_s: float,
+                    cancel: threading.Event) -> Any: ...
+
+
+@dataclass
+class Group:
+    """A process group for one generation, with this worker's rank in it."""
+
+    gen: Generation
+    rank: int
+    pg: Any  # torch ProcessGroup backend (or None for a world of one / not built yet)
+    shared: bool = False  # the reconfigurable default group: reused, never abandoned
+
+    @property
+    def size(self) -> int:
+        return self.gen.world_size
+
+    @property
+    def on_gpu(self) -> bool:
+        return "NCCL" in type(self.pg).__name__
+
+    def wait(self, work: Any, interrupt: Interrupt, timeout_s: float = timeouts.COLLECTIVE_S
+             ) -> None:
+        """Wait for `work` unless a newer urgent generation arrives first."""
+        interrupt.wake.clear()
+        errors: list[BaseException] | None = None
+        poll_s = 1.0
+        if self.on_gpu:  # NCCL work is "done" once enqueued; its CUDA events say when it ran
+            done, poll_s = work.is_completed, NCCL_POLL_S
+        else:
+            try:
+                fut = work.get_future()
+                fut.add_done_callback(lambda _f: interrupt.wake.set())
+                done = fut.done
+            except RuntimeError:  # gloo send/recv: no future, they progress only in wait()
+                finished, errors = _wait_in_thread(work, interrupt.wake, timeout_s)
+                done = finished.is_set
+        deadline = time.monotonic() + timeout_s
+        while not done():
+            try:
+                interrupt.check(self.gen.number)
+            except (Abandoned, CommError):
+                REAPER.hold_op(self.pg, work, done, deadline - time.monotonic())
+                raise
+            left = deadline - time.monotonic()
+            if left <= 0:
+                REAPER.hold_op(self.pg, work, done, timeouts.COLLECTIVE_S)
+                raise CommError(f"collective timed out after {timeout_s:.0f}s")
+            interrupt.wake.wait(min(left, poll_s))
+        try:
+            if errors is None:
+                work.wait()
+            elif errors:
+                raise errors[0]
+        except RuntimeError as exc:  # gloo/nccl report peer failures as RuntimeError
+            raise CommError(str(exc).splitlines()[0][:200]) from None
+
+    def run(self, make_work: Callable[[], Any], interrupt: Interrupt,
+            timeout_s: float = timeouts.COLLECTIVE_S) -> None:
+        try:
+            work = make_work()
+        except RuntimeError as exc:
+            raise CommError(str(exc).splitlines()[0][:200]) from None
+        self.wait(work, interrupt, timeout_s)
+
+    def allreduce(self, tensor: Any, interrupt: Interrupt) -> None:
+        if self.pg is not None:
+            self.run(lambda: self.pg.allreduce([tensor]), interrupt)
+
+    def abandon(self) -> None:
+        """Drop this group without blocking: abort it (NCCL: the communicator and its pending
+        kernels), then let the reaper destroy it once its abandoned ops have ended."""
+        if self.pg is not None:
+            with contextlib.suppress(RuntimeError, AttributeError):
+                self.pg.abort()
+            if not self.shared:  # the reconfigurable default group lives on
+                REAPER.hold_group(self.pg)
+        self.pg = None
+
+
+def _wait_in_thread(work: Any, wake: threading.Event, timeout_s: float
+                    ) -> tuple[threading.Event, list[BaseException]]:
+    """Run the blocking wait() on a helper thread (once: a second wait() on a gloo send waits
+    for a second send). If the op is abandoned, the thread ends with the op's own timeout."""
+    finished = threading.Event()
+    errors: list[BaseException] = []
+
+    def waiter() -> None:
+        try:
+            work.wait(timedelta(seconds=timeout_s))
+        except RuntimeError as exc:
+            errors.append(exc)
+        finally:
+            finished.set()
+            wake.set()
+
+    threading.Thread(target=waiter, name="ftrun-p2p-wait", daemon=True).start()
+    return finished, errors
+
+
+def build_group(connect: Callable[[], Store], gen: Generation, rank: int, backend: str,
+                device: Any, interrupt: Interrupt, native: Reconfigurable | None = None,
+                timeout_s: float = timeouts.PG_INIT_S) -> Group:
+    """Construct the generation's group in a helper thread, on a store connection of its own,
+    so that any newer generation can abandon a construction that waits for a peer that will
+    never come, without blocking the worker's other store traffic."""
+    if gen.world_size == 1:
+        return Group(gen, rank, None)
+    result: dict[str, Any] = {}
+    done, cancel, handover = threading.Event(), threading.Event(), threading.Lock()
+
+    def construct() -> None:
+        try:
+            if native is not None:
+                pg = native.reconfigure(connect(), gen, timeout_s, cancel)
+            else:
+                pg = _new_pg(connect(), gen, rank, backend, device)
+            with handover:
+                if cancel.is_set() and native is None:
+                    _discard(pg)  # built after it was abandoned: nobody will use it
+                else:
+                    result["pg"] = pg
+        except Exception as exc:  # reported to the waiting thread below
+            result["error"] = exc
+        finally:
+            done.set()
+            interrupt.wake.set()
+
+    interrupt.wake.clear()
+    threading.Thread(target=construct, name=f"ftrun-pg-{gen.number}", daemon=True).start()
+    deadline = time.monotonic() + timeout_s + 5.0
+    try:
+        while not done.is_set():
+            interrupt.check(gen.number)
+            newest = interrupt.newest
+            if newest is not None and newest.number > gen.number:  # even a planned one: every
+                raise Abandoned(f"generation {newest.number} published")  # member converges
+            if time.monotonic() > deadline:
+                raise CommError(f"building generation {gen.number}'s group timed out")
+            interrupt.wake.wait(0.5)
+    except BaseException:
+        with handover:
+            cancel.set()  # a native handle exchange waiting for a lost member stops at once
+            late = result.pop("pg", None)
+        if late is not None and native is None:
+            _discard(late)
+        raise
+    if "error" in result:
+        raise CommError(f"building generation {gen.number}'s group failed: {result['error']}")
+    return Group(gen, rank, result["pg"], shared=native is not None)
+
+
+def _discard(pg: Any) -> None:
+    """A fresh group that was never used: abort it (NCCL frees its communicator) and let the
+    reaper drop it, off the calling thread."""
+    with contextlib.suppress(RuntimeError, AttributeError):
+        pg.abort()
+    REAPER.hold_group(pg)
+
+
+def _new_pg(store: Store, gen: Generation, rank: int, backend: str, device: Any) -> Any:
+    import torch.distributed as dist
+
+    prefixed = dist.PrefixStore(gen.pg_prefix, store)  # type: ignore[arg-type]
+    timeout = timedelta(seconds=timeouts.COLLECTIVE_S)  # gloo's per-op timeout, too
+    if backend == "nccl":
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = timeout
+        pg = dist.ProcessGroupNCCL(prefixed, rank, gen.world_size, opts)
+        # NCCL connects lazily, in the first collective on the training thread, where a
+        # missing peer blocks for good; connect here, on the abandonable builder thread
+        connect_now = getattr(pg, "eager_connect_single_device", None)
+        if connect_now is not None:
+            connect_now(device)
+        return pg
+    return dist.ProcessGroupGloo(prefixed, rank, gen.world_size, timeout)
+
+
+class GenerationWatcher:
+    """A thread blocked on the store for the next generation key, with its own connection,
+    so the training loop never polls the store."""
+
+    def __init__(self, connect: Callable[[], Store], start_after: int, interrupt: Interrupt,
+                 on_generation: Callable[[Generation], None] | None = None) -> None:
+        self._connect = connect
+        self._next = start_after + 1
+        self._interrupt = interrupt
+        self._on_generation = on_generation
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="ftrun-gen-watch", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _loop(self) -> None:
+        try:
+            store = self._connect()
+        except Exception as exc:
+            self._lost(exc)
+            return
+        while not self._stop.is_set():
+            key = gen_key(self._next)
+            try:
+                store.wait([key], timedelta(seconds=timeouts.WATCH_POLL_S))
+            except Exception as exc:
+                if is_timeout(exc):
+                    continue
+                self._lost(exc)
+                return
+            gen = Generation.from_json(store.get(key))
+            self._next += 1
+            intr = self._interrupt
+            intr.newest = gen
+            if gen.urgent:
+                intr.urgent_above = max(intr.urgent_above, gen.number)
+            if self._on_generation is not None:
+                self._on_generation(gen)
+            intr.wake.set()
+
+    def _lost(self, exc: Exception) -> None:
+        if not self._stop.is_set():
+            self._interrupt.store_lost = str(exc).splitlines()[0][:200] if str(exc) else "lost"
+            self._interrupt.wake.set()

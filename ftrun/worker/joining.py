@@ -1,0 +1,150 @@
+"""How a worker process joins: its store connections, the communicator path (torch's native
+in-process reconfigure of the default group, or a fresh group per generation), the plain-mode
+group outside ftrun, and a hot spare's warm-up.
+
+Owns: the helpers `ftrun.worker.api` calls once at `init()`, `NativeGroup`, and the C++ log
+level of an FT worker.
+Must not import: typer, rich, NVML, the agent. Torch is imported lazily.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+import time
+from datetime import timedelta
+from typing import Any
+
+from ftrun.adapters.store import client
+from ftrun.core import timeouts
+from ftrun.core.errors import WorkerApiError
+from ftrun.core.spec import WorkerEnv
+from ftrun.protocol.rendezvous import PREFIX, Generation, Store
+from ftrun.worker.comm import CommError, Group
+
+HANDLE_POLL_S = 0.01  # a native reconfigure polling for its members' handles
+
+
+def native_group(store: Any, wenv: WorkerEnv, backend: str) -> NativeGroup | None:
+    """--comm: native reconfigure or a fresh group per generation; every member of a job
+    uses the same path."""
+    supported = native_reconfigure_supported(backend)
+    if wenv.comm == "fresh" or (wenv.comm == "auto" and not supported):
+        return None
+    if not supported:
+        import torch
+
+        raise WorkerApiError(f"--comm native: torch {torch.__version__} has no in-process "
+                             f"reconfigure for {backend}",
+                             hint="use --comm auto (a fresh group per generation instead)")
+    return NativeGroup(store, wenv.worker_id, backend)
+
+
+def warm_up() -> None:
+    """A spare pays torch's lazy first-use costs while it waits, not after it is called in:
+    the first optimizer built in a process costs ~1 s (torch._dynamo is imported)."""
+    import io
+
+    import torch
+
+    param = torch.nn.Parameter(torch.zeros(2))
+    for opt in (torch.optim.SGD([param], lr=0.1, momentum=0.9), torch.optim.AdamW([param])):
+        param.sum().backward()
+        opt.step()
+        opt.zero_grad()
+        buffer = io.BytesIO()
+        torch.save(opt.state_dict(), buffer)
+        torch.load(io.BytesIO(buffer.getvalue()), weights_only=False)
+
+
+CPP_LOG_LEVEL_ENV = "TORCH_CPP_LOG_LEVEL"
+_CPP_ERROR = 2  # c10's levels: 0 INFO, 1 WARNING, 2 ERROR, 3 FATAL
+
+
+def quiet_store_warnings() -> None:
+    """c10d logs every failed store call at WARNING with a C++ stack trace; once the agent's
+    store is gone, each of a worker's store clients (the generation watcher's blocked wait
+    first) would print one, where ftrun's own one-line error says it all. c10 reads
+    TORCH_CPP_LOG_LEVEL only when torch loads, which a script does before `ftrun.init()`, so
+    the level is raised to ERROR in the loaded library. A level the user set is kept."""
+    if CPP_LOG_LEVEL_ENV in os.environ:
+        return
+    import torch
+
+    try:
+        lib = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libc10.so"))
+        level = ctypes.c_int.in_dll(lib, "FLAGS_caffe2_log_level")
+    except (OSError, ValueError):  # another build of torch: its warnings stay
+        return
+    level.value = max(level.value, _CPP_ERROR)
+
+
+def connect(wenv: WorkerEnv) -> Any:
+    """A connection of its own to the agent's store (each thread that blocks on it has one)."""
+    return client(wenv.master_addr, wenv.master_port, timeouts.STORE_CLIENT_CONNECT_S)
+
+
+def plain_group(backend: str) -> Group:
+    """Outside ftrun: torchrun's default group, or a world of one."""
+    import torch.distributed as dist
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group(backend)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    pg = dist.group.WORLD if dist.is_initialized() and world > 1 else None
+    gen = Generation(0, tuple(range(world)), reason="plain")
+    return Group(gen, rank, pg)
+
+
+def native_reconfigure_supported(backend: str) -> bool:
+    """torch >= 2.15 with gloo (or the nccl2 backend) can re-form a group in place."""
+    import torch.distributed as dist
+
+    return backend == "gloo" and hasattr(dist, "_supports_reconfigure")
+
+
+class NativeGroup:
+    """torch's in-process reconfigure of the default group (`init_process_group(...,
+    enable_reconfigure=True)`, `dist._reconfigure`): `dist.get_rank()` and friends follow the
+    live membership. Each generation exchanges handles under its own store keys and uses its
+    number as the reconfigure uuid, so no uuid is ever reused."""
+
+    def __init__(self, store: Store, worker_id: int, backend: str) -> None:
+        """`store`: a connection of the group's own (its rendezvous blocks on it)."""
+        import torch.distributed as dist
+
+        self.worker_id = worker_id
+        self._busy = threading.Lock()
+        dist.init_process_group(
+            backend, store=dist.PrefixStore(f"{PREFIX}native/", store),  # type: ignore[arg-type]
+            rank=worker_id, world_size=worker_id + 1, enable_reconfigure=True,
+            timeout=timedelta(seconds=timeouts.COLLECTIVE_S))
+
+    def reconfigure(self, store: Store, gen: Generation, timeout_s: float,
+                    cancel: threading.Event) -> Any:
+        import torch.distributed as dist
+
+        # an abandoned reconfigure still running on its thread must end (it is bounded by
+        # timeout_s) before the group can be reconfigured again
+        if not self._busy.acquire(timeout=timeout_s):
+            raise CommError("the previous reconfigure is still running")
+        try:
+            key = f"{gen.pg_prefix}handle/"
+            store.set(key + str(self.worker_id), dist._get_reconfigure_handle())
+            keys = [key + str(m) for m in gen.members]
+            deadline = time.monotonic() + timeout_s
+            while not store.check(keys):  # polled, not waited: a newer generation cancels it
+                if cancel.is_set() or time.monotonic() > deadline:
+                    raise CommError(f"generation {gen.number}: not every member published "
+                                    "its handle" + (" (abandoned)" if cancel.is_set() else ""))
+                time.sleep(HANDLE_POLL_S)
+            handles = [store.get(k).decode() for k in keys]
+            # every member was alive a moment ago: connecting is quick, so its wait is short
+            connect_s = min(timeout_s, timeouts.RECONFIGURE_CONNECT_S)
+            dist._reconfigure(gen.number + 1, handles,
+                              timeout=timedelta(seconds=connect_s)).wait()
+            return dist.group.WORLD
+        finally:
+            self._busy.release()
