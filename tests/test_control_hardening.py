@@ -203,6 +203,12 @@ def test_checked_requests_are_typed() -> None:
             check_request({"op": "inject", "kind": "slow", "rank": 1, "arg": bad})
 
 
+def test_a_finished_run_leaves_no_socket_or_run_file(private_run_dir) -> None:
+    r = run_ftrun("--nproc", "2", str(FIXTURES / "behave.py"), "--sleep", "0.2")
+    assert r.returncode == 0, r.stderr
+    assert not list(private_run_dir.glob("*")), list(private_run_dir.glob("*"))
+
+
 # ---------------------------------------------------------------- against a running job
 def start_ft_job(tmp_path, steps: int) -> subprocess.Popen:
     return subprocess.Popen(

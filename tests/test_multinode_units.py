@@ -4,7 +4,7 @@ from dataclasses import replace
 import pytest
 
 from ftrun.cli.launch_args import first_host, parse_run_args
-from ftrun.cluster.link import BeatTracker, Probe, endpoint_of
+from ftrun.cluster.link import BeatTracker, Probe, endpoint_of, issue_ids
 from ftrun.core.policy import FaultAction, Snapshot, decide_node_loss, find_lost_nodes
 from ftrun.protocol.rendezvous import WORKER_ID_STRIDE, node_of
 
@@ -120,3 +120,11 @@ def test_endpoint_defaults() -> None:
     assert (endpoint_of(c10d).host, endpoint_of(c10d).port) == ("head", 29400)
     static = parse_run_args(["--nnodes", "2", "--master-addr", "head", "t.py"], env={})
     assert (endpoint_of(static).host, endpoint_of(static).port) == ("head", 29500)
+
+
+def test_a_node_rejoining_under_its_index_gets_fresh_worker_ids() -> None:
+    issued: dict[int, int] = {}
+    assert issue_ids(1, 2, issued) == [10000, 10001]
+    assert issue_ids(2, 1, issued) == [20000]
+    assert issue_ids(1, 2, issued) == [10002, 10003]  # the lost node's ids are gone for good
+    assert issued == {1: 10004, 2: 20001}

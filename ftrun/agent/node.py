@@ -86,7 +86,7 @@ class Agent(NodeHooks):
             return result if not removed else replace(result, log_dir=None)
         finally:
             self._kill_all(signal.SIGKILL)
-            if hasattr(self, "observer"):
+            if hasattr(self, "control_plane"):
                 self.control_plane.close()
             if hasattr(self, "slots"):
                 self.slots.close()

@@ -318,7 +318,8 @@ class Recovery:
         return None
 
     def _committed_first(self, wid: int) -> None:
-        """A joiner holds committed state now: the crash-loop counts behind it start over."""
+        """A joiner holds committed state now: the crash-loop counts behind it start over. (A
+        joiner whose clean exit was handled first keeps them: the job is ending anyway.)"""
         if self.membership.role(wid) is not R.HEALING:
             return
         self.membership.move(wid, R.MEMBER)

@@ -47,6 +47,7 @@ from ftrun.cluster.link import (
     conf_float,
     connect,
     first_worker_id,
+    issue_ids,
     parse_report,
     read_payload,
     send,
@@ -148,9 +149,8 @@ class Coordinator(Agent):
     def _start_node(self, node: Node, base_rank: int, group_rank: int,
                     spare: bool = False) -> list[int]:
         """Tell `node` to start its workers (ranks from `base_rank`; -1: joiners or spares)."""
-        first = first_worker_id(node.index)
-        ids = list(range(first, first + node.nproc))
-        self._ids[node.index] = first + node.nproc
+        ids = issue_ids(node.index, node.nproc, self._ids)
+        first = ids[0]
         for i, wid in enumerate(ids):
             self.remote[wid] = RemoteWorker(base_rank + i if base_rank >= 0 else -1, i, wid,
                                             node.index)

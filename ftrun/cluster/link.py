@@ -48,6 +48,15 @@ def first_worker_id(node: int) -> int:
     return node * WORKER_ID_STRIDE
 
 
+def issue_ids(node: int, count: int, issued: dict[int, int]) -> list[int]:
+    """`count` worker ids of `node` never issued in this attempt (`issued`: node -> the next
+    free id, updated). A node that rejoins under the same index (the static backend) must
+    not get its lost workers' ids back: they are gone for good."""
+    first = max(first_worker_id(node), issued.get(node, 0))
+    issued[node] = first + count
+    return list(range(first, first + count))
+
+
 def is_multinode(spec: RunSpec) -> bool:
     return spec.nnodes_max > 1
 
