@@ -41,7 +41,7 @@ def sec_nccl_inprocess(a: argparse.Namespace) -> None:
 
     from ftrun.adapters.store import HostedStore
     from ftrun.protocol.rendezvous import Generation as Gen
-    from ftrun.worker import comm
+    from ftrun.worker import comm, joining
     from ftrun.worker.joining import connect
     from ftrun.worker.transfer import pack, unpack
 
@@ -90,16 +90,16 @@ def sec_nccl_inprocess(a: argparse.Namespace) -> None:
         if not hasattr(dist, "_reconfigure"):
             say("dist._reconfigure absent: --comm auto uses the fresh path above")
             try:
-                comm.NativeGroup(conn(), 0, backend)
+                joining.NativeGroup(conn(), 0, backend)
                 say("NativeGroup() was constructed anyway (--comm native gets that far)")
             except Exception as exc:
                 say(f"--comm native would fail in NativeGroup(): {one_line(exc)}")
             return
-        auto = comm.native_reconfigure_supported(backend)
+        auto = joining.native_reconfigure_supported(backend)
         say(f"dist._reconfigure present; --comm auto uses it with {backend}: {auto}")
         try:
             t = time.monotonic()
-            ng = comm.NativeGroup(conn(), 0, backend)
+            ng = joining.NativeGroup(conn(), 0, backend)
             takes_cancel = "cancel" in inspect.signature(ng.reconfigure).parameters
             cancel = [threading.Event()] if takes_cancel else []  # its signature is changing
             say(f"native default group (enable_reconfigure) in {ms_since(t):.1f} ms")
