@@ -216,14 +216,6 @@ def send_request(store: Any, req: Request) -> None:
     store.queue_push(REQUEST_QUEUE, encode(req))
 
 
-def post_request(store: Any, kind: str, **fields_: Any) -> None:
-    """`send_request` by kind and fields; a misspelt or missing field is a TypeError here, at
-    the sender."""
-    if kind not in REQUESTS:
-        raise ValueError(f"unknown worker request kind {kind!r}")
-    send_request(store, REQUESTS[kind](**fields_))
-
-
 def parse_request(raw: str | bytes) -> Request | str:
     """A worker request as the agent may act on it, or the one-line reason it is refused."""
     return decode(raw, REQUESTS)

@@ -27,9 +27,11 @@ from ftrun.core.spec import WorkerEnv
 from ftrun.core.states import RecoveryMode
 from ftrun.protocol.progress import Reporter
 from ftrun.protocol.rendezvous import (
-    REQUESTS,
+    CommFailed,
     Generation,
     Hello,
+    Recovered,
+    Request,
     latest_number,
     read_generation,
     send_request,
@@ -252,7 +254,7 @@ class FaultTolerant:
         if self._progress is not None:
             self._progress.committed(self.committed, self.rank, self.generation, time.time())
         if self._report_first_commit is not None:
-            self._post("recovered", **self._report_first_commit, first_commit=time.time())
+            self._post(Recovered(**self._report_first_commit, first_commit=time.time()))
             self._report_first_commit = None
         self._sync.zero()  # grads stay views of their buckets
         return True
@@ -293,7 +295,7 @@ class FaultTolerant:
         """This rank's communicator failed (a drill): abandon it, tell the agent."""
         self._group.abandon()
         self._broke(why)
-        self._post("comm_failed", worker=self.worker_id, generation=self.generation, error=why)
+        self._post(CommFailed(self.worker_id, self.generation, why))
 
     # ---------------------------------------------------------------- recovery
     def _broke(self, why: str) -> None:
@@ -392,8 +394,7 @@ class FaultTolerant:
         await_assignment(self._interrupt, self.worker_id, self._post)
         self._recovery = self._recovery.escalate(RecoveryMode.ALIGN)
 
-    def _post(self, kind: str, **fields: Any) -> None:
-        request = REQUESTS[kind](**fields)  # a misspelt field fails here, not at the agent
+    def _post(self, request: Request) -> None:
         try:
             send_request(self._store, request)
         except Exception as exc:  # the agent is gone; the next collective will say so

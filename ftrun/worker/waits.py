@@ -15,10 +15,18 @@ from typing import Any
 
 from ftrun.core import timeouts
 from ftrun.core.errors import WorkerApiError
-from ftrun.protocol.rendezvous import Generation, latest_number, read_generation
+from ftrun.protocol.rendezvous import (
+    CommFailed,
+    Generation,
+    Hello,
+    Request,
+    Suspect,
+    latest_number,
+    read_generation,
+)
 from ftrun.worker.comm import Interrupt
 
-Post = Callable[..., None]  # post(kind, **fields): a request to the agent
+Post = Callable[[Request], None]  # a request to the agent
 
 
 def first_generation(store: Any, worker_id: int) -> Generation:
@@ -32,7 +40,7 @@ def first_generation(store: Any, worker_id: int) -> Generation:
 
 def await_assignment(intr: Interrupt, worker_id: int, post: Post) -> None:
     """A hot spare, model built: tell the agent, then wait for a generation with us in."""
-    post("hello", worker=worker_id, pid=os.getpid(), spare=True)
+    post(Hello(worker_id, os.getpid(), spare=True))
     deadline = time.monotonic() + timeouts.SPARE_ASSIGNMENT_S
     while True:
         newest = intr.newest
@@ -59,13 +67,13 @@ def await_newer(intr: Interrupt, worker_id: int, generation: int, why: str,
         if newest is not None and newest.number > generation:
             return newest
         if not suspected:  # a peer's connection broke: a node may be gone, look now
-            post("suspect", worker=worker_id, generation=generation)
+            post(Suspect(worker_id, generation))
             suspected = True
         if intr.store_lost:
             raise WorkerApiError(f"lost the agent ({intr.store_lost})")
         waited = time.monotonic() - start
         if not asked and waited > timeouts.FAULT_CONFIRM_S:
-            post("comm_failed", worker=worker_id, generation=generation, error=why)
+            post(CommFailed(worker_id, generation, why))
             asked = True
         if waited > timeouts.FAULT_CONFIRM_S + timeouts.GENERATION_WAIT_S:
             raise WorkerApiError(f"no new generation after a failure ({why})",
