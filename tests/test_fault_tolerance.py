@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import FIXTURES, run_ftrun
+from replicas import bitwise_equal, params
 
 pytestmark = pytest.mark.slow
 SCRIPT = str(FIXTURES / "ft_train.py")
@@ -21,16 +22,8 @@ def run(out: Path, *flags: str, script_args: tuple[str, ...] = (), env=None, npr
     return r
 
 
-def params(out: Path) -> dict[int, dict[str, torch.Tensor]]:
-    return {int(p.stem.split("_")[1]): torch.load(p) for p in out.glob("params_*.pt")}
-
-
 def logs(out: Path) -> dict[int, dict]:
     return {int(p.stem.split("_")[1]): json.loads(p.read_text()) for p in out.glob("log_*.json")}
-
-
-def bitwise_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
-    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 @pytest.fixture(scope="module")

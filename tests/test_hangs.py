@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import FIXTURES, ftrun_cmd, run_ftrun, wait_for
+from replicas import bitwise_equal, params
 
 from ftrun.agent.journal import Journal
 from ftrun.core.policy import (
@@ -213,14 +214,6 @@ def test_a_rebuild_takes_the_stall_drills_it_answers() -> None:
 # ------------------------------------------------------------------ real jobs
 SCRIPT = str(FIXTURES / "hang_train.py")
 STEPS = ("--steps", "60")
-
-
-def params(out: Path) -> dict[int, dict[str, torch.Tensor]]:
-    return {int(p.stem.split("_")[1]): torch.load(p) for p in out.glob("params_*.pt")}
-
-
-def bitwise_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
-    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 def all_equal_to(out: Path, reference: dict[str, torch.Tensor], workers: list[int]) -> None:

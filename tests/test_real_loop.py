@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import FIXTURES, ftrun_cmd, run_ftrun, wait_for
+from replicas import bitwise_equal, params
 
 from ftrun.worker.loader import Loader
 
@@ -66,21 +67,13 @@ def gpt(out: Path, *flags: str, env: dict | None = None, nproc: int = 3):
                      timeout=300, env=env)
 
 
-def params(out: Path) -> dict[int, dict[str, torch.Tensor]]:
-    return {int(p.stem.split("_")[1]): torch.load(p) for p in out.glob("params_*.pt")}
-
-
-def equal(a: dict, b: dict) -> bool:
-    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-
-
 @pytest.fixture(scope="module")
 def gpt_reference(tmp_path_factory) -> dict[str, torch.Tensor]:
     out = tmp_path_factory.mktemp("gpt") / "ref"
     r = gpt(out)
     assert r.returncode == 0, r.stderr
     ps = params(out)
-    assert sorted(ps) == [0, 1, 2] and equal(ps[0], ps[1]) and equal(ps[0], ps[2])
+    assert sorted(ps) == [0, 1, 2] and bitwise_equal(ps[0], ps[1]) and bitwise_equal(ps[0], ps[2])
     return ps[0]
 
 
@@ -116,7 +109,7 @@ def test_gpt_kill(gpt_reference, tmp_path, private_run_dir) -> None:
     assert "worker 1 (rank 1) exited with -9 (SIGKILL); spare worker 3 takes rank 1" in err
     ps = params(out)
     assert sorted(ps) == [0, 2, 3]
-    assert all(equal(p, gpt_reference) for p in ps.values())
+    assert all(bitwise_equal(p, gpt_reference) for p in ps.values())
 
 
 @pytest.mark.slow
@@ -141,7 +134,7 @@ def test_gpt_comm(gpt_reference, tmp_path, private_run_dir) -> None:
     assert job.returncode == 0, err
     assert "reported a communicator failure" in err
     ps = params(out)
-    assert sorted(ps) == [0, 1, 2] and all(equal(p, gpt_reference) for p in ps.values())
+    assert sorted(ps) == [0, 1, 2] and all(bitwise_equal(p, gpt_reference) for p in ps.values())
 
 
 @pytest.mark.slow
