@@ -21,7 +21,7 @@ from ftrun.adapters.logs import RunLogs
 from ftrun.adapters.procs import Guardian, signal_group, spawn
 from ftrun.adapters.report import WorkerExit
 from ftrun.adapters.slots import ProgressSlots
-from ftrun.adapters.store import HostedStore, QueueReader, advertised_addr, client
+from ftrun.adapters.store import LOOPBACK, HostedStore, QueueReader, advertised_addr, client
 from ftrun.adapters.wakeup import Wakeup
 from ftrun.adapters.workerspec import spawn_error, worker_argv, worker_env
 from ftrun.agent.control_plane import ControlPlane
@@ -141,7 +141,7 @@ class Agent(NodeHooks):
         self.control_plane.membership = self.recovery.membership
         port = hosted.port
         self._requests = QueueReader(
-            lambda: client("127.0.0.1", port, timeouts.WATCH_POLL_S), REQUEST_QUEUE,
+            lambda: client(LOOPBACK, port, timeouts.WATCH_POLL_S), REQUEST_QUEUE,
             self.recovery.deliver, lambda why: None, "ftrun-requests")
 
     def _end_recovery(self, hosted: HostedStore) -> None:

@@ -150,14 +150,13 @@ class Coordinator(Agent):
                     spare: bool = False) -> list[int]:
         """Tell `node` to start its workers (ranks from `base_rank`; -1: joiners or spares)."""
         ids = issue_ids(node.index, node.nproc, self._ids)
-        first = ids[0]
         for i, wid in enumerate(ids):
             self.remote[wid] = RemoteWorker(base_rank + i if base_rank >= 0 else -1, i, wid,
                                             node.index)
         self._send(node, Start(attempt=self.restarts, addr=self.master_addr,
                                port=self.worker_port, base_rank=base_rank,
                                world_size=self.world_size, group_rank=group_rank,
-                               group_world_size=self.group_world_size, first_id=first,
+                               group_world_size=self.group_world_size, first_id=ids[0],
                                run_id=self.run_id, spare=spare))
         node.in_attempt = True
         return ids

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Iterable
+from typing import Any
 
 from ftrun.core.policy import Snapshot
 
@@ -104,8 +105,8 @@ class Membership:
         return bool(stateful) and all(self.roles.get(m) is WorkerRole.FINISHED
                                       for m in stateful)
 
-    def snapshot(self, **limits: int | str) -> Snapshot:
+    def snapshot(self, **limits: Any) -> Snapshot:
         """What the policy decides from: the live members, ready spares, who cannot heal
         others; `limits` are the run's budgets (faults, max_faults, restarts_left, ...)."""
         return Snapshot(members=self.live(), spares=tuple(self.with_role(WorkerRole.SPARE)),
-                        unhealed=self.unhealed(), **limits)  # type: ignore[arg-type]
+                        unhealed=self.unhealed(), **limits)
