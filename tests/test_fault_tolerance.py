@@ -3,6 +3,7 @@
 Every faulty run is compared with one fault-free run of the same script: in replace mode the
 final parameters must be bitwise equal, on every replica."""
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -162,3 +163,31 @@ def test_junk_in_the_request_queue_is_refused_and_the_job_goes_on(reference, tmp
         assert why in r.stderr
     ps = params(tmp_path / "o")
     assert sorted(ps) == [0, 1, 2] and all(bitwise_equal(p, reference) for p in ps.values())
+
+
+
+def test_a_starting_spare_takes_the_lost_rank_before_a_new_process(reference, tmp_path) -> None:
+    """The spare is still starting when worker 1 dies: it is called in, no process is started
+    for the rank. It waits for that very generation before ftrun.init(), so the first one it
+    reads already names it."""
+    r = run(tmp_path / "o", "--spares", "1", "--log-dir", str(tmp_path / "logs"),
+            script_args=("--die", "1:5", "--spare-waits-for", "1"))
+    assert r.returncode == 0, r.stderr
+    run_dir, = (tmp_path / "logs").iterdir()
+    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+    fault, = [e for e in events if e["event"] == "fault"]
+    taken = re.fullmatch(r"worker 1 \(rank 1\) exited with -9 \(SIGKILL\); "
+                         r"starting spare worker (\d+) takes rank 1", fault["reason"])
+    assert taken, fault["reason"]
+    spare = int(taken[1])
+    first, = [e["pids"] for e in events if e["event"] == "started"]
+    placed_in_a_rank = [e["pid"] for e in events if e["event"] == "exit" and e["rank"] >= 0]
+    assert sorted(placed_in_a_rank) == sorted(first)  # no new process took rank 1
+    lg = logs(tmp_path / "o")
+    assert [e["rank"] for e in lg[spare]["log"] if e["ok"]] == [1] * 35  # steps 5..39
+    spare_exit, = [e for e in events if e["event"] == "exit" and e["pid"] == lg[spare]["pid"]]
+    assert spare_exit["rank"] == -1 and spare_exit["returncode"] == 0  # started as a spare
+    ps = params(tmp_path / "o")
+    assert sorted(ps) == sorted([0, 2, spare])  # the refill never trained
+    assert all(bitwise_equal(p, reference) for p in ps.values())
+    check_survivors_kept_their_pids(tmp_path / "o", [0, 2])

@@ -175,9 +175,11 @@ def test_spares_are_used_in_the_order_they_became_ready() -> None:
     ms = Membership((0, 1))
     for s in (5, 6):
         ms.move(s, R.STARTING_SPARE)
+    assert ms.snapshot().starting_spares == (5, 6) and ms.snapshot().spares == ()
     ms.move(6, R.SPARE)
+    assert ms.snapshot().starting_spares == (5,)
     ms.move(5, R.SPARE)
-    assert ms.snapshot().spares == (6, 5)
+    assert ms.snapshot().spares == (6, 5) and ms.snapshot().starting_spares == ()
     ms.publish((0, 6), joiners=(6,))
     assert (ms.role(1), ms.role(6), ms.generation) == (R.GONE, R.HEALING, 1)
     assert ms.snapshot().unhealed == frozenset({6})
@@ -211,6 +213,52 @@ def test_fault_with_a_ready_spare_uses_it_and_refills_after_recovery() -> None:
     assert [k for k, _ in port.events].count("recovered") == 1
     recovered(rec, 1)  # the same generation again: announced once
     assert [k for k, _ in port.events].count("recovered") == 1
+
+
+def test_fault_with_a_starting_spare_calls_it_in_instead_of_a_new_process() -> None:
+    rec, port, store = make(spares=1)
+    hello(rec, 0)
+    assert port.placed == [(2, -1, True)] and rec.membership.role(2) is R.STARTING_SPARE
+    assert rec.on_exit(exit_(port, 1, -9)) is None
+    assert port.placed == [(2, -1, True)]  # no new process: the spare is seconds ahead
+    gen = store.generation()
+    assert (gen.number, gen.members, gen.joiners) == (1, (0, 2), (2,))
+    assert port.faults()[0]["reason"] == ("worker 1 (rank 1) exited with -9 (SIGKILL); "
+                                          "starting spare worker 2 takes rank 1")
+    assert rec.membership.role(2) is R.HEALING
+    hello(rec, 2, spare=True)  # its hello, once its model is built: it stays called in
+    assert rec.membership.role(2) is R.HEALING and rec.membership.snapshot().spares == ()
+    assert store.generation() == gen and port.notices() == []
+    recovered(rec, 2)
+    assert port.placed[-1] == (3, -1, True)  # the pool is refilled once recovered
+    assert rec.membership.role(2) is R.MEMBER
+
+
+def test_a_starting_spare_on_the_lost_workers_node_goes_first() -> None:
+    rec, port, store = make()
+    port.nodes = [0, 1]
+    hello(rec, 0)
+    port.place(10_002, -1, 0, True)  # the oldest, but on node 1
+    rec.add_spares([10_002])
+    near = port.allocate_id(0)
+    port.place(near, -1, 2, True)
+    rec.add_spares([near])
+    assert rec.on_exit(exit_(port, 1, -9)) is None
+    assert store.generation().members == (0, near)
+    assert rec.membership.role(10_002) is R.STARTING_SPARE
+    assert port.faults()[0]["reason"].endswith(f"; starting spare worker {near} takes rank 1")
+
+
+def test_a_called_in_starting_spare_that_dies_is_a_member_fault() -> None:
+    rec, port, store = make(spares=1)
+    hello(rec, 0)
+    rec.on_exit(exit_(port, 1, -9))  # spare 2 takes rank 1 before it is ready
+    assert rec.on_exit(exit_(port, 2, 1)) is None
+    assert port.placed[-1] == (3, 1, False)  # a new worker in the rank, no new spare yet
+    assert store.generation().members == (0, 3)
+    assert port.faults()[-1]["reason"] == ("worker 2 (rank 1) exited with 1; new worker 3 "
+                                           "takes rank 1")
+    assert rec.membership.role(2) is R.GONE and port.notices() == []
 
 
 def test_replacements_that_die_before_committing_end_in_a_crash_loop_shrink() -> None:
@@ -280,18 +328,21 @@ def test_a_late_hello_of_a_dead_spare_does_not_put_it_back_in_the_pool() -> None
 
 
 # ------------------------------------------------------------------ nodes, comm, requests
-def test_node_loss_hands_its_ranks_to_spares_elsewhere() -> None:
+@pytest.mark.parametrize("ready", [True, False], ids=["ready", "starting"])
+def test_node_loss_hands_its_ranks_to_spares_elsewhere(ready: bool) -> None:
     rec, port, store = make(nproc=2, spares=1)
     port.nodes = [0, 1]
     hello(rec, 0)
     spares = [wid for wid, _, spare in port.placed if spare]
-    for s in spares:
+    for s in spares if ready else ():
         hello(rec, s, spare=True)
     lost = [port.workers[1]]
     d = rec.on_node_lost(1, "node 1 (h)", lost, nodes_left=1, last_seen=999.0)
     assert d is None and store.generation().members == (0, spares[0])
+    assert rec.membership.role(spares[0]) is R.HEALING
     assert port.faults()[0]["reason"] == (f"node 1 (h) lost with 1 member; spare workers "
-                                          f"{spares[0]} take their ranks on 1 node")
+                                          f"{spares[0]}{'' if ready else ' (starting)'} take "
+                                          f"their ranks on 1 node")
 
 
 def test_comm_failure_rebuilds_the_current_generation_only() -> None:

@@ -159,18 +159,19 @@ class Recovery:
         node = node_of(w.worker_id)
         new_id = self.port.peek_id(node)  # allocated only if a new worker is started
         snap = self._snapshot()
-        near = tuple(sorted(snap.spares, key=lambda s: node_of(s) != node))  # same node first
         rank_key = ("rank", live.index(w.worker_id))
         healing = self.membership.role(w.worker_id) is R.HEALING
         loop = self._early_failures.get(rank_key, 0) + 1 if healing else 0
         self._early_failures[rank_key] = loop
-        d = decide_fault(replace(snap, spares=near), w.worker_id, why, new_id, crash_loop=loop)
+        snap = replace(snap, spares=_near(snap.spares, node),
+                       starting_spares=_near(snap.starting_spares, node))
+        d = decide_fault(snap, w.worker_id, why, new_id, crash_loop=loop)
         self._emit_fault({"worker": w.worker_id, "rank": live.index(w.worker_id), "why": why,
                           "decision": d.action.value, "reason": d.reason,
                           "detected_at": w.exit.wall_time})
         fault_at = w.exit.wall_time
         if d.action is FaultAction.REPLACE:
-            if d.spare_used is not None:
+            if d.spare_used is not None:  # ready or still starting: the pool is one short
                 self._refills.append((node, w.local_rank))  # the lost device goes to a spare
             else:
                 self._spawn(node, w.local_rank, rank=d.members.index(d.joiners[0]))
@@ -298,8 +299,8 @@ class Recovery:
             for node in self.port.live_nodes():
                 self._start_spares(node)
         ms.api_users.add(wid)
-        if req.spare and ms.role(wid) is R.STARTING_SPARE:
-            ms.move(wid, R.SPARE)
+        if req.spare and ms.role(wid) is R.STARTING_SPARE:  # one called in while starting is
+            ms.move(wid, R.SPARE)  # HEALING by now: its hello changes nothing
         if ms.role(wid) is R.JOINING:
             ms.move(wid, R.READY)
             self._grow_if_ready(node_of(wid))
@@ -347,6 +348,11 @@ class Recovery:
             if self.store.queue_len(REQUEST_QUEUE) == 0:
                 break
             time.sleep(0.002)
+
+
+def _near(spares: tuple[int, ...], node: int) -> tuple[int, ...]:
+    """Spares on `node` first; otherwise in the order given (oldest first: sorted is stable)."""
+    return tuple(sorted(spares, key=lambda s: node_of(s) != node))
 
 
 def _stop(d: FaultDecision, culprit: int | None) -> Decision:

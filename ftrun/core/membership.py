@@ -34,7 +34,7 @@ class WorkerRole(str, enum.Enum):
 _R = WorkerRole
 ALLOWED: dict[WorkerRole | None, frozenset[WorkerRole]] = {
     None: frozenset({_R.STARTING_SPARE, _R.JOINING, _R.HEALING, _R.MEMBER}),
-    _R.STARTING_SPARE: frozenset({_R.SPARE, _R.GONE}),
+    _R.STARTING_SPARE: frozenset({_R.SPARE, _R.HEALING, _R.GONE}),  # called in before ready
     _R.SPARE: frozenset({_R.HEALING, _R.GONE}),
     _R.JOINING: frozenset({_R.READY, _R.GONE}),
     _R.READY: frozenset({_R.HEALING, _R.GONE}),
@@ -106,7 +106,9 @@ class Membership:
                                       for m in stateful)
 
     def snapshot(self, **limits: Any) -> Snapshot:
-        """What the policy decides from: the live members, ready spares, who cannot heal
-        others; `limits` are the run's budgets (faults, max_faults, restarts_left, ...)."""
+        """What the policy decides from: the live members, ready and starting spares (each
+        oldest first), who cannot heal others; `limits` are the run's budgets (faults,
+        max_faults, restarts_left, ...)."""
         return Snapshot(members=self.live(), spares=tuple(self.with_role(WorkerRole.SPARE)),
+                        starting_spares=tuple(self.with_role(WorkerRole.STARTING_SPARE)),
                         unhealed=self.unhealed(), **limits)

@@ -84,6 +84,8 @@ class Snapshot:
 
     members: tuple[int, ...]  # live members (finished ones excluded), rank order
     spares: tuple[int, ...] = ()  # ready spares; for a member fault, its node's first
+    starting_spares: tuple[int, ...] = ()  # not ready yet, oldest first (a member fault: its
+    # node's first); still seconds ahead of a new process, so used when no ready one is left
     unhealed: frozenset[int] = frozenset()  # joiners without committed state: no source
     faults: int = 0
     max_faults: int = 0
@@ -129,10 +131,11 @@ def decide_fault(s: Snapshot, lost: int, why: str, new_worker_id: int,
         return _give_up(f"{head}; no replica left to heal from", s)
     if crash_loop >= CRASH_LOOP_LIMIT:
         return _crash_loop(head, crash_loop, rank, survivors, s.min_nproc)
-    if s.on_fault == "replace" or s.spares:  # shrink with a ready spare: no need to shrink
-        spare = s.spares[0] if s.spares else None
+    pool = s.spares + s.starting_spares
+    if s.on_fault == "replace" or pool:  # shrink with a spare: no need to shrink
+        spare = pool[0] if pool else None
         joiner = new_worker_id if spare is None else spare
-        how = f"new worker {joiner}" if spare is None else f"spare worker {joiner}"
+        how = f"new worker {joiner}" if spare is None else f"{_spare_kind(s, joiner)} {joiner}"
         new_members = survivors[:rank] + (joiner,) + survivors[rank:]
         return FaultDecision(FaultAction.REPLACE, f"{head}; {how} takes rank {rank}",
                              new_members, (joiner,), spare)
@@ -141,6 +144,10 @@ def decide_fault(s: Snapshot, lost: int, why: str, new_worker_id: int,
     return FaultDecision(FaultAction.SHRINK,
                          f"{head}; continuing with {len(survivors)}, replacement to follow",
                          survivors)
+
+
+def _spare_kind(s: Snapshot, wid: int) -> str:
+    return "spare worker" if wid in s.spares else "starting spare worker"
 
 
 def _crash_loop(head: str, count: int, rank: int, survivors: tuple[int, ...],
@@ -158,8 +165,8 @@ def _crash_loop(head: str, count: int, rank: int, survivors: tuple[int, ...],
 
 def decide_node_loss(s: Snapshot, node: str, lost: tuple[int, ...]) -> FaultDecision:
     """A whole node is gone (agent dead or unreachable): its workers leave together, in one
-    generation. Ready spares on the other nodes take their ranks; without enough of them the
-    job goes on smaller until a node joins again."""
+    generation. Spares on the other nodes take their ranks, ready ones first, then starting
+    ones; without enough of them the job goes on smaller until a node joins again."""
     survivors = tuple(m for m in s.members if m not in lost)
     gone = len(s.members) - len(survivors)
     head = f"{node} lost with {gone} member{_s(gone)}"
@@ -170,7 +177,7 @@ def decide_node_loss(s: Snapshot, node: str, lost: tuple[int, ...]) -> FaultDeci
                         f"--nnodes minimum {s.min_nodes}", s)
     if not [m for m in survivors if m not in s.unhealed]:
         return _give_up(f"{head}; no replica left to heal from", s)
-    pool, new, joiners = list(s.spares), [], []
+    pool, new, joiners = list(s.spares + s.starting_spares), [], []
     for m in s.members:
         if m not in lost:
             new.append(m)
@@ -179,8 +186,9 @@ def decide_node_loss(s: Snapshot, node: str, lost: tuple[int, ...]) -> FaultDeci
             new.append(joiners[-1])
     where = f"on {s.nodes_left} node{_s(s.nodes_left)}"
     if joiners and len(joiners) == gone:
+        named = ", ".join(f"{j}{'' if j in s.spares else ' (starting)'}" for j in joiners)
         return FaultDecision(FaultAction.REPLACE, f"{head}; spare workers "
-                             f"{', '.join(map(str, joiners))} take their ranks {where}",
+                             f"{named} take their ranks {where}",
                              tuple(new), tuple(joiners))
     used = f" ({len(joiners)} spare{_s(len(joiners))} used)" if joiners else ""
     return FaultDecision(FaultAction.SHRINK, f"{head}; continuing with {len(new)} workers "

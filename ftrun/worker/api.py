@@ -44,7 +44,7 @@ from ftrun.worker.drills import Drills
 from ftrun.worker.joining import connect, native_group, plain_group, quiet_store_warnings, warm_up
 from ftrun.worker.loader import Loader
 from ftrun.worker.rng import RandomStreams
-from ftrun.worker.waits import await_assignment, await_newer, first_generation
+from ftrun.worker.waits import await_assignment, await_newer, first_generation, watch_as_spare
 
 
 def init(backend: str | None = None, seed: int = 0) -> FaultTolerant:
@@ -115,9 +115,9 @@ class FaultTolerant:
         if wenv.spare:
             # a hot spare returns at once, so the script builds its model now; steps()
             # announces it ready and waits there to be called in
-            start = latest_number(self._store, timeouts.GENERATION_WAIT_S)
-            self._group = Group(Generation(start, ()), -1, None)
-            self._watcher = GenerationWatcher(lambda: connect(wenv), start, self._interrupt)
+            gen, self._watcher = watch_as_spare(self._store, lambda: connect(wenv),
+                                                self._interrupt)
+            self._group = Group(gen, -1, None)
             return
         send_request(self._store, Hello(self.worker_id, os.getpid(), spare=False))
         gen = first_generation(self._store, self.worker_id)

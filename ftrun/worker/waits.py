@@ -1,8 +1,8 @@
 """A worker's waits on its agent, each bounded: its first generation, a hot spare's call-in,
 and a newer generation after its communicator failed.
 
-Owns: the three loops; the worker passes its store, its generation watcher's `Interrupt` and
-a `post` callable for requests to the agent.
+Owns: the three loops, and what a hot spare watches until it is called in; the worker passes
+its store, its generation watcher's `Interrupt` and a `post` callable for requests to the agent.
 Must not import: typer, rich, NVML, the agent, worker.api. Torch is not needed.
 """
 
@@ -20,11 +20,12 @@ from ftrun.protocol.rendezvous import (
     Generation,
     Hello,
     Request,
+    Store,
     Suspect,
     latest_number,
     read_generation,
 )
-from ftrun.worker.comm import Interrupt
+from ftrun.worker.comm import GenerationWatcher, Interrupt
 
 Post = Callable[[Request], None]  # a request to the agent
 
@@ -36,6 +37,17 @@ def first_generation(store: Any, worker_id: int) -> Generation:
     while gen.rank_of(worker_id) is None:
         gen = read_generation(store, gen.number + 1, wait_s)
     return gen
+
+
+def watch_as_spare(store: Any, connect: Callable[[], Store], intr: Interrupt
+                   ) -> tuple[Generation, GenerationWatcher]:
+    """A hot spare's placeholder generation (no members, numbered just below the latest) and
+    a watcher that reports the latest generation itself, then each newer one. A spare still
+    starting may be named in the latest already (called in while it imported torch): a
+    watcher of newer ones only would leave it waiting for one that never comes. One published
+    after `latest_number` is read too: generation records stay in the store."""
+    start = latest_number(store, timeouts.GENERATION_WAIT_S) - 1
+    return Generation(start, ()), GenerationWatcher(connect, start, intr)
 
 
 def await_assignment(intr: Interrupt, worker_id: int, post: Post) -> None:
