@@ -23,6 +23,12 @@ def run(out: Path, *flags: str, script_args: tuple[str, ...] = (), env=None, npr
     return r
 
 
+def spawned(log_dir: Path) -> list[dict]:
+    """The agent's `spawned` events: how each worker process was started."""
+    lines = next(log_dir.glob("*/events.jsonl")).read_text().splitlines()
+    return [e for e in map(json.loads, lines) if e["event"] in ("spawned", "recovered")]
+
+
 def logs(out: Path) -> dict[int, dict]:
     return {int(p.stem.split("_")[1]): json.loads(p.read_text()) for p in out.glob("log_*.json")}
 
@@ -48,9 +54,14 @@ def check_survivors_kept_their_pids(out: Path, survivors: list[int]) -> None:
 
 @pytest.mark.parametrize("comm", ["native", "fresh"])
 def test_replace_is_bitwise_equal_to_the_fault_free_run(reference, tmp_path, comm) -> None:
-    r = run(tmp_path / "o", "--comm", comm, script_args=("--die", "1:10"))
+    r = run(tmp_path / "o", "--comm", comm, "--log-dir", str(tmp_path / "logs"),
+            script_args=("--die", "1:10"))
     assert r.returncode == 0, r.stderr
     assert "worker 1 (rank 1) exited with -9 (SIGKILL); new worker 3 takes rank 1" in r.stderr
+    started = [e for e in spawned(tmp_path / "logs") if e["event"] == "spawned"]
+    assert [(e["worker"], e["via"]) for e in started] == [(0, "zygote"), (1, "zygote"),
+                                                           (2, "zygote"), (3, "zygote")]
+    assert len({e["zygote"] for e in started}) == 1  # the replacement came from the same one
     ps = params(tmp_path / "o")
     assert sorted(ps) == [0, 2, 3]
     assert all(bitwise_equal(p, reference) for p in ps.values())
@@ -108,9 +119,16 @@ def test_hot_spare_takes_the_lost_rank(tmp_path) -> None:
     args = ("--steps", "80", "--step-time", "0.05")
     ref = run(tmp_path / "ref", script_args=args)
     assert ref.returncode == 0, ref.stderr
-    r = run(tmp_path / "o", "--spares", "1", script_args=(*args, "--die", "1:60"))
+    r = run(tmp_path / "o", "--spares", "1", "--log-dir", str(tmp_path / "logs"),
+            script_args=(*args, "--die", "1:60"))
     assert r.returncode == 0, r.stderr
     assert "spare worker 3 takes rank 1" in r.stderr
+    seen = spawned(tmp_path / "logs")
+    kinds = [(e["event"], e.get("spare"), e.get("via")) for e in seen]
+    # the refill starts once the job recovered, forked like every other worker
+    assert kinds == [("spawned", False, "zygote")] * 3 + [("spawned", True, "zygote"),
+                                                          ("recovered", None, None),
+                                                          ("spawned", True, "zygote")]
     ps = params(tmp_path / "o")
     assert sorted(ps) == [0, 2, 3]
     assert all(bitwise_equal(p, params(tmp_path / "ref")[0]) for p in ps.values())

@@ -1,8 +1,9 @@
 """Spawning, watching and signalling worker processes.
 
 Owns: starting a worker in its own session with a parent-death signal, a pollable handle on
-its exit (pidfd), group signalling, and the guardian that kills worker groups if the agent
-itself is SIGKILLed.
+its exit (pidfd) whether the agent started it or adopted it (a worker the zygote forked is
+reparented to the agent, a child subreaper), reaping what else is reparented to it, group
+signalling, and the guardian that kills worker groups if the agent itself is SIGKILLed.
 Must not import: torch, typer, rich, the agent.
 """
 
@@ -16,9 +17,10 @@ import subprocess
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import IO
+from typing import IO, Protocol
 
 _PR_SET_PDEATHSIG = 1
+_PR_SET_CHILD_SUBREAPER = 36
 
 
 def _libc() -> ctypes.CDLL | None:
@@ -40,15 +42,73 @@ def _child_setup(parent_pid: int) -> None:
         os._exit(137)
 
 
+def die_with_parent() -> bool:
+    """Be SIGKILLed when the parent dies; False where prctl is missing."""
+    return _PRCTL is not None and _PRCTL(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) == 0
+
+
+def become_subreaper(on: bool = True) -> bool:
+    """Adopt orphaned descendants (the workers a zygote forks): they can then be waited for,
+    and die with this process. False where the kernel refuses."""
+    return _PRCTL is not None and _PRCTL(_PR_SET_CHILD_SUBREAPER, int(on), 0, 0, 0) == 0
+
+
+class Child(Protocol):
+    """What the agent needs of a worker process: subprocess.Popen or an adopted child."""
+
+    @property
+    def pid(self) -> int: ...
+    @property
+    def returncode(self) -> int | None: ...
+    def poll(self) -> int | None: ...
+
+
+class Adopted:
+    """A child this process did not fork itself (reparented to it): Popen's poll() for it."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            try:
+                pid, status = os.waitpid(self.pid, os.WNOHANG)
+            except ChildProcessError:  # reaped by someone else: its status is lost
+                self.returncode = 255
+                return self.returncode
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+
+def reap_strays(owned: set[int]) -> int:
+    """Reap exited children that nobody waits for: a dead worker's own children, which the
+    kernel hands to a subreaper. Stops at the first exited child in `owned` (its owner reaps
+    it; the next call sees past it). Returns how many were reaped."""
+    reaped = 0
+    while True:
+        try:
+            info = os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+        except ChildProcessError:
+            return reaped
+        if info is None or info.si_pid in owned or info.si_pid == 0:
+            return reaped
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(info.si_pid, os.WNOHANG)
+        reaped += 1
+
+
 @dataclass
 class Spawned:
-    popen: subprocess.Popen[bytes]
+    process: Child
     pidfd: int | None
     started_at: float
+    via: str = "exec"  # "zygote": forked from the pre-imported zygote
 
     @property
     def pid(self) -> int:
-        return self.popen.pid
+        return self.process.pid
 
     def close(self) -> None:
         if self.pidfd is not None:
@@ -61,6 +121,7 @@ def spawn(
     env: Mapping[str, str],
     stdout: int | IO[bytes] | None = None,
     stderr: int | IO[bytes] | None = None,
+    pass_fds: Sequence[int] = (),
 ) -> Spawned:
     """Start one worker in a new session (pid == pgid == sid), killed if the agent dies."""
     parent = os.getpid()
@@ -71,12 +132,19 @@ def spawn(
         stdout=stdout,
         stderr=stderr,
         start_new_session=True,
+        pass_fds=tuple(pass_fds),
         preexec_fn=lambda: _child_setup(parent),
     )
-    return Spawned(popen=popen, pidfd=_pidfd(popen.pid), started_at=time.monotonic())
+    return Spawned(process=popen, pidfd=pidfd_of(popen.pid), started_at=time.monotonic())
 
 
-def _pidfd(pid: int) -> int | None:
+def adopt(pid: int) -> Spawned:
+    """A worker the zygote forked, now this process's child."""
+    return Spawned(process=Adopted(pid), pidfd=pidfd_of(pid), started_at=time.monotonic(),
+                   via="zygote")
+
+
+def pidfd_of(pid: int) -> int | None:
     try:
         return os.pidfd_open(pid)
     except (AttributeError, OSError):

@@ -178,6 +178,9 @@ class ControlPlane:
                              "needs a script that uses the ftrun worker API",
                              hint="use --kind kill, segv or hang without --at-step")
         by_rank = {self._rank_of(w): w for w in self.port.live_members()}
+        if not by_rank:
+            raise FtrunError("no worker of this job is running yet (it is starting or "
+                             "restarting its workers)", hint="try again in a moment")
         if rank not in by_rank:
             here = sorted(by_rank)
             multi = self.port.spec.nnodes_max > 1

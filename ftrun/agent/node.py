@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from dataclasses import replace
 
 from ftrun.adapters.logs import RunLogs
-from ftrun.adapters.procs import Guardian, signal_group, spawn
+from ftrun.adapters.procs import Guardian, signal_group
 from ftrun.adapters.report import WorkerExit
 from ftrun.adapters.slots import ProgressSlots
 from ftrun.adapters.store import LOOPBACK, HostedStore, QueueReader, advertised_addr, client
@@ -29,6 +29,7 @@ from ftrun.agent.journal import Journal
 from ftrun.agent.nodehooks import NodeHooks
 from ftrun.agent.recovery import Recovery
 from ftrun.agent.roster import Outcome, RemoteWorker, RunResult, Worker
+from ftrun.agent.starter import WorkerStarter
 from ftrun.agent.watch import CHECK_EVERY_S, HealthWatch
 from ftrun.core import timeouts
 from ftrun.core.events import Event, EventSink
@@ -67,8 +68,10 @@ class Agent(NodeHooks):
         guardian = Guardian()  # before any thread or socket exists
         self._guardian = guardian
         self._wakeup.install(self.spec.signals_to_handle)
+        self.starter = WorkerStarter(self.spec, lambda kind, fields: self.emit(kind, fields))
         try:
             self._prepare_env()
+            self.starter.open(self.base_env)  # the zygote imports torch meanwhile
             self.logs = RunLogs(self.spec, self.run_id)
             events = os.path.join(self.logs.run_dir, "events.jsonl") if self.logs.run_dir else None
             self.journal = Journal(self._sink, events)
@@ -94,6 +97,7 @@ class Agent(NodeHooks):
                 self.health.close()
             if hasattr(self, "journal"):
                 self.journal.close()
+            self.starter.close()
             guardian.close()
             self._wakeup.close()
 
@@ -198,8 +202,8 @@ class Agent(NodeHooks):
         env = {**self.base_env, **wenv.to_env()}
         self.slots.reset(worker_id)  # no progress of an earlier attempt's worker
         try:
-            spawned = spawn(worker_argv(self.spec, self.base_env, local_rank), env,
-                            streams.stdout, streams.stderr)
+            spawned = self.starter.start(worker_argv(self.spec, self.base_env, local_rank), env,
+                                         streams.stdout, streams.stderr)
         except OSError as exc:
             streams.close()
             raise spawn_error(self.spec, exc) from exc
@@ -209,6 +213,9 @@ class Agent(NodeHooks):
         self._workers.append(worker)
         if self._sel is not None and spawned.pidfd is not None:
             self._sel.register(spawned.pidfd, selectors.EVENT_READ, worker)
+        self.emit(Event.SPAWNED, {"worker": worker_id, "rank": rank, "local_rank": local_rank,
+                                  "pid": spawned.pid, "via": spawned.via, "spare": spare,
+                                  "zygote": self.starter.zygote_pid(spawned)})
         return worker
 
     def live_members(self) -> list[Worker]:
@@ -304,15 +311,18 @@ class Agent(NodeHooks):
                 ready.append(key.data)
         ended = []
         for w in [*ready, *(w for w in self._workers if w not in ready)]:
-            if w.alive and w.spawned.popen.poll() is not None:
+            if w.alive and w.spawned.process.poll() is not None:
                 if w.spawned.pidfd is not None:
                     sel.unregister(w.spawned.pidfd)  # before close(): the fd number is reused
                 self._record_exit(w)
                 ended.append(w)
+        self.starter.reap_strays([w.spawned.pid for w in self._workers if w.alive],
+                                 self._guardian.pid)
         return ended
 
     def _record_exit(self, w: Worker) -> None:
-        code = w.spawned.popen.returncode
+        code = w.spawned.process.returncode
+        assert code is not None  # poll() saw the exit
         by_launcher = w.state is WorkerState.STOPPING
         drill = self.journal.pending_drill(w.worker_id)
         w.exit = WorkerExit(rank=w.rank, local_rank=w.local_rank, pid=w.spawned.pid,

@@ -19,6 +19,7 @@ from ftrun.adapters.slots import ProgressSlots
 from ftrun.agent.journal import Journal
 from ftrun.agent.recovery import Recovery
 from ftrun.agent.roster import RemoteWorker, Worker
+from ftrun.agent.starter import WorkerStarter
 from ftrun.agent.watch import Finding, HealthWatch, Kill, Rebuild
 from ftrun.core.events import Event, EventSink
 from ftrun.core.policy import Decision, Liveness
@@ -33,6 +34,7 @@ class NodeHooks:
     health: HealthWatch
     slots: ProgressSlots
     journal: Journal
+    starter: WorkerStarter
     _workers: list[Worker]
     _next_id: int
     _killed: set[tuple[int, int]]  # (attempt, worker id) the health watch had killed
@@ -116,5 +118,7 @@ class NodeHooks:
         return self.run_id if self.run_id != "none" else f"none-{os.getpid()}"
 
     def decorate_status(self, doc: dict[str, Any]) -> dict[str, Any]:
-        return doc
+        forked = [w.spawned.pid for w in list(self._workers)
+                  if w.alive and w.spawned.via == "zygote"]
+        return {**doc, "zygote": self.starter.describe(forked)}
 

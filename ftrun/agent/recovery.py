@@ -171,11 +171,12 @@ class Recovery:
                           "detected_at": w.exit.wall_time})
         fault_at = w.exit.wall_time
         if d.action is FaultAction.REPLACE:
+            # published first: the survivors re-form while the replacement starts
+            self._publish(d.members, d.reason, True, fault_at, d.joiners)
             if d.spare_used is not None:  # ready or still starting: the pool is one short
                 self._refills.append((node, w.local_rank))  # the lost device goes to a spare
             else:
                 self._spawn(node, w.local_rank, rank=d.members.index(d.joiners[0]))
-            self._publish(d.members, d.reason, True, fault_at, d.joiners)
             return None
         if d.action is FaultAction.SHRINK:
             self._publish(d.members, d.reason, True, fault_at)

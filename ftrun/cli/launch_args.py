@@ -121,6 +121,11 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
         "(default: 10x the p95 step time, at least 10 s; 300 s until 10 steps are measured)")
     opt("straggler-factor", default="1.5", help="a rank this many times slower is flagged")
     flag("evict-stragglers", help="replace a flagged straggler")
+    opt("preload", default="", help="modules the zygote imports before forking workers, "
+        "comma-separated (the script's heavy imports; torch is preloaded when the script "
+        "imports torch or ftrun)")
+    flag("no-zygote", help="start every worker as a new process instead of forking it from "
+         "a pre-imported zygote")
     p.add_argument("training_script", nargs="?", help="the training script (or module)")
     p.add_argument("training_script_args", nargs=argparse.REMAINDER)
     return p
@@ -192,7 +197,18 @@ def parse_run_args(
                                                                  "--hang-timeout", positive=True),
         straggler_factor=_straggler_factor(ns.straggler_factor),
         evict_stragglers=ns.evict_stragglers,
+        zygote=not ns.no_zygote,
+        preload=_parse_preload(ns.preload),
     )
+
+
+def _parse_preload(text: str) -> tuple[str, ...]:
+    names = tuple(n.strip() for n in text.split(",") if n.strip())
+    for name in names:
+        if not all(part.isidentifier() for part in name.split(".")):
+            raise UsageError(f"--preload {name!r} is not a module name",
+                             hint="give importable module names, e.g. --preload numpy,mylib.data")
+    return names
 
 
 def _check_multinode(ns: argparse.Namespace, nmin: int, nmax: int,

@@ -15,6 +15,7 @@ from ftrun.core.states import TextEnum
 
 class Event(TextEnum):
     STARTED = "started"  # an attempt's workers run
+    SPAWNED = "spawned"  # a worker process started (forked from the zygote, or exec'd)
     EXIT = "exit"  # a worker process ended
     FAILURE = "failure"  # torchrun's path: a failure that restarts or ends the job
     RESTART = "restart"  # a whole-group restart

@@ -84,8 +84,6 @@ class Snapshot:
 
     members: tuple[int, ...]  # live members (finished ones excluded), rank order
     spares: tuple[int, ...] = ()  # ready spares; for a member fault, its node's first
-    starting_spares: tuple[int, ...] = ()  # not ready yet, oldest first (a member fault: its
-    # node's first); still seconds ahead of a new process, so used when no ready one is left
     unhealed: frozenset[int] = frozenset()  # joiners without committed state: no source
     faults: int = 0
     max_faults: int = 0
@@ -94,6 +92,8 @@ class Snapshot:
     min_nproc: int = 1
     nodes_left: int = 1
     min_nodes: int = 1
+    starting_spares: tuple[int, ...] = ()  # not ready yet, oldest first (a member fault: its
+    # node's first); still ahead of a new process, so used when no ready one is left
 
     @property
     def over_budget(self) -> bool:

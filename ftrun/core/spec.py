@@ -83,6 +83,8 @@ class RunSpec:
     hang_timeout: float | None = None  # seconds; None: derived from step times
     straggler_factor: float = 1.5
     evict_stragglers: bool = False
+    zygote: bool = True  # fork workers from a pre-imported process (--no-zygote: off)
+    preload: tuple[str, ...] = ()  # modules the zygote imports besides torch (--preload)
 
     @property
     def entry_name(self) -> str:

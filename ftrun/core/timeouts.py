@@ -12,6 +12,9 @@ KILL_REAP_S = 5.0  # after SIGKILL, how long to wait for the exit to be reported
 STORE_CLIENT_CONNECT_S = 60.0  # worker -> agent store connection
 STORE_SERVER_START_S = 30.0  # agent binding its TCPStore
 LOG_DRAIN_S = 2.0  # reader threads flushing a dead worker's last output
+ZYGOTE_READY_S = 180.0  # the zygote importing torch and the --preload modules (slow shared FS)
+ZYGOTE_FORK_S = 3.0  # the zygote answering one fork request with the worker's pid
+ZYGOTE_REPARENT_S = 5.0  # a forked worker waiting to become the agent's child
 
 # Multi-node (each overridable with --rdzv-conf heartbeat=, node_timeout=, suspect_timeout=,
 # join_timeout=, last_call_timeout=)

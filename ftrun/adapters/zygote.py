@@ -1,0 +1,187 @@
+"""The agent's handle on its zygote: start it, wait for its preloads, ask it for workers.
+
+Owns: starting `python -u -m ftrun.worker.zygote` in a session of its own (dying with the
+agent), the socket to it, the one fork request at a time and its answer, whether a script
+wants torch preloaded (a look at its imports), and the zygote's end.
+Must not import: torch, typer, rich, the agent, the worker library.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import os
+import re
+import signal
+import socket
+import subprocess
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from ftrun.adapters.procs import Spawned, adopt, spawn
+from ftrun.core import timeouts
+from ftrun.protocol.zygote import (
+    ChannelClosed,
+    Fork,
+    Forked,
+    ForkFailed,
+    Message,
+    Ready,
+    Refused,
+    recv,
+    send,
+)
+
+_IMPORTS_TORCH = re.compile(rb"^\s*(?:import|from)\s+(?:torch|ftrun)\b", re.MULTILINE)
+
+
+class ZygoteState(str, enum.Enum):
+    STARTING = "starting"  # importing its preloads
+    READY = "ready"
+    REFUSED = "refused"  # its preloads made forking unsafe, or one failed to import
+    GONE = "gone"  # died, did not answer, or was closed
+
+
+class ZygoteGone(Exception):
+    """The zygote cannot fork workers (any more): start them as new processes."""
+
+
+@dataclass(frozen=True)
+class Target:
+    """What a worker command line runs, when the zygote can run it: `python -u [-m] X ...`."""
+
+    module: bool
+    target: str
+    args: tuple[str, ...]
+
+    @classmethod
+    def of(cls, argv: Sequence[str], python: str) -> Target | None:
+        if len(argv) < 3 or argv[0] != python or argv[1] != "-u":
+            return None  # --no-python, or another interpreter
+        if argv[2] == "-m":
+            return cls(True, argv[3], tuple(argv[4:])) if len(argv) > 3 else None
+        return cls(False, argv[2], tuple(argv[3:]))
+
+
+def wants_torch(script: str, module: bool, run_path: bool) -> bool:
+    """Preload torch when the script imports torch or ftrun (or when its source is not a file
+    this can read: a module run with -m). Scripts without torch skip its seconds of import."""
+    if module and not run_path:
+        return True
+    try:
+        with open(script, "rb") as f:
+            return bool(_IMPORTS_TORCH.search(f.read()))
+    except OSError:
+        return True
+
+
+def memory_kb(pid: int) -> dict[str, int]:
+    """A process's resident, proportional and shared (with the zygote and its other forks:
+    copy-on-write pages never written) sizes, in kB; {} once it is gone."""
+    fields = {"Rss": "rss_kb", "Pss": "pss_kb", "Shared_Clean": "shared_kb",
+              "Shared_Dirty": "shared_kb"}
+    out: dict[str, int] = {}
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as f:
+            for line in f:
+                name, _, rest = line.partition(":")
+                if name in fields:
+                    key = fields[name]
+                    out[key] = out.get(key, 0) + int(rest.split()[0])
+    except (OSError, ValueError, IndexError):
+        return {}
+    return out
+
+
+class Zygote:
+    def __init__(self, python: str, env: Mapping[str, str], preload: Sequence[str],
+                 with_torch: bool) -> None:
+        self.python = python
+        self.preload = tuple(preload)
+        self.ready: Ready | None = None
+        self.refused: Refused | None = None
+        self.forks = 0
+        self._closed = False
+        self._sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        argv = [python, "-u", "-m", "ftrun.worker.zygote", "--fd", str(theirs.fileno())]
+        argv += (["--torch"] if with_torch else []) + (
+            ["--preload", ",".join(self.preload)] if self.preload else [])
+        try:
+            self._proc = spawn(argv, env, subprocess.DEVNULL, None, pass_fds=(theirs.fileno(),))
+        finally:
+            theirs.close()
+        self.state = ZygoteState.STARTING
+
+    @property
+    def pid(self) -> int:
+        return self._proc.pid
+
+    def wait_ready(self, timeout_s: float = timeouts.ZYGOTE_READY_S) -> ZygoteState:
+        """Block until the zygote has its preloads (or refuses, dies, or takes too long)."""
+        if self.state is not ZygoteState.STARTING:
+            return self.state
+        try:
+            msg = self._answer(timeout_s)
+        except ZygoteGone:
+            return self.state
+        if isinstance(msg, Ready):
+            self.ready, self.state = msg, ZygoteState.READY
+        elif isinstance(msg, Refused):
+            self.refused = msg
+            self.close(ZygoteState.REFUSED)
+        else:
+            self.close()
+        return self.state
+
+    def fork(self, target: Target, env: Mapping[str, str], stdout: int, stderr: int
+             ) -> Spawned:
+        """One worker, forked; raises ZygoteGone when the zygote cannot."""
+        if self.wait_ready() is not ZygoteState.READY:
+            raise ZygoteGone(self.state.value)
+        req = Fork(target.module, target.target, target.args, dict(env), os.getcwd())
+        try:
+            send(self._sock, req, (stdout, stderr))
+        except ChannelClosed as exc:
+            self.close()
+            raise ZygoteGone(str(exc)) from exc
+        msg = self._answer(timeouts.ZYGOTE_FORK_S)
+        if isinstance(msg, Forked):
+            self.forks += 1
+            return adopt(msg.pid)
+        self.close()
+        if isinstance(msg, ForkFailed):
+            raise ZygoteGone(msg.error)
+        raise ZygoteGone(f"unexpected answer {msg}")
+
+    def _answer(self, timeout_s: float) -> Message:
+        try:
+            msg, fds = recv(self._sock, timeout_s)
+        except ChannelClosed as exc:
+            self.close()
+            raise ZygoteGone(str(exc)) from exc
+        for fd in fds:
+            os.close(fd)
+        return msg
+
+    def alive(self) -> bool:
+        return self.state in (ZygoteState.STARTING, ZygoteState.READY) and \
+            self._proc.process.poll() is None
+
+    def rss_kb(self) -> int:
+        """The zygote's resident size now (0 once it is gone)."""
+        return memory_kb(self.pid).get("rss_kb", 0)
+
+    def close(self, state: ZygoteState = ZygoteState.GONE) -> None:
+        """End the zygote (it holds no state): close its socket, SIGKILL it, reap it."""
+        if self._closed:
+            return
+        self._closed, self.state = True, state
+        with contextlib.suppress(OSError):
+            self._sock.close()
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.pid, signal.SIGKILL)
+        with contextlib.suppress(ChildProcessError, subprocess.TimeoutExpired):
+            popen = self._proc.process
+            if isinstance(popen, subprocess.Popen):
+                popen.wait(timeouts.KILL_REAP_S)
+        self._proc.close()

@@ -1,0 +1,190 @@
+"""The zygote: one pre-imported, single-threaded process per node that forks workers.
+
+Owns: importing torch, ftrun's worker side and the `--preload` modules once, checking that the
+process is still safe to fork (one thread, no CUDA context), a warm-up of torch's lazy first
+uses, and answering the agent's fork requests. A request is served by a double fork: the
+middle process exits at once, so the worker is handed to the agent (a child subreaper), which
+waits for it, signals its group and sees its exit through a pidfd as for any worker.
+Run as `python -u -m ftrun.worker.zygote --fd N [--torch] [--preload a,b]`; it serves until the
+agent closes the socket, and dies with the agent.
+Must not import: typer, rich, NVML, the agent. Torch only when asked to (--torch).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import importlib
+import os
+import select
+import signal
+import socket
+import sys
+import time
+
+from ftrun.core import timeouts
+from ftrun.protocol.zygote import (
+    ChannelClosed,
+    Fork,
+    Forked,
+    ForkFailed,
+    Ready,
+    Refused,
+    recv,
+    send,
+)
+from ftrun.worker.forked import Plan, become_worker
+
+# what ftrun.init() and a training step load lazily, so that a forked worker finds it loaded
+TORCH_MODULES = ("torch", "torch.distributed", "torch.nn.parallel", "torch.optim",
+                 "ftrun.worker.api", "ftrun.worker.comm", "ftrun.worker.joining",
+                 "ftrun.worker.transfer", "ftrun.worker.buckets", "ftrun.worker.aligning",
+                 "ftrun.worker.loader", "ftrun.worker.rng")
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="ftrun.worker.zygote")
+    ap.add_argument("--fd", type=int, required=True)
+    ap.add_argument("--torch", action="store_true")
+    ap.add_argument("--preload", default="")
+    ns = ap.parse_args(argv)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the agent decides when the zygote ends
+    agent_pid = os.getppid()
+    sock = socket.socket(fileno=ns.fd)
+    preloads = [m for m in ns.preload.split(",") if m]
+    answer = preload(preloads, ns.torch)
+    try:
+        send(sock, answer)
+    except ChannelClosed:
+        return
+    if isinstance(answer, Refused):
+        return
+    plan = serve(sock, agent_pid)
+    if plan is not None:
+        become_worker(plan)  # this process is a worker now; the interpreter exits after it
+
+
+def preload(modules: list[str], with_torch: bool) -> Ready | Refused:
+    started = time.monotonic()
+    # torch.cuda.is_available() through NVML: no CUDA context, which would not survive fork
+    os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"
+    names = [*(TORCH_MODULES if with_torch else ()), *modules]
+    for name in names:
+        try:
+            importlib.import_module(name)
+        except BaseException as exc:  # noqa: BLE001 - SystemExit from a module, too
+            return Refused("preload", name, f"{type(exc).__name__}: {exc}")
+        refusal = _unsafe_after(name)
+        if refusal is not None:
+            return refusal
+    if "torch" in sys.modules:
+        _warm_torch()
+        refusal = _unsafe_after("torch (warm-up)")
+        if refusal is not None:
+            return refusal
+    gc.collect()
+    gc.freeze()  # the collector then leaves these objects' pages shared with the workers
+    return Ready(os.getpid(), tuple(names), round(time.monotonic() - started, 3), _rss_kb())
+
+
+def _unsafe_after(name: str) -> Refused | None:
+    """Forking a process with threads can deadlock the child (a lock held mid-operation
+    by a thread that does not exist there); CUDA does not survive fork at all."""
+    threads = len(os.listdir("/proc/self/task"))
+    if threads > 1:
+        return Refused("threads", name, f"{threads - 1} thread(s) started at import")
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        return Refused("cuda", name, "CUDA initialised at import")
+    return None
+
+
+def _warm_torch() -> None:
+    """Pay torch's lazy first uses once here (the first optimizer imports ~900 modules,
+    ~0.8 s), on tensors too small to start a thread pool; the RNG is left as it was."""
+    import torch
+
+    state = torch.random.get_rng_state()
+    layer = torch.nn.Linear(2, 2)
+    opt = torch.optim.AdamW(layer.parameters())
+    layer(torch.ones(1, 2)).sum().backward()
+    opt.step()
+    opt.zero_grad()
+    torch.random.set_rng_state(state)
+
+
+def _rss_kb() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    return 0
+
+
+def serve(sock: socket.socket, agent_pid: int) -> Plan | None:
+    """Answer fork requests until the agent closes the socket. Returns in a forked worker
+    only, with its orders."""
+    while True:
+        try:
+            msg, fds = recv(sock, timeout_s=None)  # idle until asked: the agent owns our life
+        except ChannelClosed:
+            return None
+        if not isinstance(msg, Fork) or len(fds) != 2:
+            for fd in fds:
+                os.close(fd)
+            send(sock, ForkFailed(f"expected a fork request with 2 descriptors, got {msg}"))
+            continue
+        plan = _fork(msg, fds[0], fds[1], agent_pid, sock)
+        if plan is not None:
+            return plan
+
+
+def _fork(req: Fork, stdout: int, stderr: int, agent_pid: int,
+          sock: socket.socket) -> Plan | None:
+    """Fork the worker through a middle process; None here, its Plan in the worker."""
+    read_fd, write_fd = os.pipe()
+    zygote_pid = os.getpid()
+    try:
+        middle = os.fork()
+    except OSError as exc:  # out of processes or memory: the agent starts this one itself
+        for fd in (read_fd, write_fd, stdout, stderr):
+            os.close(fd)
+        send(sock, ForkFailed(f"fork: {exc.strerror}"))
+        return None
+    if middle == 0:
+        try:
+            if os.fork() != 0:
+                os._exit(0)  # the worker is handed to the agent as this process ends
+            os.close(read_fd)
+            sock.close()
+            return Plan(req, stdout, stderr, write_fd, agent_pid, zygote_pid)
+        except BaseException:  # noqa: BLE001 - never back into the zygote's loop
+            os._exit(1)
+    os.close(write_fd)
+    os.close(stdout)
+    os.close(stderr)
+    try:
+        pid = _read_pid(read_fd)
+    finally:
+        os.close(read_fd)
+        os.waitpid(middle, 0)  # once the middle is gone, the worker is the agent's child
+    send(sock, Forked(pid) if pid else ForkFailed("the forked worker did not start"))
+    return None
+
+
+def _read_pid(read_fd: int) -> int:
+    """The worker's pid, written once it leads its own session; 0 if it never was."""
+    deadline = time.monotonic() + timeouts.ZYGOTE_FORK_S
+    data = b""
+    while (left := deadline - time.monotonic()) > 0:
+        if not select.select([read_fd], [], [], left)[0]:
+            break
+        chunk = os.read(read_fd, 32)
+        if not chunk:
+            break
+        data += chunk
+    return int(data) if data.isdigit() else 0
+
+
+if __name__ == "__main__":
+    main()

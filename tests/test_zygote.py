@@ -1,0 +1,144 @@
+"""Workers forked from the zygote: started as python would start them, visible as forked, and
+the fallbacks (--no-zygote, a failing or threaded --preload, the zygote killed mid-run).
+
+The launcher runs plain-Python fixtures (no torch): the zygote then preloads no torch."""
+import json
+import os
+import signal
+import socket
+import subprocess
+from pathlib import Path
+
+from conftest import FIXTURES, ftrun_cmd, run_ftrun, wait_for
+
+from ftrun.adapters.zygote import Target, wants_torch
+from ftrun.protocol.zygote import Fork, Forked, Ready, Refused, decode, recv, send
+
+PROBE = str(FIXTURES / "zygote_probe.py")
+
+
+def probes(out: Path) -> dict[str, dict]:
+    return {p.stem.removeprefix("probe_"): json.loads(p.read_text())
+            for p in out.glob("probe_*.json")}
+
+
+def events(logs: Path, kind: str) -> list[dict]:
+    found = []
+    for path in logs.glob("*/events.jsonl"):
+        found += [e for e in map(json.loads, path.read_text().splitlines()) if e["event"] == kind]
+    return found
+
+
+def test_forked_workers_start_as_python_would_start_them(tmp_path) -> None:
+    runs = {}
+    for name, flags in (("forked", ["--preload", "colorsys"]), ("exec", ["--no-zygote"])):
+        out = tmp_path / name
+        out.mkdir()
+        r = run_ftrun("--nproc", "2", "--log-dir", str(tmp_path / f"logs_{name}"), *flags,
+                      PROBE, str(out), timeout=60)
+        assert r.returncode == 0, r.stderr
+        assert "probe rank 1 on stdout" in r.stdout and "probe rank 0 on stderr" in r.stderr
+        runs[name] = probes(out)
+    forked, spawned = runs["forked"], runs["exec"]
+    assert sorted(forked) == sorted(spawned) == ["0_0", "1_0"]
+    by_agent = events(tmp_path / "logs_forked", "spawned")
+    assert [e["via"] for e in by_agent] == ["zygote", "zygote"]
+    assert [e["via"] for e in events(tmp_path / "logs_exec", "spawned")] == ["exec", "exec"]
+    for key in ("0_0", "1_0"):
+        f, s = forked[key], spawned[key]
+        assert f["zygote"] == by_agent[0]["zygote"] != 0 and s["zygote"] == 0
+        assert f["zygote"] != f["ppid"]  # forked by the zygote, yet the agent's child
+        assert f["sid"] == f["pgid"] == f["pid"]
+        assert f["preloaded"] == ["colorsys"] and s["preloaded"] == []
+        assert f["argv"] == [PROBE, str(tmp_path / "forked")]
+        for k in ("name", "path0", "cwd", "file", "main_is_me", "fds", "stdin",
+                  "sigint", "sigterm", "sigpipe", "blocked", "rank_env", "restart"):
+            assert f[k] == s[k], (k, f[k], s[k])
+    assert forked["0_0"]["ppid"] == forked["1_0"]["ppid"]
+
+
+def test_a_preload_that_fails_to_import_is_a_one_line_error(tmp_path) -> None:
+    r = run_ftrun("--nproc", "2", "--preload", "no_such_module_xq", PROBE, str(tmp_path))
+    assert r.returncode == 2
+    assert "--preload no_such_module_xq: ModuleNotFoundError" in r.stderr
+    assert "drop it from --preload" in r.stderr and "Traceback" not in r.stderr
+    assert not list(tmp_path.glob("probe_*.json"))  # no worker started
+
+
+def test_a_bad_preload_name_is_refused_before_anything_starts(tmp_path) -> None:
+    r = run_ftrun("--preload", "not a module", PROBE, str(tmp_path))
+    assert r.returncode == 2 and "is not a module name" in r.stderr
+
+
+def test_a_preload_that_starts_threads_falls_back_to_new_processes(tmp_path) -> None:
+    r = run_ftrun("--nproc", "2", "--log-dir", str(tmp_path / "logs"), "--preload",
+                  "threaded_mod", PROBE, str(tmp_path), env={"PYTHONPATH": str(FIXTURES)})
+    assert r.returncode == 0, r.stderr
+    assert "importing threaded_mod started threads" in r.stderr
+    assert "(drop threaded_mod from --preload)" in r.stderr
+    assert [e["via"] for e in events(tmp_path / "logs", "spawned")] == ["exec", "exec"]
+    assert all(p["zygote"] == 0 for p in probes(tmp_path).values())
+
+
+def test_the_zygote_killed_mid_run_falls_back_and_the_job_finishes(tmp_path) -> None:
+    logs = tmp_path / "logs"
+    proc = subprocess.Popen(ftrun_cmd("--nproc", "2", "--max-restarts", "1", "--log-dir",
+                                      str(logs), PROBE, str(tmp_path), "--fail-first"),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        first = wait_for(lambda: len(probes(tmp_path)) == 2 and events(logs, "spawned"), 30,
+                         "the first attempt's workers")
+        assert isinstance(first, list)
+        zygote = first[0]["zygote"]
+        assert zygote and all(e["via"] == "zygote" for e in first)
+        os.kill(zygote, signal.SIGKILL)
+        (tmp_path / "go").touch()
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err
+    assert f"the zygote (pid {zygote}) is gone; starting workers as new processes" in err
+    spawned = events(logs, "spawned")
+    assert [e["via"] for e in spawned] == ["zygote", "zygote", "exec", "exec"]
+    assert sorted(probes(tmp_path)) == ["0_0", "0_1", "1_0", "1_1"]
+
+
+# ------------------------------------------------------------------ units
+def test_messages_round_trip_with_their_descriptors() -> None:
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    with ours, theirs:
+        r, w = os.pipe()
+        try:
+            req = Fork(False, "train.py", ("--x", "1"), {"RANK": "0"}, "/tmp")
+            send(ours, req, (w, w))
+            got, fds = recv(theirs, 1.0)
+            assert got == req and len(fds) == 2
+            for fd in fds:
+                os.close(fd)
+        finally:
+            os.close(r)
+            os.close(w)
+        send(theirs, Ready(7, ("torch",), 1.5, 100))
+        assert recv(ours, 1.0)[0] == Ready(7, ("torch",), 1.5, 100)
+    assert decode(b'{"type": "Refused", "why": "threads", "module": "m", "detail": "d"}') == \
+        Refused("threads", "m", "d")
+    assert decode(b'{"type": "Forked", "pid": 3}') == Forked(3)
+
+
+def test_only_python_command_lines_are_forked() -> None:
+    py = "/usr/bin/python3"
+    assert Target.of([py, "-u", "t.py", "a"], py) == Target(False, "t.py", ("a",))
+    assert Target.of([py, "-u", "-m", "pkg.mod", "a"], py) == Target(True, "pkg.mod", ("a",))
+    assert Target.of(["./run.sh", "a"], py) is None  # --no-python
+    assert Target.of(["/other/python", "-u", "t.py"], py) is None  # PYTHON_EXEC elsewhere
+
+
+def test_torch_is_preloaded_only_for_scripts_that_import_it(tmp_path) -> None:
+    plain, uses = tmp_path / "plain.py", tmp_path / "uses.py"
+    plain.write_text("import json\nprint('no torch here')\n")
+    uses.write_text("import os\nif True:\n    from torch import nn\n")
+    assert not wants_torch(str(plain), module=False, run_path=False)
+    assert wants_torch(str(uses), module=False, run_path=False)
+    assert wants_torch("pkg.train", module=True, run_path=False)
+    assert wants_torch(str(tmp_path / "missing.py"), module=False, run_path=False)
