@@ -2,8 +2,10 @@
 (--mode ftrun) or as a plain torchrun + DDP script that checkpoints to disk every
 --ckpt-every steps and resumes from the last checkpoint after a restart (--mode ddp).
 
-Appends JSON lines to OUT/events.jsonl: {"ev": "step", "step", "t", "rank"} for every
-committed step, and {"ev": "kill", "t"} just before the victim SIGKILLs itself.
+Appends JSON lines to OUT/events.jsonl: {"ev": "step", "step", "t", "rank", "world", "pid"}
+for every committed step, and {"ev": "kill", "t"} just before the victim SIGKILLs itself.
+With --dump, each rank that finishes as a member saves its final parameters to
+OUT/params_<rank>.pt (bench_storm.py compares them bitwise; a spare never called in saves none).
 """
 from __future__ import annotations
 
@@ -37,6 +39,12 @@ def log(out: str, **ev: object) -> None:
         f.write(json.dumps(ev) + "\n")
 
 
+def dump(out: str, rank: int, m: torch.nn.Module) -> None:
+    path = os.path.join(out, f"params_{rank}.pt")
+    torch.save(m.state_dict(), path + ".tmp")
+    os.replace(path + ".tmp", path)
+
+
 VICTIM = os.environ.get("RANK") == os.environ.get("BENCH_KILL_RANK", "1")  # rank at start
 
 
@@ -60,7 +68,10 @@ def run_ftrun(a: argparse.Namespace) -> None:
         torch.nn.functional.mse_loss(m(x[sl]), y[sl]).backward()
         maybe_die(a, step, first_life)
         if ft.commit(opt):
-            log(a.out, ev="step", step=step, t=time.time(), rank=ft.rank, world=ft.world_size)
+            log(a.out, ev="step", step=step, t=time.time(), rank=ft.rank, world=ft.world_size,
+                pid=os.getpid())
+    if a.dump and ft.rank >= 0:
+        dump(a.out, ft.rank, m)
     ft.close()
 
 
@@ -87,11 +98,13 @@ def run_ddp(a: argparse.Namespace) -> None:
         maybe_die(a, step, first_life)
         torch.nn.functional.mse_loss(m(x[sl]), y[sl]).backward()
         opt.step()
-        log(a.out, ev="step", step=step, t=time.time(), rank=rank, world=world)
+        log(a.out, ev="step", step=step, t=time.time(), rank=rank, world=world, pid=os.getpid())
         if rank == 0 and (step + 1) % a.ckpt_every == 0:
             torch.save({"model": m.module.state_dict(), "opt": opt.state_dict(),
                         "step": step + 1}, ckpt + ".tmp")
             os.replace(ckpt + ".tmp", ckpt)
+    if a.dump:
+        dump(a.out, rank, m.module)
     dist.destroy_process_group()
 
 
@@ -103,6 +116,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--kill-step", type=int, default=-1)
     ap.add_argument("--ckpt-every", type=int, default=10)
+    ap.add_argument("--dump", action="store_true", help="save final parameters (see above)")
     a = ap.parse_args()
     (run_ftrun if a.mode == "ftrun" else run_ddp)(a)
 
