@@ -5,6 +5,7 @@
 launch:  launcher started -> every rank finished its first all-reduce
 restart: rank 1 crashes after its first all-reduce -> every rank's first all-reduce in the
          restarted attempt (a torchrun restart that hangs past --timeout counts as a hang)
+ftrun runs twice: forking its workers from the zygote (the default) and with --no-zygote.
 Prints medians per launcher and the ftrun/torchrun ratio (below 1 is better for ftrun).
 """
 from __future__ import annotations
@@ -21,6 +22,7 @@ import time
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bench_worker.py")
 LAUNCHERS = {
     "ftrun": [sys.executable, "-m", "ftrun"],
+    "ftrun-exec": [sys.executable, "-m", "ftrun", "--no-zygote"],  # workers not forked
     "torchrun": [sys.executable, "-m", "torch.distributed.run"],
 }
 
@@ -67,11 +69,13 @@ def main() -> None:
             shown = [round(v, 3) if v else v for v in vals]
             print(f"  {kind:8s} {launcher:9s} median {meds[launcher]:7.3f}  "
                   f"completed {len(done)}/{len(vals)}  all {shown}")
-        if meds["torchrun"] == meds["torchrun"]:  # not NaN
-            print(f"  {kind:8s} ratio ftrun/torchrun = {meds['ftrun'] / meds['torchrun']:.2f}")
-        else:  # every torchrun run hung: its latency is at least the timeout
-            print(f"  {kind:8s} ratio ftrun/torchrun < {meds['ftrun'] / a.timeout:.3f} "
-                  f"(torchrun hung past {a.timeout:.0f}s in every run)")
+        for ours in ("ftrun", "ftrun-exec"):
+            if meds["torchrun"] == meds["torchrun"]:  # not NaN
+                print(f"  {kind:8s} ratio {ours}/torchrun = "
+                      f"{meds[ours] / meds['torchrun']:.2f}")
+            else:  # every torchrun run hung: its latency is at least the timeout
+                print(f"  {kind:8s} ratio {ours}/torchrun < {meds[ours] / a.timeout:.3f} "
+                      f"(torchrun hung past {a.timeout:.0f}s in every run)")
 
 
 if __name__ == "__main__":

@@ -3,7 +3,8 @@ same machine, one invocation.
 
     python scripts/bench_recovery.py [--nproc 4] [--steps 60] [--kill-step 35]
 
-Per ftrun policy (replace with a hot spare, shrink, replace with a cold replacement) and for
+Per ftrun policy (replace with a hot spare, shrink, replace with no spare: a worker forked
+from the zygote, and the same with --no-zygote: a new process importing torch) and for
 torchrun (DDP, checkpoint every 10 steps, --max-restarts 1, restart from the checkpoint):
   recovery  kill -> the first commit of the killed step or a later one (any rank)
   lost      committed steps computed twice by a rank (torchrun: kill step - last checkpoint)
@@ -73,7 +74,8 @@ def main() -> None:
     rows = {
         "replace + hot spare": measure("ftrun", n, ["--spares", "1"], s, k),
         "shrink": measure("ftrun", n, ["--on-fault", "shrink"], s, k),
-        "replace, cold start": measure("ftrun", n, [], s, k),
+        "replace, no spare": measure("ftrun", n, [], s, k),
+        "ditto, --no-zygote": measure("ftrun", n, ["--no-zygote"], s, k),
     }
     print(f"{n} workers, gloo on CPU, {s} steps, SIGKILL of rank 1 at step {k}; "
           f"torchrun: DDP, checkpoint every 10 steps, whole-group restart")

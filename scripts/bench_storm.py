@@ -52,11 +52,24 @@ STOP_S = 30.0  # a failed run's launcher, after SIGTERM, to stop its workers
 Event = dict[str, Any]
 
 
-def zygote_memory(run_dir: str) -> dict[str, float] | None:
-    """HOOK for the zygote: memory the ftrun run spent on its zygote (e.g. the zygote's RSS,
-    the forked workers' shared and private memory), read from the run's log directory
-    `run_dir`. None while ftrun has no zygote; the report prints whatever dict it returns."""
-    return None
+def zygote_memory(proc: subprocess.Popen[bytes], ev: Events, a: argparse.Namespace
+                  ) -> dict[str, float] | None:
+    """Half-way through a fault-free ftrun run, from `ftrun status --json`: the zygote's
+    resident size and, per forked worker (mean), resident, shared (copy-on-write pages it
+    still shares) and proportional sizes, in MB. None without a zygote."""
+    while proc.poll() is None and max((e["step"] for e in ev.steps), default=-1) < a.steps // 2:
+        time.sleep(POLL_S)
+        ev.read()
+    r = subprocess.run([sys.executable, "-m", "ftrun", "status", "--json"], capture_output=True,
+                       text=True, timeout=STOP_S)
+    z = json.loads(r.stdout).get("zygote", {}) if r.returncode == 0 else {}
+    workers = z.get("workers") or []
+    if "rss_kb" not in z or not workers:
+        return None
+    mean = {k: statistics.mean(w.get(k, 0) for w in workers) / 1024
+            for k in ("rss_kb", "shared_kb", "pss_kb")}
+    return {"zygote_rss_mb": round(z["rss_kb"] / 1024, 1), "workers": len(workers),
+            **{f"worker_{k[:-3]}_mb": round(v, 1) for k, v in mean.items()}}
 
 
 class Events:
@@ -130,8 +143,10 @@ def command(kind: str, a: argparse.Namespace, out: str) -> list[str]:
 
 
 def launch(kind: str, a: argparse.Namespace, out: str, faults: bool
-           ) -> tuple[list[Event], list[Event]]:
-    """Run one launcher to the end (storming it if `faults`): its kills and its commits."""
+           ) -> tuple[list[Event], list[Event], dict[str, float] | None]:
+    """Run one launcher to the end (storming it if `faults`): its kills, its commits, and
+    (fault-free ftrun) the zygote's memory."""
+    memory = None
     env = {**os.environ, "OMP_NUM_THREADS": "1", "LOGLEVEL": "ERROR",
            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
     ev = Events(os.path.join(out, "events.jsonl"), a.nproc)
@@ -140,6 +155,8 @@ def launch(kind: str, a: argparse.Namespace, out: str, faults: bool
                                 start_new_session=True)
         try:
             kills = storm(proc, ev, a) if faults else []
+            if kind == "ftrun" and not faults:
+                memory = zygote_memory(proc, ev, a)
             rc = proc.wait(timeout=RUN_TIMEOUT_S)
         finally:
             if proc.poll() is None:  # the benchmark failed: the launcher stops its workers
@@ -154,7 +171,7 @@ def launch(kind: str, a: argparse.Namespace, out: str, faults: bool
     ev.read()
     for k in kills:  # the killer may not have read the last commits before its kill yet
         k["step"] = in_progress(ev.steps, k["t"])
-    return kills, sorted(ev.steps, key=lambda e: e["t"])
+    return kills, sorted(ev.steps, key=lambda e: e["t"]), memory
 
 
 def nearest_rank(xs: list[float], q: float) -> float | None:
@@ -202,10 +219,9 @@ def run_pair(kind: str, a: argparse.Namespace) -> tuple[dict[str, Any], dict[str
     rows = []
     for faults in (False, True):
         with tempfile.TemporaryDirectory(prefix=f"storm_{kind}_") as out:
-            row = summarize(*launch(kind, a, out, faults), out)
-            logs = os.path.join(out, "logs")  # ftrun's --log-dir: the run's directory is in it
-            found = sorted(os.listdir(logs)) if os.path.isdir(logs) else []
-            row["memory"] = zygote_memory(os.path.join(logs, found[0])) if found else None
+            kills, steps, memory = launch(kind, a, out, faults)
+            row = summarize(kills, steps, out)
+            row["memory"] = memory
             rows.append(row)
     ref = rows[0]["params"].get(0)
     for row in rows:

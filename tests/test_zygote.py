@@ -7,6 +7,7 @@ import os
 import signal
 import socket
 import subprocess
+import time
 from pathlib import Path
 
 from conftest import FIXTURES, ftrun_cmd, run_ftrun, wait_for
@@ -142,3 +143,17 @@ def test_torch_is_preloaded_only_for_scripts_that_import_it(tmp_path) -> None:
     assert wants_torch(str(uses), module=False, run_path=False)
     assert wants_torch("pkg.train", module=True, run_path=False)
     assert wants_torch(str(tmp_path / "missing.py"), module=False, run_path=False)
+
+
+def test_ctrl_c_while_the_zygote_still_imports_stops_the_run_at_once(tmp_path) -> None:
+    proc = subprocess.Popen(ftrun_cmd("--preload", "slow_mod", PROBE, str(tmp_path)),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1",
+                                 "PYTHONPATH": str(FIXTURES)})
+    try:
+        time.sleep(2)  # the agent waits for the zygote's 30 s import
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=15)  # not the zygote's 30 s, nor its 180 s limit
+    finally:
+        proc.kill()
+    assert proc.returncode != 0 and "received SIGINT" in err, err

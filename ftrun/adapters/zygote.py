@@ -12,13 +12,16 @@ import contextlib
 import enum
 import os
 import re
+import select
 import signal
 import socket
 import subprocess
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from ftrun.adapters.procs import Spawned, adopt, spawn
+from ftrun.adapters.wakeup import Wakeup
 from ftrun.core import timeouts
 from ftrun.protocol.zygote import (
     ChannelClosed,
@@ -116,12 +119,23 @@ class Zygote:
     def pid(self) -> int:
         return self._proc.pid
 
-    def wait_ready(self, timeout_s: float = timeouts.ZYGOTE_READY_S) -> ZygoteState:
-        """Block until the zygote has its preloads (or refuses, dies, or takes too long)."""
+    def wait_ready(self, timeout_s: float = timeouts.ZYGOTE_READY_S,
+                   wakeup: Wakeup | None = None) -> ZygoteState:
+        """Block until the zygote has its preloads (or refuses, dies, or takes too long);
+        STARTING still when the agent received a signal meanwhile (through `wakeup`)."""
         if self.state is not ZygoteState.STARTING:
             return self.state
+        deadline = time.monotonic() + timeout_s
+        while wakeup is not None:
+            ready = select.select([self._sock, wakeup.reader], [], [],
+                                  max(0.0, deadline - time.monotonic()))[0]
+            if self._sock in ready or not ready:
+                break
+            if wakeup.signals:
+                return self.state
+            wakeup.drain()  # another thread's wake: the agent's loop looks at all anyway
         try:
-            msg = self._answer(timeout_s)
+            msg = self._answer(max(0.0, deadline - time.monotonic()))
         except ZygoteGone:
             return self.state
         if isinstance(msg, Ready):

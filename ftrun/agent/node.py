@@ -68,7 +68,8 @@ class Agent(NodeHooks):
         guardian = Guardian()  # before any thread or socket exists
         self._guardian = guardian
         self._wakeup.install(self.spec.signals_to_handle)
-        self.starter = WorkerStarter(self.spec, lambda kind, fields: self.emit(kind, fields))
+        self.starter = WorkerStarter(self.spec, lambda kind, fields: self.emit(kind, fields),
+                                     self._wakeup)
         try:
             self._prepare_env()
             self.starter.open(self.base_env)  # the zygote imports torch meanwhile

@@ -14,6 +14,7 @@ from collections.abc import Mapping, Sequence
 from typing import IO, Any
 
 from ftrun.adapters.procs import Spawned, become_subreaper, reap_strays, spawn
+from ftrun.adapters.wakeup import Wakeup
 from ftrun.adapters.zygote import (
     Target,
     Zygote,
@@ -30,9 +31,10 @@ _NEW = "starting workers as new processes"
 
 
 class WorkerStarter:
-    def __init__(self, spec: RunSpec, emit: EventSink) -> None:
+    def __init__(self, spec: RunSpec, emit: EventSink, wakeup: Wakeup | None = None) -> None:
         self.spec = spec
         self.emit = emit
+        self.wakeup = wakeup  # the agent's: a signal stops the wait for the zygote
         self.zygote: Zygote | None = None
         self.subreaper = False
         self.state = "off"  # what `ftrun status` shows: off | starting | ready | gone | refused
@@ -74,7 +76,10 @@ class WorkerStarter:
         zygote = self.zygote
         if zygote is None:
             return None
-        state = zygote.wait_ready()
+        state = zygote.wait_ready(wakeup=self.wakeup)
+        if state is ZygoteState.STARTING:  # the agent is stopping: no reason to wait on
+            self._give_up("interrupted while the zygote started", "gone", quiet=True)
+            return None
         if state is ZygoteState.READY and zygote.alive():
             self.state = "ready"
             return zygote

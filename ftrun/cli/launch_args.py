@@ -15,6 +15,7 @@ import signal
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NoReturn
 
+from ftrun.cli.cluster_env import slurm_defaults
 from ftrun.core import timeouts
 from ftrun.core.errors import UsageError
 from ftrun.core.spec import RunSpec, StdMask
@@ -152,7 +153,7 @@ def parse_run_args(
             ns.master_addr = host
             ns.master_port = endpoint_port if endpoint_port is not None else (
                 ns.master_port or STATIC_DEFAULT_PORT)
-    _slurm_defaults(ns, env)
+    slurm_defaults(ns, env)
     nmin, nmax = _parse_nnodes(str(ns.nnodes))
     if ns.rdzv_backend not in ("static", "c10d"):
         raise UsageError(f"--rdzv-backend {ns.rdzv_backend!r} is not supported",
@@ -227,32 +228,6 @@ def _check_multinode(ns: argparse.Namespace, nmin: int, nmax: int,
     if ns.rdzv_backend == "static" and _int(ns.node_rank, "--node-rank", 0) >= nmax:
         raise UsageError(f"--node-rank {ns.node_rank} is not below --nnodes {nmax}",
                          hint=f"use --node-rank 0..{nmax - 1} (0 serves the store)")
-
-
-def _slurm_defaults(ns: argparse.Namespace, env: Mapping[str, str]) -> None:
-    """Under `srun ftrun ...` (one task per node), SLURM already knows what torchrun asks
-    for: the node count, this node's rank and the first node, which serves the store."""
-    nodes = env.get("SLURM_STEP_NUM_NODES") or ""
-    if not nodes.isdigit() or int(nodes) < 2 or ns.nnodes != "1:1" or ns.standalone:
-        return  # not a multi-node step, or the user said it themselves
-    ns.nnodes = nodes
-    if ns.node_rank == "0":  # one task per node: the task's rank within this step
-        one_per_node = env.get("SLURM_STEP_NUM_TASKS") == nodes
-        ns.node_rank = env.get("SLURM_PROCID" if one_per_node else "SLURM_NODEID", "0")
-    first = first_host(env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST", ""))
-    if ns.rdzv_backend == "static" and ns.master_addr == "127.0.0.1" and first:
-        ns.master_addr = first
-    ns.master_port = ns.master_port or "29500"
-
-
-def first_host(nodelist: str) -> str:
-    """The first host of a SLURM node list: `gpu[03-05,9],cpu1` -> `gpu03`."""
-    head = nodelist.split(",")[0] if "[" not in nodelist.split(",")[0] else \
-        nodelist[:nodelist.index("]") + 1]
-    if "[" not in head:
-        return head.strip()
-    prefix, _, ranges = head.partition("[")
-    return prefix + ranges.rstrip("]").split(",")[0].split("-")[0]
 
 
 def resolve_nproc(value: str, gpu_count: Callable[[], int] | None = None) -> int:
