@@ -31,7 +31,9 @@ def one(launcher: str, nproc: int, crash: bool, timeout: float) -> float | None:
     with tempfile.TemporaryDirectory() as out:
         cmd = [*LAUNCHERS[launcher], "--nproc-per-node", str(nproc),
                "--max-restarts", "1" if crash else "0", WORKER, out, "0" if crash else "-1"]
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "LOGLEVEL": "ERROR"}
+        # torchrun's restarts hang on gloo with its shared store (pytorch#135712)
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "LOGLEVEL": "ERROR",
+               "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
         start = time.time()
         try:
             subprocess.run(cmd, env=env, timeout=timeout, capture_output=True)

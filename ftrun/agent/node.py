@@ -110,8 +110,10 @@ class Agent(NodeHooks):
             self.restarts = restarts
             try:
                 self.worker_port = hosted.port
+                if self.starter.zygote is not None:
+                    hosted.serve()  # imports torch while the zygote imports its own
                 self._start_group(restarts, hosted)
-                hosted.serve()  # imports torch while the workers import theirs
+                hosted.serve()  # (new processes:) imports torch while the workers import theirs
                 if self.spec.on_fault != "restart":
                     self._start_recovery(hosted)
                 outcome = self._supervise()

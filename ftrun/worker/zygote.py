@@ -40,6 +40,7 @@ TORCH_MODULES = ("torch", "torch.distributed", "torch.nn.parallel", "torch.optim
                  "ftrun.worker.api", "ftrun.worker.comm", "ftrun.worker.joining",
                  "ftrun.worker.transfer", "ftrun.worker.buckets", "ftrun.worker.aligning",
                  "ftrun.worker.loader", "ftrun.worker.rng")
+WARM_WHEN_IDLE_S = 0.2  # no fork request for this long: time for torch's warm-up
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -75,11 +76,6 @@ def preload(modules: list[str], with_torch: bool) -> Ready | Refused:
         except BaseException as exc:  # noqa: BLE001 - SystemExit from a module, too
             return Refused("preload", name, f"{type(exc).__name__}: {exc}")
         refusal = _unsafe_after(name)
-        if refusal is not None:
-            return refusal
-    if "torch" in sys.modules:
-        _warm_torch()
-        refusal = _unsafe_after("torch (warm-up)")
         if refusal is not None:
             return refusal
     gc.collect()
@@ -123,8 +119,16 @@ def _rss_kb() -> int:
 
 def serve(sock: socket.socket, agent_pid: int) -> Plan | None:
     """Answer fork requests until the agent closes the socket. Returns in a forked worker
-    only, with its orders."""
+    only, with its orders. Torch's warm-up waits for the first quiet moment: the first
+    workers are not kept waiting for it."""
+    cold = "torch" in sys.modules
     while True:
+        if cold and not select.select([sock], [], [], WARM_WHEN_IDLE_S)[0]:
+            cold = False
+            _warm_torch()
+            if _unsafe_after("torch (warm-up)") is not None:
+                return None  # the agent sees the zygote gone and starts new processes
+            gc.freeze()
         try:
             msg, fds = recv(sock, timeout_s=None)  # idle until asked: the agent owns our life
         except ChannelClosed:
