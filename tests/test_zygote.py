@@ -7,6 +7,7 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -157,3 +158,35 @@ def test_ctrl_c_while_the_zygote_still_imports_stops_the_run_at_once(tmp_path) -
     finally:
         proc.kill()
     assert proc.returncode != 0 and "received SIGINT" in err, err
+
+
+def test_orphans_handed_to_the_agent_are_reaped_and_its_own_children_left() -> None:
+    code = r'''
+import os, time
+from ftrun.adapters.procs import Adopted, become_subreaper, reap_strays
+assert become_subreaper()
+def orphan(code):
+    r, w = os.pipe()
+    if os.fork() == 0:
+        pid = os.fork()
+        if pid == 0:
+            os._exit(code)
+        os.write(w, str(pid).encode())
+        os._exit(0)
+    return int(os.read(r, 32))
+mine = orphan(7)
+time.sleep(0.3)  # it exited and was handed to this process, as a forked worker is
+reap_strays({mine})  # leaves it to its owner
+code = Adopted(mine).poll()
+reap_strays(set())
+stray = orphan(0)
+time.sleep(0.3)
+reaped = reap_strays(set())  # the stray and its parent
+try:
+    left = os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG)
+except ChildProcessError:
+    left = "none"
+print(code, reaped, left)
+'''
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30)
+    assert r.stdout.split() == ["7", "2", "none"], (r.stdout, r.stderr)

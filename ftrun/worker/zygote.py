@@ -97,15 +97,15 @@ def _unsafe_after(name: str) -> Refused | None:
 
 def _warm_torch() -> None:
     """Pay torch's lazy first uses once here (the first optimizer imports ~900 modules,
-    ~0.8 s), on tensors too small to start a thread pool; the RNG is left as it was."""
+    ~0.8 s), what a hot spare pays while it waits, on tensors too small to start a thread
+    pool; the RNG is left as it was."""
     import torch
 
+    from ftrun.worker.joining import warm_up
+
     state = torch.random.get_rng_state()
-    layer = torch.nn.Linear(2, 2)
-    opt = torch.optim.AdamW(layer.parameters())
-    layer(torch.ones(1, 2)).sum().backward()
-    opt.step()
-    opt.zero_grad()
+    warm_up()
+    torch.nn.functional.linear(torch.ones(1, 2), torch.ones(2, 2)).sum()
     torch.random.set_rng_state(state)
 
 
