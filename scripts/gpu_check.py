@@ -11,7 +11,8 @@ reconfigure path where torch has it, transfer.pack/unpack (bitwise), whether Gro
 for the GPU, whether a group whose peer never comes is abandoned. cuda-hang: a CUDA kernel
 that spins for good on one rank is detected by progress alone and recovered (gpu_check_hang.py:
 one rank and a whole-group restart; two ranks on one GPU, replaced in-process). nccl-job:
-ftrun --nproc 1 on train_ddp.py, clean, then its worker killed (whole-group restart).
+ftrun --nproc 1 on train_ddp.py, clean (its worker forked from the zygote: CUDA after fork),
+then its worker killed (whole-group restart, forked again).
 nccl-2gpu: in-process recovery with 2 workers (2 GPUs; gloo in the dry run). overlap: exposed
 communication per step, ftrun's buckets vs DDP (2 GPUs; gloo in the dry run). Each section
 ends PASS, FAIL or SKIP with a one-line reason and never stops the next; a hung child dumps

@@ -242,6 +242,15 @@ class Job:
         return rc
 
 
+def events(log_dir: str) -> list[dict[str, Any]]:
+    """The agent's events.jsonl of the one run under `log_dir`."""
+    found = []
+    for run in os.listdir(log_dir):
+        with open(os.path.join(log_dir, run, "events.jsonl")) as f:
+            found += [json.loads(line) for line in f]
+    return found
+
+
 def ftrun_cli(env: dict[str, str], *args: str, timeout: float = 20.0
               ) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "ftrun", *args], cwd=ROOT, env=env,
@@ -285,8 +294,14 @@ def sec_nccl_job(a: argparse.Namespace) -> None:
     out = env["FTRUN_RUN_DIR"]
 
     def clean() -> None:
-        job = Job(env, "clean", "--nproc", "1", *gpus, TRAIN, "--steps", "200", "--out", out)
+        logs = os.path.join(out, "logs")
+        job = Job(env, "clean", "--nproc", "1", "--log-dir", logs, *gpus, TRAIN, "--steps",
+                  "200", "--out", out)
         check(job.wait(90) == 0, "the clean run failed")
+        # the worker was forked from the zygote, which imported torch without touching CUDA
+        via = [e.get("via") for e in events(logs) if e["event"] == "spawned"]
+        say(f"worker started via {via}")
+        check(via == ["zygote"], "the worker was not forked from the zygote")
         import torch
 
         state = torch.load(os.path.join(out, "params_0.pt"), weights_only=True)
