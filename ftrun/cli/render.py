@@ -98,6 +98,9 @@ def status_tables(doc: Mapping[str, Any]) -> list[Any]:
     head.add_row("uptime", f"{doc['uptime_s']:.0f}s", "generation", str(doc["generation"]))
     head.add_row("world size", str(doc["world_size"]), "policy",
                  f"{doc['policy']} (spares {doc['spares']})")
+    zygote = doc.get("zygote")
+    if zygote:
+        head.add_row("zygote", _zygote_text(zygote), "", "")
     nodes = doc.get("nodes")
     if nodes:
         served = doc.get("served_by")
@@ -121,6 +124,14 @@ def status_tables(doc: Mapping[str, Any]) -> list[Any]:
         out.append(fault_table("faults", doc["faults"][-10:]))
         out += [f"  #{f['id']}: {f['reason']}" for f in doc["faults"][-5:]]
     return out
+
+
+def _zygote_text(z: Mapping[str, Any]) -> str:
+    """`ready, pid 41, 677 MB, 5 forks` or `off (--no-zygote)`."""
+    if "pid" not in z:
+        return f"{z.get('state', 'off')} ({z.get('why_not') or 'no zygote'})"
+    return (f"{z['state']}, pid {z['pid']}, {z.get('rss_kb', 0) / 1024:.0f} MB, "
+            f"{z.get('forks', 0)} forks")
 
 
 def fault_table(title: str, faults: Sequence[Mapping[str, Any]]) -> Any:
