@@ -22,6 +22,7 @@ import socket
 import sys
 import time
 
+from ftrun.adapters.zygote import memory_kb
 from ftrun.core import timeouts
 from ftrun.protocol.zygote import (
     ChannelClosed,
@@ -80,7 +81,8 @@ def preload(modules: list[str], with_torch: bool) -> Ready | Refused:
             return refusal
     gc.collect()
     gc.freeze()  # the collector then leaves these objects' pages shared with the workers
-    return Ready(os.getpid(), tuple(names), round(time.monotonic() - started, 3), _rss_kb())
+    return Ready(os.getpid(), tuple(names), round(time.monotonic() - started, 3),
+                 memory_kb(os.getpid()).get("rss_kb", 0))
 
 
 def _unsafe_after(name: str) -> Refused | None:
@@ -107,14 +109,6 @@ def _warm_torch() -> None:
     warm_up()
     torch.nn.functional.linear(torch.ones(1, 2), torch.ones(2, 2)).sum()
     torch.random.set_rng_state(state)
-
-
-def _rss_kb() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1])
-    return 0
 
 
 def serve(sock: socket.socket, agent_pid: int) -> Plan | None:
