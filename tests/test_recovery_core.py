@@ -53,6 +53,7 @@ class FakePort:
     workers: dict[int, RemoteWorker] = field(default_factory=dict)
     placed: list[tuple[int, int, bool]] = field(default_factory=list)  # (id, rank, spare)
     suspects: int = 0
+    snapshot: tuple[int, int] = (-1, 0)  # (newest snapshot step, restarts resumed from it)
 
     def __post_init__(self) -> None:
         for i in range(self.spec.nproc):
@@ -99,6 +100,9 @@ class FakePort:
 
     def remote_liveness(self) -> list[Liveness]:
         return []
+
+    def resumable(self) -> tuple[int, int]:
+        return self.snapshot
 
     def suspect(self) -> None:
         self.suspects += 1

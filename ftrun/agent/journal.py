@@ -39,7 +39,9 @@ class FaultRecord:
     phases_ms: dict[str, float] = field(default_factory=dict)
     lost_steps: int = 0  # committed before the fault, minus the step training resumed from
     committed_before: int = -1
-    lost_from: float | None = None  # wall clock where lost work starts (a restart: the attempt)
+    lost_from: float | None = None  # wall clock where lost work starts (a restart: the attempt;
+    # a restart that resumed from a snapshot: when the snapshot was taken)
+    resumed_step: int | None = None  # a whole-group restart resumed from this snapshot step
 
 
 class Journal:
@@ -51,10 +53,12 @@ class Journal:
         self.started_at = time.time()
         self._attempt_started_at = self.started_at
         self._restarting: list[FaultRecord] = []  # faults a whole-group restart answers
+        self._restarted: list[FaultRecord] = []  # ...and that the attempt's resume may answer
         self._folds = {Event.FAULT: self._on_fault, Event.FAILURE: self._on_failure,
                        Event.RESTART: self._on_restart, Event.STARTED: self._on_started,
                        Event.GENERATION: self._on_generation,
-                       Event.RECOVERED: self._on_recovered}  # what fault records are made of
+                       Event.RECOVERED: self._on_recovered,
+                       Event.RESUMED: self._on_resumed}  # what fault records are made of
 
     def close(self) -> None:
         if self._file is not None:
@@ -114,10 +118,12 @@ class Journal:
                                        phases_ms={"detected": round((now - at) * 1000, 1)}))
 
     def _on_restart(self, f: Mapping[str, object]) -> None:
+        """Every fault not recovered yet is answered by the restart (a replacement that was
+        still healing when the last replica died included)."""
         for rec in self.faults:
-            if not rec.recovered and rec.decision in ("fail", "restart-group") and \
-                    rec not in self._restarting:
-                rec.decision = "restart-group"
+            if not rec.recovered and rec not in self._restarting:
+                if rec.decision == "fail":
+                    rec.decision = "restart-group"
                 self._restarting.append(rec)
 
     def _on_started(self, f: Mapping[str, object]) -> None:
@@ -132,8 +138,21 @@ class Journal:
             if rec.committed_before >= 0:
                 rec.lost_steps = rec.committed_before
                 rec.lost_from = self._attempt_started_at
-        self._restarting = []
+        self._restarted, self._restarting = self._restarting, []
         self._attempt_started_at = now
+
+    def _on_resumed(self, f: Mapping[str, object]) -> None:
+        """The restarted workers resumed from a snapshot (the first one to say so counts): only
+        the steps after it were lost, and the time since it was taken; recovery ends here."""
+        step, taken_at = int(str(f["step"])), float(str(f["taken_at"]))
+        for rec in self._restarted:
+            rec.recovery_ms = round((float(str(f["loaded_at"])) - rec.at) * 1000, 1)
+            rec.phases_ms = {**rec.phases_ms, "resumed": rec.recovery_ms}
+            if rec.committed_before >= 0:
+                rec.lost_steps = max(0, rec.committed_before - step)
+                rec.lost_from = min(taken_at, rec.at)
+            rec.resumed_step = step
+        self._restarted = []
 
     def _on_generation(self, f: Mapping[str, object]) -> None:
         if not f.get("urgent"):

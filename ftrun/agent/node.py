@@ -29,6 +29,7 @@ from ftrun.agent.journal import Journal
 from ftrun.agent.nodehooks import NodeHooks
 from ftrun.agent.recovery import Recovery
 from ftrun.agent.roster import Outcome, RemoteWorker, RunResult, Worker
+from ftrun.agent.snapshots import SnapshotKeeper
 from ftrun.agent.starter import WorkerStarter
 from ftrun.agent.watch import CHECK_EVERY_S, HealthWatch
 from ftrun.core import timeouts
@@ -77,6 +78,7 @@ class Agent(NodeHooks):
             events = os.path.join(self.logs.run_dir, "events.jsonl") if self.logs.run_dir else None
             self.journal = Journal(self._sink, events)
             self.emit = self.journal.emit
+            self.snapshots = SnapshotKeeper(self.spec, self.run_id, 0, self.emit)
             self.progress_dir = (os.path.join(self.logs.run_dir, "progress") if self.logs.run_dir
                                  else tempfile.mkdtemp(prefix="ftrun_progress_"))
             os.makedirs(self.progress_dir, exist_ok=True)
@@ -96,6 +98,8 @@ class Agent(NodeHooks):
                 self.slots.close()
             if hasattr(self, "health"):
                 self.health.close()
+            if hasattr(self, "snapshots"):
+                self.snapshots.close()
             if hasattr(self, "journal"):
                 self.journal.close()
             self.starter.close()
@@ -133,6 +137,7 @@ class Agent(NodeHooks):
                 if stop_sig is not None:
                     return self._signal_result(stop_sig, restarts)
                 if decision.action is Action.RESTART_GROUP:
+                    self.snapshots.restarting()
                     restarts += 1
                     self.emit(Event.RESTART, {"reason": decision.reason, "attempt": restarts})
                     continue
@@ -202,6 +207,7 @@ class Agent(NodeHooks):
                           error_file=streams.error_file, spare=spare,
                           progress_dir=self.progress_dir, world_size=self.world_size,
                           group_rank=self.group_rank, group_world_size=self.group_world_size)
+        wenv = replace(wenv, **self.snapshots.worker_fields(worker_id, self.restarts))
         env = {**self.base_env, **wenv.to_env()}
         self.slots.reset(worker_id)  # no progress of an earlier attempt's worker
         try:

@@ -19,6 +19,7 @@ from ftrun.adapters.slots import ProgressSlots
 from ftrun.agent.journal import Journal
 from ftrun.agent.recovery import Recovery
 from ftrun.agent.roster import RemoteWorker, Worker
+from ftrun.agent.snapshots import SnapshotKeeper
 from ftrun.agent.starter import WorkerStarter
 from ftrun.agent.watch import Finding, HealthWatch, Kill, Rebuild
 from ftrun.core.events import Event, EventSink
@@ -35,6 +36,7 @@ class NodeHooks:
     slots: ProgressSlots
     journal: Journal
     starter: WorkerStarter
+    snapshots: SnapshotKeeper
     _workers: list[Worker]
     _next_id: int
     _killed: set[tuple[int, int]]  # (attempt, worker id) the health watch had killed
@@ -77,6 +79,7 @@ class NodeHooks:
     def _tick(self) -> Decision | None:
         membership = self.recovery.membership if self.recovery is not None else None
         self.act(self.health.tick(membership, time.time()))
+        self.snapshots.drain()
         return None
 
     def act(self, findings: list[Finding]) -> None:
@@ -109,6 +112,9 @@ class NodeHooks:
         signal_group(w.spawned.pid, signal.SIGKILL)
         return True
 
+    def resumable(self) -> tuple[int, int]:
+        return self.snapshots.resumable()
+
     def uses_api(self) -> bool:
         return self.recovery is not None and self.recovery.uses_api
 
@@ -120,5 +126,6 @@ class NodeHooks:
     def decorate_status(self, doc: dict[str, Any]) -> dict[str, Any]:
         forked = [w.spawned.pid for w in list(self._workers)
                   if w.alive and w.spawned.via == "zygote"]
-        return {**doc, "zygote": self.starter.describe(forked)}
+        return {**doc, "zygote": self.starter.describe(forked),
+                "snapshot": self.snapshots.describe(time.time())}
 

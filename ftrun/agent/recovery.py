@@ -41,6 +41,7 @@ from ftrun.protocol.rendezvous import (
     Hello,
     Recovered,
     Request,
+    Resumed,
     Suspect,
     node_of,
     parse_request,
@@ -79,7 +80,9 @@ class Recovery:
         self.port.wake()
 
     def _snapshot(self, **extra: Any) -> Snapshot:
+        step, resumes = self.port.resumable()
         return self.membership.snapshot(
+            snapshot_step=step, snapshot_resumes=resumes,
             faults=self.faults, max_faults=self.spec.max_faults,
             restarts_left=self.spec.max_restarts - self.port.restarts,
             on_fault=self.spec.on_fault, min_nproc=self.spec.min_nproc,
@@ -286,6 +289,8 @@ class Recovery:
                 return self._on_comm_failed(req)
             case Suspect():
                 self.port.suspect()
+            case Resumed():
+                self.port.emit(Event.RESUMED, to_fields(req))
             case Recovered():
                 self._committed_first(req.worker)
                 if req.generation not in self._reported:

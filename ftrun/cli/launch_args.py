@@ -8,7 +8,6 @@ Must not import: torch, typer, rich, the agent.
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import re
 import signal
@@ -16,6 +15,9 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NoReturn
 
 from ftrun.cli.cluster_env import slurm_defaults
+from ftrun.cli.snapshot_args import snapshot_fields
+from ftrun.cli.values import float_value as _float
+from ftrun.cli.values import int_value as _int
 from ftrun.core import timeouts
 from ftrun.core.errors import UsageError
 from ftrun.core.spec import RunSpec, StdMask
@@ -127,6 +129,14 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
         "imports torch or ftrun)")
     flag("no-zygote", help="start every worker as a new process instead of forking it from "
          "a pre-imported zygote")
+    opt("snapshot-every", default="0", help="snapshot the registered state every N committed "
+        "steps (shared memory at once, then disk in the background; off by default)")
+    opt("snapshot-interval", default="0", help="...or every S seconds")
+    opt("snapshot-dir", default="", help="where snapshots are written (default: a per-run "
+        "directory under the temporary directory)")
+    opt("snapshot-keep", default="2", help="complete snapshots kept on disk per node")
+    opt("resume", default="", help="start from the newest complete snapshot in DIR (an "
+        "earlier run's --snapshot-dir)")
     p.add_argument("training_script", nargs="?", help="the training script (or module)")
     p.add_argument("training_script_args", nargs=argparse.REMAINDER)
     return p
@@ -200,6 +210,7 @@ def parse_run_args(
         evict_stragglers=ns.evict_stragglers,
         zygote=not ns.no_zygote,
         preload=_parse_preload(ns.preload),
+        **snapshot_fields(ns),
     )
 
 
@@ -247,31 +258,6 @@ def resolve_nproc(value: str, gpu_count: Callable[[], int] | None = None) -> int
     if n < 1:
         raise UsageError(f"--nproc must be at least 1, got {n}", hint="e.g. --nproc 4")
     return n
-
-
-def _int(raw: object, flag: str, minimum: int | None) -> int:
-    try:
-        value = int(str(raw))
-    except ValueError:
-        raise UsageError(f"{flag} {raw!r} is not an integer",
-                         hint=f"pass a whole number to {flag}") from None
-    if minimum is not None and value < minimum:
-        raise UsageError(f"{flag} must be >= {minimum}, got {value}", hint=f"fix {flag}")
-    return value
-
-
-def _float(raw: object, flag: str, positive: bool, unit: str = "seconds") -> float:
-    try:
-        value = float(str(raw))
-    except ValueError:
-        raise UsageError(f"{flag} {raw!r} is not a number",
-                         hint=f"pass {unit} to {flag}") from None
-    if not math.isfinite(value):  # nan compares false with everything; inf never expires
-        raise UsageError(f"{flag} must be a finite number, got {raw}",
-                         hint=f"pass {unit} to {flag}")
-    if positive and value <= 0:
-        raise UsageError(f"{flag} must be > 0, got {value}", hint=f"fix {flag}")
-    return value
 
 
 def _straggler_factor(raw: object) -> float:

@@ -48,6 +48,9 @@ def _notice_text(kind: str, f: Mapping[str, object]) -> str | None:
                 f"(ms after the fault: {phases})")
     if kind == "restart":
         return f"restart {f['attempt']} starting"
+    if kind == "resumed":
+        return (f"worker {f['worker']} resumed from step {f['step']} ({f['source']}, "
+                f"{float(str(f['load_ms'])):.0f} ms)")
     if kind == "signal":
         if f["workers"]:
             return (f"received {f['signal']}; forwarded to {f['workers']} workers, "
@@ -101,6 +104,9 @@ def status_tables(doc: Mapping[str, Any]) -> list[Any]:
     zygote = doc.get("zygote")
     if zygote:
         head.add_row("zygote", _zygote_text(zygote), "", "")
+    snapshot = doc.get("snapshot")
+    if snapshot:
+        head.add_row("snapshot", snapshot_text(snapshot), "", "")
     nodes = doc.get("nodes")
     if nodes:
         served = doc.get("served_by")
@@ -124,6 +130,15 @@ def status_tables(doc: Mapping[str, Any]) -> list[Any]:
         out.append(fault_table("faults", doc["faults"][-10:]))
         out += [f"  #{f['id']}: {f['reason']}" for f in doc["faults"][-5:]]
     return out
+
+
+def snapshot_text(s: Mapping[str, Any]) -> str:
+    """`step 150, 4 s ago, 120.3 MB, blocking 31 ms, write 412 ms` or `none written yet`."""
+    if "step" not in s:
+        pending = f" (step {s['shm_step']} in shared memory)" if "shm_step" in s else ""
+        return f"none written yet{pending}; to {s['dir']}"
+    return (f"step {s['step']}, {s['age_s']:.0f} s ago, {s['bytes'] / 1e6:.1f} MB, blocking "
+            f"{s['blocking_ms']:.0f} ms, write {s['write_ms']:.0f} ms; {s['path']}")
 
 
 def _zygote_text(z: Mapping[str, Any]) -> str:
@@ -201,8 +216,13 @@ def print_run_summary(faults: Sequence[Any], run_seconds: float,
     if all(f.decision == "fail" for f in faults):
         return  # nothing was recovered or tried: the failure report says it all
     s = summarize(list(faults), run_seconds)
-    restarted = sum(f.decision == "restart-group" and f.recovered for f in faults)
+    restarted = sum("restarted" in f.phases_ms and f.recovered for f in faults)
+    resumed = sorted({f.resumed_step for f in faults if f.resumed_step is not None})
     how = f" ({restarted} by restarting every worker)" if restarted else ""
+    if resumed:
+        how = (f" ({restarted} by restarting every worker, from the snapshot of step"
+               f"{'s' if len(resumed) > 1 else ''} {', '.join(map(str, resumed))}; "
+               f"{s['lost_steps']} committed steps recomputed)")
     print(f"ftrun: survived {s['recovered']}/{s['faults']} faults{how}; recovery p50 "
           f"{_fmt(s['p50_ms'], ' ms')}, p95 {_fmt(s['p95_ms'], ' ms')}, max "
           f"{_fmt(s['max_ms'], ' ms')}; time lost {s['time_lost_s']} s; goodput "

@@ -107,6 +107,7 @@ class Follower(Agent):
         self.link.set_timeout(timedelta(seconds=timeouts.STORE_LOST_S))
         static = self.spec.rdzv_backend == "static"
         self.node = self.spec.node_rank if static else int(self.link.add(NODE_COUNTER, 1))
+        self.snapshots.bind_node(self.node)
         self.link.delete_key(command_queue(self.node))  # an earlier agent's unread commands
         reader = QueueReader(lambda: connect(self.ep, timeouts.STORE_CLIENT_CONNECT_S),
                              command_queue(self.node), self._deliver, self._on_lost,
@@ -212,6 +213,7 @@ class Follower(Agent):
                         return self._lost_result(alive)
                     self._reap_ready(sel, timeout=timeouts.NODE_HEARTBEAT_S)
                     self.act(self.health.tick(None, time.time()))  # no membership here
+                    self.snapshots.drain()
                     self.control_plane.apply_drills()
                     stop, result = self._obey()
                     if stop:

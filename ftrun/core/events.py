@@ -26,6 +26,8 @@ class Event(TextEnum):
     DRILL = "drill"  # `ftrun inject-fault` applied
     GPU = "gpu"  # a GPU's health changed
     STRAGGLER = "straggler"
+    SNAPSHOT = "snapshot"  # a snapshot written to disk (step, size, blocking and write ms)
+    RESUMED = "resumed"  # a worker with no live replica loaded a snapshot
     NOTICE = "notice"  # one line for the operator
 
 

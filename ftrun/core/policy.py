@@ -94,6 +94,8 @@ class Snapshot:
     min_nodes: int = 1
     starting_spares: tuple[int, ...] = ()  # not ready yet, oldest first (a member fault: its
     # node's first); still ahead of a new process, so used when no ready one is left
+    snapshot_step: int = -1  # the newest step a total loss can resume from (-1: no snapshot)
+    snapshot_resumes: int = 0  # whole-group restarts that already resumed from that step
 
     @property
     def over_budget(self) -> bool:
@@ -128,7 +130,7 @@ def decide_fault(s: Snapshot, lost: int, why: str, new_worker_id: int,
     if s.over_budget:
         return _give_up(f"{head}; fault budget exhausted ({s.max_faults}, --max-faults)", s)
     if not [m for m in survivors if m not in s.unhealed]:
-        return _give_up(f"{head}; no replica left to heal from", s)
+        return _total_loss(head, s)
     if crash_loop >= CRASH_LOOP_LIMIT:
         return _crash_loop(head, crash_loop, rank, survivors, s.min_nproc)
     pool = s.spares + s.starting_spares
@@ -176,7 +178,7 @@ def decide_node_loss(s: Snapshot, node: str, lost: tuple[int, ...]) -> FaultDeci
         return _give_up(f"{head}; {s.nodes_left} node{_s(s.nodes_left)} left is below "
                         f"--nnodes minimum {s.min_nodes}", s)
     if not [m for m in survivors if m not in s.unhealed]:
-        return _give_up(f"{head}; no replica left to heal from", s)
+        return _total_loss(head, s)
     pool, new, joiners = list(s.spares + s.starting_spares), [], []
     for m in s.members:
         if m not in lost:
@@ -239,6 +241,21 @@ def find_lost_nodes(ages: Mapping[int, float], lost_after_s: float,
         elif node in unanswered and age >= ping_s:
             lost.append((node, f"no answer to a ping and no heartbeat for {age:.1f} s"))
     return lost
+
+
+def _total_loss(head: str, s: Snapshot) -> FaultDecision:
+    """No live replica is left: every worker restarts, from the newest snapshot if there is
+    one (even with no --max-restarts: that is what snapshots are for), unless the restarts
+    that resumed from it all died before a newer one was taken (a crash loop)."""
+    if s.snapshot_step >= 0 and s.snapshot_resumes < CRASH_LOOP_LIMIT:
+        return FaultDecision(FaultAction.RESTART_GROUP, f"{head}; no replica left to heal from: "
+                             f"restarting all workers from the snapshot of step "
+                             f"{s.snapshot_step}")
+    if s.snapshot_step >= 0:
+        return _give_up(f"{head}; no replica left to heal from, and the last "
+                        f"{s.snapshot_resumes} restarts from the snapshot of step "
+                        f"{s.snapshot_step} failed before a newer one", s)
+    return _give_up(f"{head}; no replica left to heal from", s)
 
 
 def _give_up(reason: str, s: Snapshot) -> FaultDecision:

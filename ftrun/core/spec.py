@@ -85,6 +85,15 @@ class RunSpec:
     evict_stragglers: bool = False
     zygote: bool = True  # fork workers from a pre-imported process (--no-zygote: off)
     preload: tuple[str, ...] = ()  # modules the zygote imports besides torch (--preload)
+    snapshot_every: int = 0  # committed steps between snapshots (0: not by steps)
+    snapshot_interval: float = 0.0  # seconds between snapshots (0: not by time)
+    snapshot_dir: str = ""  # where snapshots go on disk ("": a per-run directory)
+    snapshot_keep: int = 2  # complete disk snapshots kept per node
+    resume: str = ""  # --resume DIR: the first attempt starts from DIR's newest snapshot
+
+    @property
+    def snapshots(self) -> bool:
+        return self.snapshot_every > 0 or self.snapshot_interval > 0
 
     @property
     def entry_name(self) -> str:
@@ -123,6 +132,11 @@ _ENV_NAMES: dict[str, str] = {
     "progress_dir": "FTRUN_PROGRESS_DIR",
     "attempt": "FTRUN_ATTEMPT",
     "ft_mode": "FTRUN_FT_MODE",
+    "snapshot_shm": "FTRUN_SNAPSHOT_SHM",
+    "snapshot_every": "FTRUN_SNAPSHOT_EVERY",
+    "snapshot_interval": "FTRUN_SNAPSHOT_INTERVAL",
+    "resume": "FTRUN_RESUME",
+    "resume_dir": "FTRUN_RESUME_DIR",
 }
 
 
@@ -153,6 +167,11 @@ class WorkerEnv:
     progress_dir: str = ""  # where the progress/drill slot lives ("" = none)
     attempt: int = 0
     ft_mode: str = "restart"
+    snapshot_shm: str = ""  # the agent's shared-memory slots ("" = no snapshots)
+    snapshot_every: int = 0
+    snapshot_interval: float = 0.0
+    resume: bool = False  # started with no live replica: load the newest snapshot first
+    resume_dir: str = ""  # where disk snapshots are looked for (after shared memory)
 
     def to_env(self) -> dict[str, str]:
         return {_env_name(f.name): _to_str(getattr(self, f.name)) for f in fields(self)}
@@ -180,4 +199,6 @@ def _from_str(raw: str, type_name: object) -> object:
         return int(raw)
     if type_name in ("bool", bool):
         return raw == "True"
+    if type_name in ("float", float):
+        return float(raw)
     return raw

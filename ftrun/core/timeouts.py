@@ -37,6 +37,10 @@ RECONFIGURE_CONNECT_S = 10.0  # native reconfigure, once every member's handle i
 STATE_TRANSFER_S = 300.0  # one healing transfer
 SPARE_ASSIGNMENT_S = 24 * 3600.0  # a hot spare waiting to be used
 
+# Snapshots
+SNAPSHOT_POLL_S = 0.05  # the agent's writer looking for a newly published shared-memory slot
+SNAPSHOT_FLUSH_S = 60.0  # the run is over: the newest slot still being written to disk
+
 # Control channel / CLI
 CONTROL_REQUEST_S = 2.0
 CONTROL_REPLY_S = 30.0  # the client reading a whole status reply, however large

@@ -206,8 +206,22 @@ class Recovered:
     first_commit: float
 
 
-Request = Hello | CommFailed | Suspect | Recovered
-REQUESTS: dict[str, type[Request]] = {c.kind: c for c in (Hello, CommFailed, Suspect, Recovered)}
+@dataclass(frozen=True)
+class Resumed:
+    """A worker started with no live replica loaded a snapshot (wall clock times)."""
+
+    kind: ClassVar[str] = "resumed"
+    worker: int
+    step: int
+    source: str
+    taken_at: float
+    loaded_at: float
+    load_ms: float
+
+
+Request = Hello | CommFailed | Suspect | Recovered | Resumed
+REQUESTS: dict[str, type[Request]] = {c.kind: c for c in (Hello, CommFailed, Suspect, Recovered,
+                                                          Resumed)}
 
 
 def send_request(store: Any, req: Request) -> None:

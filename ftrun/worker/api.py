@@ -32,18 +32,20 @@ from ftrun.protocol.rendezvous import (
     Hello,
     Recovered,
     Request,
+    Resumed,
     latest_number,
     read_generation,
     send_request,
 )
 from ftrun.worker import errorfile
-from ftrun.worker.aligning import align
+from ftrun.worker.aligning import STREAMS, align
 from ftrun.worker.buckets import GradSync
 from ftrun.worker.comm import Abandoned, CommError, GenerationWatcher, Group, Interrupt, build_group
 from ftrun.worker.drills import Drills
 from ftrun.worker.joining import connect, native_group, plain_group, quiet_store_warnings, warm_up
 from ftrun.worker.loader import Loader
 from ftrun.worker.rng import RandomStreams
+from ftrun.worker.snapshots import Snapshots
 from ftrun.worker.waits import await_assignment, await_newer, first_generation, watch_as_spare
 
 
@@ -97,6 +99,7 @@ class FaultTolerant:
         self._sync = GradSync(self.device, self._wants_switch, self._bucket_starting,
                               self._in_collective)
         self._drills = Drills(None, -1, self._comm_fault)
+        self._snapshots = Snapshots(wenv) if wenv is not None else None
         if wenv is None:
             self._group = plain_group(backend)
             return
@@ -167,7 +170,12 @@ class FaultTolerant:
         """Yield the next uncommitted step until `total` steps are committed."""
         while True:
             self._reconcile()
-            if self.committed >= total:
+            done = self.committed >= total
+            if self._snapshots is not None and self._snapshots.taking and \
+                    self._state is StepState.COMMITTED:
+                self._snapshots.at_boundary(self._group.gen, self.committed, self._state_objects,
+                                            final=done)
+            if done:
                 if self._finished():
                     return
                 continue
@@ -367,8 +375,20 @@ class FaultTolerant:
             self._recovery = self._recovery.escalate(RecoveryMode.ALIGN)
         os.environ.update(RANK=str(rank), WORLD_SIZE=str(gen.world_size))
 
+    @property
+    def _state_objects(self) -> dict[str, Any]:
+        return {**self._objects, STREAMS: self._streams}
+
     def _align(self) -> None:
-        """Agree on the highest committed step; those behind load a peer's state."""
+        """Agree on the highest committed step; those behind load a peer's state (after a
+        total loss, the newest snapshot first)."""
+        if self._snapshots is not None and self._snapshots.resuming and self._objects:
+            started = time.time()
+            loaded = self._snapshots.resume(self._state_objects)
+            if loaded is not None:
+                self.committed, where, taken_at = loaded
+                self._post(Resumed(self.worker_id, self.committed, where, taken_at, time.time(),
+                                   round((time.time() - started) * 1000, 1)))
         self.committed = align(self._group, self.committed, self._objects, self._streams,
                                self._interrupt, self.device)
 

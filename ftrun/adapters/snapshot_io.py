@@ -1,0 +1,182 @@
+"""A snapshot's bytes: copied into a shared-memory slot, read back from it, written to disk in
+torch's Distributed Checkpoint format and read back from there.
+
+Owns: the slot layout (the pickled skeleton, then one flat part per dtype, 64-byte aligned;
+every tensor is copied once, straight into the mapped slot: the only work the training thread
+does), the state tree rebuilt over a slot or a disk snapshot (views, no copy), and the disk
+write (`torch.distributed.checkpoint.save` of the nested state, so DCP's own tools load it,
+plus ftrun's skeleton that restores what DCP's flattening loses: integer keys, tuples, the
+non-tensor values' types).
+Must not import: typer, rich, NVML, the agent, the worker library. Torch is imported lazily.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import pickle
+import time
+import warnings
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from ftrun.protocol.snapshots import SKELETON, SlotRecord
+
+_ALIGN = 64
+DRILL_KILL_MID_SNAPSHOT = "FTRUN_DRILL_KILL_MID_SNAPSHOT"  # "WID:STEP": dies mid-copy
+
+
+class _Slice:
+    """A tensor's place in a slot: (part, element offset, shape)."""
+
+    def __init__(self, part: int, offset: int, shape: tuple[int, ...]) -> None:
+        self.part, self.offset, self.shape = part, offset, shape
+
+
+class _Path:
+    """A tensor's place in a disk snapshot: its path in the state tree (DCP's key)."""
+
+    def __init__(self, path: tuple[str, ...]) -> None:
+        self.path = path
+
+
+Leaf = Callable[[Any, tuple[str, ...]], Any]
+
+
+def map_leaves(value: Any, is_leaf: Callable[[Any], bool], fn: Leaf,
+               path: tuple[str, ...] = ()) -> Any:
+    """Rebuild a state tree (dicts, lists, tuples, namedtuples) with `fn(leaf, path)` at its
+    leaves."""
+    if is_leaf(value):
+        return fn(value, path)
+    if isinstance(value, dict):
+        return type(value)((k, map_leaves(v, is_leaf, fn, (*path, str(k))))
+                           for k, v in value.items())
+    if isinstance(value, tuple) and hasattr(value, "_fields"):  # a namedtuple
+        return type(value)(*(map_leaves(v, is_leaf, fn, (*path, str(i)))
+                             for i, v in enumerate(value)))
+    if isinstance(value, (list, tuple)):
+        return type(value)(map_leaves(v, is_leaf, fn, (*path, str(i)))
+                           for i, v in enumerate(value))
+    return value
+
+
+def _is_tensor(v: Any) -> bool:
+    import torch
+
+    return isinstance(v, torch.Tensor)
+
+
+def _round_up(n: int) -> int:
+    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+def write_slot(path: str, fd: int, state: Mapping[str, Any], step: int, worker: int,
+               generation: int) -> SlotRecord:
+    """Copy `state` (a tree of state dicts) into the slot file `path` (open as `fd`, locked by
+    the caller). The record is what the caller publishes once this returns."""
+    import torch
+
+    started = time.perf_counter()
+    tensors: list[Any] = []
+    dtypes: list[Any] = []
+    counts: list[int] = []
+
+    def strip(t: Any, _path: tuple[str, ...]) -> _Slice:
+        part = dtypes.index(t.dtype) if t.dtype in dtypes else len(dtypes)
+        if part == len(dtypes):
+            dtypes.append(t.dtype)
+            counts.append(0)
+        tensors.append((part, counts[part], t))
+        counts[part] += t.numel()
+        return _Slice(part, counts[part] - t.numel(), tuple(t.shape))
+
+    skeleton = map_leaves(dict(state), _is_tensor, strip)
+    meta = pickle.dumps(skeleton)
+    offsets, end = [], _round_up(len(meta))
+    for dtype, n in zip(dtypes, counts, strict=True):
+        offsets.append(end)
+        end = _round_up(end + n * torch.empty((), dtype=dtype).element_size())
+    if os.fstat(fd).st_size != end:
+        os.ftruncate(fd, end)
+    with mmap.mmap(fd, end) as mm:
+        mm[:len(meta)] = meta
+        with warnings.catch_warnings():  # a writable mmap is what we want here
+            warnings.simplefilter("ignore", UserWarning)
+            flats = [torch.frombuffer(mm, dtype=d, count=n, offset=o)
+                     for d, n, o in zip(dtypes, counts, offsets, strict=True)]
+        for i, (part, offset, t) in enumerate(tensors):
+            flats[part][offset:offset + t.numel()].copy_(t.detach().reshape(-1))
+            if i == len(tensors) // 2 and \
+                    os.environ.get(DRILL_KILL_MID_SNAPSHOT) == f"{worker}:{step}":
+                os.kill(os.getpid(), 9)  # a fault drill: the snapshot's writer dies mid-copy
+        del flats
+    parts = tuple((str(d).removeprefix("torch."), o, n)
+                  for d, o, n in zip(dtypes, offsets, counts, strict=True))
+    return SlotRecord(step=step, taken_at=time.time(), worker=worker, generation=generation,
+                      meta_bytes=len(meta), parts=parts, total_bytes=end,
+                      blocking_ms=round((time.perf_counter() - started) * 1000, 2))
+
+
+def read_slot(path: str, rec: SlotRecord, owned: bool = False) -> dict[str, Any]:
+    """The state tree a slot holds, as views of the mapped slot (kept alive by them), or
+    with `owned`, of one private copy per part: a state that is loaded must own its tensors
+    (an optimizer keeps what it is given, and the slot is overwritten by the next snapshot)."""
+    import torch
+
+    with open(path, "rb") as f:
+        mm = mmap.mmap(f.fileno(), rec.total_bytes, prot=mmap.PROT_READ)
+    skeleton = pickle.loads(mm[:rec.meta_bytes])
+    with warnings.catch_warnings():  # read-only buffer: the views are never written
+        warnings.simplefilter("ignore", UserWarning)
+        flats = [torch.frombuffer(mm, dtype=getattr(torch, d), count=n, offset=o)
+                 for d, o, n in rec.parts]
+    if owned:
+        flats = [f.clone() for f in flats]
+
+    def fill(ref: _Slice, _path: tuple[str, ...]) -> Any:
+        n = 1
+        for d in ref.shape:
+            n *= d
+        return flats[ref.part][ref.offset:ref.offset + n].view(ref.shape)
+
+    state: dict[str, Any] = map_leaves(skeleton, lambda v: isinstance(v, _Slice), fill)
+    return state
+
+
+def save_disk(state: Mapping[str, Any], path: str) -> None:
+    """`state` as a DCP checkpoint in the (new, empty) directory `path`, plus the skeleton."""
+    import torch.distributed.checkpoint as dcp
+
+    skeleton = map_leaves(dict(state), _is_tensor, lambda _t, p: _Path(p))
+    with open(os.path.join(path, SKELETON), "wb") as f:
+        pickle.dump(skeleton, f)
+    with warnings.catch_warnings():  # "assuming the intent is to save in a single process"
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.save(dict(state), storage_writer=dcp.FileSystemWriter(path, sync_files=True),
+                 no_dist=True)
+
+
+def load_disk(path: str) -> dict[str, Any]:
+    """The state tree of a disk snapshot (verified by the caller)."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    reader = dcp.FileSystemReader(path)
+    meta = reader.read_metadata()
+    by_path = {tuple(str(k) for k in p): fqn for fqn, p in (meta.planner_data or {}).items()}
+    flat = {fqn: torch.empty(tuple(md.size), dtype=md.properties.dtype)
+            for fqn, md in meta.state_dict_metadata.items()
+            if isinstance(md, TensorStorageMetadata)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(flat, storage_reader=reader, no_dist=True)
+    with open(os.path.join(path, SKELETON), "rb") as f:
+        skeleton = pickle.load(f)  # noqa: S301 - written by ftrun, checksummed
+
+    def fill(ref: _Path, _p: tuple[str, ...]) -> Any:
+        return flat[by_path.get(ref.path, ".".join(ref.path))]
+
+    state: dict[str, Any] = map_leaves(skeleton, lambda v: isinstance(v, _Path), fill)
+    return state

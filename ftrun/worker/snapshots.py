@@ -1,0 +1,147 @@
+"""The worker's side of snapshots: taking one at a step boundary, resuming from the newest.
+
+Owns: `Snapshots`, which the worker API calls at every step boundary (one replica per node
+copies the registered state, its random streams and its committed step into the agent's
+shared-memory slot when one is due: the only synchronous part of a snapshot) and once when a
+worker starts with no live replica to heal from (load the newest complete snapshot: the
+node's shared-memory slots first, then the disk, skipping, with one line each, any that is
+partial or corrupt).
+Must not import: typer, rich, NVML, the agent, worker.api. Torch is imported when it runs.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from ftrun.adapters import snapshot_io
+from ftrun.core import timeouts
+from ftrun.core.spec import WorkerEnv
+from ftrun.protocol.rendezvous import Generation
+from ftrun.protocol.snapshots import (
+    SLOTS,
+    disk_snapshots,
+    is_due,
+    read_manifest,
+    read_slot_record,
+    slot_paths,
+    slot_to_fill,
+    snapshots_this_node,
+    try_lock,
+    verify,
+)
+
+STEP = "ftrun.step"  # the committed step, beside the registered objects in a snapshot
+
+
+class Snapshots:
+    def __init__(self, wenv: WorkerEnv) -> None:
+        self.shm_dir = wenv.snapshot_shm
+        self.every = wenv.snapshot_every
+        self.interval_s = wenv.snapshot_interval
+        self.resume_dir = wenv.resume_dir
+        self.resuming = wenv.resume  # started with no live replica: load the newest first
+        self.worker_id = wenv.worker_id
+        self._last_step = 0
+        self._last_at = time.time()
+        self.skipped = 0  # due, but the agent was still reading the slot to fill
+
+    @property
+    def taking(self) -> bool:
+        return bool(self.shm_dir) and (self.every > 0 or self.interval_s > 0)
+
+    def at_boundary(self, gen: Generation, committed: int, objects: Mapping[str, Any],
+                    final: bool) -> None:
+        """A step boundary after a commit: take a snapshot of `objects` (what the script
+        registered, and the random streams) if one is due on this replica. The `final` one
+        (every step committed) is always taken, waiting for the slot if the agent reads it."""
+        now = time.time()
+        due = final and committed > self._last_step or is_due(
+            self.every, self.interval_s, committed, self._last_step, self._last_at, now)
+        if not due or not snapshots_this_node(gen.members, self.worker_id):
+            return
+        self._last_step, self._last_at = committed, now
+        slot = slot_to_fill(self.shm_dir)
+        data, record = slot_paths(self.shm_dir, slot)
+        fd = os.open(data, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            deadline = now + (timeouts.SNAPSHOT_FLUSH_S if final else 0.0)
+            while not try_lock(fd, shared=False):
+                if time.time() >= deadline:
+                    self.skipped += 1  # the agent is still writing that one to disk
+                    return
+                time.sleep(timeouts.SNAPSHOT_POLL_S)
+            if os.path.exists(record):
+                os.unlink(record)  # the slot is not complete from here until it is published
+            state = {name: obj.state_dict() for name, obj in objects.items()}
+            rec = snapshot_io.write_slot(data, fd, {**state, STEP: committed}, committed,
+                                         self.worker_id, gen.number)
+            tmp = f"{record}.tmp"
+            with open(tmp, "w") as f:
+                f.write(rec.to_json())
+            os.rename(tmp, record)
+        finally:
+            os.close(fd)  # closing drops the lock
+
+    def resume(self, objects: Mapping[str, Any]) -> tuple[int, str, float] | None:
+        """Load the newest complete snapshot into `objects`: (step, where from, when taken),
+        or None when there is none."""
+        self.resuming = False
+        for where, taken_at, read in self._candidates():
+            try:
+                state = read()
+                missing = sorted(set(objects) - set(state))
+                if missing:
+                    raise Broken(f"it holds no state for {', '.join(missing)}")
+                for name, obj in objects.items():
+                    obj.load_state_dict(state[name])
+                return int(state[STEP]), where, taken_at
+            except Broken as exc:
+                _say(f"skipping snapshot {where}: {exc}")
+            except Exception as exc:  # a snapshot that cannot be loaded is skipped, said once
+                _say(f"skipping snapshot {where}: {type(exc).__name__}: {exc}"[:300])
+        return None
+
+    def _candidates(self) -> list[tuple[str, float, Callable[[], Mapping[str, Any]]]]:
+        found = []
+        if self.shm_dir:
+            for slot in range(SLOTS):
+                rec = read_slot_record(self.shm_dir, slot)
+                if rec is not None:
+                    path = slot_paths(self.shm_dir, slot)[0]
+                    found.append((rec.step, 1, f"shared memory slot {slot} (step {rec.step})",
+                                  rec.taken_at, _reader(path, rec)))
+        if self.resume_dir:
+            single = read_manifest(self.resume_dir) is not None
+            for step, path in ([(-1, self.resume_dir)] if single
+                               else disk_snapshots(self.resume_dir)):
+                doc = read_manifest(path) or {}
+                step = int(str(doc.get("step", step)))
+                found.append((step, 0, path, float(str(doc.get("taken_at", 0.0))),
+                              _disk_reader(path)))
+        found.sort(key=lambda c: (c[0], c[1]), reverse=True)  # newest; memory before disk
+        return [(where, at, read) for _, _, where, at, read in found]
+
+
+def _reader(path: str, rec: Any) -> Callable[[], Mapping[str, Any]]:
+    return lambda: snapshot_io.read_slot(path, rec, owned=True)
+
+
+class Broken(Exception):
+    """A disk snapshot that is partial or corrupt: its checksums say so before it is read."""
+
+
+def _disk_reader(path: str) -> Callable[[], Mapping[str, Any]]:
+    def read() -> Mapping[str, Any]:
+        why = verify(path)
+        if why is not None:
+            raise Broken(why)
+        return snapshot_io.load_disk(path)
+    return read
+
+
+def _say(text: str) -> None:
+    print(f"ftrun: {text}", file=sys.stderr, flush=True)
