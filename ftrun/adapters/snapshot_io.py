@@ -23,7 +23,8 @@ from typing import Any
 from ftrun.protocol.snapshots import SKELETON, SlotRecord
 
 _ALIGN = 64
-DRILL_KILL_MID_SNAPSHOT = "FTRUN_DRILL_KILL_MID_SNAPSHOT"  # "WID:STEP": dies mid-copy
+# "WID:STEP": the first attempt's worker WID dies halfway through copying the snapshot of STEP
+DRILL_KILL_MID_SNAPSHOT = "FTRUN_DRILL_KILL_MID_SNAPSHOT"
 
 
 class _Slice:
@@ -107,8 +108,7 @@ def write_slot(path: str, fd: int, state: Mapping[str, Any], step: int, worker: 
                      for d, n, o in zip(dtypes, counts, offsets, strict=True)]
         for i, (part, offset, t) in enumerate(tensors):
             flats[part][offset:offset + t.numel()].copy_(t.detach().reshape(-1))
-            if i == len(tensors) // 2 and \
-                    os.environ.get(DRILL_KILL_MID_SNAPSHOT) == f"{worker}:{step}":
+            if i == len(tensors) // 2 and _drill_kill(worker, step):
                 os.kill(os.getpid(), 9)  # a fault drill: the snapshot's writer dies mid-copy
         del flats
     parts = tuple((str(d).removeprefix("torch."), o, n)
@@ -116,6 +116,11 @@ def write_slot(path: str, fd: int, state: Mapping[str, Any], step: int, worker: 
     return SlotRecord(step=step, taken_at=time.time(), worker=worker, generation=generation,
                       meta_bytes=len(meta), parts=parts, total_bytes=end,
                       blocking_ms=round((time.perf_counter() - started) * 1000, 2))
+
+
+def _drill_kill(worker: int, step: int) -> bool:
+    return (os.environ.get(DRILL_KILL_MID_SNAPSHOT) == f"{worker}:{step}"
+            and os.environ.get("FTRUN_ATTEMPT") == "0")
 
 
 def read_slot(path: str, rec: SlotRecord, owned: bool = False) -> dict[str, Any]:

@@ -131,12 +131,12 @@ class Journal:
         until now, and, for API scripts (which restart from step 0), every committed step of
         the attempt before, with the time spent reaching them."""
         now = time.time()
-        for rec in self._restarting:
+        for i, rec in enumerate(self._restarting):
             rec.recovered = True
             rec.recovery_ms = round((now - rec.at) * 1000, 1)
             rec.phases_ms = {**rec.phases_ms, "restarted": rec.recovery_ms}
             if rec.committed_before >= 0:
-                rec.lost_steps = rec.committed_before
+                rec.lost_steps = rec.committed_before if i == 0 else 0  # lost once, not per fault
                 rec.lost_from = self._attempt_started_at
         self._restarted, self._restarting = self._restarting, []
         self._attempt_started_at = now
@@ -145,11 +145,11 @@ class Journal:
         """The restarted workers resumed from a snapshot (the first one to say so counts): only
         the steps after it were lost, and the time since it was taken; recovery ends here."""
         step, taken_at = int(str(f["step"])), float(str(f["taken_at"]))
-        for rec in self._restarted:
+        for i, rec in enumerate(self._restarted):
             rec.recovery_ms = round((float(str(f["loaded_at"])) - rec.at) * 1000, 1)
             rec.phases_ms = {**rec.phases_ms, "resumed": rec.recovery_ms}
             if rec.committed_before >= 0:
-                rec.lost_steps = max(0, rec.committed_before - step)
+                rec.lost_steps = max(0, rec.committed_before - step) if i == 0 else 0
                 rec.lost_from = min(taken_at, rec.at)
             rec.resumed_step = step
         self._restarted = []

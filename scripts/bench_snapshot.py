@@ -1,0 +1,282 @@
+"""Snapshots (issue #14): what one costs the training thread, what snapshotting costs a run, how
+it compares with torchrun + torch.distributed.checkpoint, and what a total loss costs. Same
+model as bench_recovery.py (bench_recovery_worker's ~8.7 M-parameter MLP), same machine, one
+invocation; every ratio comes from runs of this invocation.
+
+    python scripts/bench_snapshot.py [--nproc 2] [--steps 250] [--every 50] [--kill-step 130]
+
+  blocking   median of the snapshot events' blocking_ms (the copy into the shared-memory slot)
+             beside the same state copied once in memory by the worker: into fresh tensors
+             (clone: the ratio's baseline) and into buffers allocated beforehand
+  overhead   step time (commit to commit on rank 0, the first --skip steps left out) of an
+             ftrun run with --snapshot-every EVERY against the same run without snapshots,
+             --repeats pairs, alternating; median and mean (only the mean sees the snapshot
+             steps and the agent's disk writes: one step in EVERY)
+  dcp        torchrun + DDP where every rank calls dcp.save every EVERY steps: the blocking
+             time of a save (slowest rank), and ftrun's blocking time over it
+  total loss every worker SIGKILLed at --kill-step: kill -> the first commit after the
+             restart, and the steps computed again (kill step - the step resumed from)
+
+Prints a table, then one line of JSON. torchrun runs with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
+as in bench_recovery.py.
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+WORKER = os.path.join(HERE, "bench_snapshot_worker.py")
+ENV = {"OMP_NUM_THREADS": "1", "LOGLEVEL": "ERROR", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+
+Events = list[dict[str, Any]]
+
+
+class RunFailed(RuntimeError):
+    pass
+
+
+def launch(cmd: list[str], work: str, timeout: float) -> None:
+    """Run `cmd` in its own session so that a timeout ends the launcher and its workers."""
+    with open(os.path.join(work, "stdout.log"), "w") as out, \
+            open(os.path.join(work, "stderr.log"), "w") as err:
+        proc = subprocess.Popen(cmd, env={**os.environ, **ENV}, stdout=out, stderr=err,
+                                start_new_session=True)
+        try:
+            rc = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            _end(proc)
+            raise RunFailed(f"timed out after {timeout:.0f} s: {' '.join(cmd)}") from None
+    if rc != 0:
+        with open(os.path.join(work, "stderr.log")) as f:
+            tail = f.read()[-3000:]
+        raise RunFailed(f"exit {rc}: {' '.join(cmd)}\n{tail}")
+
+
+def _end(proc: subprocess.Popen[bytes]) -> None:
+    for sig, grace in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 10.0)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=grace)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def read_jsonl(path: str) -> Events:
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def worker_args(out: str, steps: int, *extra: str) -> list[str]:
+    return [WORKER, "--out", out, "--steps", str(steps), *extra]
+
+
+def run_ftrun(a: argparse.Namespace, steps: int, every: int, *extra: str) -> tuple[Events, Events]:
+    """(worker events, agent events) of one ftrun run; `every` 0: no snapshots."""
+    with tempfile.TemporaryDirectory(prefix="bench_snapshot_") as work:
+        out, logs = os.path.join(work, "out"), os.path.join(work, "logs")
+        os.makedirs(out)
+        flags = ["--log-dir", logs]
+        if every:
+            flags += ["--snapshot-every", str(every), "--snapshot-dir",
+                      os.path.join(work, "snapshots")]
+        launch([sys.executable, "-m", "ftrun", "--nproc", str(a.nproc), *flags,
+                *worker_args(out, steps, "--mode", "ftrun", *extra)], work, a.timeout)
+        agent = [e for p in glob.glob(os.path.join(logs, "*", "events.jsonl"))
+                 for e in read_jsonl(p)]
+        return read_jsonl(os.path.join(out, "events.jsonl")), agent
+
+
+def run_ddp(a: argparse.Namespace) -> Events:
+    with tempfile.TemporaryDirectory(prefix="bench_snapshot_") as work:
+        out, ckpt = os.path.join(work, "out"), os.path.join(work, "dcp")
+        os.makedirs(out)
+        launch([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
+                str(a.nproc), *worker_args(out, a.steps, "--mode", "ddp", "--dcp-every",
+                                           str(a.every), "--ckpt-dir", ckpt)],
+               work, a.timeout)
+        return read_jsonl(os.path.join(out, "events.jsonl"))
+
+
+def step_gaps(events: Events, skip: int, every: int = 0) -> tuple[list[float], list[float]]:
+    """Rank 0's commit-to-commit times in seconds from step `skip` on: (every step, the steps
+    that began with a snapshot: the gap ending at step s, s a multiple of `every`)."""
+    commits = sorted((e for e in events if e["ev"] == "step" and e["rank"] == 0),
+                     key=lambda e: e["t"])
+    gaps = [(b["step"], b["t"] - a["t"]) for a, b in zip(commits, commits[1:], strict=False)
+            if b["step"] == a["step"] + 1 and b["step"] >= skip]
+    marked = [g for s, g in gaps if every and s % every == 0]
+    return [g for _, g in gaps], marked
+
+
+def overhead(a: argparse.Namespace) -> dict[str, Any]:
+    """Alternating pairs of runs, without and with snapshots, pooled per kind."""
+    base: list[float] = []
+    snap: list[float] = []
+    marked: list[float] = []
+    blocking: list[float] = []
+    snap_bytes: list[int] = []
+    memcpy: Events = []
+    for _ in range(a.repeats):
+        ev, _agent = run_ftrun(a, a.steps, 0)
+        base += step_gaps(ev, a.skip)[0]
+        ev, agent = run_ftrun(a, a.steps, a.every, "--memcpy")
+        gaps, at_snapshot = step_gaps(ev, a.skip, a.every)
+        snap += gaps
+        marked += at_snapshot
+        snaps = [e for e in agent if e["event"] == "snapshot"]
+        blocking += [float(e["blocking_ms"]) for e in snaps]
+        snap_bytes += [int(e["bytes"]) for e in snaps]
+        memcpy += [e for e in ev if e["ev"] == "memcpy"]
+    return {"base": base, "snap": snap, "marked": marked, "blocking_ms": blocking,
+            "bytes": snap_bytes, "memcpy": memcpy}
+
+
+def dcp_blocking(events: Events) -> list[float]:
+    """Each save's blocking time in ms, its slowest rank's: the next all-reduce waits for it."""
+    per: dict[int, float] = {}
+    for e in events:
+        if e["ev"] == "dcp":
+            per[e["step"]] = max(per.get(e["step"], 0.0), float(e["ms"]))
+    return [per[s] for s in sorted(per)]
+
+
+def total_loss(a: argparse.Namespace) -> dict[str, Any]:
+    steps = a.kill_step + a.every
+    ev, agent = run_ftrun(a, steps, a.every, "--die-all-at", str(a.kill_step))
+    kills = [e for e in ev if e["ev"] == "kill"]
+    after = [e for e in ev if e["ev"] == "step" and e["attempt"] > 0]
+    resumed = sorted((e for e in agent if e["event"] == "resumed"), key=lambda e: e["t"])
+    if not kills or not after or not resumed:
+        raise RunFailed(f"total loss: {len(kills)} kills, {len(after)} commits after the "
+                        f"restart, {len(resumed)} resumed events")
+    killed_at = max(e["t"] for e in kills)  # the loss is total once the last worker died
+    first = min(after, key=lambda e: e["t"])
+    r = resumed[0]
+    return {"kill_step": a.kill_step, "resumed_step": int(r["step"]), "source": r["source"],
+            "load_ms": float(r["load_ms"]), "to_loaded_s": float(r["loaded_at"]) - killed_at,
+            "recovery_s": first["t"] - killed_at, "first_step": first["step"],
+            "recomputed": a.kill_step - int(r["step"])}
+
+
+def med(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+def mean(xs: list[float]) -> float:
+    return statistics.fmean(xs) if xs else float("nan")
+
+
+def gbps(nbytes: float, ms: float) -> float:
+    return nbytes / (ms / 1000) / 1e9 if ms > 0 else float("nan")
+
+
+def summarize(a: argparse.Namespace, ov: dict[str, Any], dcp: list[float],
+              loss: dict[str, Any]) -> dict[str, Any]:
+    nbytes = med([float(b) for b in ov["bytes"]])
+    clone = med([e["clone_ms"] for e in ov["memcpy"]])
+    prealloc = med([e["prealloc_ms"] for e in ov["memcpy"]])
+    blocking = med(ov["blocking_ms"])
+    base_med, snap_med = med(ov["base"]) * 1000, med(ov["snap"]) * 1000
+    base_mean, snap_mean = mean(ov["base"]) * 1000, mean(ov["snap"]) * 1000
+    return {
+        "nproc": a.nproc, "steps": a.steps, "every": a.every, "repeats": a.repeats,
+        "snapshot_mb": round(nbytes / 1e6, 2), "snapshots": len(ov["blocking_ms"]),
+        "blocking_ms": round(blocking, 2), "blocking_gbps": round(gbps(nbytes, blocking), 2),
+        "clone_ms": round(clone, 2), "clone_gbps": round(gbps(nbytes, clone), 2),
+        "prealloc_copy_ms": round(prealloc, 2),
+        "prealloc_copy_gbps": round(gbps(nbytes, prealloc), 2),
+        "blocking_over_clone": round(blocking / clone, 3),
+        "blocking_over_prealloc_copy": round(blocking / prealloc, 3),
+        "stall_at_snapshot_ms": round(med(ov["marked"]) * 1000 - snap_med, 1),
+        "step_ms_median": [round(base_med, 2), round(snap_med, 2)],
+        "step_ms_mean": [round(base_mean, 2), round(snap_mean, 2)],
+        "overhead_median": round(snap_med / base_med, 4),
+        "overhead_mean": round(snap_mean / base_mean, 4),
+        "dcp_saves": len(dcp), "dcp_blocking_ms": round(med(dcp), 2),
+        "blocking_over_dcp": round(blocking / med(dcp), 4),
+        "total_loss_recovery_s": round(loss["recovery_s"], 3),
+        "total_loss_to_loaded_s": round(loss["to_loaded_s"], 3),
+        "total_loss_load_ms": loss["load_ms"], "total_loss_source": loss["source"],
+        "kill_step": loss["kill_step"], "resumed_step": loss["resumed_step"],
+        "recomputed_steps": loss["recomputed"],
+    }
+
+
+def verdict(ok: bool) -> str:
+    return "ok" if ok else "MISSED"
+
+
+def report(s: dict[str, Any], ov: dict[str, Any], dcp: list[float]) -> None:
+    mb = s["snapshot_mb"]
+    print(f"{s['nproc']} workers, gloo on CPU, recovery benchmark model, {s['steps']} steps, "
+          f"snapshot every {s['every']} steps, {s['repeats']} run pair(s)")
+    print(f"  snapshot blocking_ms, every one: {[round(x, 1) for x in ov['blocking_ms']]}")
+    print(f"  dcp.save blocking ms (slowest rank), every one: {[round(x, 1) for x in dcp]}")
+    rows = [
+        ("1 blocking / snapshot (median)", f"{mb:.1f} MB  {s['blocking_ms']:8.2f} ms  "
+         f"{s['blocking_gbps']:6.2f} GB/s"),
+        ("  copy into fresh tensors (clone)", f"{mb:.1f} MB  {s['clone_ms']:8.2f} ms  "
+         f"{s['clone_gbps']:6.2f} GB/s"),
+        ("  copy into preallocated buffers", f"{mb:.1f} MB  {s['prealloc_copy_ms']:8.2f} ms  "
+         f"{s['prealloc_copy_gbps']:6.2f} GB/s"),
+        ("  blocking / clone (goal <= 1)", f"{s['blocking_over_clone']:.3f}  "
+         f"{verdict(s['blocking_over_clone'] <= 1)}   (/ preallocated copy: "
+         f"{s['blocking_over_prealloc_copy']:.1f})"),
+        ("  step stall at a snapshot step", f"{s['stall_at_snapshot_ms']:.1f} ms over the "
+         f"median step"),
+        ("2 step ms, no snapshots", f"median {s['step_ms_median'][0]:7.2f}  "
+         f"mean {s['step_ms_mean'][0]:7.2f}"),
+        (f"  step ms, --snapshot-every {s['every']}", f"median {s['step_ms_median'][1]:7.2f}  "
+         f"mean {s['step_ms_mean'][1]:7.2f}"),
+        ("  ratio (goal <= 1.01)", f"median {s['overhead_median']:.4f} "
+         f"{verdict(s['overhead_median'] <= 1.01)}  mean {s['overhead_mean']:.4f} "
+         f"{verdict(s['overhead_mean'] <= 1.01)}"),
+        ("3 torchrun + dcp.save, blocking", f"{s['dcp_blocking_ms']:.2f} ms median of "
+         f"{s['dcp_saves']} saves"),
+        ("  ftrun / dcp (goal <= 0.1)", f"{s['blocking_over_dcp']:.4f}  "
+         f"{verdict(s['blocking_over_dcp'] <= 0.1)}"),
+        (f"4 total loss at step {s['kill_step']}", f"first commit {s['total_loss_recovery_s']:.3f}"
+         f" s after the kill (loaded at {s['total_loss_to_loaded_s']:.3f} s, load "
+         f"{s['total_loss_load_ms']:.1f} ms from {s['total_loss_source']})"),
+        ("  steps recomputed (goal <= every)", f"{s['recomputed_steps']} (resumed at step "
+         f"{s['resumed_step']})  {verdict(0 <= s['recomputed_steps'] <= s['every'])}"),
+    ]
+    for name, value in rows:
+        print(f"{name:36s} {value}")
+    print(json.dumps(s))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--nproc", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=250)
+    ap.add_argument("--every", type=int, default=50, help="--snapshot-every, and dcp.save's")
+    ap.add_argument("--kill-step", type=int, default=130)
+    ap.add_argument("--repeats", type=int, default=2, help="pairs of overhead runs")
+    ap.add_argument("--skip", type=int, default=10, help="warm-up steps left out of step times")
+    ap.add_argument("--timeout", type=float, default=300.0, help="seconds per launched run")
+    a = ap.parse_args()
+    started = time.time()
+    ov = overhead(a)
+    dcp = dcp_blocking(run_ddp(a))
+    loss = total_loss(a)
+    report(summarize(a, ov, dcp, loss), ov, dcp)
+    print(f"# {time.time() - started:.0f} s", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
