@@ -5,7 +5,8 @@ Owns: this worker's view of the job (generation, rank, committed step), the step
 (sync: every gradient bucket reduced; commit: the user stepped), the commit rule (a step is
 applied only if every collective of it succeeded), random streams replayed when a step is
 repeated, recovery at the next step boundary (what is due: states.RecoveryMode; rebuild the
-group, then aligning.py aligns on the highest committed step and heals those behind), where
+group, then aligning.py aligns on the highest committed step and heals those behind; after a
+total loss, worker/snapshots.py loads the newest snapshot first and takes them), where
 this worker is for the agent's hang detector (a few stores into its progress slot per step;
 `ft.long_phase` pauses it), and a plain mode for runs outside ftrun.
 Must not import: typer, rich, NVML, the agent or the CLI. Torch is imported when init() runs.
@@ -32,7 +33,6 @@ from ftrun.protocol.rendezvous import (
     Hello,
     Recovered,
     Request,
-    Resumed,
     latest_number,
     read_generation,
     send_request,
@@ -383,12 +383,10 @@ class FaultTolerant:
         """Agree on the highest committed step; those behind load a peer's state (after a
         total loss, the newest snapshot first)."""
         if self._snapshots is not None and self._snapshots.resuming and self._objects:
-            started = time.time()
-            loaded = self._snapshots.resume(self._state_objects)
-            if loaded is not None:
-                self.committed, where, taken_at = loaded
-                self._post(Resumed(self.worker_id, self.committed, where, taken_at, time.time(),
-                                   round((time.time() - started) * 1000, 1)))
+            resumed = self._snapshots.resume(self._state_objects)
+            if resumed is not None:
+                self.committed = resumed.step
+                self._post(resumed)
         self.committed = align(self._group, self.committed, self._objects, self._streams,
                                self._interrupt, self.device)
 

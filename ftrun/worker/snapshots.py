@@ -20,7 +20,7 @@ from typing import Any
 from ftrun.adapters import snapshot_io
 from ftrun.core import timeouts
 from ftrun.core.spec import WorkerEnv
-from ftrun.protocol.rendezvous import Generation
+from ftrun.protocol.rendezvous import Generation, Resumed
 from ftrun.protocol.snapshots import (
     SLOTS,
     disk_snapshots,
@@ -86,10 +86,11 @@ class Snapshots:
         finally:
             os.close(fd)  # closing drops the lock
 
-    def resume(self, objects: Mapping[str, Any]) -> tuple[int, str, float] | None:
-        """Load the newest complete snapshot into `objects`: (step, where from, when taken),
-        or None when there is none."""
+    def resume(self, objects: Mapping[str, Any]) -> Resumed | None:
+        """Load the newest complete snapshot into `objects`; what to tell the agent, or None
+        when there is none."""
         self.resuming = False
+        started = time.time()
         for where, taken_at, read in self._candidates():
             try:
                 state = read()
@@ -98,7 +99,9 @@ class Snapshots:
                     raise Broken(f"it holds no state for {', '.join(missing)}")
                 for name, obj in objects.items():
                     obj.load_state_dict(state[name])
-                return int(state[STEP]), where, taken_at
+                now = time.time()
+                return Resumed(self.worker_id, int(state[STEP]), where, taken_at, now,
+                               round((now - started) * 1000, 1))
             except Broken as exc:
                 _say(f"skipping snapshot {where}: {exc}")
             except Exception as exc:  # a snapshot that cannot be loaded is skipped, said once
