@@ -9,9 +9,10 @@ torch. classify: live samples. nccl-inprocess: one process, world size 1, ftrun'
 fresh groups for generations 1 and 2 (comm._new_pg, as build_group builds them), the native
 reconfigure path where torch has it, transfer.pack/unpack (bitwise), whether Group.wait waits
 for the GPU, whether a group whose peer never comes is abandoned. snapshot: a CUDA model and
-optimizer into a shared-memory slot and back, bitwise, the blocking copy timed. cuda-hang: a CUDA kernel
-that spins for good on one rank is detected by progress alone and recovered (gpu_check_hang.py:
-one rank and a whole-group restart; two ranks on one GPU, replaced in-process). nccl-job:
+optimizer into a shared-memory slot and back, bitwise, the blocking copy timed. cuda-hang: a
+CUDA kernel that spins for good on one rank is detected by progress alone and recovered
+(gpu_check_hang.py: one rank and a whole-group restart; two ranks on one GPU, replaced
+in-process). nccl-job:
 ftrun --nproc 1 on train_ddp.py, clean (its worker forked from the zygote: CUDA after fork),
 then its worker killed (whole-group restart, forked again).
 nccl-2gpu: in-process recovery with 2 workers (2 GPUs; gloo in the dry run). overlap: exposed
