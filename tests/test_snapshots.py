@@ -103,7 +103,8 @@ def test_a_partial_or_corrupt_disk_snapshot_is_told_apart(tmp_path: Path) -> Non
         (d / snap.SKELETON).write_bytes(b"skeleton")
         (d / "__0_0.distcp").write_bytes(bytes(range(256)) * 10)
         snap.write_manifest(str(d), step, 0.0, {})
-    (node / ".step-000000016.tmp-1").mkdir()  # a write that never finished: never listed
+    dead = node / f".step-000000016.tmp-{2**22 + 7}"  # a write that never finished, by a pid
+    dead.mkdir()  # that no process has: never listed, pruned
     assert [s for s, _ in snap.disk_snapshots(str(tmp_path))] == [12, 8, 4]
     newest = Path(snap.step_dir(str(node), 12)) / "__0_0.distcp"
     data = bytearray(newest.read_bytes())
@@ -112,7 +113,8 @@ def test_a_partial_or_corrupt_disk_snapshot_is_told_apart(tmp_path: Path) -> Non
     assert snap.verify(str(newest.parent)) == "__0_0.distcp fails its checksum"
     os.unlink(Path(snap.step_dir(str(node), 8)) / snap.MANIFEST)
     assert snap.verify(snap.step_dir(str(node), 8)) == "no manifest (a partial write)"
-    assert snap.prune(str(node), keep=1) == [snap.step_dir(str(node), 4)]  # 12 is kept: newest
+    assert snap.prune(str(node), keep=1) == [snap.step_dir(str(node), 4), str(dead)]
+    assert snap.root_of(snap.step_dir(str(node), 12)) == str(tmp_path)  # --resume of one
 
 
 def test_the_agent_writes_a_published_slot_to_disk_or_says_why_not(tmp_path: Path) -> None:

@@ -35,6 +35,7 @@ from ftrun.protocol.snapshots import (
     prune,
     read_manifest,
     read_slot_record,
+    root_of,
     slot_paths,
     step_dir,
     temp_dir,
@@ -55,7 +56,8 @@ class SnapshotKeeper:
         self.node = node
         self._emit = emit
         self.on = spec.snapshots
-        self.base = spec.snapshot_dir or spec.resume or default_dir(run_id)
+        self.base = spec.snapshot_dir or (root_of(spec.resume) if spec.resume
+                                          else default_dir(run_id))
         self.disk = node_dir(self.base, node)
         self._resumed_from: list[int] = []  # snapshot steps whole-group restarts resumed from
         self.shm = ""

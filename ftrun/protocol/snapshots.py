@@ -198,15 +198,39 @@ def _listdir(path: str) -> list[str]:
         return []
 
 
+def root_of(path: str) -> str:
+    """The --snapshot-dir a path names: itself, or for one snapshot (`.../node<k>/step-<n>`
+    or a bare `step-<n>`), the directory above its node's."""
+    if read_manifest(path) is None:
+        return path
+    parent = os.path.dirname(os.path.abspath(path))
+    return os.path.dirname(parent) if re.fullmatch(r"node\d+", os.path.basename(parent)) \
+        else parent
+
+
 def prune(node_base: str, keep: int) -> list[str]:
-    """Keep the newest `keep` complete snapshots of a node; drop older ones and temporary
-    directories this process left. Returns what was removed."""
+    """Keep the newest `keep` complete snapshots of a node; drop older ones and the temporary
+    directories of writers that are gone (a killed agent's). Returns what was removed."""
     removed = []
     complete = [p for _, p in disk_snapshots(node_base) if read_manifest(p) is not None]
     for path in complete[keep:]:
         shutil.rmtree(path, ignore_errors=True)
         removed.append(path)
     for name in _listdir(node_base):
-        if name.startswith(".step-") and name.endswith(f".tmp-{os.getpid()}"):
+        m = re.fullmatch(r"\.step-\d{9}\.tmp-(\d+)", name)
+        if m and not _alive(int(m.group(1))):
             shutil.rmtree(os.path.join(node_base, name), ignore_errors=True)
+            removed.append(os.path.join(node_base, name))
     return removed
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return False  # this writer's own leftover: it is not writing it now
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
