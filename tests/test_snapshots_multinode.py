@@ -81,8 +81,8 @@ def relaunch(tmp: Path, nodes, name: str, args: list[str]) -> Node:
 
 @pytest.fixture
 def rdzv_id(tmp_path: Path):
-    """A job id of the test's own; the shared-memory slots the SIGKILLed agent could not
-    remove (named after it) are removed afterwards."""
+    """A job id of the test's own; shared-memory slots named after it are removed afterwards
+    should a failing test leave any."""
     ident = f"snapmn-{uuid.uuid4().hex[:8]}"
     yield ident
     for leftover in Path("/dev/shm").glob(f"ftrun-snap-{ident[:16]}-*"):
@@ -109,6 +109,8 @@ def first_run(nodes, port: int, rdzv_id: str, snaps: dict[str, Path],
     assert b.wait(60) == 1, b.stderr  # 60 s: far above the 10 s a lost store takes to notice
     assert "lost the rendezvous store" in b.stderr and "Traceback" not in b.stderr
     wait_for(lambda: not any(pid_alive(p) for p in pids), 15, "every first worker gone")
+    wait_for(lambda: not list(Path("/dev/shm").glob(f"ftrun-snap-{rdzv_id[:16]}-*")), 15,
+             "the SIGKILLed agent's shared-memory slots removed by its guardian, b's by b")
     on_disk = {n: newest_step(d) for n, d in snaps.items()}  # b's may be newer: flushed last
     return on_disk, b.proc.pid
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import shutil
 import signal
 import subprocess
 import time
@@ -165,7 +166,8 @@ class Guardian:
 
     PR_SET_PDEATHSIG covers the workers themselves; the guardian also catches what they
     started (data-loader processes and the like) in their process groups, even when the
-    agent is SIGKILLed. It must be started before any thread or socket exists.
+    agent is SIGKILLed, and removes what the agent would have removed on its way out (its
+    shared-memory snapshot slots). It must be started before any thread or socket exists.
     """
 
     def __init__(self) -> None:
@@ -183,6 +185,10 @@ class Guardian:
 
     def forget(self, pgid: int) -> None:
         self._tell(f"-{pgid}\n")
+
+    def remove_on_death(self, path: str) -> None:
+        """A directory (no newline in its name) to delete if the agent dies uncleanly."""
+        self._tell(f"@{path}\n")
 
     def _tell(self, line: str) -> None:
         """Best effort: PDEATHSIG still covers the workers if the guardian was killed."""
@@ -209,6 +215,7 @@ def _guardian_main(read_fd: int) -> None:  # pragma: no cover - runs in the fork
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
         signal.signal(sig, signal.SIG_IGN)
     groups: set[int] = set()
+    paths: list[bytes] = []
     buffer = b""
     clean = False
     while True:
@@ -227,8 +234,12 @@ def _guardian_main(read_fd: int) -> None:  # pragma: no cover - runs in the fork
                 groups.add(int(line[1:]))
             elif line[:1] == b"-":
                 groups.discard(int(line[1:]))
+            elif line[:1] == b"@":
+                paths.append(line[1:])
     if not clean:
         for pgid in groups:
             with contextlib.suppress(OSError):
                 os.killpg(pgid, signal.SIGKILL)
+        for path in paths:
+            shutil.rmtree(os.fsdecode(path), ignore_errors=True)
     os._exit(0)

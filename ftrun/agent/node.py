@@ -79,6 +79,8 @@ class Agent(NodeHooks):
             self.journal = Journal(self._sink, events)
             self.emit = self.journal.emit
             self.snapshots = SnapshotKeeper(self.spec, self.run_id, 0, self.emit)
+            if self.snapshots.shm:  # gone with the agent, even a SIGKILLed one
+                guardian.remove_on_death(self.snapshots.shm)
             self.progress_dir = (os.path.join(self.logs.run_dir, "progress") if self.logs.run_dir
                                  else tempfile.mkdtemp(prefix="ftrun_progress_"))
             os.makedirs(self.progress_dir, exist_ok=True)
