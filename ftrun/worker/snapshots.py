@@ -15,6 +15,7 @@ import os
 import sys
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import replace
 from typing import Any
 
 from ftrun.adapters import snapshot_io
@@ -76,12 +77,14 @@ class Snapshots:
                 time.sleep(timeouts.SNAPSHOT_POLL_S)
             if os.path.exists(record):
                 os.unlink(record)  # the slot is not complete from here until it is published
+            started = time.perf_counter()  # blocking: state_dict() and the copy
             state = {name: obj.state_dict() for name, obj in objects.items()}
             rec = snapshot_io.write_slot(data, fd, {**state, STEP: committed}, committed,
                                          self.worker_id, gen.number)
+            blocking = round((time.perf_counter() - started) * 1000, 2)
             tmp = f"{record}.tmp"
             with open(tmp, "w") as f:
-                f.write(rec.to_json())
+                f.write(replace(rec, blocking_ms=blocking).to_json())
             os.rename(tmp, record)
         finally:
             os.close(fd)  # closing drops the lock
