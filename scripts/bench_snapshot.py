@@ -10,11 +10,11 @@ invocation; every ratio comes from runs of this invocation.
              (clone: the ratio's baseline) and into buffers allocated beforehand
   overhead   step time (commit to commit on rank 0, the first --skip steps left out) of an
              ftrun run with --snapshot-every EVERY against the same run without snapshots,
-             --repeats pairs, alternating; median and mean (only the mean sees the snapshot
-             steps and the agent's disk writes: one step in EVERY); run-to-run noise on a
-             small shared machine exceeds 1 %, so also the in-run estimate 1 + stall /
-             (EVERY x median step), stall: a snapshot step's time over the run's median step
-             (the training thread's cost; not the agent's disk write competing for the CPUs)
+             --repeats alternating pairs; median and mean (only the mean sees the snapshot
+             steps, one in EVERY, and the agent's disk writes competing for the CPUs).
+             Run-to-run noise on a small machine exceeds 1 %, so also the in-run estimate
+             1 + stall / (EVERY x median step), stall: a snapshot step's time over the run's
+             median step. The agent's disk write (torch DCP, its own thread): its write_ms.
   dcp        torchrun + DDP where every rank calls dcp.save every EVERY steps: the blocking
              time of a save (slowest rank), and ftrun's blocking time over it
   total loss every worker SIGKILLed at --kill-step: kill -> the first commit after the
@@ -107,10 +107,10 @@ def run_ddp(a: argparse.Namespace) -> Events:
     with tempfile.TemporaryDirectory(prefix="bench_snapshot_") as work:
         out, ckpt = os.path.join(work, "out"), os.path.join(work, "dcp")
         os.makedirs(out)
+        args = worker_args(out, a.steps, "--mode", "ddp", "--dcp-every", str(a.every),
+                           "--ckpt-dir", ckpt)
         launch([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
-                str(a.nproc), *worker_args(out, a.steps, "--mode", "ddp", "--dcp-every",
-                                           str(a.every), "--ckpt-dir", ckpt)],
-               work, a.timeout)
+                str(a.nproc), "--log-dir", os.path.join(work, "logs"), *args], work, a.timeout)
         return read_jsonl(os.path.join(out, "events.jsonl"))
 
 
@@ -131,6 +131,7 @@ def overhead(a: argparse.Namespace) -> dict[str, Any]:
     snap: list[float] = []
     marked: list[float] = []
     blocking: list[float] = []
+    write: list[float] = []
     snap_bytes: list[int] = []
     memcpy: Events = []
     for _ in range(a.repeats):
@@ -142,10 +143,11 @@ def overhead(a: argparse.Namespace) -> dict[str, Any]:
         marked += at_snapshot
         snaps = [e for e in agent if e["event"] == "snapshot"]
         blocking += [float(e["blocking_ms"]) for e in snaps]
+        write += [float(e["write_ms"]) for e in snaps]
         snap_bytes += [int(e["bytes"]) for e in snaps]
         memcpy += [e for e in ev if e["ev"] == "memcpy"]
     return {"base": base, "snap": snap, "marked": marked, "blocking_ms": blocking,
-            "bytes": snap_bytes, "memcpy": memcpy}
+            "write_ms": write, "bytes": snap_bytes, "memcpy": memcpy}
 
 
 def dcp_blocking(events: Events) -> list[float]:
@@ -195,6 +197,7 @@ def summarize(a: argparse.Namespace, ov: dict[str, Any], dcp: list[float],
     blocking = med(ov["blocking_ms"])
     base_med, snap_med = med(ov["base"]) * 1000, med(ov["snap"]) * 1000
     base_mean, snap_mean = mean(ov["base"]) * 1000, mean(ov["snap"]) * 1000
+    stall = med(ov["marked"]) * 1000 - snap_med
     return {
         "nproc": a.nproc, "steps": a.steps, "every": a.every, "repeats": a.repeats,
         "snapshot_mb": round(nbytes / 1e6, 2), "snapshots": len(ov["blocking_ms"]),
@@ -204,19 +207,20 @@ def summarize(a: argparse.Namespace, ov: dict[str, Any], dcp: list[float],
         "prealloc_copy_gbps": round(gbps(nbytes, prealloc), 2),
         "blocking_over_clone": round(blocking / clone, 3),
         "blocking_over_prealloc_copy": round(blocking / prealloc, 3),
-        "stall_at_snapshot_ms": round(med(ov["marked"]) * 1000 - snap_med, 1),
+        "stall_at_snapshot_ms": round(stall, 1),
+        "agent_write_ms": round(med(ov["write_ms"]), 1),
         "step_ms_median": [round(base_med, 2), round(snap_med, 2)],
         "step_ms_mean": [round(base_mean, 2), round(snap_mean, 2)],
         "overhead_median": round(snap_med / base_med, 4),
         "overhead_mean": round(snap_mean / base_mean, 4),
-        "overhead_stall": round(1 + (med(ov["marked"]) * 1000 - snap_med) / (a.every * snap_med),
-                                4),
+        "overhead_stall": round(1 + stall / (a.every * snap_med), 4),
         "dcp_saves": len(dcp), "dcp_blocking_ms": round(med(dcp), 2),
         "blocking_over_dcp": round(blocking / med(dcp), 4),
         "total_loss_recovery_s": round(loss["recovery_s"], 3),
         "total_loss_to_loaded_s": round(loss["to_loaded_s"], 3),
         "total_loss_load_ms": loss["load_ms"], "total_loss_source": loss["source"],
         "kill_step": loss["kill_step"], "resumed_step": loss["resumed_step"],
+        "first_step_after": loss["first_step"],
         "recomputed_steps": loss["recomputed"],
     }
 
@@ -243,6 +247,7 @@ def report(s: dict[str, Any], ov: dict[str, Any], dcp: list[float]) -> None:
          f"{s['blocking_over_prealloc_copy']:.1f})"),
         ("  step stall at a snapshot step", f"{s['stall_at_snapshot_ms']:.1f} ms over the "
          f"median step"),
+        ("  agent's disk write (DCP, thread)", f"{s['agent_write_ms']:.1f} ms median"),
         ("2 step ms, no snapshots", f"median {s['step_ms_median'][0]:7.2f}  "
          f"mean {s['step_ms_mean'][0]:7.2f}"),
         (f"  step ms, --snapshot-every {s['every']}", f"median {s['step_ms_median'][1]:7.2f}  "
@@ -256,15 +261,38 @@ def report(s: dict[str, Any], ov: dict[str, Any], dcp: list[float]) -> None:
          f"{s['dcp_saves']} saves"),
         ("  ftrun / dcp (goal <= 0.1)", f"{s['blocking_over_dcp']:.4f}  "
          f"{verdict(s['blocking_over_dcp'] <= 0.1)}"),
-        (f"4 total loss at step {s['kill_step']}", f"first commit {s['total_loss_recovery_s']:.3f}"
-         f" s after the kill (loaded at {s['total_loss_to_loaded_s']:.3f} s, load "
-         f"{s['total_loss_load_ms']:.1f} ms from {s['total_loss_source']})"),
+        (f"4 total loss at step {s['kill_step']}", f"first commit (step "
+         f"{s['first_step_after']}) {s['total_loss_recovery_s']:.3f} s after the kill "
+         f"(loaded at {s['total_loss_to_loaded_s']:.3f} s, load {s['total_loss_load_ms']:.1f}"
+         f" ms from {s['total_loss_source']})"),
         ("  steps recomputed (goal <= every)", f"{s['recomputed_steps']} (resumed at step "
          f"{s['resumed_step']})  {verdict(0 <= s['recomputed_steps'] <= s['every'])}"),
     ]
     for name, value in rows:
         print(f"{name:36s} {value}")
+    print(f"{s['wall_s']} s; other processes took {s['others_cpu_share']:.0%} of the machine's "
+          f"CPUs meanwhile (above a few %: the step times are disturbed)")
     print(json.dumps(s))
+
+
+def machine_busy_s() -> float:
+    """CPU seconds every process of the machine used so far (Linux; 0 elsewhere)."""
+    try:
+        with open("/proc/stat") as f:
+            fields = f.readline().split()[1:]
+    except OSError:
+        return 0.0
+    user, nice, system = (int(x) for x in fields[:3])
+    return (user + nice + system) / os.sysconf("SC_CLK_TCK")
+
+
+def others_share(busy0: float, wall: float) -> float:
+    """The share of this machine's CPUs other processes took meanwhile: step times are only
+    as good as that."""
+    times = os.times()
+    ours = times.user + times.system + times.children_user + times.children_system
+    others = max(0.0, machine_busy_s() - busy0 - ours)
+    return others / wall / (os.cpu_count() or 1)
 
 
 def main() -> None:
@@ -277,12 +305,14 @@ def main() -> None:
     ap.add_argument("--skip", type=int, default=10, help="warm-up steps left out of step times")
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds per launched run")
     a = ap.parse_args()
-    started = time.time()
+    started, busy0 = time.time(), machine_busy_s()
     ov = overhead(a)
     dcp = dcp_blocking(run_ddp(a))
     loss = total_loss(a)
-    report(summarize(a, ov, dcp, loss), ov, dcp)
-    print(f"# {time.time() - started:.0f} s", file=sys.stderr)
+    wall = time.time() - started
+    summary = {**summarize(a, ov, dcp, loss), "wall_s": round(wall),
+               "others_cpu_share": round(others_share(busy0, wall), 3)}
+    report(summary, ov, dcp)
 
 
 if __name__ == "__main__":

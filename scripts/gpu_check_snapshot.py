@@ -3,7 +3,7 @@ and back, bitwise, with the blocking copy timed against a plain device-to-host c
 
 Imported, never run: gpu_check.py runs each section in a child process of its own. A model and
 AdamW state on cuda:0 (about 1.2 GB with its optimizer; a tiny one on the CPU in the dry run)
-is written with `snapshot_io.write_slot` (what a worker's training thread does at a snapshot:
+is written with `snapshot_io.Slot.write` (what a worker's training thread does at a snapshot:
 one copy of every tensor straight into the mapped /dev/shm slot), read back with
 `read_slot(owned=True)` and loaded into a fresh model and optimizer on the GPU, then compared
 bitwise; the slot is also written to disk in DCP format and loaded back. The blocking time is
@@ -55,19 +55,20 @@ def sec_snapshot(a: argparse.Namespace) -> None:
     mb = sum(t.numel() * t.element_size() for t in tensors) / 1e6
     shm = tempfile.mkdtemp(dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
     path = os.path.join(shm, "slot0.bin")
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    slot = snapshot_io.Slot(path)
     try:
-        snapshot_io.write_slot(path, fd, state, 5, 0, 0)  # first: the slot's pages are made
-        rec = snapshot_io.write_slot(path, fd, state, 5, 0, 0)
+        first = slot.write(state, 5, 0, 0)  # the slot is mapped and its pages made
+        rec = slot.write(state, 5, 0, 0)  # what every later snapshot costs
     finally:
-        os.close(fd)
+        slot.close()
     if device != "cpu":
         torch.cuda.synchronize()
     started = time.perf_counter()
     plain = [t.cpu() for t in tensors]
     plain_ms = (time.perf_counter() - started) * 1000
     del plain
-    say(f"state {mb:.0f} MB: write_slot blocks {rec.blocking_ms:.1f} ms "
+    say(f"state {mb:.0f} MB: the first snapshot blocks {first.blocking_ms:.1f} ms, later ones "
+        f"{rec.blocking_ms:.1f} ms "
         f"({mb / max(rec.blocking_ms, 1e-3):.2f} GB/s); tensor.cpu() of the same {plain_ms:.1f} ms "
         f"({mb / max(plain_ms, 1e-3):.2f} GB/s)")
     back = snapshot_io.read_slot(path, rec, owned=True)

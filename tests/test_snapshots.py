@@ -43,11 +43,13 @@ def _state() -> dict:
 
 def _publish(shm: Path, slot: int, state: dict, step: int) -> snap.SlotRecord:
     data, record = snap.slot_paths(str(shm), slot)
-    fd = os.open(data, os.O_RDWR | os.O_CREAT, 0o600)
+    writer = snapshot_io.Slot(data)
     try:
-        rec = snapshot_io.write_slot(data, fd, state, step, worker=0, generation=0)
+        rec = writer.write(state, step, worker=0, generation=0)
+        rec2 = writer.write(state, step, worker=0, generation=0)  # the kept mapping, reused
+        assert rec2.total_bytes == rec.total_bytes
     finally:
-        os.close(fd)
+        writer.close()
     Path(record).write_text(rec.to_json())
     return rec
 

@@ -12,6 +12,7 @@ Must not import: typer, rich, NVML, the agent, the worker library. Torch is impo
 
 from __future__ import annotations
 
+import fcntl
 import mmap
 import os
 import pickle
@@ -20,7 +21,7 @@ import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from ftrun.protocol.snapshots import SKELETON, SlotRecord
+from ftrun.protocol.snapshots import SKELETON, SlotRecord, try_lock
 
 _ALIGN = 64
 # "WID:STEP": the first attempt's worker WID dies halfway through copying the snapshot of STEP
@@ -72,50 +73,107 @@ def _round_up(n: int) -> int:
     return (n + _ALIGN - 1) // _ALIGN * _ALIGN
 
 
-def write_slot(path: str, fd: int, state: Mapping[str, Any], step: int, worker: int,
-               generation: int) -> SlotRecord:
-    """Copy `state` (a tree of state dicts) into the slot file `path` (open as `fd`, locked by
-    the caller). The record is what the caller publishes once this returns."""
-    import torch
+class Slot:
+    """One shared-memory slot file, kept open and mapped by the worker that fills it: mapping
+    it afresh for each snapshot would fault every page in again (half the copy's time)."""
 
-    started = time.perf_counter()
-    tensors: list[Any] = []
-    dtypes: list[Any] = []
-    counts: list[int] = []
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        self._mm: mmap.mmap | None = None
+        self._bytes: Any = None  # one uint8 tensor over the whole mapping
 
-    def strip(t: Any, _path: tuple[str, ...]) -> _Slice:
-        part = dtypes.index(t.dtype) if t.dtype in dtypes else len(dtypes)
-        if part == len(dtypes):
-            dtypes.append(t.dtype)
-            counts.append(0)
-        tensors.append((part, counts[part], t))
-        counts[part] += t.numel()
-        return _Slice(part, counts[part] - t.numel(), tuple(t.shape))
+    def lock(self, wait_s: float) -> bool:
+        """The agent's writer reads a slot under a shared lock: wait for it at most `wait_s`."""
+        deadline = time.monotonic() + wait_s
+        while not try_lock(self.fd, shared=False):
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.01)
+        return True
 
-    skeleton = map_leaves(dict(state), _is_tensor, strip)
-    meta = pickle.dumps(skeleton)
-    offsets, end = [], _round_up(len(meta))
-    for dtype, n in zip(dtypes, counts, strict=True):
-        offsets.append(end)
-        end = _round_up(end + n * torch.empty((), dtype=dtype).element_size())
-    if os.fstat(fd).st_size != end:
-        os.ftruncate(fd, end)
-    with mmap.mmap(fd, end) as mm:
-        mm[:len(meta)] = meta
-        with warnings.catch_warnings():  # a writable mmap is what we want here
-            warnings.simplefilter("ignore", UserWarning)
-            flats = [torch.frombuffer(mm, dtype=d, count=n, offset=o)
-                     for d, n, o in zip(dtypes, counts, offsets, strict=True)]
+    def unlock(self) -> None:
+        fcntl.flock(self.fd, fcntl.LOCK_UN)
+
+    def close(self) -> None:
+        self._unmap()
+        os.close(self.fd)
+
+    def write(self, state: Mapping[str, Any], step: int, worker: int,
+              generation: int) -> SlotRecord:
+        """Copy `state` (a tree of state dicts) into the slot (locked by the caller). The
+        record is what the caller publishes once this returns."""
+        started = time.perf_counter()
+        tensors: list[tuple[int, int, Any]] = []
+        dtypes: list[Any] = []
+        counts: list[int] = []
+
+        def strip(t: Any, _path: tuple[str, ...]) -> _Slice:
+            part = dtypes.index(t.dtype) if t.dtype in dtypes else len(dtypes)
+            if part == len(dtypes):
+                dtypes.append(t.dtype)
+                counts.append(0)
+            tensors.append((part, counts[part], t))
+            counts[part] += t.numel()
+            return _Slice(part, counts[part] - t.numel(), tuple(t.shape))
+
+        meta = pickle.dumps(map_leaves(dict(state), _is_tensor, strip))
+        offsets, end = _layout(len(meta), dtypes, counts)
+        flat = self._mapping(end)
+        flat[:len(meta)].copy_(_frombytes(meta))
+        flats = [flat[o:o + n * _size_of(d)].view(d)
+                 for d, n, o in zip(dtypes, counts, offsets, strict=True)]
         for i, (part, offset, t) in enumerate(tensors):
             flats[part][offset:offset + t.numel()].copy_(t.detach().reshape(-1))
             if i == len(tensors) // 2 and _drill_kill(worker, step):
                 os.kill(os.getpid(), 9)  # a fault drill: the snapshot's writer dies mid-copy
-        del flats
-    parts = tuple((str(d).removeprefix("torch."), o, n)
-                  for d, o, n in zip(dtypes, offsets, counts, strict=True))
-    return SlotRecord(step=step, taken_at=time.time(), worker=worker, generation=generation,
-                      meta_bytes=len(meta), parts=parts, total_bytes=end,
-                      blocking_ms=round((time.perf_counter() - started) * 1000, 2))
+        parts = tuple((str(d).removeprefix("torch."), o, n)
+                      for d, o, n in zip(dtypes, offsets, counts, strict=True))
+        return SlotRecord(step=step, taken_at=time.time(), worker=worker,
+                          generation=generation, meta_bytes=len(meta), parts=parts,
+                          total_bytes=end,
+                          blocking_ms=round((time.perf_counter() - started) * 1000, 2))
+
+    def _mapping(self, size: int) -> Any:
+        """The slot mapped at `size` bytes, pages populated up front (the first fill of a
+        tmpfs page otherwise faults, allocates and zeroes it during the copy)."""
+        import torch
+
+        if self._mm is not None and len(self._mm) == size:
+            return self._bytes
+        self._unmap()
+        os.ftruncate(self.fd, size)
+        self._mm = mmap.mmap(self.fd, size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
+        with warnings.catch_warnings():  # a writable mmap is what we want here
+            warnings.simplefilter("ignore", UserWarning)
+            self._bytes = torch.frombuffer(self._mm, dtype=torch.uint8)
+        return self._bytes
+
+    def _unmap(self) -> None:
+        self._bytes = None  # the tensor's buffer export first, or the mapping cannot close
+        if self._mm is not None:
+            self._mm.close()
+            self._mm = None
+
+
+def _layout(meta_bytes: int, dtypes: list[Any], counts: list[int]) -> tuple[list[int], int]:
+    offsets, end = [], _round_up(meta_bytes)
+    for dtype, n in zip(dtypes, counts, strict=True):
+        offsets.append(end)
+        end = _round_up(end + n * _size_of(dtype))
+    return offsets, end
+
+
+def _size_of(dtype: Any) -> int:
+    import torch
+
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _frombytes(data: bytes) -> Any:
+    import torch
+
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
 
 
 def _drill_kill(worker: int, step: int) -> bool:
@@ -147,6 +205,11 @@ def read_slot(path: str, rec: SlotRecord, owned: bool = False) -> dict[str, Any]
 
     state: dict[str, Any] = map_leaves(skeleton, lambda v: isinstance(v, _Slice), fill)
     return state
+
+
+def prepare() -> None:
+    """Import what a disk write needs, ahead of the first one."""
+    import torch.distributed.checkpoint  # noqa: F401
 
 
 def save_disk(state: Mapping[str, Any], path: str) -> None:

@@ -14,6 +14,7 @@ Must not import: the worker library, typer, rich, the CLI. Torch only inside the
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import shutil
@@ -44,6 +45,7 @@ from ftrun.protocol.snapshots import (
 )
 
 SHM_ROOT = "/dev/shm"
+WRITER_NICENESS = 10
 
 
 def default_dir(run_id: str) -> str:
@@ -138,6 +140,10 @@ class SnapshotKeeper:
 
     # ---------------------------------------------------------------- writer thread
     def _write_loop(self) -> None:
+        # below the workers: on a busy node a disk write must not slow the training steps
+        with contextlib.suppress(OSError):
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITER_NICENESS)
+        snapshot_io.prepare()  # DCP's first use costs ~1 s: not at the first snapshot
         while True:
             stopping = self._stop.wait(timeouts.SNAPSHOT_POLL_S)
             self._write_newest()

@@ -31,7 +31,6 @@ from ftrun.protocol.snapshots import (
     slot_paths,
     slot_to_fill,
     snapshots_this_node,
-    try_lock,
     verify,
 )
 
@@ -49,6 +48,7 @@ class Snapshots:
         self._last_step = 0
         self._last_at = time.time()
         self.skipped = 0  # due, but the agent was still reading the slot to fill
+        self._slots: dict[int, snapshot_io.Slot] = {}  # kept mapped from one snapshot to the next
 
     @property
     def taking(self) -> bool:
@@ -65,29 +65,26 @@ class Snapshots:
         if not due or not snapshots_this_node(gen.members, self.worker_id):
             return
         self._last_step, self._last_at = committed, now
-        slot = slot_to_fill(self.shm_dir)
-        data, record = slot_paths(self.shm_dir, slot)
-        fd = os.open(data, os.O_RDWR | os.O_CREAT, 0o600)
+        index = slot_to_fill(self.shm_dir)
+        if index not in self._slots:
+            self._slots[index] = snapshot_io.Slot(slot_paths(self.shm_dir, index)[0])
+        slot, record = self._slots[index], slot_paths(self.shm_dir, index)[1]
+        if not slot.lock(timeouts.SNAPSHOT_FLUSH_S if final else 0.0):
+            self.skipped += 1  # the agent is still writing that one to disk
+            return
         try:
-            deadline = now + (timeouts.SNAPSHOT_FLUSH_S if final else 0.0)
-            while not try_lock(fd, shared=False):
-                if time.time() >= deadline:
-                    self.skipped += 1  # the agent is still writing that one to disk
-                    return
-                time.sleep(timeouts.SNAPSHOT_POLL_S)
             if os.path.exists(record):
                 os.unlink(record)  # the slot is not complete from here until it is published
             started = time.perf_counter()  # blocking: state_dict() and the copy
             state = {name: obj.state_dict() for name, obj in objects.items()}
-            rec = snapshot_io.write_slot(data, fd, {**state, STEP: committed}, committed,
-                                         self.worker_id, gen.number)
+            rec = slot.write({**state, STEP: committed}, committed, self.worker_id, gen.number)
             blocking = round((time.perf_counter() - started) * 1000, 2)
             tmp = f"{record}.tmp"
             with open(tmp, "w") as f:
                 f.write(replace(rec, blocking_ms=blocking).to_json())
             os.rename(tmp, record)
         finally:
-            os.close(fd)  # closing drops the lock
+            slot.unlock()
 
     def resume(self, objects: Mapping[str, Any]) -> Resumed | None:
         """Load the newest complete snapshot into `objects`; what to tell the agent, or None
