@@ -89,6 +89,13 @@ def rdzv_id(tmp_path: Path):
         shutil.rmtree(leftover, ignore_errors=True)
 
 
+def shows_snapshots(node: Node) -> bool:
+    """`ftrun status` (any node answers for the job) lists each node's last disk snapshot."""
+    doc = node.status()
+    return bool(doc) and len(doc["nodes"]) == 2 and all(
+        (n.get("snapshot") or {}).get("step", -1) >= FIRST for n in doc["nodes"])
+
+
 def first_run(nodes, port: int, rdzv_id: str, snaps: dict[str, Path],
               kept: int) -> tuple[dict[str, int], int]:
     """Two nodes train until each holds `kept` complete snapshots, the oldest at step >=
@@ -103,6 +110,7 @@ def first_run(nodes, port: int, rdzv_id: str, snaps: dict[str, Path],
                          for d in snaps.values()), 120,
              f"{kept} complete snapshot(s) from step {FIRST} on on both nodes")
     assert list(snaps["a"].iterdir()) == [snaps["a"] / "node0"]  # the coordinator's
+    wait_for(lambda: shows_snapshots(b), 30, "ftrun status showing both nodes' snapshots")
     assert list(snaps["b"].iterdir()) == [snaps["b"] / "node1"]
 
     a.kill()  # the store host and its workers, as a host failure would take them

@@ -52,8 +52,9 @@ def merge_job_status(doc: dict[str, Any], nodes: Sequence[Node],
                     else w.get("role"))
             workers.append({**w, "role": role, "node": index, "host": by_index[index].host})
     listing = [{"node": 0, "host": host, "pid": os.getpid(), "alive": True,
-                "role": "coordinator (serves the store)"}]
+                "role": "coordinator (serves the store)", "snapshot": doc.get("snapshot")}]
     listing += [{"node": n.index, "host": n.host, "pid": n.pid, "alive": n.alive,
-                 "role": "worker node"} for n in nodes]
+                 "role": "worker node", "snapshot": payloads.get(n.index, {}).get("snapshot")}
+                for n in nodes]
     return {**doc, "workers": workers, "nodes": listing, "endpoint": endpoint,
             "world_size": len(membership.members) if membership is not None else world_size}

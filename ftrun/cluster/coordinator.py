@@ -381,6 +381,7 @@ class Coordinator(Agent):
         nodes = list(self.nodes.values())  # the control thread reads while the loop adds
         payloads = {n.index: self._payload(n.index) for n in nodes if n.alive}
         membership = self.recovery.membership if self.recovery is not None else None
+        doc = super().decorate_status(doc)  # this node's zygote and snapshots
         return merge_job_status(doc, nodes, payloads, membership, self.world_size, str(self.ep))
 
     def _payload(self, node: int) -> dict[str, Any]:

@@ -88,7 +88,8 @@ class Follower(Agent):
         if now - self._payload_at >= CHECK_EVERY_S:
             self._last_payload = {
                 "workers": self.control_plane.worker_rows(now),
-                "liveness": [asdict(m) for m in self.health.local_liveness(now)]}
+                "liveness": [asdict(m) for m in self.health.local_liveness(now)],
+                "snapshot": self.snapshots.describe(now)}
             self._payload_at = now
         return self._last_payload
 

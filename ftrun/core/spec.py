@@ -139,6 +139,9 @@ _ENV_NAMES: dict[str, str] = {
     "resume_dir": "FTRUN_RESUME_DIR",
 }
 
+_OMITTED_AT_DEFAULT = frozenset(
+    {"snapshot_shm", "snapshot_every", "snapshot_interval", "resume", "resume_dir"})
+
 
 @dataclass(frozen=True)
 class WorkerEnv:
@@ -174,7 +177,10 @@ class WorkerEnv:
     resume_dir: str = ""  # where disk snapshots are looked for (after shared memory)
 
     def to_env(self) -> dict[str, str]:
-        return {_env_name(f.name): _to_str(getattr(self, f.name)) for f in fields(self)}
+        # Snapshot variables appear only when snapshots are on, so a job without
+        # them sees exactly torchrun's environment plus ftrun's fixed few.
+        return {_env_name(f.name): _to_str(getattr(self, f.name)) for f in fields(self)
+                if f.name not in _OMITTED_AT_DEFAULT or getattr(self, f.name) != f.default}
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> WorkerEnv:
