@@ -129,3 +129,19 @@ def test_a_node_rejoining_under_its_index_gets_fresh_worker_ids() -> None:
     assert issue_ids(2, 1, issued) == [20000]
     assert issue_ids(1, 2, issued) == [10002, 10003]  # the lost node's ids are gone for good
     assert issued == {1: 10004, 2: 20001}
+
+
+def test_the_job_status_pairs_a_generation_with_its_own_members() -> None:
+    """The coordinator reads its own node's status, then every node's payload (store reads):
+    a generation published in between must not pair the old number with the new members (a
+    CI run saw world_size 4 with generation 0 right after a node was lost)."""
+    from ftrun.agent.jobview import merge_job_status
+    from ftrun.core.membership import Membership
+
+    ms = Membership((0, 1, 2, 3, 4, 5))
+    doc = {"generation": ms.generation, "world_size": len(ms.members), "workers": []}
+    ms.publish((0, 1, 2, 3))  # the lost node's members leave while the payloads are read
+    merged = merge_job_status(doc, [], {}, ms, 6, "127.0.0.1:1")
+    assert (merged["generation"], merged["world_size"]) == (1, 4)
+    plain = merge_job_status({**doc, "generation": 0}, [], {}, None, 6, "127.0.0.1:1")
+    assert (plain["generation"], plain["world_size"]) == (0, 6)

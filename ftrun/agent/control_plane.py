@@ -229,12 +229,13 @@ class ControlPlane:
 
     def local_status(self) -> dict[str, Any]:
         port, now, ms = self.port, time.time(), self.membership
+        view = ms.view if ms is not None else None  # one read: generation and members agree
         faults = self.journal.faults
         return {
             "run_id": port.run_id, "script": port.spec.script, "pid": os.getpid(),
             "started_at": self.info.started_at, "uptime_s": round(now - self.info.started_at, 1),
-            "generation": ms.generation if ms else 0,
-            "world_size": len(ms.members) if ms else port.spec.nproc,
+            "generation": view.generation if view else 0,
+            "world_size": len(view.members) if view else port.spec.nproc,
             "policy": port.spec.on_fault, "spares": port.spec.spares,
             "attempt": port.restarts, "log_dir": self.info.log_dir,
             "ft_api": bool(ms and ms.uses_api), "workers": self.worker_rows(now),

@@ -56,5 +56,7 @@ def merge_job_status(doc: dict[str, Any], nodes: Sequence[Node],
     listing += [{"node": n.index, "host": n.host, "pid": n.pid, "alive": n.alive,
                  "role": "worker node", "snapshot": payloads.get(n.index, {}).get("snapshot")}
                 for n in nodes]
+    view = membership.view if membership is not None else None  # one read: a consistent pair
     return {**doc, "workers": workers, "nodes": listing, "endpoint": endpoint,
-            "world_size": len(membership.members) if membership is not None else world_size}
+            "generation": view.generation if view is not None else doc["generation"],
+            "world_size": len(view.members) if view is not None else world_size}

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 from ftrun.core.policy import Snapshot
@@ -49,14 +50,31 @@ class RoleError(AssertionError):
     """A move the table does not allow: a bug in the agent, never a user error."""
 
 
+@dataclass(frozen=True)
+class View:
+    """A published generation: its number and its members in rank order. Replaced whole, so
+    a reader on another thread (status) never pairs one generation's number with another's
+    members."""
+
+    generation: int
+    members: tuple[int, ...]
+
+
 class Membership:
     def __init__(self, members: tuple[int, ...]) -> None:
-        self.generation = 0  # the number of the generation last published
-        self.members = members  # its members, rank order
+        self.view = View(0, members)  # the generation last published
         self.roles: dict[int, WorkerRole] = {}  # insertion order = the order roles were taken
         self.api_users: set[int] = set()  # said hello: the script uses the ftrun API
         for m in members:
             self.move(m, WorkerRole.MEMBER)
+
+    @property
+    def generation(self) -> int:
+        return self.view.generation
+
+    @property
+    def members(self) -> tuple[int, ...]:
+        return self.view.members
 
     @property
     def uses_api(self) -> bool:
@@ -93,8 +111,7 @@ class Membership:
     def publish(self, members: tuple[int, ...], joiners: tuple[int, ...] = ()) -> None:
         """A new generation: joiners must heal, members left out are gone."""
         left = [m for m in self.members if m not in members]
-        self.generation += 1
-        self.members = members
+        self.view = View(self.view.generation + 1, members)
         for j in joiners:
             self.move(j, WorkerRole.HEALING)
         self.leave(left)
