@@ -87,6 +87,32 @@ def test_slots_alternate_and_an_unpublished_slot_is_never_read(tmp_path: Path) -
     assert snap.newest_slot(str(tmp_path))[1].step == 4
 
 
+def test_a_reserved_slot_is_sized_ahead_and_a_published_one_keeps_its_bytes(tmp_path: Path
+                                                                             ) -> None:
+    state = _state()
+    size = snapshot_io.reserved_size(state)
+    assert size % (1 << 20) == 0 and size > snapshot_io.Plan(state).total_bytes
+    data, _ = snap.slot_paths(str(tmp_path), 1)
+    fresh = snapshot_io.Slot(data)
+    try:
+        fresh.reserve(size)  # an unpublished slot: sized and its pages written
+        assert os.path.getsize(data) == size
+        mapped = fresh._mapping(1)
+        rec = fresh.write(state, 3, worker=0, generation=0)
+        assert fresh._mapping(1) is mapped  # the copy went into the reserved mapping
+    finally:
+        fresh.close()
+    assert rec.total_bytes < size  # the record, not the file's size, says what to read
+    Path(snap.slot_paths(str(tmp_path), 1)[1]).write_text(rec.to_json())
+    again = snapshot_io.Slot(data)
+    try:
+        again.reserve(size * 2)  # published: mapped as it is, never zeroed nor resized
+    finally:
+        again.close()
+    assert os.path.getsize(data) == size
+    assert _same(snapshot_io.read_slot(data, rec, owned=True), state)
+
+
 def test_who_snapshots_and_when() -> None:
     node1 = WORKER_ID_STRIDE  # node 1's first worker id
     members = (3, node1 + 1, 0, node1)

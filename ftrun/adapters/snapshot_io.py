@@ -21,6 +21,7 @@ import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from ftrun.core import timeouts
 from ftrun.protocol.snapshots import SKELETON, SlotRecord, try_lock
 
 _ALIGN = 64
@@ -99,27 +100,32 @@ class Slot:
         self._unmap()
         os.close(self.fd)
 
+    def reserve(self, size: int) -> None:
+        """Map at least `size` bytes and write every page once, off the training thread, so
+        that no snapshot's copy faults a tmpfs page in (allocating and zeroing it took as long
+        as the copy). A slot that holds a published snapshot keeps its bytes: its pages are
+        in memory already, and mapping them is all that is left to do."""
+        if not self.lock(timeouts.SNAPSHOT_RESERVE_S):
+            return  # the agent is writing it to disk: the first copy into it faults instead
+        try:
+            held = os.fstat(self.fd).st_size
+            if os.path.exists(self.path.removesuffix(".bin") + ".json") and held:
+                self._mapping(held)
+            else:
+                self._mapping(size).zero_()
+        finally:
+            self.unlock()
+
     def write(self, state: Mapping[str, Any], step: int, worker: int,
               generation: int) -> SlotRecord:
         """Copy `state` (a tree of state dicts) into the slot (locked by the caller). The
         record is what the caller publishes once this returns."""
         started = time.perf_counter()
-        tensors: list[tuple[int, int, Any]] = []
-        dtypes: list[Any] = []
-        counts: list[int] = []
-
-        def strip(t: Any, _path: tuple[str, ...]) -> _Slice:
-            part = dtypes.index(t.dtype) if t.dtype in dtypes else len(dtypes)
-            if part == len(dtypes):
-                dtypes.append(t.dtype)
-                counts.append(0)
-            tensors.append((part, counts[part], t))
-            counts[part] += t.numel()
-            return _Slice(part, counts[part] - t.numel(), tuple(t.shape))
-
-        meta = pickle.dumps(map_leaves(dict(state), _is_tensor, strip))
-        offsets, end = _layout(len(meta), dtypes, counts)
-        flat = self._mapping(end)
+        plan = Plan(state)
+        flat = self._mapping(plan.total_bytes)
+        meta, dtypes, counts, offsets, tensors = (plan.meta, plan.dtypes, plan.counts,
+                                                  plan.offsets, plan.tensors)
+        end = plan.total_bytes
         flat[:len(meta)].copy_(_frombytes(meta))
         flats = [flat[o:o + n * _size_of(d)].view(d)
                  for d, n, o in zip(dtypes, counts, offsets, strict=True)]
@@ -135,13 +141,14 @@ class Slot:
                           blocking_ms=round((time.perf_counter() - started) * 1000, 2))
 
     def _mapping(self, size: int) -> Any:
-        """The slot mapped at `size` bytes, pages populated up front (the first fill of a
-        tmpfs page otherwise faults, allocates and zeroes it during the copy)."""
+        """The slot mapped at `size` bytes or more (a state that grows a little, a longer
+        skeleton, reuses the mapping), pages populated up front."""
         import torch
 
-        if self._mm is not None and len(self._mm) == size:
+        if self._mm is not None and len(self._mm) >= size:
             return self._bytes
         self._unmap()
+        size = max(size, os.fstat(self.fd).st_size)
         os.ftruncate(self.fd, size)
         self._mm = mmap.mmap(self.fd, size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
         with warnings.catch_warnings():  # a writable mmap is what we want here
@@ -154,6 +161,35 @@ class Slot:
         if self._mm is not None:
             self._mm.close()
             self._mm = None
+
+
+class Plan:
+    """Where each tensor of a state tree goes in a slot: the pickled skeleton first, then one
+    flat part per dtype. Computing it costs no copy."""
+
+    def __init__(self, state: Mapping[str, Any]) -> None:
+        self.tensors: list[tuple[int, int, Any]] = []  # (part, element offset, tensor)
+        self.dtypes: list[Any] = []
+        self.counts: list[int] = []
+        self.meta = pickle.dumps(map_leaves(dict(state), _is_tensor, self._strip))
+        self.offsets, self.total_bytes = _layout(len(self.meta), self.dtypes, self.counts)
+
+    def _strip(self, t: Any, _path: tuple[str, ...]) -> _Slice:
+        dtypes, counts = self.dtypes, self.counts
+        part = dtypes.index(t.dtype) if t.dtype in dtypes else len(dtypes)
+        if part == len(dtypes):
+            dtypes.append(t.dtype)
+            counts.append(0)
+        self.tensors.append((part, counts[part], t))
+        counts[part] += t.numel()
+        return _Slice(part, counts[part] - t.numel(), tuple(t.shape))
+
+
+def reserved_size(state: Mapping[str, Any]) -> int:
+    """What to reserve for snapshots of `state`: its size now, with room for a skeleton that
+    pickles a little longer later (step counters), rounded up to whole MiB."""
+    need = Plan(state).total_bytes + (64 << 10)
+    return (need + (1 << 20) - 1) >> 20 << 20
 
 
 def _layout(meta_bytes: int, dtypes: list[Any], counts: list[int]) -> tuple[list[int], int]:
