@@ -61,7 +61,8 @@ def test_journal_folds_events_into_fault_phases(tmp_path) -> None:
                              "first_commit": 100.0}
     j.close()
     lines = [json.loads(x) for x in (tmp_path / "events.jsonl").read_text().splitlines()]
-    assert [x["event"] for x in lines] == ["fault", "generation", "recovered"] == seen
+    assert [x["event"] for x in lines] == ["injected", "fault", "generation", "recovered"] == seen
+    assert Journal.replay(lines).faults == j.faults  # `ftrun report` reads the same records
 
 
 def test_summary_percentiles() -> None:

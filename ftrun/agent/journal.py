@@ -2,8 +2,9 @@
 the `ftrun status` document and the end-of-run summary figures.
 
 Owns: `Journal` (every agent event goes through it: written to `<run dir>/events.jsonl`,
-passed on to the console sink, and folded into `FaultRecord`s), and the pure helpers that
-turn records into the status document and the drill/run summary.
+passed on to the console sink, and folded into `FaultRecord`s; `Journal.replay` folds an
+event log read back, at the times it holds, into the same records for `ftrun report`), and
+the pure helpers that turn records into the status document and the drill/run summary.
 Must not import: torch, typer, rich, the CLI.
 """
 
@@ -58,7 +59,9 @@ class Journal:
                        Event.RESTART: self._on_restart, Event.STARTED: self._on_started,
                        Event.GENERATION: self._on_generation,
                        Event.RECOVERED: self._on_recovered,
-                       Event.RESUMED: self._on_resumed}  # what fault records are made of
+                       Event.RESUMED: self._on_resumed,
+                       Event.INJECTED: self._on_injected}  # what fault records are made of
+        self._now = self.started_at  # the time of the event being folded
 
     def close(self) -> None:
         if self._file is not None:
@@ -66,14 +69,33 @@ class Journal:
             self._file = None
 
     def emit(self, kind: Event, fields: Mapping[str, object]) -> None:
+        now = time.time()
         if self._file is not None:
-            self._file.write(json.dumps({"t": time.time(), "event": kind, **fields},
+            self._file.write(json.dumps({"t": now, "event": kind, **fields},
                                         default=str) + "\n")
             self._file.flush()
-        fold = self._folds.get(Event(kind))  # Event(): a bare string that names none fails
-        if fold is not None:
-            fold(fields)
+        self._fold(Event(kind), fields, now)  # Event(): a bare string that names none fails
         self._sink(kind, fields)
+
+    def _fold(self, kind: Event, fields: Mapping[str, object], now: float) -> None:
+        fold = self._folds.get(kind)
+        if fold is not None:
+            self._now = now
+            fold(fields)
+
+    @classmethod
+    def replay(cls, lines: list[dict[str, Any]]) -> Journal:
+        """The records an event log holds, folded at the times it gives (lines of kinds this
+        version does not know are left out)."""
+        journal = cls(lambda kind, fields: None)
+        known = {e.value for e in Event}
+        if lines:
+            journal.started_at = journal._attempt_started_at = float(lines[0]["t"])
+        for line in lines:
+            if line.get("event") in known:
+                fields = {k: v for k, v in line.items() if k not in ("t", "event")}
+                journal._fold(Event(line["event"]), fields, float(line["t"]))
+        return journal
 
     def pending_drill(self, worker: int) -> str | None:
         """The drill (or the agent's own kill: hang, straggler) waiting for `worker`'s fault."""
@@ -82,13 +104,17 @@ class Journal:
 
     def drill_injected(self, worker: int, kind: str, at: float) -> None:
         """The next fault of `worker` is this drill (the first one named wins: a SIGSTOP drill
-        stays a "hang" dated from the injection, when the hang detector later kills it)."""
-        self._drills.setdefault(worker, (kind, at))
+        stays a "hang" dated from the injection, when the hang detector later kills it).
+        An event of its own, so that a replay of the log names the fault the same way."""
+        self.emit(Event.INJECTED, {"worker": worker, "kind": kind, "at": at})
+
+    def _on_injected(self, f: Mapping[str, object]) -> None:
+        self._drills.setdefault(int(str(f["worker"])), (str(f["kind"]), float(str(f["at"]))))
 
     # -------------------------------------------------------------- folding events
     def _on_fault(self, f: Mapping[str, object]) -> None:
         worker = int(str(f["worker"]))
-        detected = float(str(f.get("detected_at", time.time())))
+        detected = float(str(f.get("detected_at", self._now)))
         drill = self._drills.pop(worker, None) if worker >= 0 else self._group_drill()
         kind, at = drill if drill else (str(f.get("why", "fault")), detected)
         rec = FaultRecord(id=len(self.faults) + 1, kind=kind, worker=worker,
@@ -110,7 +136,7 @@ class Journal:
         """A failure on torchrun's path (a script without the API): a fault record too."""
         rank = int(str(f["rank"])) if f.get("rank") is not None else -1
         drill = self._drills.pop(rank, None)  # first-attempt worker ids are the ranks
-        now = time.time()
+        now = self._now
         kind, at = drill if drill else ("failure", now)
         self.faults.append(FaultRecord(id=len(self.faults) + 1, kind=kind, worker=rank,
                                        rank=rank, at=at, decision="fail",
@@ -130,7 +156,7 @@ class Journal:
         """A new attempt runs: the faults it answers are recovered. What they cost: the time
         until now, and, for API scripts (which restart from step 0), every committed step of
         the attempt before, with the time spent reaching them."""
-        now = time.time()
+        now = self._now
         for i, rec in enumerate(self._restarting):
             rec.recovered = True
             rec.recovery_ms = round((now - rec.at) * 1000, 1)

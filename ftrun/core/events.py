@@ -24,6 +24,7 @@ class Event(TextEnum):
     GENERATION = "generation"  # a new membership published
     RECOVERED = "recovered"  # the first member committed in a new generation
     DRILL = "drill"  # `ftrun inject-fault` applied
+    INJECTED = "injected"  # the next fault of a worker is a drill or the agent's own kill
     GPU = "gpu"  # a GPU's health changed
     STRAGGLER = "straggler"
     SNAPSHOT = "snapshot"  # a snapshot written to disk (step, size, blocking and write ms)
