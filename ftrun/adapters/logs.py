@@ -141,9 +141,13 @@ class RunLogs:
         return string.Template(template).safe_substitute(
             role_name=self.spec.role, rank=rank, local_rank=local_rank)
 
+    def removable(self, succeeded: bool) -> bool:
+        """A temporary log directory that holds nothing worth keeping, after this result."""
+        return self.temporary and succeeded and not self.wrote_logs and bool(self.base)
+
     def cleanup(self, succeeded: bool) -> bool:
         """Drop a temporary log directory that holds nothing worth keeping. True if removed."""
-        if self.temporary and succeeded and not self.wrote_logs and self.base:
+        if self.removable(succeeded) and self.base:
             shutil.rmtree(self.base, ignore_errors=True)
             return True
         return False

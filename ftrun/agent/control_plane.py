@@ -17,6 +17,7 @@ import os
 import queue
 import reprlib
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -26,6 +27,7 @@ from ftrun.agent.jobview import role_of
 from ftrun.agent.journal import Journal, fault_docs, summarize
 from ftrun.agent.ports import AgentPort
 from ftrun.agent.roster import Worker
+from ftrun.agent.timeline import Timeline
 from ftrun.agent.watch import HealthWatch
 from ftrun.core.errors import FtrunError
 from ftrun.core.events import Event
@@ -149,9 +151,28 @@ class ControlPlane:
         self.info = RunInfo(port.run_id, os.getpid(), port.spec.script, time.time(), sock,
                             log_dir)
         self.server = ControlServer(self.info, self.handle)
+        self.timeline = Timeline(log_dir)
+        self.metrics_url: str | None = None  # where Prometheus scrapes this agent, if it does
 
     def close(self) -> None:
         self.server.close()
+        self.timeline.close()
+
+    def sample(self, now: float, ended: Sequence[object] = ()) -> None:
+        """The main loop's pass: a timeline line for `ftrun report`, twice a second, and one
+        whenever workers of this node ended (their last steps, read before their progress
+        slots are retired: a run's last commits come just before its workers exit)."""
+        gone = [w for w in ended if isinstance(w, Worker)]
+        if not gone and not self.timeline.due(now):
+            return
+        try:
+            doc = self.status()
+            if gone:
+                doc = {**doc, "workers": [*doc["workers"], *self.worker_rows(now, gone)]}
+            self.timeline.sample(doc, now)
+        except Exception as exc:  # the history must never stop the job: said once, skipped
+            if self.timeline.failed(now):
+                self.port.emit(Event.NOTICE, {"text": f"could not sample the timeline: {exc}"})
 
     # ------------------------------------------------------------ requests (server thread)
     def handle(self, req: dict[str, Any]) -> dict[str, Any]:
@@ -241,12 +262,16 @@ class ControlPlane:
             "ft_api": bool(ms and ms.uses_api), "workers": self.worker_rows(now),
             "hang_timeout_s": round(self.health.timeout_s, 2) or None,
             "faults": fault_docs(faults), "summary": summarize(faults, now - self.info.started_at),
+            "steps_per_s": self.timeline.steps_per_s(), "gpus": self.health.gpu_table(),
+            "metrics": self.metrics_url,
         }
 
-    def worker_rows(self, now: float) -> list[dict[str, Any]]:
-        """One row per live worker of this node, from its progress slot."""
+    def worker_rows(self, now: float, workers: Sequence[Worker] | None = None
+                    ) -> list[dict[str, Any]]:
+        """One row per live worker of this node (or per one of `workers`), from its progress
+        slot."""
         rows = []
-        for w in self.port.workers_snapshot():
+        for w in self.port.workers_snapshot() if workers is None else workers:
             p = self.slots.progress(w.worker_id)
             has = p.generation >= 0
             gpu, health = self.health.gpu_of(w.local_rank)

@@ -101,6 +101,11 @@ class HealthWatch:
         verdict = self.monitor.verdicts.get(uuid) if self.monitor else None
         return uuid, verdict.health.value if verdict else "healthy"
 
+    def gpu_table(self) -> list[dict[str, object]]:
+        """Every GPU of this node in local-rank order, excluded ones included."""
+        return [{"index": i, "gpu": uuid, "health": self.gpu_of(i)[1],
+                 "excluded": uuid in self.excluded} for i, uuid in enumerate(self.uuids)]
+
     def pick_local_rank(self, preferred: int) -> int:
         """The lost worker's device, unless its GPU is excluded: then a free healthy one."""
         if not self.uuids or self.uuids[preferred % len(self.uuids)] not in self.excluded:

@@ -15,6 +15,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NoReturn
 
 from ftrun.cli.cluster_env import slurm_defaults
+from ftrun.cli.metrics_args import METRICS_PORT_ENV, metrics_fields
 from ftrun.cli.snapshot_args import snapshot_fields
 from ftrun.cli.values import float_value as _float
 from ftrun.cli.values import int_value as _int
@@ -137,6 +138,11 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
     opt("snapshot-keep", default="2", help="complete snapshots kept on disk per node")
     opt("resume", default="", help="start from the newest complete snapshot in DIR (an "
         "earlier run's --snapshot-dir)")
+    p.add_argument("--metrics-port", dest="metrics_port", default=env.get(METRICS_PORT_ENV),
+                   help=f"serve Prometheus metrics on this port (0: any free one; also "
+                   f"{METRICS_PORT_ENV}; off by default)")
+    p.add_argument("--metrics-addr", dest="metrics_addr", default="127.0.0.1",
+                   help="the address the metrics endpoint binds (default 127.0.0.1)")
     p.add_argument("training_script", nargs="?", help="the training script (or module)")
     p.add_argument("training_script_args", nargs=argparse.REMAINDER)
     return p
@@ -211,6 +217,7 @@ def parse_run_args(
         zygote=not ns.no_zygote,
         preload=_parse_preload(ns.preload),
         **snapshot_fields(ns),
+        **metrics_fields(ns),
     )
 
 

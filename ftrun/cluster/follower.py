@@ -60,6 +60,8 @@ MAX_ERROR_FILE_BYTES = 64 * 1024
 
 
 class Follower(Agent):
+    REMEMBERED = False  # the coordinator's run is the job's
+
     def __init__(self, spec: RunSpec, ep: Endpoint, env: Mapping[str, str] | None = None,
                  emit: EventSink = _ignore) -> None:
         super().__init__(spec, env, emit)
@@ -216,6 +218,7 @@ class Follower(Agent):
                     self.act(self.health.tick(None, time.time()))  # no membership here
                     self.snapshots.drain()
                     self.control_plane.apply_drills()
+                    self.control_plane.sample(time.time())
                     stop, result = self._obey()
                     if stop:
                         return result

@@ -90,6 +90,8 @@ class RunSpec:
     snapshot_dir: str = ""  # where snapshots go on disk ("": a per-run directory)
     snapshot_keep: int = 2  # complete disk snapshots kept per node
     resume: str = ""  # --resume DIR: the first attempt starts from DIR's newest snapshot
+    metrics_port: int | None = None  # serve Prometheus metrics here (0: any free port)
+    metrics_addr: str = "127.0.0.1"  # ...bound to this address
 
     @property
     def snapshots(self) -> bool:

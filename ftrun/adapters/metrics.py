@@ -1,0 +1,176 @@
+"""Prometheus metrics of a run, served by the agent with the official prometheus_client.
+
+Owns: `MetricsServer` (binds before any worker starts: a port in use is a one-line usage
+error) and the collector that turns the status document, the one `ftrun status --json`
+prints, into metric families at each scrape, so the two never disagree. Names follow the
+Prometheus conventions: base units in the name, counters end in `_total`.
+Must not import: torch, typer, rich, the agent, the worker library.
+"""
+
+from __future__ import annotations
+
+import errno
+from collections import Counter
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+from ftrun.core.errors import UsageError
+
+StatusFn = Callable[[], Mapping[str, Any]]
+RECOVERY_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+PHASES = ("detected", "published", "rebuilt", "healed", "first_commit", "restarted", "resumed")
+
+
+class MetricsServer:
+    def __init__(self, addr: str, port: int) -> None:
+        from prometheus_client import start_http_server
+        from prometheus_client.registry import CollectorRegistry
+
+        self._status: StatusFn = dict
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(_Collector(lambda: self._status()))
+        try:
+            self._httpd, self._thread = start_http_server(port, addr, registry=registry)
+        except OSError as exc:
+            what = ("is in use" if exc.errno == errno.EADDRINUSE
+                    else f"cannot be bound ({exc.strerror})")
+            raise UsageError(f"--metrics-port {port}: {addr}:{port} {what}",
+                             hint="pick another port, or 0 for any free one") from None
+        self.port = int(self._httpd.server_address[1])
+        self.url = f"http://{addr}:{self.port}/metrics"
+
+    def serve(self, status: StatusFn) -> None:
+        """From now on scrapes describe the job through `status` (before: no samples)."""
+        self._status = status
+
+    def close(self) -> None:
+        self._httpd.shutdown()
+        self._httpd.server_close()
+        self._thread.join(timeout=5.0)
+
+
+class _Collector:
+    def __init__(self, status: StatusFn) -> None:
+        self.status = status
+
+    def collect(self) -> Iterator[Any]:
+        doc = self.status()
+        if not doc:
+            return
+        yield from job_families(doc)
+        yield from worker_families(doc.get("workers", []))
+        yield from fault_families(doc.get("faults", []), doc.get("summary", {}))
+        yield from node_families(doc)
+
+
+def job_families(doc: Mapping[str, Any]) -> Iterator[Any]:
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    def gauge(name: str, text: str, value: object) -> Any:
+        return GaugeMetricFamily(name, text, value=float(str(value)))
+
+    yield gauge("ftrun_generation", "the membership generation now", doc["generation"])
+    yield gauge("ftrun_world_size", "ranks in the current generation", doc["world_size"])
+    yield gauge("ftrun_uptime_seconds", "seconds since the agent started", doc["uptime_s"])
+    yield CounterMetricFamily("ftrun_restarts", "whole-group restarts so far",
+                              value=float(doc.get("attempt", 0)))
+    if doc.get("steps_per_s") is not None:
+        yield gauge("ftrun_steps_per_second", "committed steps per second, last minute",
+                    doc["steps_per_s"])
+    snap = doc.get("snapshot") or {}
+    if "step" in snap:
+        yield gauge("ftrun_snapshot_step", "the step of the newest snapshot on disk",
+                    snap["step"])
+        yield gauge("ftrun_snapshot_age_seconds", "seconds since it was taken", snap["age_s"])
+    gpus = GaugeMetricFamily("ftrun_gpu_healthy", "1 if the GPU is healthy, else 0",
+                             labels=["gpu", "index"])
+    for g in doc.get("gpus", []):
+        gpus.add_metric([str(g["gpu"]), str(g["index"])],
+                        1.0 if g["health"] == "healthy" and not g.get("excluded") else 0.0)
+    yield gpus
+
+
+def worker_families(workers: Sequence[Mapping[str, Any]]) -> Iterator[Any]:
+    from prometheus_client.core import GaugeMetricFamily
+
+    labels = ["rank", "worker", "node"]
+    step = GaugeMetricFamily("ftrun_committed_step", "the last step the rank committed",
+                             labels=labels)
+    secs = GaugeMetricFamily("ftrun_step_seconds", "the rank's last step time", labels=labels)
+    for w in workers:
+        if w.get("rank") is None or int(w["rank"]) < 0 or w.get("committed_step") is None:
+            continue
+        key = [str(w["rank"]), str(w["worker_id"]), str(w.get("node", 0))]
+        step.add_metric(key, float(w["committed_step"]))
+        if w.get("step_time_ms") is not None:
+            secs.add_metric(key, float(w["step_time_ms"]) / 1000)
+    yield step
+    yield secs
+    yield GaugeMetricFamily("ftrun_spares_ready", "hot spares ready to take a rank",
+                            value=float(sum(w.get("role") == "spare" for w in workers)))
+    yield GaugeMetricFamily("ftrun_stragglers", "ranks flagged as stragglers now",
+                            value=float(sum(bool(w.get("straggler")) for w in workers)))
+
+
+def fault_families(faults: Sequence[Mapping[str, Any]], summary: Mapping[str, Any]
+                   ) -> Iterator[Any]:
+    from prometheus_client.core import (
+        CounterMetricFamily,
+        GaugeMetricFamily,
+        HistogramMetricFamily,
+    )
+
+    by_kind = CounterMetricFamily("ftrun_faults", "faults by kind", labels=["kind"])
+    for kind, n in sorted(Counter(kind_label(str(f["kind"])) for f in faults).items()):
+        by_kind.add_metric([kind], float(n))
+    yield by_kind
+    yield CounterMetricFamily("ftrun_faults_recovered", "faults recovered",
+                              value=float(sum(bool(f["recovered"]) for f in faults)))
+    times = [float(f["recovery_ms"]) / 1000 for f in faults if f.get("recovery_ms") is not None]
+    yield HistogramMetricFamily("ftrun_recovery_seconds", "fault to the first commit after it",
+                                buckets=histogram_buckets(times), sum_value=sum(times))
+    phases = HistogramMetricFamily("ftrun_recovery_phase_seconds",
+                                   "fault to the end of each recovery phase", labels=["phase"])
+    for phase in PHASES:
+        ends = [float(f["phases_ms"][phase]) / 1000 for f in faults
+                if f.get("phases_ms", {}).get(phase) is not None]
+        if ends:
+            phases.add_metric([phase], histogram_buckets(ends), sum(ends))
+    yield phases
+    yield CounterMetricFamily("ftrun_lost_steps", "committed steps lost to faults",
+                              value=float(summary.get("lost_steps", 0)))
+    yield CounterMetricFamily("ftrun_time_lost_seconds", "run time lost to faults",
+                              value=float(summary.get("time_lost_s", 0.0)))
+    if summary.get("goodput") is not None:
+        yield GaugeMetricFamily("ftrun_goodput_ratio", "share of the run not lost to faults",
+                                value=float(summary["goodput"]))
+
+
+def node_families(doc: Mapping[str, Any]) -> Iterator[Any]:
+    """Multi-node: the coordinator's view of every node (a follower has no `nodes`)."""
+    from prometheus_client.core import GaugeMetricFamily
+
+    nodes = doc.get("nodes")
+    if not nodes:
+        return
+    up = GaugeMetricFamily("ftrun_node_up", "1 while the node is part of the job",
+                           labels=["node", "host"])
+    count = GaugeMetricFamily("ftrun_node_workers", "the node's live workers", labels=["node"])
+    per_node = Counter(int(w.get("node", 0)) for w in doc.get("workers", []))
+    for n in nodes:
+        up.add_metric([str(n["node"]), str(n["host"])], 1.0 if n["alive"] else 0.0)
+        count.add_metric([str(n["node"])], float(per_node.get(int(n["node"]), 0)))
+    yield up
+    yield count
+
+
+def kind_label(kind: str) -> str:
+    """A fault's kind as a label of few values: a drill's name (kill, hang, xid...) or the
+    first word of how it was detected ("gpu: GPU is lost" -> gpu, "exit -9" -> exit)."""
+    return kind.split(":")[0].split()[0] if kind.strip() else "fault"
+
+
+def histogram_buckets(values: Sequence[float]) -> list[tuple[str, float]]:
+    """Cumulative (le, count) pairs over `RECOVERY_BUCKETS_S`, +Inf last."""
+    out = [(str(le), float(sum(v <= le for v in values))) for le in RECOVERY_BUCKETS_S]
+    return [*out, ("+Inf", float(len(values)))]

@@ -1,0 +1,100 @@
+"""A run's history for `ftrun report`: the committed step of every rank over time, the world
+size and the spares, sampled from the status document into `<run dir>/timeline.jsonl`.
+
+Owns: `Timeline` (when to sample, what a line holds, the steps per second over the last
+minute that `ftrun status` shows) and `read_timeline`. A line is written only when something
+changed, or every `KEEPALIVE_S` while nothing does, so an idle or a long job writes little;
+jobs of more than `PER_RANK_MAX` ranks keep only the slowest and fastest rank's step.
+Must not import: torch, typer, rich, the CLI, the agent's node.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+from collections.abc import Mapping
+from typing import IO, Any
+
+EVERY_S = 0.5  # how often the agent samples its status document
+KEEPALIVE_S = 10.0  # a line at least this often while the job runs unchanged
+RATE_WINDOW_S = 60.0  # `ftrun status`: steps per second over this window
+PER_RANK_MAX = 64  # above this many ranks a line keeps the min and max step only
+FILE = "timeline.jsonl"
+
+
+def line_of(doc: Mapping[str, Any]) -> dict[str, Any]:
+    """What one sample keeps of a status document (without its time)."""
+    steps = {int(w["rank"]): int(w["committed_step"]) for w in doc.get("workers", [])
+             if w.get("rank") is not None and int(w["rank"]) >= 0
+             and w.get("committed_step") is not None and w.get("role") != "spare"}
+    line: dict[str, Any] = {
+        "attempt": doc.get("attempt", 0), "generation": doc.get("generation", 0),
+        "world_size": doc.get("world_size", 0),
+        "spares": sum(1 for w in doc.get("workers", []) if w.get("role") == "spare"),
+        "step_min": min(steps.values(), default=None),
+        "step_max": max(steps.values(), default=None),
+    }
+    if len(steps) <= PER_RANK_MAX:
+        line["steps"] = {str(r): s for r, s in sorted(steps.items())}
+    return line
+
+
+class Timeline:
+    def __init__(self, run_dir: str | None) -> None:
+        self._file: IO[str] | None = (open(f"{run_dir}/{FILE}", "a")  # noqa: SIM115
+                                      if run_dir else None)
+        self._next = 0.0
+        self._last: dict[str, Any] | None = None
+        self._last_at = 0.0
+        self._recent: collections.deque[tuple[float, int]] = collections.deque()
+        self._failed = False
+
+    def due(self, now: float) -> bool:
+        return now >= self._next
+
+    def sample(self, doc: Mapping[str, Any], now: float) -> None:
+        """Record a status document taken at `now` (wall clock)."""
+        self._next = now + EVERY_S
+        line = line_of(doc)
+        if line["step_max"] is not None:
+            self._recent.append((now, int(line["step_max"])))
+        while self._recent and self._recent[0][0] < now - RATE_WINDOW_S:
+            self._recent.popleft()
+        if self._file is None or (line == self._last and now - self._last_at < KEEPALIVE_S):
+            return
+        self._file.write(json.dumps({"t": round(now, 3), **line}) + "\n")
+        self._file.flush()
+        self._last, self._last_at = line, now
+
+    def failed(self, now: float) -> bool:
+        """A sample could not be taken: try again later; True the first time only."""
+        self._next = now + EVERY_S
+        first, self._failed = not self._failed, True
+        return first
+
+    def steps_per_s(self) -> float | None:
+        """Committed steps per second over the last minute (None before two samples)."""
+        if len(self._recent) < 2:
+            return None
+        (t0, s0), (t1, s1) = self._recent[0], self._recent[-1]
+        return round(max(0, s1 - s0) / (t1 - t0), 3) if t1 > t0 else None
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+def read_timeline(path: str) -> list[dict[str, Any]]:
+    """Every whole line of a timeline file (a line cut off by a crash is left out)."""
+    out = []
+    try:
+        with open(path) as f:
+            for raw in f:
+                try:
+                    out.append(json.loads(raw))
+                except ValueError:
+                    continue
+    except FileNotFoundError:
+        return []
+    return out
