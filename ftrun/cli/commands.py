@@ -1,8 +1,10 @@
-"""`ftrun status` and `ftrun inject-fault`: typer commands over the control client.
+"""`ftrun status`, `ftrun inject-fault` and `ftrun report`: typer commands over the control
+client and the run's files.
 
 Owns: the subcommands' arguments (checked with the job's own request checks), the drill
 schedule (--every/--count) and waiting for the drill's recoveries; a job that ends before
-its drill settles is an error. Rendering lives in render.py.
+its drill settles is an error. Rendering lives in render.py, the report's numbers in
+runreport.py, its picture in picture.py.
 Must not import: torch (a status check must work, fast, on a node without CUDA).
 """
 
@@ -10,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
 from typing import Any, Optional
 
@@ -48,6 +51,43 @@ def status(run_id: Optional[str] = typer.Option(None, "--run-id", help="the job 
         print(json.dumps(doc, indent=2, sort_keys=True))
     else:
         render.print_status(doc)
+
+
+@app.command()
+def report(run_dir: Optional[str] = typer.Argument(None, help="a run's log directory, or a --log-dir holding runs (default: the last run)"),  # noqa: UP045,E501
+           last: bool = typer.Option(False, "--last", help="the last run started on this host"),
+           as_json: bool = typer.Option(False, "--json", help="print the numbers as JSON"),
+           out: Optional[str] = typer.Option(None, "--out", help="the picture: FILE.html (default: report.html in the run directory) or FILE.png (needs matplotlib)"),  # noqa: UP045,E501
+           ) -> None:
+    """Sum up a run: faults, recovery phases, time lost, goodput, and a picture of it."""
+    from ftrun.cli import picture, runreport
+
+    if run_dir is not None and last:
+        raise UsageError("give a run directory or --last, not both", hint="drop one of them")
+    run = runreport.load_run(runreport.find_run_dir(run_dir))
+    rep = runreport.build_report(run)
+    path = os.path.abspath(out) if out else os.path.join(run.path, "report.html")
+    chart = picture.chart_of(run)
+    title = f"ftrun run {os.path.basename(run.path)}"
+    if path.endswith(".png"):
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise UsageError("a PNG picture needs matplotlib",
+                             hint="pip install 'ftrun[report]', or use --out FILE.html"
+                             ) from None
+        markers = picture.write_png(chart, path, title)
+    else:
+        try:
+            markers = picture.write_html(chart, path, title)
+        except OSError as exc:
+            raise FtrunError(f"cannot write the picture {path} ({exc.strerror})",
+                             hint="pass --out with a writable path") from None
+    rep = {**rep, "picture": path, "fault_markers": markers}
+    if as_json:
+        print(json.dumps(rep, indent=2, sort_keys=True, default=str))
+    else:
+        render.print_report(rep, path)
 
 
 @app.command("inject-fault")

@@ -41,7 +41,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_FAILURE
 
 
-SUBCOMMANDS = ("status", "inject-fault")
+SUBCOMMANDS = ("status", "inject-fault", "report")
 
 
 def _subcommand(args: list[str]) -> int:

@@ -101,6 +101,9 @@ def status_tables(doc: Mapping[str, Any]) -> list[Any]:
     head.add_row("uptime", f"{doc['uptime_s']:.0f}s", "generation", str(doc["generation"]))
     head.add_row("world size", str(doc["world_size"]), "policy",
                  f"{doc['policy']} (spares {doc['spares']})")
+    rate = doc.get("steps_per_s")
+    head.add_row("steps/s", f"{rate:.2f} (last minute)" if rate is not None else "-",
+                 "metrics", str(doc.get("metrics") or "off (--metrics-port)"))
     zygote = doc.get("zygote")
     if zygote:
         head.add_row("zygote", _zygote_text(zygote), "", "")
@@ -227,3 +230,45 @@ def print_run_summary(faults: Sequence[Any], run_seconds: float,
           f"{_fmt(s['p50_ms'], ' ms')}, p95 {_fmt(s['p95_ms'], ' ms')}, max "
           f"{_fmt(s['max_ms'], ' ms')}; time lost {s['time_lost_s']} s; goodput "
           f"{_fmt(s['goodput'])}", file=stream, flush=True)
+
+
+# ------------------------------------------------------------------ ftrun report
+def print_report(rep: Mapping[str, Any], picture: str | None,
+                 stream: TextIO | None = None) -> None:
+    """`ftrun report`: what the run went through, where the time went."""
+    from rich.console import Console
+    from rich.table import Table
+
+    stream = stream or sys.stdout
+    console = Console(file=stream, force_terminal=stream.isatty(), width=120)
+    s = rep["summary"]
+    kinds = ", ".join(f"{k} {n}" for k, n in rep["faults_by_kind"].items())
+    console.print(f"run {rep['run_dir']}: {rep['seconds']:.1f} s, {rep['attempts']} "
+                  f"attempt{'s' if rep['attempts'] != 1 else ''}, world size "
+                  f"{' -> '.join(map(str, rep['world_sizes'])) or '-'}, last committed step "
+                  f"{_fmt(rep['last_step'])}")
+    console.print(f"faults: {s['faults']}{f' ({kinds})' if kinds else ''}, recovered "
+                  f"{s['recovered']}; time lost {s['time_lost_s']} s, goodput "
+                  f"{_fmt(s['goodput'])}, committed steps lost {s['lost_steps']}")
+    if rep["phases_ms"]:
+        table = Table(title="recovery, ms after the fault", title_justify="left")
+        for col in ("phase", "faults", "p50", "p95", "max"):
+            table.add_column(col)
+        for phase, row in rep["phases_ms"].items():
+            table.add_row(phase, str(row["count"]), _fmt(row["p50"]), _fmt(row["p95"]),
+                          _fmt(row["max"]))
+        console.print(table)
+    for st in rep["stragglers"]:
+        console.print(f"straggler at +{st['t']:.1f} s: worker {st['worker']} ({st['reason']})"
+                      + (", evicted" if st["evicted"] else ""))
+    for g in rep["gpu_events"]:
+        console.print(f"GPU at +{g['t']:.1f} s: {g['uuid']} {g['health']} ({g['reason']})")
+    for r in rep["restarts"]:
+        console.print(f"restart {r['attempt']} at +{r['t']:.1f} s: {r['reason']}")
+    snap = rep["snapshots"]
+    if snap["count"]:
+        console.print(f"snapshots: {snap['count']}, the last of step {snap['last_step']}; "
+                      f"blocking {_fmt(snap['blocking_ms_median'], ' ms')}, write "
+                      f"{_fmt(snap['write_ms_median'], ' ms')} (medians)")
+    if picture:
+        console.print(f"picture: {picture}")

@@ -1,0 +1,168 @@
+"""`ftrun report`'s numbers: a run's event log and timeline read back and summed up.
+
+Owns: finding the run (a log directory, a --log-dir base, or the last run on this host),
+reading it, and `build_report`: faults by kind, recovery percentiles per phase, time lost,
+goodput, stragglers, GPU events, restarts and snapshots. Fault records come from replaying
+the event log through the agent's own journal, so the report, `ftrun status` and the
+end-of-run summary agree by construction.
+Must not import: torch, typer, rich, matplotlib, the running agent.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from ftrun.adapters import history
+from ftrun.agent.journal import FaultRecord, Journal, fault_docs, summarize
+from ftrun.agent.timeline import FILE as TIMELINE_FILE
+from ftrun.agent.timeline import read_timeline
+from ftrun.core.errors import FtrunError, UsageError
+
+EVENTS_FILE = "events.jsonl"
+PHASE_ORDER = ("detected", "published", "rebuilt", "healed", "first_commit", "restarted",
+               "resumed")
+
+
+@dataclass(frozen=True)
+class RunRecord:
+    path: str
+    events: list[dict[str, Any]]
+    timeline: list[dict[str, Any]]
+    faults: list[FaultRecord] = field(default_factory=list)
+
+    @property
+    def t0(self) -> float:
+        firsts = [float(x[0]["t"]) for x in (self.events, self.timeline) if x]
+        return min(firsts) if firsts else 0.0
+
+    @property
+    def t1(self) -> float:
+        lasts = [float(x[-1]["t"]) for x in (self.events, self.timeline) if x]
+        return max(lasts) if lasts else self.t0
+
+    def of_kind(self, kind: str) -> list[dict[str, Any]]:
+        return [e for e in self.events if e.get("event") == kind]
+
+
+def find_run_dir(where: str | None) -> str:
+    """A run's log directory from what the user named: None means the last run here."""
+    if where is None:
+        return _last_run_dir()
+    path = os.path.abspath(os.path.expanduser(where))
+    if os.path.isfile(os.path.join(path, EVENTS_FILE)):
+        return path
+    if os.path.isdir(path):
+        runs = [e.path for e in os.scandir(path)
+                if e.is_dir() and os.path.isfile(os.path.join(e.path, EVENTS_FILE))]
+        if runs:
+            return max(runs, key=lambda p: os.stat(os.path.join(p, EVENTS_FILE)).st_mtime)
+        raise UsageError(f"no ftrun event log in {where}",
+                         hint="give a run's log directory (<--log-dir>/<run id>_...), or --last")
+    raise UsageError(f"{where}: no such directory", hint="give a run's log directory, or --last")
+
+
+def _last_run_dir() -> str:
+    last = history.last_run()
+    if last is None:
+        raise FtrunError("no ftrun run is recorded on this host yet",
+                         hint="run a job first, or give its log directory")
+    run_id, path = last
+    if path is None:
+        raise FtrunError(f"the last run ({run_id}) kept no event log (--log-dir {os.devnull})",
+                         hint="run it again without --log-dir /dev/null")
+    if not os.path.isfile(os.path.join(path, EVENTS_FILE)):
+        raise FtrunError(f"the last run's log directory {path} is gone",
+                         hint="give another run's log directory")
+    return path
+
+
+def load_run(path: str) -> RunRecord:
+    events = read_timeline(os.path.join(path, EVENTS_FILE))  # the same JSON-lines reader
+    timeline = read_timeline(os.path.join(path, TIMELINE_FILE))
+    faults = Journal.replay(events).faults
+    return RunRecord(path, events, timeline, faults)
+
+
+def build_report(run: RunRecord) -> dict[str, Any]:
+    seconds = max(0.0, run.t1 - run.t0)
+    generations = run.of_kind("generation")
+    snapshots = run.of_kind("snapshot")
+    return {
+        "run_dir": run.path,
+        "started_at": run.t0, "seconds": round(seconds, 3),
+        "attempts": 1 + len(run.of_kind("restart")),
+        "world_sizes": _world_sizes(run),
+        "generations": len(generations),
+        "last_step": max((int(x["step_max"]) for x in run.timeline
+                          if x.get("step_max") is not None), default=None),
+        "summary": summarize(run.faults, seconds),
+        "faults_by_kind": dict(sorted(Counter(f.kind for f in run.faults).items())),
+        "phases_ms": phase_table(run.faults),
+        "stragglers": [{"t": round(e["t"] - run.t0, 3), "worker": e.get("worker"),
+                        "reason": e.get("reason"), "evicted": e.get("evicted")}
+                       for e in run.of_kind("straggler")],
+        "gpu_events": [{"t": round(e["t"] - run.t0, 3), "uuid": e.get("uuid"),
+                        "health": e.get("health"), "reason": e.get("reason")}
+                       for e in _gpu_changes(run.of_kind("gpu"))],
+        "restarts": [{"t": round(e["t"] - run.t0, 3), "attempt": e.get("attempt"),
+                      "reason": e.get("reason")} for e in run.of_kind("restart")],
+        "snapshots": {"count": len(snapshots),
+                      "last_step": snapshots[-1].get("step") if snapshots else None,
+                      "blocking_ms_median": _median(snapshots, "blocking_ms"),
+                      "write_ms_median": _median(snapshots, "write_ms")},
+        "faults": fault_docs(run.faults),
+    }
+
+
+def phase_table(faults: Sequence[FaultRecord]) -> dict[str, dict[str, float | int | None]]:
+    """Per phase (ms after the fault that it ended), and for the whole recovery: count,
+    p50, p95, max, over the faults that went through it."""
+    table: dict[str, dict[str, float | int | None]] = {}
+    for phase in (*PHASE_ORDER, "recovery"):
+        if phase == "recovery":
+            values = sorted(f.recovery_ms for f in faults if f.recovery_ms is not None)
+        else:
+            values = sorted(f.phases_ms[phase] for f in faults if phase in f.phases_ms)
+        if values:
+            table[phase] = {"count": len(values), "p50": _pct(values, 50),
+                            "p95": _pct(values, 95), "max": values[-1]}
+    return table
+
+
+def _gpu_changes(events: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """GPU events that change something: not the first look at a healthy GPU."""
+    seen: dict[str, str] = {}
+    out = []
+    for e in events:
+        uuid, health = str(e.get("uuid")), str(e.get("health"))
+        if seen.get(uuid, "healthy") != health:
+            out.append(e)
+        seen[uuid] = health
+    return out
+
+
+def _world_sizes(run: RunRecord) -> list[int]:
+    """The world size as it changed: the first attempt's, then each generation's."""
+    sizes = [int(e["world_size"]) for e in run.of_kind("started") if "world_size" in e][:1]
+    if not sizes and run.timeline:
+        sizes = [int(run.timeline[0].get("world_size", 0))]
+    for e in run.of_kind("generation"):
+        if not sizes or sizes[-1] != int(e["world_size"]):
+            sizes.append(int(e["world_size"]))
+    return sizes
+
+
+def _pct(values: Sequence[float], p: int) -> float:
+    if len(values) == 1:
+        return round(values[0], 1)
+    return round(statistics.quantiles(values, n=100, method="inclusive")[p - 1], 1)
+
+
+def _median(events: Sequence[Mapping[str, Any]], key: str) -> float | None:
+    values = [float(e[key]) for e in events if e.get(key) is not None]
+    return round(statistics.median(values), 1) if values else None
