@@ -55,6 +55,18 @@ class Node:
             self.proc.wait(10)
 
 
+def node_metrics(port: int) -> dict[tuple[str, str], float]:
+    """(metric, node) -> value of the coordinator's per-node metrics."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    return {(s.name, s.labels["node"]): s.value for fam in text_string_to_metric_families(text)
+            for s in fam.samples if s.name.startswith("ftrun_node_")}
+
+
 def wait_listening(port: int, timeout: float) -> None:
     def up() -> bool:
         with socket.socket() as s:
@@ -106,7 +118,9 @@ def test_node_lost_then_replaced_without_restart(tmp_path: Path, nodes) -> None:
     port, out = free_port(), tmp_path / "out"
     out.mkdir()
     args = ft_job(port, "--rdzv-id", "mn", nnodes="2:3", steps=260, step_time=0.03, out=out)
-    a = nodes("a", args)
+    metrics_port = free_port()  # the coordinator's view of every node, as Prometheus sees it
+    a = nodes("a", ft_job(port, "--rdzv-id", "mn", "--metrics-port", str(metrics_port),
+                          nnodes="2:3", steps=260, step_time=0.03, out=out))
     wait_listening(port, 30)
     b, c = nodes("b", args), nodes("c", args)
     doc = wait_for(lambda: stepping(a, 6, 10), 120, "6 workers on 3 nodes stepping")
@@ -129,6 +143,9 @@ def test_node_lost_then_replaced_without_restart(tmp_path: Path, nodes) -> None:
     shrunk = wait_for(lambda: (d := a.status()) and d["world_size"] == 4 and d, 30,
                       "the job shrinking to 4 workers")
     assert shrunk["generation"] >= 1
+    scraped = node_metrics(metrics_port)
+    assert scraped[("ftrun_node_up", str(c_node))] == 0
+    assert scraped[("ftrun_node_up", "1" if c_node == 2 else "2")] == 1
 
     d = nodes("d", args)
     wait_for(lambda: (s := a.status()) and s["world_size"] == 6 and s["generation"] >= 2, 120,
