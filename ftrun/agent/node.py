@@ -11,30 +11,23 @@ from __future__ import annotations
 import os
 import selectors
 import signal
-import tempfile
 import time
 import uuid
 from collections.abc import Mapping
 from dataclasses import replace
 
-from ftrun.adapters import history
-from ftrun.adapters.logs import RunLogs
-from ftrun.adapters.metrics import MetricsServer
 from ftrun.adapters.procs import Guardian, signal_group
 from ftrun.adapters.report import WorkerExit
-from ftrun.adapters.slots import ProgressSlots
 from ftrun.adapters.store import LOOPBACK, HostedStore, QueueReader, advertised_addr, client
 from ftrun.adapters.wakeup import Wakeup
 from ftrun.adapters.workerspec import spawn_error, worker_argv, worker_env
-from ftrun.agent.control_plane import ControlPlane
-from ftrun.agent.journal import Journal
 from ftrun.agent.nodehooks import NodeHooks
 from ftrun.agent.recovery import Recovery
 from ftrun.agent.roster import Outcome, RemoteWorker, RunResult, Worker
-from ftrun.agent.snapshots import SnapshotKeeper
+from ftrun.agent.services import RunServices
 from ftrun.agent.starter import WorkerStarter
 from ftrun.agent.timeline import EVERY_S as TIMELINE_EVERY_S
-from ftrun.agent.watch import CHECK_EVERY_S, HealthWatch
+from ftrun.agent.watch import CHECK_EVERY_S
 from ftrun.core import timeouts
 from ftrun.core.events import Event, EventSink
 from ftrun.core.exits import signal_name
@@ -48,9 +41,7 @@ def _ignore(kind: str, fields: Mapping[str, object]) -> None:
     pass
 
 
-class Agent(NodeHooks):
-    REMEMBERED = True  # `ftrun report --last` shows this agent's run (a follower's: no)
-
+class Agent(NodeHooks, RunServices):
     def __init__(self, spec: RunSpec, env: Mapping[str, str] | None = None,
                  emit: EventSink = _ignore) -> None:
         self.spec = spec
@@ -74,61 +65,20 @@ class Agent(NodeHooks):
         guardian = Guardian()  # before any thread or socket exists
         self._guardian = guardian
         self._wakeup.install(self.spec.signals_to_handle)
-        self.metrics: MetricsServer | None = None
         self.starter = WorkerStarter(self.spec, lambda kind, fields: self.emit(kind, fields),
                                      self._wakeup)
         try:
-            if self.spec.metrics_port is not None:  # bound before any worker starts
-                self.metrics = MetricsServer(self.spec.metrics_addr, self.spec.metrics_port)
+            self._open_metrics()
             self._prepare_env()
             self.starter.open(self.base_env)  # the zygote imports torch meanwhile
-            self.logs = RunLogs(self.spec, self.run_id)
-            events = os.path.join(self.logs.run_dir, "events.jsonl") if self.logs.run_dir else None
-            self.journal = Journal(self._sink, events)
-            if self.REMEMBERED:
-                history.remember(self.run_id, self.logs.run_dir)
-            self.emit = self.journal.emit
-            self.snapshots = SnapshotKeeper(self.spec, self.run_id, 0, self.emit)
-            if self.snapshots.shm:  # gone with the agent, even a SIGKILLed one
-                guardian.remove_on_death(self.snapshots.shm)
-            self.progress_dir = (os.path.join(self.logs.run_dir, "progress") if self.logs.run_dir
-                                 else tempfile.mkdtemp(prefix="ftrun_progress_"))
-            os.makedirs(self.progress_dir, exist_ok=True)
-            self.slots = ProgressSlots(self.progress_dir)
-            self.health = HealthWatch(self, self.slots)
-            self.control_plane = ControlPlane(self, self.slots, self.journal, self.health,
-                                     self.logs.run_dir)
-            self._serve_metrics()
-            result = self._run_attempts()
-            result = replace(result, faults=tuple(self.journal.faults))
-            if self.logs.run_dir and self.logs.removable(result.exit_code == 0):
-                history.keep(self.run_id, self.logs.run_dir)  # for `ftrun report --last`
-            removed = self.logs.cleanup(result.exit_code == 0)
-            return result if not removed else replace(result, log_dir=None)
+            self._open_services(guardian, self)
+            return self._finish(self._run_attempts())
         finally:
             self._kill_all(signal.SIGKILL)
-            if self.metrics is not None:
-                self.metrics.close()
-            if hasattr(self, "control_plane"):
-                self.control_plane.close()
-            if hasattr(self, "slots"):
-                self.slots.close()
-            if hasattr(self, "health"):
-                self.health.close()
-            if hasattr(self, "snapshots"):
-                self.snapshots.close()
-            if hasattr(self, "journal"):
-                self.journal.close()
+            self._close_services()
             self.starter.close()
             guardian.close()
             self._wakeup.close()
-
-    def _serve_metrics(self) -> None:
-        if self.metrics is None:
-            return
-        self.metrics.serve(self.control_plane.status)
-        self.control_plane.metrics_url = self.metrics.url
-        self.emit(Event.NOTICE, {"text": f"Prometheus metrics at {self.metrics.url}"})
 
     def _run_attempts(self) -> RunResult:
         restarts = 0
