@@ -153,8 +153,8 @@ def test_a_replayed_log_dates_a_restart_by_the_log_not_by_now() -> None:
     assert (rec.kind, rec.recovered, rec.recovery_ms) == ("kill", True, 2000.0)
 
 
-def test_the_picture_marks_every_fault_and_the_report_finds_runs(tmp_path: Path,
-                                                                 private_run_dir) -> None:
+def synthetic_run(tmp_path: Path) -> Path:
+    """A run directory as an agent leaves it: one fault recovered, one snapshot, 3 samples."""
     run = tmp_path / "job_abc"
     run.mkdir()
     events = [{"t": 0.0, "event": "started", "attempt": 0, "world_size": 2},
@@ -169,6 +169,12 @@ def test_the_picture_marks_every_fault_and_the_report_finds_runs(tmp_path: Path,
     (run / "timeline.jsonl").write_text("".join(json.dumps(
         {"t": t, "world_size": 2, "step_max": s, "steps": {"0": s, "1": s}}) + "\n"
         for t, s in ((0.5, 1), (1.0, 4), (2.5, 12))))
+    return run
+
+
+def test_the_picture_marks_every_fault_and_the_report_finds_runs(tmp_path: Path,
+                                                                 private_run_dir) -> None:
+    run = synthetic_run(tmp_path)
     assert runreport.find_run_dir(str(tmp_path)) == str(run)  # a --log-dir holding runs
     rec = runreport.load_run(str(run))
     rep = runreport.build_report(rec)
@@ -186,6 +192,24 @@ def test_the_picture_marks_every_fault_and_the_report_finds_runs(tmp_path: Path,
         runreport.find_run_dir(str(tmp_path / "empty"))
     history.remember("r1", None)
     assert main(["report", "--last"]) == 1  # a run that kept no log: one line
+
+
+def test_a_png_picture_through_the_report_extra(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib", reason="the optional 'report' extra is not installed")
+    rec = runreport.load_run(str(synthetic_run(tmp_path)))
+    out = tmp_path / "run.png"
+    assert picture.write_png(picture.chart_of(rec), str(out), "t") == len(rec.faults) == 1
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_png_without_matplotlib_is_one_line(tmp_path: Path, capsys) -> None:
+    import importlib.util
+
+    if importlib.util.find_spec("matplotlib") is not None:
+        pytest.skip("matplotlib is installed here")
+    assert main(["report", str(synthetic_run(tmp_path)), "--out", str(tmp_path / "r.png")]) == 2
+    assert capsys.readouterr().err == ("ftrun: error: a PNG picture needs matplotlib (pip "
+                                       "install 'ftrun[report]', or use --out FILE.html)\n")
 
 
 def test_report_errors_are_one_line(capsys) -> None:

@@ -84,10 +84,12 @@ def test_status_rendering_of_a_document(capsys) -> None:
                   "faults": [{"id": 1, "kind": "kill", "rank": 1, "decision": "shrink",
                               "recovered": True, "recovery_ms": 42.0, "reason": "gone",
                               "phases_ms": {"detected": 1.0, "first_commit": 42.0}}],
-                  "zygote": {"state": "ready", "pid": 77, "rss_kb": 693248, "forks": 5}})
+                  "zygote": {"state": "ready", "pid": 77, "rss_kb": 693248, "forks": 5},
+                  "steps_per_s": 12.5, "metrics": "http://127.0.0.1:9400/metrics"})
     out = capsys.readouterr().out
     assert "shrink" in out and "42" in out and "#1: gone" in out and "running" in out
     assert "ready, pid 77, 677 MB, 5 forks" in out
+    assert "12.50 (last minute)" in out and "http://127.0.0.1:9400/metrics" in out
 
 
 @pytest.mark.slow
