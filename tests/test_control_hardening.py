@@ -206,7 +206,10 @@ def test_checked_requests_are_typed() -> None:
 def test_a_finished_run_leaves_no_socket_or_run_file(private_run_dir) -> None:
     r = run_ftrun("--nproc", "2", str(FIXTURES / "behave.py"), "--sleep", "0.2")
     assert r.returncode == 0, r.stderr
-    assert not list(private_run_dir.glob("*")), list(private_run_dir.glob("*"))
+    left = sorted(p.name for p in private_run_dir.glob("*"))
+    assert left == ["history", "last-run"], left  # for `ftrun report --last`: no socket, no run
+    (kept,) = (private_run_dir / "history").iterdir()  # its temporary logs went: their report
+    assert sorted(p.name for p in kept.iterdir()) == ["events.jsonl", "timeline.jsonl"]
 
 
 # ---------------------------------------------------------------- against a running job

@@ -158,15 +158,17 @@ class ControlPlane:
         self.server.close()
         self.timeline.close()
 
-    def sample(self, now: float, ended: Sequence[object] = ()) -> None:
+    def sample(self, now: float, ended: Sequence[object] = (), whole_job: bool = True) -> None:
         """The main loop's pass: a timeline line for `ftrun report`, twice a second, and one
         whenever workers of this node ended (their last steps, read before their progress
-        slots are retired: a run's last commits come just before its workers exit)."""
+        slots are retired: a run's last commits come just before its workers exit).
+        `whole_job`: the job's status (a coordinator's: every node); a follower samples its
+        own node, without asking the coordinator's store twice a second."""
         gone = [w for w in ended if isinstance(w, Worker)]
         if not gone and not self.timeline.due(now):
             return
         try:
-            doc = self.status()
+            doc = self.status() if whole_job else self.local_status()
             if gone:
                 doc = {**doc, "workers": [*doc["workers"], *self.worker_rows(now, gone)]}
             self.timeline.sample(doc, now)

@@ -218,7 +218,7 @@ class Follower(Agent):
                     self.act(self.health.tick(None, time.time()))  # no membership here
                     self.snapshots.drain()
                     self.control_plane.apply_drills()
-                    self.control_plane.sample(time.time())
+                    self.control_plane.sample(time.time(), whole_job=False)
                     stop, result = self._obey()
                     if stop:
                         return result
