@@ -19,7 +19,14 @@ from prometheus_client.registry import CollectorRegistry
 
 from ftrun.adapters import history, metrics
 from ftrun.agent.journal import Journal
-from ftrun.agent.timeline import KEEPALIVE_S, PER_RANK_MAX, Timeline, line_of, read_timeline
+from ftrun.agent.timeline import (
+    KEEPALIVE_S,
+    PER_RANK_MAX,
+    Timeline,
+    line_of,
+    read_timeline,
+    sample_every_s,
+)
 from ftrun.cli import picture, runreport
 from ftrun.cli.launch_args import parse_run_args
 from ftrun.cli.main import main
@@ -138,6 +145,7 @@ def test_the_timeline_writes_changes_keeps_alive_and_knows_the_rate(tmp_path: Pa
     assert [x["t"] for x in lines] == [1000.0, 1010.0, 1010.0 + KEEPALIVE_S]
     assert lines[0]["steps"] == {"0": 10, "1": 9} and lines[1]["step_max"] == 30
     assert tl.steps_per_s() == pytest.approx(20 / (20.0))  # 10 -> 30 over the last 20 s
+    assert sample_every_s(1) == sample_every_s(16) == 0.5 and sample_every_s(512) == 16.0
     big = line_of({"workers": [{"rank": r, "committed_step": r} for r in range(PER_RANK_MAX + 1)]})
     assert "steps" not in big and (big["step_min"], big["step_max"]) == (0, PER_RANK_MAX)
 

@@ -27,7 +27,7 @@ from ftrun.agent.jobview import role_of
 from ftrun.agent.journal import Journal, fault_docs, summarize
 from ftrun.agent.ports import AgentPort
 from ftrun.agent.roster import Worker
-from ftrun.agent.timeline import Timeline
+from ftrun.agent.timeline import Timeline, sample_every_s
 from ftrun.agent.watch import HealthWatch
 from ftrun.core.errors import FtrunError
 from ftrun.core.events import Event
@@ -151,7 +151,7 @@ class ControlPlane:
         self.info = RunInfo(port.run_id, os.getpid(), port.spec.script, time.time(), sock,
                             log_dir)
         self.server = ControlServer(self.info, self.handle)
-        self.timeline = Timeline(log_dir)
+        self.timeline = Timeline(log_dir, sample_every_s(port.spec.nnodes_max))
         self.metrics_url: str | None = None  # where Prometheus scrapes this agent, if it does
 
     def close(self) -> None:

@@ -15,7 +15,9 @@ import json
 from collections.abc import Mapping
 from typing import IO, Any
 
-EVERY_S = 0.5  # how often the agent samples its status document
+EVERY_S = 0.5  # how often the agent samples its status document...
+NODES_PER_EVERY = 16  # ...and past this many nodes, proportionally less often (the
+# coordinator's job status reads every node's payload from the store)
 KEEPALIVE_S = 10.0  # a line at least this often while the job runs unchanged
 RATE_WINDOW_S = 60.0  # `ftrun status`: steps per second over this window
 PER_RANK_MAX = 64  # above this many ranks a line keeps the min and max step only
@@ -39,8 +41,15 @@ def line_of(doc: Mapping[str, Any]) -> dict[str, Any]:
     return line
 
 
+def sample_every_s(nodes: int) -> float:
+    """Seconds between samples for a job of `nodes` nodes: 0.5 s up to 16 nodes, then as many
+    store reads per second as 16 nodes cost (512 nodes: one sample every 16 s)."""
+    return EVERY_S * max(1.0, nodes / NODES_PER_EVERY)
+
+
 class Timeline:
-    def __init__(self, run_dir: str | None) -> None:
+    def __init__(self, run_dir: str | None, every_s: float = EVERY_S) -> None:
+        self.every_s = every_s
         self._file: IO[str] | None = (open(f"{run_dir}/{FILE}", "a")  # noqa: SIM115
                                       if run_dir else None)
         self._next = 0.0
@@ -54,7 +63,7 @@ class Timeline:
 
     def sample(self, doc: Mapping[str, Any], now: float) -> None:
         """Record a status document taken at `now` (wall clock)."""
-        self._next = now + EVERY_S
+        self._next = now + self.every_s
         line = line_of(doc)
         if line["step_max"] is not None:
             self._recent.append((now, int(line["step_max"])))
@@ -68,7 +77,7 @@ class Timeline:
 
     def failed(self, now: float) -> bool:
         """A sample could not be taken: try again later; True the first time only."""
-        self._next = now + EVERY_S
+        self._next = now + self.every_s
         first, self._failed = not self._failed, True
         return first
 
