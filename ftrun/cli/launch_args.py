@@ -64,7 +64,7 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
     p = _Parser(
         prog="ftrun",
         description="Launch a PyTorch distributed job (torchrun-compatible) with native fault "
-        "tolerance. Other commands: `ftrun status`, `ftrun inject-fault`.",
+        "tolerance. Other commands: `ftrun status`, `ftrun inject-fault`, `ftrun report`.",
         usage="ftrun [OPTIONS] SCRIPT [ARGS...]",
         allow_abbrev=True,
     )
