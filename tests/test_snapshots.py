@@ -92,10 +92,10 @@ def test_a_reserved_slot_is_sized_ahead_and_a_published_one_keeps_its_bytes(tmp_
     state = _state()
     size = snapshot_io.reserved_size(state)
     assert size % (1 << 20) == 0 and size > snapshot_io.Plan(state).total_bytes
-    data, _ = snap.slot_paths(str(tmp_path), 1)
+    data, record = snap.slot_paths(str(tmp_path), 1)
     fresh = snapshot_io.Slot(data)
     try:
-        fresh.reserve(size)  # an unpublished slot: sized and its pages written
+        fresh.reserve(size, record)  # an unpublished slot: sized and its pages written
         assert os.path.getsize(data) == size
         mapped = fresh._mapping(1)
         rec = fresh.write(state, 3, worker=0, generation=0)
@@ -103,10 +103,10 @@ def test_a_reserved_slot_is_sized_ahead_and_a_published_one_keeps_its_bytes(tmp_
     finally:
         fresh.close()
     assert rec.total_bytes < size  # the record, not the file's size, says what to read
-    Path(snap.slot_paths(str(tmp_path), 1)[1]).write_text(rec.to_json())
+    Path(record).write_text(rec.to_json())
     again = snapshot_io.Slot(data)
     try:
-        again.reserve(size * 2)  # published: mapped as it is, never zeroed nor resized
+        again.reserve(size * 2, record)  # published: mapped as it is, never zeroed nor resized
     finally:
         again.close()
     assert os.path.getsize(data) == size

@@ -100,16 +100,16 @@ class Slot:
         self._unmap()
         os.close(self.fd)
 
-    def reserve(self, size: int) -> None:
+    def reserve(self, size: int, record: str) -> None:
         """Map at least `size` bytes and write every page once, off the training thread, so
         that no snapshot's copy faults a tmpfs page in (allocating and zeroing it took as long
-        as the copy). A slot that holds a published snapshot keeps its bytes: its pages are
-        in memory already, and mapping them is all that is left to do."""
+        as the copy). A slot whose `record` says it holds a published snapshot keeps its
+        bytes: its pages are in memory already, and mapping them is all that is left to do."""
         if not self.lock(timeouts.SNAPSHOT_RESERVE_S):
             return  # the agent is writing it to disk: the first copy into it faults instead
         try:
             held = os.fstat(self.fd).st_size
-            if os.path.exists(self.path.removesuffix(".bin") + ".json") and held:
+            if os.path.exists(record) and held:
                 self._mapping(held)
             else:
                 self._mapping(size).zero_()
@@ -123,21 +123,18 @@ class Slot:
         started = time.perf_counter()
         plan = Plan(state)
         flat = self._mapping(plan.total_bytes)
-        meta, dtypes, counts, offsets, tensors = (plan.meta, plan.dtypes, plan.counts,
-                                                  plan.offsets, plan.tensors)
-        end = plan.total_bytes
-        flat[:len(meta)].copy_(_frombytes(meta))
+        flat[:len(plan.meta)].copy_(_frombytes(plan.meta))
         flats = [flat[o:o + n * _size_of(d)].view(d)
-                 for d, n, o in zip(dtypes, counts, offsets, strict=True)]
-        for i, (part, offset, t) in enumerate(tensors):
+                 for d, n, o in zip(plan.dtypes, plan.counts, plan.offsets, strict=True)]
+        for i, (part, offset, t) in enumerate(plan.tensors):
             flats[part][offset:offset + t.numel()].copy_(t.detach().reshape(-1))
-            if i == len(tensors) // 2 and _drill_kill(worker, step):
+            if i == len(plan.tensors) // 2 and _drill_kill(worker, step):
                 os.kill(os.getpid(), 9)  # a fault drill: the snapshot's writer dies mid-copy
         parts = tuple((str(d).removeprefix("torch."), o, n)
-                      for d, o, n in zip(dtypes, offsets, counts, strict=True))
+                      for d, o, n in zip(plan.dtypes, plan.offsets, plan.counts, strict=True))
         return SlotRecord(step=step, taken_at=time.time(), worker=worker,
-                          generation=generation, meta_bytes=len(meta), parts=parts,
-                          total_bytes=end,
+                          generation=generation, meta_bytes=len(plan.meta), parts=parts,
+                          total_bytes=plan.total_bytes,
                           blocking_ms=round((time.perf_counter() - started) * 1000, 2))
 
     def _mapping(self, size: int) -> Any:

@@ -64,13 +64,18 @@ class Snapshots:
         now = time.time()
         due = final and committed > self._last_step or is_due(
             self.every, self.interval_s, committed, self._last_step, self._last_at, now)
-        if not self.taking or not snapshots_this_node(gen.members, self.worker_id):
+        if not snapshots_this_node(gen.members, self.worker_id):
             return
         reserving = self._reserving or self._reserve(objects)
         if not due:
             return
         self._last_step, self._last_at = committed, now
-        reserving.join(timeouts.SNAPSHOT_RESERVE_S)  # long done, but for a due first step
+        # long done, but for a snapshot due at once; one still reserving is skipped: it holds
+        # the slots' locks through this process's own descriptors, which exclude nothing here
+        reserving.join(timeouts.SNAPSHOT_FLUSH_S if final else timeouts.SNAPSHOT_RESERVE_S)
+        if reserving.is_alive():
+            self.skipped += 1
+            return
         index = slot_to_fill(self.shm_dir)
         slot, record = self._slots[index], slot_paths(self.shm_dir, index)[1]
         if not slot.lock(timeouts.SNAPSHOT_FLUSH_S if final else 0.0):
@@ -96,11 +101,11 @@ class Snapshots:
         copies into them are as quick as the later ones (each was ~5x slower)."""
         self._slots = {i: snapshot_io.Slot(slot_paths(self.shm_dir, i)[0]) for i in range(SLOTS)}
         size = snapshot_io.reserved_size({n: o.state_dict() for n, o in objects.items()})
-        slots = list(self._slots.values())
+        slots = [(slot, slot_paths(self.shm_dir, i)[1]) for i, slot in self._slots.items()]
 
         def reserve_all() -> None:
-            for slot in slots:
-                slot.reserve(size)
+            for slot, record in slots:
+                slot.reserve(size, record)
 
         self._reserving = threading.Thread(target=reserve_all, daemon=True,
                                            name="ftrun-snapshot-reserve")
