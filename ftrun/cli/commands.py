@@ -69,25 +69,17 @@ def report(run_dir: Optional[str] = typer.Argument(None, help="a run's log direc
     path = os.path.abspath(out) if out else os.path.join(run.path, "report.html")
     chart = picture.chart_of(run)
     title = f"ftrun run {os.path.basename(run.path)}"
-    if path.endswith(".png"):
-        try:
-            import matplotlib  # noqa: F401
-        except ImportError:
-            raise UsageError("a PNG picture needs matplotlib",
-                             hint="pip install 'ftrun[report]', or use --out FILE.html"
-                             ) from None
-        markers = picture.write_png(chart, path, title)
-    else:
-        try:
-            markers = picture.write_html(chart, path, title)
-        except OSError as exc:
-            raise FtrunError(f"cannot write the picture {path} ({exc.strerror})",
-                             hint="pass --out with a writable path") from None
+    write = picture.write_png if path.endswith(".png") else picture.write_html
+    try:
+        markers = write(chart, path, title)
+    except OSError as exc:
+        raise FtrunError(f"cannot write the picture {path} ({exc.strerror})",
+                         hint="pass --out with a writable path") from None
     rep = {**rep, "picture": path, "fault_markers": markers}
     if as_json:
         print(json.dumps(rep, indent=2, sort_keys=True, default=str))
     else:
-        render.print_report(rep, path)
+        render.print_report(rep)
 
 
 @app.command("inject-fault")

@@ -11,10 +11,12 @@ Must not import: torch, typer, rich, the agent; matplotlib only inside `write_pn
 from __future__ import annotations
 
 import html
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from ftrun.cli.runreport import PHASE_ORDER, RunRecord
+from ftrun.core.errors import UsageError
 
 PHASE_COLOURS = {"detected": "#e15759", "published": "#f28e2b", "rebuilt": "#edc948",
                  "healed": "#59a14f", "first_commit": "#4e79a7", "restarted": "#b07aa1",
@@ -83,8 +85,11 @@ W, H, LEFT, TOP, PLOT_H, BAND_H = 1000, 420, 60, 20, 300, 50
 
 
 def write_html(chart: Chart, path: str, title: str) -> int:
-    x = lambda t: LEFT + (W - LEFT - 20) * t / chart.seconds  # noqa: E731
-    y = lambda s: TOP + PLOT_H - PLOT_H * s / max(chart.top_step, 1)  # noqa: E731
+    def x(t: float) -> float:  # seconds -> pixels
+        return LEFT + (W - LEFT - 20) * t / chart.seconds
+
+    def y(step: float) -> float:  # committed step -> pixels
+        return TOP + PLOT_H - PLOT_H * step / max(chart.top_step, 1)
     parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{H}" '
              f'font-family="sans-serif" font-size="11">',
              f'<rect x="{LEFT}" y="{TOP}" width="{W - LEFT - 20}" height="{PLOT_H}" '
@@ -126,7 +131,7 @@ def write_html(chart: Chart, path: str, title: str) -> int:
     return len(chart.faults)
 
 
-def _world_band(chart: Chart, x: Any) -> list[str]:
+def _world_band(chart: Chart, x: Callable[[float], float]) -> list[str]:
     base, top = TOP + PLOT_H + 20 + BAND_H, max(chart.top_world, 1)
     out = [f'<text x="4" y="{base - BAND_H / 2:.0f}">world</text>']
     for i, (t, size) in enumerate(chart.world):
@@ -163,7 +168,11 @@ def _rank_key(item: tuple[str, Any]) -> tuple[int, str]:
 
 # ------------------------------------------------------------------ PNG (matplotlib)
 def write_png(chart: Chart, path: str, title: str) -> int:
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:
+        raise UsageError("a PNG picture needs matplotlib",
+                         hint="pip install 'ftrun[report]', or use --out FILE.html") from None
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -233,8 +233,7 @@ def print_run_summary(faults: Sequence[Any], run_seconds: float,
 
 
 # ------------------------------------------------------------------ ftrun report
-def print_report(rep: Mapping[str, Any], picture: str | None,
-                 stream: TextIO | None = None) -> None:
+def print_report(rep: Mapping[str, Any], stream: TextIO | None = None) -> None:
     """`ftrun report`: what the run went through, where the time went."""
     from rich.console import Console
     from rich.table import Table
@@ -270,5 +269,5 @@ def print_report(rep: Mapping[str, Any], picture: str | None,
         console.print(f"snapshots: {snap['count']}, the last of step {snap['last_step']}; "
                       f"blocking {_fmt(snap['blocking_ms_median'], ' ms')}, write "
                       f"{_fmt(snap['write_ms_median'], ' ms')} (medians)")
-    if picture:
-        console.print(f"picture: {picture}")
+    if rep.get("picture"):
+        console.print(f"picture: {rep['picture']}")
