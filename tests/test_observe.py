@@ -24,7 +24,6 @@ from ftrun.agent.timeline import (
     PER_RANK_MAX,
     Timeline,
     line_of,
-    read_timeline,
     sample_every_s,
 )
 from ftrun.cli import picture, runreport
@@ -141,7 +140,7 @@ def test_the_timeline_writes_changes_keeps_alive_and_knows_the_rate(tmp_path: Pa
     tl.sample(doc, 1010.0)
     tl.sample(doc, 1010.0 + KEEPALIVE_S)  # unchanged for long: written
     tl.close()
-    lines = read_timeline(str(tmp_path / "timeline.jsonl"))
+    lines = runreport.read_jsonl(str(tmp_path / "timeline.jsonl"))
     assert [x["t"] for x in lines] == [1000.0, 1010.0, 1010.0 + KEEPALIVE_S]
     assert lines[0]["steps"] == {"0": 10, "1": 9} and lines[1]["step_max"] == 30
     assert tl.steps_per_s() == pytest.approx(20 / (20.0))  # 10 -> 30 over the last 20 s

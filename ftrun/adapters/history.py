@@ -16,7 +16,6 @@ import shutil
 from ftrun.adapters.control import run_dir
 
 KEEP = 10  # runs kept under history/
-REPORT_FILES = ("events.jsonl", "timeline.jsonl")
 LAST = "last-run"  # not a `.json`: those are live runs' files
 
 
@@ -25,13 +24,14 @@ def remember(run_id: str, log_run_dir: str | None) -> None:
     _write_last({"run_id": run_id, "log_dir": log_run_dir, "pid": os.getpid()})
 
 
-def keep(run_id: str, log_run_dir: str) -> str | None:
-    """Copy the report files of a log directory about to be removed; their new home."""
+def keep(run_id: str, log_run_dir: str, files: tuple[str, ...]) -> str | None:
+    """Copy `files` (what `ftrun report` reads) of a log directory about to be removed; their
+    new home."""
     name = os.path.basename(os.path.normpath(log_run_dir)) or run_id
     home = os.path.join(run_dir(), "history", name)
     try:
         os.makedirs(home, exist_ok=True)
-        for f in REPORT_FILES:
+        for f in files:
             src = os.path.join(log_run_dir, f)
             if os.path.exists(src):
                 shutil.copyfile(src, os.path.join(home, f))

@@ -20,6 +20,7 @@ from typing import IO, Any
 from ftrun.core.events import Event, EventSink
 from ftrun.core.faultkinds import GROUP_DRILLS  # the rebuild answering them names no worker (-1)
 
+LOG_FILE = "events.jsonl"  # the journal's file in a run's log directory
 PHASES = ("detected", "published", "rebuilt", "healed", "first_commit")
 
 

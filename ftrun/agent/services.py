@@ -20,10 +20,11 @@ from ftrun.adapters.metrics import MetricsServer
 from ftrun.adapters.procs import Guardian
 from ftrun.adapters.slots import ProgressSlots
 from ftrun.agent.control_plane import ControlPlane
-from ftrun.agent.journal import Journal
+from ftrun.agent.journal import LOG_FILE, Journal
 from ftrun.agent.ports import AgentPort
 from ftrun.agent.roster import RunResult
 from ftrun.agent.snapshots import SnapshotKeeper
+from ftrun.agent.timeline import FILE as TIMELINE_FILE
 from ftrun.agent.watch import HealthWatch
 from ftrun.core.events import Event, EventSink
 from ftrun.core.spec import RunSpec
@@ -53,8 +54,7 @@ class RunServices:
         """`port`: the agent itself, as its helpers reach it."""
         self.logs = RunLogs(self.spec, self.run_id)
         run_dir = self.logs.run_dir
-        self.journal = Journal(self._sink, os.path.join(run_dir, "events.jsonl")
-                               if run_dir else None)
+        self.journal = Journal(self._sink, os.path.join(run_dir, LOG_FILE) if run_dir else None)
         if self.REMEMBERED:
             history.remember(self.run_id, run_dir)
         self.emit = self.journal.emit
@@ -76,7 +76,8 @@ class RunServices:
         result = replace(result, faults=tuple(self.journal.faults))
         succeeded = result.exit_code == 0
         if self.logs.run_dir and self.logs.removable(succeeded):
-            history.keep(self.run_id, self.logs.run_dir)  # for `ftrun report --last`
+            # for `ftrun report --last`
+            history.keep(self.run_id, self.logs.run_dir, (LOG_FILE, TIMELINE_FILE))
         removed = self.logs.cleanup(succeeded)
         return result if not removed else replace(result, log_dir=None)
 

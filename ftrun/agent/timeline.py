@@ -2,9 +2,9 @@
 size and the spares, sampled from the status document into `<run dir>/timeline.jsonl`.
 
 Owns: `Timeline` (when to sample, what a line holds, the steps per second over the last
-minute that `ftrun status` shows) and `read_timeline`. A line is written only when something
-changed, or every `KEEPALIVE_S` while nothing does, so an idle or a long job writes little;
-jobs of more than `PER_RANK_MAX` ranks keep only the slowest and fastest rank's step.
+minute that `ftrun status` shows); `ftrun report` reads the file back. A line is written only
+when something changed, or every `KEEPALIVE_S` while nothing does, so an idle or a long job
+writes little; jobs of more than `PER_RANK_MAX` ranks keep only the slowest and fastest rank's step.
 Must not import: torch, typer, rich, the CLI, the agent's node.
 """
 
@@ -92,18 +92,3 @@ class Timeline:
         if self._file is not None:
             self._file.close()
             self._file = None
-
-
-def read_timeline(path: str) -> list[dict[str, Any]]:
-    """Every whole line of a timeline file (a line cut off by a crash is left out)."""
-    out = []
-    try:
-        with open(path) as f:
-            for raw in f:
-                try:
-                    out.append(json.loads(raw))
-                except ValueError:
-                    continue
-    except FileNotFoundError:
-        return []
-    return out

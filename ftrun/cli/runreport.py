@@ -10,6 +10,7 @@ Must not import: torch, typer, rich, matplotlib, the running agent.
 
 from __future__ import annotations
 
+import json
 import os
 import statistics
 from collections import Counter
@@ -18,12 +19,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ftrun.adapters import history
+from ftrun.agent.journal import LOG_FILE as EVENTS_FILE
 from ftrun.agent.journal import FaultRecord, Journal, fault_docs, summarize
 from ftrun.agent.timeline import FILE as TIMELINE_FILE
-from ftrun.agent.timeline import read_timeline
 from ftrun.core.errors import FtrunError, UsageError
 
-EVENTS_FILE = "events.jsonl"
 PHASE_ORDER = ("detected", "published", "rebuilt", "healed", "first_commit", "restarted",
                "resumed")
 
@@ -82,10 +82,26 @@ def _last_run_dir() -> str:
 
 
 def load_run(path: str) -> RunRecord:
-    events = read_timeline(os.path.join(path, EVENTS_FILE))  # the same JSON-lines reader
-    timeline = read_timeline(os.path.join(path, TIMELINE_FILE))
+    events = read_jsonl(os.path.join(path, EVENTS_FILE))
+    timeline = read_jsonl(os.path.join(path, TIMELINE_FILE))
     faults = Journal.replay(events).faults
     return RunRecord(path, events, timeline, faults)
+
+
+def read_jsonl(path: str) -> list[dict[str, Any]]:
+    """Every whole line of an event log or a timeline (a line cut off by a crash, or a file
+    not written at all, is left out)."""
+    out = []
+    try:
+        with open(path) as f:
+            for raw in f:
+                try:
+                    out.append(json.loads(raw))
+                except ValueError:
+                    continue
+    except FileNotFoundError:
+        return []
+    return out
 
 
 def build_report(run: RunRecord) -> dict[str, Any]:
