@@ -26,9 +26,9 @@ class MetricsServer:
         from prometheus_client import start_http_server
         from prometheus_client.registry import CollectorRegistry
 
-        self._status: StatusFn = dict
+        self._collector = _Collector(dict)  # no samples until the agent serves its status
         registry = CollectorRegistry(auto_describe=False)
-        registry.register(_Collector(lambda: self._status()))
+        registry.register(self._collector)
         try:
             self._httpd, self._thread = start_http_server(port, addr, registry=registry)
         except OSError as exc:
@@ -40,8 +40,8 @@ class MetricsServer:
         self.url = f"http://{addr}:{self.port}/metrics"
 
     def serve(self, status: StatusFn) -> None:
-        """From now on scrapes describe the job through `status` (before: no samples)."""
-        self._status = status
+        """From now on scrapes describe the job through `status`."""
+        self._collector.status = status
 
     def close(self) -> None:
         self._httpd.shutdown()

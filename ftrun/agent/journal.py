@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import statistics
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import IO, Any
 
@@ -215,7 +215,7 @@ def summarize(faults: list[FaultRecord], run_seconds: float) -> dict[str, Any]:
     return {
         "faults": len(faults),
         "recovered": sum(r.recovered for r in faults),
-        "p50_ms": _pct(times, 50), "p95_ms": _pct(times, 95),
+        "p50_ms": percentile(times, 50), "p95_ms": percentile(times, 95),
         "max_ms": times[-1] if times else None,
         "lost_steps": sum(r.lost_steps for r in faults),
         "time_lost_s": round(lost_s, 3),
@@ -233,7 +233,8 @@ def _union_s(spans: list[tuple[float, float]]) -> float:
     return total
 
 
-def _pct(values: list[float], p: int) -> float | None:
+def percentile(values: Sequence[float], p: int) -> float | None:
+    """The p-th percentile (inclusive method), to 0.1; None of nothing."""
     if not values:
         return None
     if len(values) == 1:

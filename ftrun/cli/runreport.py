@@ -20,7 +20,7 @@ from typing import Any
 
 from ftrun.adapters import history
 from ftrun.agent.journal import LOG_FILE as EVENTS_FILE
-from ftrun.agent.journal import FaultRecord, Journal, fault_docs, summarize
+from ftrun.agent.journal import FaultRecord, Journal, fault_docs, percentile, summarize
 from ftrun.agent.timeline import FILE as TIMELINE_FILE
 from ftrun.core.errors import FtrunError, UsageError
 
@@ -145,8 +145,8 @@ def phase_table(faults: Sequence[FaultRecord]) -> dict[str, dict[str, float | in
         else:
             values = sorted(f.phases_ms[phase] for f in faults if phase in f.phases_ms)
         if values:
-            table[phase] = {"count": len(values), "p50": _pct(values, 50),
-                            "p95": _pct(values, 95), "max": values[-1]}
+            table[phase] = {"count": len(values), "p50": percentile(values, 50),
+                            "p95": percentile(values, 95), "max": values[-1]}
     return table
 
 
@@ -171,12 +171,6 @@ def _world_sizes(run: RunRecord) -> list[int]:
         if not sizes or sizes[-1] != int(e["world_size"]):
             sizes.append(int(e["world_size"]))
     return sizes
-
-
-def _pct(values: Sequence[float], p: int) -> float:
-    if len(values) == 1:
-        return round(values[0], 1)
-    return round(statistics.quantiles(values, n=100, method="inclusive")[p - 1], 1)
 
 
 def _median(events: Sequence[Mapping[str, Any]], key: str) -> float | None:
