@@ -14,6 +14,7 @@ from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
+from ftrun.core import timeouts
 from ftrun.core.errors import UsageError
 
 StatusFn = Callable[[], Mapping[str, Any]]
@@ -46,7 +47,7 @@ class MetricsServer:
     def close(self) -> None:
         self._httpd.shutdown()
         self._httpd.server_close()
-        self._thread.join(timeout=5.0)
+        self._thread.join(timeout=timeouts.METRICS_CLOSE_S)
 
 
 class _Collector:

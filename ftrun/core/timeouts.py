@@ -39,6 +39,7 @@ SPARE_ASSIGNMENT_S = 24 * 3600.0  # a hot spare waiting to be used
 
 # Snapshots
 SNAPSHOT_POLL_S = 0.05  # the agent's writer looking for a newly published shared-memory slot
+METRICS_CLOSE_S = 5.0  # the metrics endpoint's server thread finishing a scrape at the end
 SNAPSHOT_RESERVE_S = 10.0  # a worker's background thread waiting to reserve a slot the agent reads
 SNAPSHOT_FLUSH_S = 60.0  # the run is over: the newest slot still being written to disk
 
