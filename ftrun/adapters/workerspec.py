@@ -43,7 +43,7 @@ def worker_env(spec: RunSpec, env: Mapping[str, str], *, rank: int, local_rank: 
         nccl_async_error_handling=env.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
         error_file=error_file, worker_id=worker_id, attempt=restarts,
         ft_mode="restart" if spec.on_fault == "restart" else "inprocess",
-        spare=spare, comm=spec.comm, progress_dir=progress_dir,
+        spare=spare, comm=spec.comm, progress_dir=progress_dir, shard_size=spec.shard_size,
     )
 
 

@@ -34,6 +34,7 @@ from ftrun.core.policy import (
     decide_rebuild,
     decide_respawn,
 )
+from ftrun.core.replica_groups import decide_group_fault
 from ftrun.protocol.rendezvous import (
     REQUEST_QUEUE,
     CommFailed,
@@ -168,7 +169,10 @@ class Recovery:
         self._early_failures[rank_key] = loop
         snap = replace(snap, spares=_near(snap.spares, node),
                        starting_spares=_near(snap.starting_spares, node))
-        d = decide_fault(snap, w.worker_id, why, new_id, crash_loop=loop)
+        if self.spec.shard_size > 1:
+            d = decide_group_fault(snap, w.worker_id, why, self.spec.shard_size, loop)
+        else:
+            d = decide_fault(snap, w.worker_id, why, new_id, crash_loop=loop)
         self._emit_fault({"worker": w.worker_id, "rank": live.index(w.worker_id), "why": why,
                           "decision": d.action.value, "reason": d.reason,
                           "detected_at": w.exit.wall_time})
@@ -183,10 +187,20 @@ class Recovery:
             return None
         if d.action is FaultAction.SHRINK:
             self._publish(d.members, d.reason, True, fault_at)
-            if d.regrow:
-                self._joiners_to_start.append((node, w.local_rank))  # after the first commit
+            if d.regrow:  # after the first commit; a replica group comes back whole
+                self._joiners_to_start.append((node, w.local_rank))
+                self._joiners_to_start += [self._place_of(m) for m in d.evicted]
+            for m in d.evicted:  # its group cannot step without it: stop them now
+                self.port.kill_worker(m)
             return None
         return _stop(d, w.rank)
+
+    def _place_of(self, worker_id: int) -> tuple[int, int]:
+        """(node, local rank) of a worker this job started."""
+        for w in self.port.all_workers():
+            if w.worker_id == worker_id:
+                return node_of(worker_id), w.local_rank
+        raise KeyError(worker_id)
 
     def _emit_fault(self, fields: dict[str, Any]) -> None:
         """A fault event, with the highest step any member had committed before it: the

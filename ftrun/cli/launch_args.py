@@ -16,6 +16,7 @@ from typing import Any, NoReturn
 
 from ftrun.cli.cluster_env import slurm_defaults
 from ftrun.cli.metrics_args import METRICS_PORT_ENV, metrics_fields
+from ftrun.cli.shard_args import shard_fields
 from ftrun.cli.snapshot_args import snapshot_fields
 from ftrun.cli.values import float_value as _float
 from ftrun.cli.values import int_value as _int
@@ -113,6 +114,9 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
         "and grow back, or restart every worker as torchrun does (default replace)")
     opt("min-nproc", default="1", help="shrink: the fewest workers to go on with")
     opt("spares", default="0", help="hot spare workers, started and waiting")
+    opt("shard-size", default="1", help="ranks per replica group: the script shards its model "
+        "inside a group (FSDP2 over ft.shard_mesh), ftrun averages across groups and drops a "
+        "broken group until it heals (HSDP; default 1: plain data parallel)")
     opt("max-faults", default="100", help="faults recovered in-process before giving up")
     opt("comm", default="auto", choices=["auto", "native", "fresh"],
         help="how survivors re-form their communicator: torch's native reconfigure of the "
@@ -177,6 +181,10 @@ def parse_run_args(
     if nmax > 1:
         _check_multinode(ns, nmin, nmax, endpoint_port)
     nproc = resolve_nproc(str(ns.nproc_per_node), gpu_count)
+    snapshots = snapshot_fields(ns)
+    sharding = shard_fields(ns, nproc, bool(snapshots["snapshot_every"] or
+                                            snapshots["snapshot_interval"] or
+                                            snapshots["resume"]))
     return RunSpec(
         script=ns.training_script,
         script_args=tuple(ns.training_script_args),
@@ -216,7 +224,8 @@ def parse_run_args(
         evict_stragglers=ns.evict_stragglers,
         zygote=not ns.no_zygote,
         preload=_parse_preload(ns.preload),
-        **snapshot_fields(ns),
+        **snapshots,
+        **sharding,
         **metrics_fields(ns),
     )
 

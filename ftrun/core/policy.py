@@ -76,6 +76,7 @@ class FaultDecision:
     joiners: tuple[int, ...] = ()  # members that must heal from a peer
     spare_used: int | None = None
     regrow: bool = True  # SHRINK: start a replacement to grow back later
+    evicted: tuple[int, ...] = ()  # live members stopped with the lost one (its replica group)
 
 
 @dataclass(frozen=True)

@@ -92,6 +92,7 @@ class RunSpec:
     resume: str = ""  # --resume DIR: the first attempt starts from DIR's newest snapshot
     metrics_port: int | None = None  # serve Prometheus metrics here (0: any free port)
     metrics_addr: str = "127.0.0.1"  # ...bound to this address
+    shard_size: int = 1  # ranks per replica group (HSDP: FSDP inside, ftrun across); 1: DP
 
     @property
     def snapshots(self) -> bool:
@@ -139,10 +140,12 @@ _ENV_NAMES: dict[str, str] = {
     "snapshot_interval": "FTRUN_SNAPSHOT_INTERVAL",
     "resume": "FTRUN_RESUME",
     "resume_dir": "FTRUN_RESUME_DIR",
+    "shard_size": "FTRUN_SHARD_SIZE",
 }
 
 _OMITTED_AT_DEFAULT = frozenset(
-    {"snapshot_shm", "snapshot_every", "snapshot_interval", "resume", "resume_dir"})
+    {"snapshot_shm", "snapshot_every", "snapshot_interval", "resume", "resume_dir",
+     "shard_size"})
 
 
 @dataclass(frozen=True)
@@ -177,6 +180,7 @@ class WorkerEnv:
     snapshot_interval: float = 0.0
     resume: bool = False  # started with no live replica: load the newest snapshot first
     resume_dir: str = ""  # where disk snapshots are looked for (after shared memory)
+    shard_size: int = 1  # ranks per replica group (--shard-size); 1: plain data parallel
 
     def to_env(self) -> dict[str, str]:
         # Snapshot variables appear only when snapshots are on, so a job without

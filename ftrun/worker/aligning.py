@@ -20,8 +20,9 @@ STREAMS = "ftrun.random_streams"  # the random streams' name beside the register
 
 
 def align(group: Group, committed: int, registered: dict[str, Any], streams: Any,
-          interrupt: Interrupt, device: Any) -> int:
-    """The group's highest committed step, once every member is at it."""
+          interrupt: Interrupt, device: Any, mesh: Any = None) -> int:
+    """The group's highest committed step, once every member is at it. `mesh`: where
+    sharded state received is rebuilt (a replicate group heals shard k from shard k)."""
     import torch
 
     if group.size == 1:
@@ -41,5 +42,5 @@ def align(group: Group, committed: int, registered: dict[str, Any], streams: Any
             payload = payload if payload is not None else pack(objects, {})
             send_state(group, dst, payload, interrupt, device)
         elif dst == group.rank:
-            unpack(recv_state(group, src, interrupt, device), objects)
+            unpack(recv_state(group, src, interrupt, device), objects, mesh)
     return max(everyone)

@@ -45,6 +45,12 @@ from ftrun.worker.drills import Drills
 from ftrun.worker.joining import connect, native_group, plain_group, quiet_store_warnings, warm_up
 from ftrun.worker.loader import Loader
 from ftrun.worker.rng import RandomStreams
+from ftrun.worker.sharded import (
+    Placement,
+    ReplicaSync,
+    Sharding,
+    leave_quietly_when_evicted,
+)
 from ftrun.worker.snapshots import Snapshots
 from ftrun.worker.waits import await_assignment, await_newer, first_generation, watch_as_spare
 
@@ -96,13 +102,19 @@ class FaultTolerant:
         self.device = torch.device("cuda", self.local_rank) if cuda else torch.device("cpu")
         if cuda:
             torch.cuda.set_device(self.device)
-        self._sync = GradSync(self.device, self._wants_switch, self._bucket_starting,
-                              self._in_collective)
+        self._sharding: Sharding | None = None  # --shard-size: replica groups (HSDP)
+        self._sync: GradSync | ReplicaSync = GradSync(
+            self.device, self._wants_switch, self._bucket_starting, self._in_collective)
         self._drills = Drills(None, -1, self._comm_fault)
         self._snapshots = Snapshots(wenv) if wenv is not None else None
         if wenv is None:
             self._group = plain_group(backend)
+            self._rank = self._group.rank
             return
+        if wenv.shard_size > 1:
+            self._sharding = Sharding(wenv.shard_size, lambda: connect(wenv), wenv.worker_id,
+                                      backend, self.device)
+            self._sync = ReplicaSync(self._wants_switch, self._sharding.group)
         self.worker_id = wenv.worker_id
         quiet_store_warnings()
         errorfile.install()
@@ -114,20 +126,25 @@ class FaultTolerant:
         self._drills = Drills(self._progress, self.worker_id, self._comm_fault)
         self._connect = lambda: connect(wenv)
         self._store = connect(wenv)
-        self._native = native_group(self._connect(), wenv, backend)
+        # replicate groups are parts of a generation: a fresh group each, never the default
+        self._native = None if self._sharding else native_group(self._connect(), wenv, backend)
         if wenv.spare:
             # a hot spare returns at once, so the script builds its model now; steps()
             # announces it ready and waits there to be called in
             gen, self._watcher = watch_as_spare(self._store, lambda: connect(wenv),
                                                 self._interrupt)
-            self._group = Group(gen, -1, None)
+            self._group, self._rank = Group(gen, -1, None), -1
             return
         send_request(self._store, Hello(self.worker_id, os.getpid(), spare=False))
         gen = first_generation(self._store, self.worker_id)
         self._watcher = GenerationWatcher(lambda: connect(wenv), gen.number, self._interrupt)
+        if self._sharding is not None:
+            leave_quietly_when_evicted(self._interrupt, self.worker_id)
         rank = gen.rank_of(self.worker_id)
         assert rank is not None
-        self._group = Group(gen, rank, None)  # built at the first steps() iteration
+        if self._sharding is not None:
+            self._sharding.entered = gen
+        self._group, self._rank = Group(gen, rank, None), rank  # built at the first steps()
         if gen.number > 0:
             self._recovery = RecoveryMode.ALIGN
         os.environ.update(RANK=str(rank), WORLD_SIZE=str(gen.world_size))
@@ -135,11 +152,39 @@ class FaultTolerant:
     # ---------------------------------------------------------------- live view
     @property
     def rank(self) -> int:
-        return self._group.rank
+        return self._rank
 
     @property
     def world_size(self) -> int:
-        return self._group.size
+        return self._group.gen.world_size
+
+    @property
+    def shard_mesh(self) -> Any:
+        """--shard-size: a 1-D DeviceMesh over this rank's replica group, for
+        `fully_shard(module, mesh=ft.shard_mesh)`; ftrun averages across the groups."""
+        return self._sharded().group().mesh
+
+    @property
+    def replica_rank(self) -> int:
+        return self._placement().replica_rank
+
+    @property
+    def num_replicas(self) -> int:
+        return self._placement().num_replicas
+
+    @property
+    def shard_rank(self) -> int:
+        return self._placement().shard_rank
+
+    def _sharded(self) -> Sharding:
+        if self._sharding is None:
+            raise WorkerApiError("ft.shard_mesh needs replica groups",
+                                 hint="launch with ftrun --shard-size N")
+        return self._sharding
+
+    def _placement(self) -> Placement:
+        size = self._sharding.shard_size if self._sharding is not None else 1
+        return Placement(self.rank, self.world_size, size)
 
     @property
     def generation(self) -> int:
@@ -231,6 +276,7 @@ class FaultTolerant:
         if self._recovery.broken:
             # an abandoned all-reduce is not cancelled and may still write into its bucket:
             # never let it near a later step's gradients
+            self._sync.abstain()
             self._sync.drop()
             self._state = StepState.FAILED
             return False
@@ -318,7 +364,7 @@ class FaultTolerant:
         if self.rank < 0:
             self._await_assignment()
         urgent = self._interrupt.urgent_above > self.generation
-        unbuilt = self._group.pg is None and self.world_size > 1
+        unbuilt = self._group.pg is None and self._group.size > 1
         if self._recovery is RecoveryMode.NONE and not (urgent or unbuilt):
             return
         noticed = time.time()
@@ -366,11 +412,14 @@ class FaultTolerant:
                   f"{gen.reason})", file=sys.stderr, flush=True)
             raise SystemExit(0)
         self._group.abandon()
-        self._group = Group(gen, rank, None)
+        self._group, self._rank = Group(gen, rank, None), rank
         if self._progress is not None:  # out of the old collective: arrived in `gen`
             self._progress.recovering(time.time(), rank, gen.number)
-        self._group = build_group(self._connect, gen, rank, self.backend, self.device,
-                                  self._interrupt, self._native)
+        members, group_rank = None, rank
+        if self._sharding is not None:
+            members, group_rank = self._sharding.replicate(gen, rank)
+        self._group = build_group(self._connect, gen, group_rank, self.backend, self.device,
+                                  self._interrupt, self._native, members=members)
         if gen.number > 0:
             self._recovery = self._recovery.escalate(RecoveryMode.ALIGN)
         os.environ.update(RANK=str(rank), WORLD_SIZE=str(gen.world_size))
@@ -387,8 +436,9 @@ class FaultTolerant:
             if resumed is not None:
                 self.committed = resumed.step
                 self._post(resumed)
+        mesh = self._sharding.group().mesh if self._sharding is not None else None
         self.committed = align(self._group, self.committed, self._objects, self._streams,
-                               self._interrupt, self.device)
+                               self._interrupt, self.device, mesh)
 
     def _finished(self) -> bool:
         """Every member reached the end: one last collective so no one leaves a peer behind."""

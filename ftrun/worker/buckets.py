@@ -186,6 +186,9 @@ class GradSync:
                 b.ready, b.started, b.work = 0, False, None
             self._next = 0
 
+    def abstain(self) -> None:
+        """Data parallel: no peer waits for a vote of this rank's."""
+
     def zero(self) -> None:
         if self._buckets is not None:
             for b in self._buckets:

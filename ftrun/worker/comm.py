@@ -154,13 +154,15 @@ class Group:
     """A process group for one generation, with this worker's rank in it."""
 
     gen: Generation
-    rank: int
+    rank: int  # in `members`
     pg: Any  # torch ProcessGroup backend (or None for a world of one / not built yet)
     shared: bool = False  # the reconfigurable default group: reused, never abandoned
+    members: tuple[int, ...] | None = None  # part of the generation (a replicate group); None:
+    # every member
 
     @property
     def size(self) -> int:
-        return self.gen.world_size
+        return self.gen.world_size if self.members is None else len(self.members)
 
     @property
     def on_gpu(self) -> bool:
@@ -247,12 +249,14 @@ def _wait_in_thread(work: Any, wake: threading.Event, timeout_s: float
 
 def build_group(connect: Callable[[], Store], gen: Generation, rank: int, backend: str,
                 device: Any, interrupt: Interrupt, native: Reconfigurable | None = None,
-                timeout_s: float = timeouts.PG_INIT_S) -> Group:
-    """Construct the generation's group in a helper thread, on a store connection of its own,
+                timeout_s: float = timeouts.PG_INIT_S, members: tuple[int, ...] | None = None
+                ) -> Group:
+    """Construct the generation's group (or the group of `members`, a part of it, where
+    `rank` is the rank among them) in a helper thread, on a store connection of its own,
     so that any newer generation can abandon a construction that waits for a peer that will
     never come, without blocking the worker's other store traffic."""
-    if gen.world_size == 1:
-        return Group(gen, rank, None)
+    if (gen.world_size if members is None else len(members)) == 1:
+        return Group(gen, rank, None, members=members)
     result: dict[str, Any] = {}
     done, cancel, handover = threading.Event(), threading.Event(), threading.Lock()
 
@@ -261,7 +265,7 @@ def build_group(connect: Callable[[], Store], gen: Generation, rank: int, backen
             if native is not None:
                 pg = native.reconfigure(connect(), gen, timeout_s, cancel)
             else:
-                pg = _new_pg(connect(), gen, rank, backend, device)
+                pg = _new_pg(connect(), gen, rank, backend, device, members)
             with handover:
                 if cancel.is_set() and native is None:
                     _discard(pg)  # built after it was abandoned: nobody will use it
@@ -294,7 +298,7 @@ def build_group(connect: Callable[[], Store], gen: Generation, rank: int, backen
         raise
     if "error" in result:
         raise CommError(f"building generation {gen.number}'s group failed: {result['error']}")
-    return Group(gen, rank, result["pg"], shared=native is not None)
+    return Group(gen, rank, result["pg"], shared=native is not None, members=members)
 
 
 def _discard(pg: Any) -> None:
@@ -305,22 +309,26 @@ def _discard(pg: Any) -> None:
     REAPER.hold_group(pg)
 
 
-def _new_pg(store: Store, gen: Generation, rank: int, backend: str, device: Any) -> Any:
+def _new_pg(store: Store, gen: Generation, rank: int, backend: str, device: Any,
+            members: tuple[int, ...] | None = None) -> Any:
     import torch.distributed as dist
 
-    prefixed = dist.PrefixStore(gen.pg_prefix, store)  # type: ignore[arg-type]
+    prefix, size = gen.pg_prefix, gen.world_size
+    if members is not None:  # a part of the generation: named by its first member
+        prefix, size = f"{prefix}part/{members[0]}/", len(members)
+    prefixed = dist.PrefixStore(prefix, store)  # type: ignore[arg-type]
     timeout = timedelta(seconds=timeouts.COLLECTIVE_S)  # gloo's per-op timeout, too
     if backend == "nccl":
         opts = dist.ProcessGroupNCCL.Options()
         opts._timeout = timeout
-        pg = dist.ProcessGroupNCCL(prefixed, rank, gen.world_size, opts)
+        pg = dist.ProcessGroupNCCL(prefixed, rank, size, opts)
         # NCCL connects lazily, in the first collective on the training thread, where a
         # missing peer blocks for good; connect here, on the abandonable builder thread
         connect_now = getattr(pg, "eager_connect_single_device", None)
         if connect_now is not None:
             connect_now(device)
         return pg
-    return dist.ProcessGroupGloo(prefixed, rank, gen.world_size, timeout)
+    return dist.ProcessGroupGloo(prefixed, rank, size, timeout)
 
 
 class GenerationWatcher:

@@ -26,10 +26,14 @@ _TAG_SIZES, _TAG_PARTS = 1, 2
 
 
 class _Ref:
-    """Where a tensor sits in the flat buffers: (dtype part, offset, shape)."""
+    """Where a tensor sits in the flat buffers: (dtype part, offset, shape). A DTensor's
+    local shard travels alone, with what the receiver rebuilds it from (`sharded`: its
+    placements, global shape and stride, and its mesh's shape)."""
 
-    def __init__(self, part: int, offset: int, shape: tuple[int, ...]) -> None:
+    def __init__(self, part: int, offset: int, shape: tuple[int, ...],
+                 sharded: tuple[Any, ...] | None = None) -> None:
         self.part, self.offset, self.shape = part, offset, shape
+        self.sharded = sharded
 
 
 def pack(objects: Mapping[str, Any], extra: Mapping[str, Any]) -> list[Any]:
@@ -42,12 +46,17 @@ def pack(objects: Mapping[str, Any], extra: Mapping[str, Any]) -> list[Any]:
     sizes: dict[Any, int] = {}
 
     def strip(t: Any) -> _Ref:
+        sharded = None
+        if hasattr(t, "to_local"):  # a DTensor: its shard only, never gathered
+            sharded = (tuple(t.placements), tuple(t.shape), tuple(t.stride()),
+                       tuple(t.device_mesh.shape))
+            t = t.to_local()
         key = (t.dtype, t.device)
         part = list(parts).index(key) if key in parts else len(parts)
         parts.setdefault(key, []).append(t.detach().reshape(-1))
         offset = sizes.get(key, 0)
         sizes[key] = offset + t.numel()
-        return _Ref(part, offset, tuple(t.shape))
+        return _Ref(part, offset, tuple(t.shape), sharded)
 
     state = {k: o.state_dict() for k, o in objects.items()}
     skeleton = _map_leaves(state, lambda v: isinstance(v, torch.Tensor), strip)
@@ -60,7 +69,9 @@ def pack(objects: Mapping[str, Any], extra: Mapping[str, Any]) -> list[Any]:
     return [torch.frombuffer(bytearray(meta), dtype=torch.uint8), *flats]
 
 
-def unpack(parts: list[Any], objects: Mapping[str, Any]) -> dict[str, Any]:
+def unpack(parts: list[Any], objects: Mapping[str, Any], mesh: Any = None) -> dict[str, Any]:
+    """`mesh`: the receiver's shard mesh, which a sender's DTensor shards are rebuilt on (the
+    sender's shard of the same index, so the local shapes agree)."""
     meta = pickle.loads(_as_bytes(parts[0]))
     flats = parts[1:]
 
@@ -68,7 +79,8 @@ def unpack(parts: list[Any], objects: Mapping[str, Any]) -> dict[str, Any]:
         n = 1
         for d in ref.shape:
             n *= d
-        return flats[ref.part][ref.offset:ref.offset + n].view(ref.shape)
+        local = flats[ref.part][ref.offset:ref.offset + n].view(ref.shape)
+        return local if ref.sharded is None else _rebuild(local, ref.sharded, mesh)
 
     state = _map_leaves(meta["skeleton"], lambda v: isinstance(v, _Ref), fill)
     missing = set(objects) - set(state)
@@ -77,6 +89,18 @@ def unpack(parts: list[Any], objects: Mapping[str, Any]) -> dict[str, Any]:
     for name, obj in objects.items():
         obj.load_state_dict(state[name])  # copies into the receiver's own tensors
     return dict(meta["extra"])
+
+
+def _rebuild(local: Any, sharded: tuple[Any, ...], mesh: Any) -> Any:
+    from torch.distributed.tensor import DTensor
+
+    placements, shape, stride, mesh_shape = sharded
+    if mesh is None or tuple(mesh.shape) != mesh_shape:
+        raise RuntimeError(f"the healing source's state is sharded over a mesh of shape "
+                           f"{mesh_shape}; this rank's is "
+                           f"{None if mesh is None else tuple(mesh.shape)}")
+    return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape,
+                              stride=stride)
 
 
 def _as_bytes(t: Any) -> bytes:

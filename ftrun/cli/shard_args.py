@@ -1,0 +1,38 @@
+"""The sharding option: --shard-size, checked before anything starts.
+
+Owns: turning --shard-size into the `RunSpec` field, with a one-line error for each value or
+combination ftrun cannot run (replica groups must tile every node's workers; what does not
+work with sharded state yet is refused rather than half-run).
+Must not import: torch, typer, rich, the agent.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from ftrun.cli.values import int_value
+from ftrun.core.errors import UsageError
+
+
+def shard_fields(ns: argparse.Namespace, nproc: int, snapshots: bool) -> dict[str, Any]:
+    size = int_value(ns.shard_size, "--shard-size", minimum=1)
+    if size == 1:
+        return {"shard_size": 1}
+    if nproc % size:
+        raise UsageError(f"--shard-size {size} does not divide --nproc-per-node {nproc}",
+                         hint="replica groups are SIZE consecutive ranks of one node: pick a "
+                              "divisor of the workers per node")
+    if ns.on_fault == "restart":
+        raise UsageError("--shard-size needs in-process recovery, not --on-fault restart",
+                         hint="drop --on-fault restart (a broken replica group is dropped, "
+                              "then rejoins)")
+    if int(str(ns.spares or 0)) > 0:
+        raise UsageError("--spares is not supported with --shard-size yet",
+                         hint="drop --spares: a broken replica group is forked afresh from "
+                              "the zygote and heals from a live group")
+    if snapshots:
+        raise UsageError("snapshots of sharded state are not supported yet",
+                         hint="drop --snapshot-every/--snapshot-interval/--resume with "
+                              "--shard-size")
+    return {"shard_size": size}

@@ -1,0 +1,66 @@
+"""Replica groups (--shard-size): which ranks form a group, and what a fault in one does.
+
+Owns: the layout of a generation's members into replica groups of `shard_size` consecutive
+ranks (a script shards its model inside a group; ftrun averages shard k across the groups),
+and `decide_group_fault`: a lost member takes its whole group out at once, since no rank of it
+can step without the lost shard, so the other groups go on without waiting (smaller on the
+replicate dimension), and a fresh group is started to rejoin and heal shard by shard, unless no
+complete, healed group is left (a total loss) or a budget says stop.
+Pure: no I/O, no clock.
+Must not import: anything but the standard library and `ftrun.core.policy`.
+"""
+
+from __future__ import annotations
+
+from ftrun.core.policy import (
+    CRASH_LOOP_LIMIT,
+    FaultAction,
+    FaultDecision,
+    Snapshot,
+    _give_up,
+    _total_loss,
+)
+
+
+def replica_groups(members: tuple[int, ...], shard_size: int) -> list[tuple[int, ...]]:
+    """The members in groups of `shard_size` consecutive ranks (a short last group, which
+    the launcher never makes, is kept as it is rather than hidden)."""
+    return [members[i:i + shard_size] for i in range(0, len(members), shard_size)]
+
+
+def group_index(members: tuple[int, ...], worker: int, shard_size: int) -> int:
+    return members.index(worker) // shard_size
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}{'' if n == 1 else 's'}"
+
+
+def decide_group_fault(s: Snapshot, lost: int, why: str, shard_size: int,
+                       crash_loop: int = 0) -> FaultDecision:
+    """A member of the current generation is gone; `s.members` are in rank order, so its
+    group is the block of `shard_size` ranks around it. `crash_loop`: fresh groups in a row
+    for this rank that failed before their first commit (this one included)."""
+    rank = s.members.index(lost)
+    index = rank // shard_size
+    group = replica_groups(s.members, shard_size)[index]
+    survivors = tuple(m for m in s.members if m not in group)
+    head = f"worker {lost} (rank {rank}, replica group {index}) {why}"
+    if s.over_budget:
+        return _give_up(f"{head}; fault budget exhausted ({s.max_faults}, --max-faults)", s)
+    healthy = [g for g in replica_groups(survivors, shard_size)
+               if len(g) == shard_size and not set(g) & s.unhealed]
+    if not healthy:
+        return _total_loss(f"{head}; no other replica group holds the model", s)
+    if len(survivors) < s.min_nproc:
+        return _give_up(f"{head}; {len(survivors)} left is below --min-nproc {s.min_nproc}", s)
+    evicted = tuple(m for m in group if m != lost)
+    regrow = crash_loop < CRASH_LOOP_LIMIT
+    then = ("a fresh group heals from a live one and rejoins" if regrow else
+            f"the {crash_loop}th fresh group in a row failed before its first commit (a "
+            f"crash loop): no more for it")
+    return FaultDecision(
+        FaultAction.SHRINK,
+        f"{head}; replica group {index} out ({_plural(len(evicted), 'other rank')} stopped), "
+        f"continuing with {_plural(len(survivors) // shard_size, 'group')} of {shard_size}; "
+        f"{then}", survivors, regrow=regrow, evicted=evicted)

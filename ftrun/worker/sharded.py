@@ -1,0 +1,278 @@
+"""Replica groups on the worker side (--shard-size): this rank's shard group and its mesh, and
+the replicate dimension: shard k's gradients averaged with shard k of every other live group,
+then a step vote inside the group, so that a group commits a step on all its ranks or on none.
+
+Owns: `Placement` (where a rank sits: replica group, shard), `ShardGroup` (the process group
+and 1-D `DeviceMesh` a script passes to `fully_shard`; made once per process over the members
+of its replica group, which never change: a group that loses a rank is replaced whole), the
+rank identity c10d needs for a mesh (a default group that never connects, rank = worker id),
+and `ReplicaSync` (the replicate-dimension all-reduce with the vote, the interface of
+`buckets.GradSync`). The replicate groups themselves are the generation's groups built by
+`comm.build_group` (shard k of every live group), so they are abandoned, rebuilt and healed
+over exactly as the data-parallel group is.
+Must not import: typer, rich, NVML, the agent, worker.api. Torch is imported lazily.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+from ftrun.core import timeouts
+from ftrun.core.errors import WorkerApiError
+from ftrun.protocol.rendezvous import PREFIX, Generation, Store
+from ftrun.worker.comm import Abandoned, CommError, Group, Interrupt
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a rank sits among a generation's replica groups of `shard_size` ranks."""
+
+    rank: int  # in the whole job
+    world_size: int
+    shard_size: int
+
+    @property
+    def replica_rank(self) -> int:
+        return self.rank // self.shard_size
+
+    @property
+    def num_replicas(self) -> int:
+        return self.world_size // self.shard_size
+
+    @property
+    def shard_rank(self) -> int:
+        return self.rank % self.shard_size
+
+
+def replicate_members(gen: Generation, shard_rank: int, shard_size: int) -> tuple[int, ...]:
+    """Shard `shard_rank` of every replica group, in group order."""
+    return gen.members[shard_rank::shard_size]
+
+
+def group_members(gen: Generation, worker_id: int, shard_size: int) -> tuple[int, ...]:
+    rank = gen.rank_of(worker_id)
+    if rank is None:
+        raise WorkerApiError(f"worker {worker_id} is not in generation {gen.number}")
+    start = rank - rank % shard_size
+    return gen.members[start:start + shard_size]
+
+
+def ensure_rank_identity(store: Store, worker_id: int) -> None:
+    """c10d knows a rank through the default group: a mesh finds its coordinate there. The
+    group is made in torch's reconfigure regime and never re-formed, so it opens no
+    connection; its rank is the worker id, which no member ever shares or changes."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return
+    if not hasattr(dist, "_supports_reconfigure"):
+        import torch
+
+        raise WorkerApiError(f"--shard-size needs torch >= 2.15 (this is {torch.__version__})",
+                             hint="upgrade torch, or run without --shard-size")
+    dist.init_process_group("gloo", store=dist.PrefixStore(f"{PREFIX}identity/", store),  # type: ignore[arg-type]
+                            rank=worker_id, world_size=worker_id + 1, enable_reconfigure=True,
+                            timeout=timedelta(seconds=timeouts.COLLECTIVE_S))
+
+
+def leave_quietly_when_evicted(interrupt: Interrupt, worker_id: int) -> None:
+    """A rank whose group lost a peer fails inside FSDP's own collective, in the script's
+    code where ftrun cannot catch it, a moment before the agent stops it. Its traceback would
+    repeat the agent's fault line: once a generation that leaves it out is published (within
+    timeouts.FAULT_CONFIRM_S), it leaves with one line instead. Other errors are untouched."""
+    previous = sys.excepthook
+
+    def hook(kind: type[BaseException], value: BaseException, tb: Any) -> None:
+        if isinstance(value, RuntimeError):
+            deadline = time.monotonic() + timeouts.FAULT_CONFIRM_S
+            while time.monotonic() < deadline and not interrupt.store_lost:
+                gen = interrupt.newest
+                if gen is not None and gen.rank_of(worker_id) is None:
+                    print(f"ftrun: worker {worker_id} left the job with its replica group "
+                          f"(generation {gen.number}: {gen.reason})", file=sys.stderr,
+                          flush=True)
+                    os._exit(0)
+                interrupt.wake.clear()
+                interrupt.wake.wait(0.05)
+        previous(kind, value, tb)
+
+    sys.excepthook = hook
+
+
+class ShardGroup:
+    """This rank's shard group: its replica group's members as they were published in `gen`
+    (the generation this process entered in), under a store prefix no other group uses."""
+
+    def __init__(self, store: Store, gen: Generation, worker_id: int, shard_size: int,
+                 backend: str, device: Any) -> None:
+        import torch.distributed as dist
+        import torch.distributed.distributed_c10d as c10d
+        from torch.distributed.device_mesh import DeviceMesh
+
+        ensure_rank_identity(store, worker_id)
+        self.members = group_members(gen, worker_id, shard_size)
+        self.shard_rank = self.members.index(worker_id)
+        first = self.members[0]
+        prefix = dist.PrefixStore(f"{PREFIX}shard/{gen.number}/{first}/", store)  # type: ignore[arg-type]
+        # the private helper, as the probe did (scripts/probe_fsdp_reconfigure.py): the public
+        # new_group must be called by every rank of the default group, which is never whole
+        name: Any = f"ftrun-shard-{gen.number}-{first}"
+        pg: Any = c10d._new_process_group_helper(
+            shard_size, self.shard_rank, list(self.members), backend, prefix, name,
+            timeout=timedelta(seconds=timeouts.COLLECTIVE_S))[0]
+        self.pg = pg
+        c10d._world.pg_group_ranks[self.pg] = {m: i for i, m in enumerate(self.members)}
+        self.mesh = DeviceMesh.from_group(self.pg, device.type)
+        self.device = device
+
+    def check(self, gen: Generation) -> None:
+        """The agent keeps a group's ranks consecutive and in order in every generation."""
+        found = group_members(gen, self.members[self.shard_rank], len(self.members))
+        if found != self.members:
+            raise WorkerApiError(f"generation {gen.number} split replica group "
+                                 f"{list(self.members)} into {list(found)}")
+
+    def vote(self, ok: bool, switch: bool) -> tuple[bool, bool]:
+        """(every rank of the group succeeded, some rank voted to switch). Not abandoned for
+        a newer generation: a rank that left early could see a failure where its peers
+        committed. A peer that died makes it raise at once; the agent stops this group then."""
+        import torch
+
+        votes = torch.tensor([0.0 if ok else 1.0, 1.0 if switch else 0.0], device=self.device)
+        try:
+            self.pg.allreduce([votes]).wait(timedelta(seconds=timeouts.COLLECTIVE_S))
+        except RuntimeError as exc:
+            raise CommError(f"the replica group's step vote failed: "
+                            f"{str(exc).splitlines()[0][:160]}") from None
+        failed, switches = votes.tolist()
+        return failed == 0, switches > 0
+
+
+class ReplicaSync:
+    """The replicate dimension of HSDP, with `buckets.GradSync`'s interface: after backward
+    (FSDP has reduce-scattered inside the group), every wrapped parameter's local gradient
+    shard is averaged over the generation's replicate group, abandonably; then the group
+    votes, so that its ranks all apply the step or all repeat it."""
+
+    def __init__(self, want_switch: Callable[[], bool], shard: Callable[[], ShardGroup]
+                 ) -> None:
+        self.want_switch = want_switch
+        self.shard = shard
+        self.params: list[Any] = []
+        self.enabled = True  # no_sync(): FSDP's own set_requires_gradient_sync decides
+
+    def add(self, params: list[Any], bucket_mb: float) -> None:
+        for p in params:
+            if p.requires_grad and all(p is not q for q in self.params):
+                self.params.append(p)
+
+    def prepare(self) -> None:
+        """Nothing to allocate ahead: buffers are made per step."""
+
+    def next_step(self, group: Group) -> None:
+        """Nothing carries over from a step to the next."""
+
+    def drop(self) -> None:
+        for p in self.params:
+            p.grad = None
+
+    zero = drop  # FSDP accumulates into a gradient that exists: none after a commit
+
+    def abstain(self) -> None:
+        """This rank cannot finish the step: its group must not wait for its vote."""
+        with contextlib.suppress(CommError):
+            self.shard().vote(False, False)
+
+    def finish(self, group: Group, interrupt: Interrupt) -> bool:
+        """Raises CommError or Abandoned when the step failed on any rank of the group;
+        True when some rank voted to switch to a planned generation."""
+        import torch
+
+        with torch.no_grad():
+            grads = [_local(p.grad) for p in self.params if p.grad is not None]
+        switch = self.want_switch()
+        failure: CommError | Abandoned | None = None
+        flats: list[Any] = []
+        try:
+            if group.size > 1:
+                flats = _flatten(grads)
+                flats[0] = torch.cat([flats[0], torch.tensor(
+                    [1.0 if switch else 0.0], dtype=flats[0].dtype, device=flats[0].device)])
+                for flat in flats:
+                    group.allreduce(flat, interrupt)
+                switch = bool(flats[0][-1].item() > 0)
+        except (CommError, Abandoned) as exc:
+            failure = exc
+        ok, switch = self.shard().vote(failure is None, switch)
+        if failure is not None:
+            raise failure
+        if not ok:
+            raise CommError("another rank of this replica group failed the step")
+        if flats:
+            flats[0] = flats[0][:-1]
+            _scatter_back(grads, flats, group.size)
+        return switch
+
+
+def _local(t: Any) -> Any:
+    """A gradient's own shard (a DTensor's local tensor; a plain tensor is its own)."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _flatten(grads: list[Any]) -> list[Any]:
+    """One flat buffer per dtype, in parameter order."""
+    import torch
+
+    by_dtype: dict[Any, list[Any]] = {}
+    for g in grads:
+        by_dtype.setdefault(g.dtype, []).append(g.reshape(-1))
+    return [torch.cat(parts) for parts in by_dtype.values()]
+
+
+def _scatter_back(grads: list[Any], flats: list[Any], size: int) -> None:
+    offsets: dict[Any, int] = {}
+    dtypes = list(dict.fromkeys(g.dtype for g in grads))  # _flatten's order
+    for g in grads:
+        flat = flats[dtypes.index(g.dtype)]
+        start = offsets.get(g.dtype, 0)
+        offsets[g.dtype] = start + g.numel()
+        g.copy_(flat[start:start + g.numel()].view_as(g).div_(size))
+
+
+class Sharding:
+    """What `ftrun.worker.api` asks of the replica groups: where this rank sits, its shard
+    group (made on first use, over its group as published in `entered`), and each
+    generation's replicate group for it."""
+
+    def __init__(self, shard_size: int, connect: Callable[[], Store], worker_id: int,
+                 backend: str, device: Any) -> None:
+        self.shard_size = shard_size
+        self._connect = connect
+        self._worker_id = worker_id
+        self._backend = backend
+        self._device = device
+        self.entered: Generation | None = None  # the first generation with this rank in it
+        self._group: ShardGroup | None = None
+
+    def group(self) -> ShardGroup:
+        if self._group is None:
+            if self.entered is None:
+                raise WorkerApiError("ft.shard_mesh before this rank has a replica group",
+                                     hint="a hot spare cannot shard yet; use no --spares")
+            self._group = ShardGroup(self._connect(), self.entered, self._worker_id,
+                                     self.shard_size, self._backend, self._device)
+        return self._group
+
+    def replicate(self, gen: Generation, rank: int) -> tuple[tuple[int, ...], int]:
+        """(shard `rank % shard_size` of every live group, this rank's index among them)."""
+        if self._group is not None:
+            self._group.check(gen)
+        return (replicate_members(gen, rank % self.shard_size, self.shard_size),
+                rank // self.shard_size)
