@@ -1,7 +1,12 @@
-"""Sharded models (#15, first part): a plain FSDP2 HSDP script (a 2 x 2 (replicate, shard) mesh,
-`fully_shard` per layer, AdamW, clip_grad_norm_ over DTensor parameters; no ftrun API) runs
-under ftrun as under torchrun, gloo on CPU, and ends with the same parameters bitwise. In-process
-fault tolerance across replica groups is not built yet."""
+"""Sharded models (#15), gloo on CPU, 4 ranks as 2 replica groups of 2:
+- a plain FSDP2 HSDP script (a (replicate, shard) mesh, `fully_shard` per layer, AdamW,
+  clip_grad_norm_ over DTensor parameters; no ftrun API) runs under ftrun as under torchrun and
+  ends with the same parameters bitwise;
+- under `--shard-size 2` with the ftrun API (a small transformer, `fully_shard` per block over
+  `ft.shard_mesh`), a SIGKILLed rank takes its group out while the other group goes on, a fresh
+  group heals shard by shard and rejoins (and again when the first fresh group dies during its
+  heal); the groups end bitwise equal and every step's global batch is consumed exactly once."""
+import json
 import os
 import subprocess
 import sys
@@ -12,6 +17,7 @@ import torch
 from conftest import FIXTURES, run_ftrun
 
 SCRIPT = str(FIXTURES / "hsdp_plain.py")
+FT_SCRIPT = str(FIXTURES / "hsdp_ft.py")
 
 
 def gathered(out: Path) -> list[dict[str, torch.Tensor]]:
@@ -43,3 +49,55 @@ def _initial_params() -> list[torch.Tensor]:
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(3)])
     return [p.detach().clone() for p in model.parameters()]
+
+
+def _events(log_dir: Path) -> list[dict]:
+    lines = next(log_dir.glob("*/events.jsonl")).read_text().splitlines()
+    return [json.loads(line) for line in lines]
+
+
+def _seen(out: Path) -> list[dict]:
+    return [json.loads(line) for p in sorted(out.glob("seen_*.jsonl"))
+            for line in p.read_text().splitlines()]
+
+
+@pytest.mark.slow
+def test_a_lost_rank_takes_its_group_out_and_a_fresh_group_heals_and_rejoins(
+        tmp_path: Path) -> None:
+    out, logs = tmp_path / "out", tmp_path / "logs"
+    out.mkdir()
+    steps, batch = 24, 16
+    r = run_ftrun("--nproc", "4", "--shard-size", "2", "--log-dir", str(logs), FT_SCRIPT,
+                  "--steps", str(steps), "--batch", str(batch), "--step-time", "0.03",
+                  "--die", "2:5", "--die-healing", "--out", str(out), timeout=240)
+    assert r.returncode == 0, r.stderr[-3000:]
+    ev = _events(logs)
+    faults = [e for e in ev if e["event"] == "fault"]
+    # worker 2 dies (group 1 out, worker 3 stopped); the first fresh group's worker 4 dies
+    # while healing (that group out again, worker 5 stopped); a second fresh group rejoins
+    assert [(f["worker"], f["decision"]) for f in faults] == [(2, "shrink"), (4, "shrink")]
+    assert all("replica group 1 out" in f["reason"] for f in faults)
+    sizes = [e["world_size"] for e in ev if e["event"] == "generation"]
+    assert sizes == [2, 4, 2, 4], sizes
+    assert "Traceback" not in r.stderr  # the stopped ranks leave with one line
+    # the live group never waited: it committed steps while the other group was out
+    seen = _seen(out)
+    assert any(s["world"] == 2 and s["replica"] == 0 for s in seen)
+    # survivors: the first group and the second fresh one; their gathered models are equal
+    finals = sorted(int(p.stem.split("_")[1]) for p in out.glob("params_*.pt"))
+    assert finals == [0, 1, 6, 7], finals
+    params = [torch.load(out / f"params_{w}.pt") for w in finals]
+    names = list(params[0])
+    assert names and all(torch.equal(params[0][n], p[n]) for p in params[1:] for n in names)
+    # exactly once: each step's batch, as the generation that committed it last read it
+    by_step: dict[int, list[dict]] = {}
+    for s in seen:
+        by_step.setdefault(s["step"], []).append(s)
+    assert sorted(by_step) == list(range(steps))
+    used: set[int] = set()
+    for step, lines in sorted(by_step.items()):
+        last = max(s["gen"] for s in lines)
+        idx = [i for s in lines if s["gen"] == last for i in s["idx"]]
+        assert len(idx) == batch and len(set(idx)) == batch, (step, idx)
+        assert not used & set(idx), step  # no item read by two steps
+        used |= set(idx)

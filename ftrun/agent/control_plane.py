@@ -34,6 +34,7 @@ from ftrun.core.events import Event
 from ftrun.core.faultkinds import AGENT_SIGNALS, ALL_KINDS, GPU_KINDS, WORKER_ONLY, FaultKind
 from ftrun.core.membership import Membership
 from ftrun.core.policy import phase_text
+from ftrun.core.replica_groups import group_rows
 
 MAX_DRILL_DELAY_S = 24 * 3600.0  # a "slow" drill slower than this is a stuck worker
 _MAX_INDEX = (1 << 31) - 1
@@ -266,6 +267,8 @@ class ControlPlane:
             "faults": fault_docs(faults), "summary": summarize(faults, now - self.info.started_at),
             "steps_per_s": self.timeline.steps_per_s(), "gpus": self.health.gpu_table(),
             "metrics": self.metrics_url,
+            "replica_groups": group_rows(ms, port.spec.shard_size)
+            if ms is not None and port.spec.shard_size > 1 else None,
         }
 
     def worker_rows(self, now: float, workers: Sequence[Worker] | None = None

@@ -2,16 +2,21 @@
 
 Owns: the layout of a generation's members into replica groups of `shard_size` consecutive
 ranks (a script shards its model inside a group; ftrun averages shard k across the groups),
-and `decide_group_fault`: a lost member takes its whole group out at once, since no rank of it
-can step without the lost shard, so the other groups go on without waiting (smaller on the
-replicate dimension), and a fresh group is started to rejoin and heal shard by shard, unless no
-complete, healed group is left (a total loss) or a budget says stop.
+the rows `ftrun status` shows for them, and `decide_group_fault`: a lost member takes its
+whole group out at once, since no rank of it can step without the lost shard, so the other
+groups go on without waiting (smaller on the replicate dimension), and a fresh group is
+started to rejoin and heal shard by shard, unless no complete, healed group is left (a total
+loss) or a budget says stop.
 Pure: no I/O, no clock.
-Must not import: anything but the standard library and `ftrun.core.policy`.
+Must not import: anything but the standard library, `ftrun.core.policy` and
+`ftrun.core.membership`.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
+from ftrun.core.membership import Membership, WorkerRole
 from ftrun.core.policy import (
     CRASH_LOOP_LIMIT,
     FaultAction,
@@ -64,3 +69,18 @@ def decide_group_fault(s: Snapshot, lost: int, why: str, shard_size: int,
         f"{head}; replica group {index} out ({_plural(len(evicted), 'other rank')} stopped), "
         f"continuing with {_plural(len(survivors) // shard_size, 'group')} of {shard_size}; "
         f"{then}", survivors, regrow=regrow, evicted=evicted)
+
+
+def group_rows(ms: Membership, shard_size: int) -> list[dict[str, Any]]:
+    """`ftrun status`'s replica groups: each live group (training, or healing while any of its
+    ranks holds no committed state yet), then the workers starting to form a fresh one."""
+    rows: list[dict[str, Any]] = []
+    for index, group in enumerate(replica_groups(ms.live(), shard_size)):
+        healing = any(ms.role(w) is WorkerRole.HEALING for w in group)
+        rows.append({"group": index,
+                     "ranks": list(range(index * shard_size, index * shard_size + len(group))),
+                     "workers": list(group), "state": "healing" if healing else "training"})
+    starting = ms.with_role(WorkerRole.JOINING, WorkerRole.READY)
+    if starting:
+        rows.append({"group": None, "ranks": [], "workers": starting, "state": "starting"})
+    return rows

@@ -1,0 +1,88 @@
+"""Replica groups (--shard-size), without processes: the option's checks, the pure decision on
+a lost member, the status rows, and where a rank sits."""
+import pytest
+
+from ftrun.cli.launch_args import parse_run_args
+from ftrun.core.errors import UsageError
+from ftrun.core.membership import Membership, WorkerRole
+from ftrun.core.policy import FaultAction, Snapshot
+from ftrun.core.replica_groups import decide_group_fault, group_rows, replica_groups
+from ftrun.core.spec import WorkerEnv
+from ftrun.protocol.rendezvous import Generation
+from ftrun.worker.sharded import Placement, group_members, replicate_members
+
+
+def test_shard_size_reaches_the_spec_and_only_the_sharded_workers_environment() -> None:
+    assert parse_run_args(["--nproc", "4", "--shard-size", "2", "t.py"]).shard_size == 2
+    assert parse_run_args(["--nproc", "4", "t.py"]).shard_size == 1
+    base = dict(rank=0, local_rank=0, world_size=4, local_world_size=4, group_rank=0,
+                group_world_size=1, role_rank=0, role_name="default", role_world_size=4,
+                master_addr="h", master_port=1, restart_count=0, max_restarts=0, run_id="r",
+                use_agent_store=True, nccl_async_error_handling="1", error_file="e",
+                worker_id=0)
+    assert "FTRUN_SHARD_SIZE" not in WorkerEnv(**base).to_env()  # a plain job: as before
+    env = WorkerEnv(**base, shard_size=2).to_env()
+    assert env["FTRUN_SHARD_SIZE"] == "2" and WorkerEnv.from_env(env).shard_size == 2
+
+
+@pytest.mark.parametrize(("argv", "says"), [
+    (["--nproc", "4", "--shard-size", "3"], "does not divide"),
+    (["--nproc", "4", "--shard-size", "0"], ">= 1"),
+    (["--nproc", "4", "--shard-size", "x"], "not an integer"),
+    (["--nproc", "4", "--shard-size", "2", "--spares", "1"], "--spares"),
+    (["--nproc", "4", "--shard-size", "2", "--snapshot-every", "5"], "sharded state"),
+    (["--nproc", "4", "--shard-size", "2", "--on-fault", "restart"], "in-process"),
+])
+def test_shard_size_refuses_what_it_cannot_run_in_one_line(argv: list[str], says: str) -> None:
+    with pytest.raises(UsageError, match=says) as err:
+        parse_run_args([*argv, "t.py"])
+    assert "\n" not in str(err.value) and err.value.hint
+
+
+def test_a_lost_member_takes_its_whole_group_out_and_the_others_go_on() -> None:
+    s = Snapshot(members=(0, 1, 2, 3, 4, 5), max_faults=10, restarts_left=0)
+    d = decide_group_fault(s, 3, "exited with 1", 2)
+    assert d.action is FaultAction.SHRINK and d.regrow
+    assert d.members == (0, 1, 4, 5) and d.evicted == (2,)
+    assert "replica group 1 out" in d.reason and "2 groups of 2" in d.reason
+
+
+def test_no_complete_healed_group_left_is_a_total_loss() -> None:
+    # group 0 holds no committed state yet (healing): losing group 1 leaves no source
+    s = Snapshot(members=(0, 1, 2, 3), unhealed=frozenset({0, 1}), max_faults=10)
+    d = decide_group_fault(s, 2, "exited with 1", 2)
+    assert d.action is FaultAction.FAIL and "no other replica group" in d.reason
+    alone = Snapshot(members=(0, 1), max_faults=10, restarts_left=1)
+    assert decide_group_fault(alone, 1, "hung", 2).action is FaultAction.RESTART_GROUP
+
+
+def test_budgets_and_crash_loops_bound_the_fresh_groups() -> None:
+    s = Snapshot(members=(0, 1, 2, 3), faults=3, max_faults=2)
+    assert decide_group_fault(s, 0, "x", 2).action is FaultAction.FAIL
+    loop = decide_group_fault(Snapshot(members=(0, 1, 2, 3), max_faults=9), 3, "x", 2, 3)
+    assert loop.action is FaultAction.SHRINK and not loop.regrow and "crash loop" in loop.reason
+    low = Snapshot(members=(0, 1, 2, 3), max_faults=9, min_nproc=3)
+    assert decide_group_fault(low, 0, "x", 2).action is FaultAction.FAIL
+
+
+def test_status_rows_name_each_group_and_its_state() -> None:
+    ms = Membership((0, 1, 2, 3))
+    ms.publish((0, 1), ())
+    ms.move(4, WorkerRole.JOINING)
+    ms.move(5, WorkerRole.JOINING)
+    assert group_rows(ms, 2) == [
+        {"group": 0, "ranks": [0, 1], "workers": [0, 1], "state": "training"},
+        {"group": None, "ranks": [], "workers": [4, 5], "state": "starting"}]
+    ms.move(4, WorkerRole.READY)
+    ms.move(5, WorkerRole.READY)
+    ms.publish((0, 1, 4, 5), (4, 5))
+    assert [r["state"] for r in group_rows(ms, 2)] == ["training", "healing"]
+    assert replica_groups((0, 1, 4, 5), 2) == [(0, 1), (4, 5)]
+
+
+def test_a_rank_heals_and_averages_with_the_same_shard_of_the_other_groups() -> None:
+    gen = Generation(3, (0, 1, 6, 7, 4, 5))
+    assert replicate_members(gen, 1, 2) == (1, 7, 5)
+    assert group_members(gen, 7, 2) == (6, 7)
+    p = Placement(rank=3, world_size=6, shard_size=2)
+    assert (p.replica_rank, p.num_replicas, p.shard_rank) == (1, 3, 1)
