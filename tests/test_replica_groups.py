@@ -86,3 +86,11 @@ def test_a_rank_heals_and_averages_with_the_same_shard_of_the_other_groups() -> 
     assert group_members(gen, 7, 2) == (6, 7)
     p = Placement(rank=3, world_size=6, shard_size=2)
     assert (p.replica_rank, p.num_replicas, p.shard_rank) == (1, 3, 1)
+
+
+def test_status_text_names_the_groups() -> None:
+    from ftrun.cli.render import replica_groups_text
+
+    rows = [{"group": 0, "ranks": [0, 1], "workers": [0, 1], "state": "training"},
+            {"group": None, "ranks": [], "workers": [4, 5], "state": "starting"}]
+    assert replica_groups_text(rows) == "0 training (ranks 0-1); starting: workers 4, 5"

@@ -65,6 +65,7 @@ class Recovery:
         self._reported: set[int] = set()  # generations whose recovery was announced
         self._refills: list[tuple[int, int]] = []  # (node, local rank): spares to start
         self._joiners_to_start: list[tuple[int, int]] = []  # shrink mode: replacements
+        self._out_since: float | None = None  # the fault that took a replica group out
         # failures in a row before a first commit, per ("rank", r), ("join", node) and
         # ("spare", node): the policy stops replacing at CRASH_LOOP_LIMIT
         self._early_failures: dict[tuple[str, int], int] = {}
@@ -187,6 +188,8 @@ class Recovery:
             return None
         if d.action is FaultAction.SHRINK:
             self._publish(d.members, d.reason, True, fault_at)
+            if d.evicted and self._out_since is None:
+                self._out_since = fault_at
             if d.regrow:  # after the first commit; a replica group comes back whole
                 self._joiners_to_start.append((node, w.local_rank))
                 self._joiners_to_start += [self._place_of(m) for m in d.evicted]
@@ -310,6 +313,7 @@ class Recovery:
                 if req.generation not in self._reported:
                     self._reported.add(req.generation)  # the first member to commit
                     self.port.emit(Event.RECOVERED, to_fields(req))
+                    self._back_in_service(req)
                     self._refill()
         return None
 
@@ -337,6 +341,18 @@ class Recovery:
             return _stop(d, None)
         self._publish(d.members, d.reason, True, time.time())
         return None
+
+    def _back_in_service(self, req: Recovered) -> None:
+        """Replica groups out since a fault are all back: the job's first commit at full
+        strength, timed from that fault."""
+        full = len(self.membership.live()) >= self.spec.nproc * self.spec.nnodes_min
+        if self._out_since is None or not full or req.fault_at:
+            return
+        ms = (req.first_commit - self._out_since) * 1000
+        self.port.emit(Event.NOTICE, {"text": f"replica groups back in service: generation "
+                                              f"{req.generation} committed step {req.step} at "
+                                              f"full size, {ms:.0f} ms after the fault"})
+        self._out_since = None
 
     def _committed_first(self, wid: int) -> None:
         """A joiner holds committed state now: the crash-loop counts behind it start over. (A

@@ -110,6 +110,9 @@ def status_tables(doc: Mapping[str, Any]) -> list[Any]:
     snapshot = doc.get("snapshot")
     if snapshot:
         head.add_row("snapshot", snapshot_text(snapshot), "", "")
+    groups = doc.get("replica_groups")
+    if groups:
+        head.add_row("replica groups", replica_groups_text(groups), "", "")
     nodes = doc.get("nodes")
     if nodes:
         served = doc.get("served_by")
@@ -133,6 +136,14 @@ def status_tables(doc: Mapping[str, Any]) -> list[Any]:
         out.append(fault_table("faults", doc["faults"][-10:]))
         out += [f"  #{f['id']}: {f['reason']}" for f in doc["faults"][-5:]]
     return out
+
+
+def replica_groups_text(groups: Sequence[Mapping[str, Any]]) -> str:
+    """`0 training (ranks 0-1), 1 healing (ranks 2-3); starting: workers 6, 7`."""
+    live = [f"{g['group']} {g['state']} (ranks {g['ranks'][0]}-{g['ranks'][-1]})"
+            for g in groups if g["group"] is not None]
+    starting = [", ".join(map(str, g["workers"])) for g in groups if g["group"] is None]
+    return "; ".join([", ".join(live)] + [f"starting: workers {w}" for w in starting])
 
 
 def snapshot_text(s: Mapping[str, Any]) -> str:
