@@ -3,12 +3,17 @@
     ftrun --nproc 4 --spares 1 examples/train_gpt.py --steps 200
     python examples/train_gpt.py --steps 20                   # alone, no fault tolerance
     torchrun --nproc-per-node 2 examples/train_gpt.py         # under torchrun too
+    ftrun --nproc 4 --shard-size 2 examples/train_gpt.py --fsdp   # HSDP: 2 groups of 2
 
 The loop: AdamW with decay / no-decay parameter groups, linear warmup then cosine decay,
 gradient clipping at 1.0, bf16 autocast (CPU and CUDA; fp16 with a GradScaler on CUDA),
 gradient accumulation over micro-batches, and `ft.loader` over byte tokens of a text that
 ships in examples/data. Gradients are all-reduced in buckets while backward runs; `ft.sync()`
 waits for them, then the user's own clipping, scaler and optimizer see the global average.
+
+With --fsdp (under `ftrun --shard-size N`) each block and the whole model are sharded with
+FSDP2 over `ft.shard_mesh`, inside a replica group of N ranks; ftrun averages each shard
+across the groups in `ft.sync()`, and a fault takes only its group out until a fresh one heals.
 """
 
 from __future__ import annotations
@@ -65,6 +70,18 @@ class GPT(nn.Module):
         return self.head(self.ln(self.blocks(self.tok(idx) + self.pos(pos))))
 
 
+def shard(gpt: nn.Module, mesh: object, tie: bool) -> None:
+    """FSDP2 per block, then the rest at the root, over this replica group's mesh."""
+    from torch.distributed.fsdp import fully_shard
+
+    if tie:
+        raise SystemExit("train_gpt.py: --fsdp with --tie is not supported (tied weights "
+                         "span two FSDP units); drop --tie")
+    for block in gpt.blocks:  # type: ignore[union-attr]
+        fully_shard(block, mesh=mesh)
+    fully_shard(gpt, mesh=mesh)
+
+
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, object]]:
     """Matrices decay; biases, norms and embeddings do not (nanoGPT's rule)."""
     decay, no_decay = [], []
@@ -100,6 +117,8 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
     ap.add_argument("--workers", type=int, default=2, help="loader reader processes")
     ap.add_argument("--bucket-mb", type=float, default=25.0)
+    ap.add_argument("--fsdp", action="store_true",
+                    help="shard with FSDP2 over ft.shard_mesh (run under ftrun --shard-size N)")
     ap.add_argument("--out", help="final parameters and the loss log of every worker")
     return ap.parse_args()
 
@@ -109,6 +128,8 @@ def main() -> None:
     ft = ftrun.init()
     torch.manual_seed(0)
     gpt = GPT(args.block, args.dim, args.layers, args.heads, args.tie, args.dropout)
+    if args.fsdp:
+        shard(gpt.to(ft.device), ft.shard_mesh, args.tie)
     model = ft.wrap(gpt.to(ft.device), bucket_mb=args.bucket_mb)
     opt = torch.optim.AdamW(param_groups(model, 0.1), lr=args.lr, betas=(0.9, 0.95))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(args.warmup, args.steps))
@@ -124,7 +145,10 @@ def main() -> None:
         t0, total = time.time(), 0.0
         for micro in range(args.accum):
             x, y = (t.to(ft.device) for t in loader.batch(step, micro, args.accum))
-            quiet = ft.no_sync() if micro < args.accum - 1 else contextlib.nullcontext()
+            last = micro == args.accum - 1
+            quiet = contextlib.nullcontext() if last else ft.no_sync()
+            if args.fsdp:  # FSDP's own reduce-scatter: only after the last micro-batch
+                model.set_requires_gradient_sync(last)
             with quiet:  # the backward too: that is where buckets start
                 with torch.autocast(ft.device.type, dtype=amp_dtype,
                                     enabled=amp_dtype is not None):
@@ -150,7 +174,9 @@ def main() -> None:
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         wid = os.environ.get("FTRUN_WORKER_ID", str(max(ft.rank, 0)))
-        torch.save(model.state_dict(), os.path.join(args.out, f"params_{wid}.pt"))
+        state = {k: v.full_tensor() if hasattr(v, "full_tensor") else v
+                 for k, v in model.state_dict().items()}  # a sharded model: gathered
+        torch.save(state, os.path.join(args.out, f"params_{wid}.pt"))
         with open(os.path.join(args.out, f"log_{wid}.json"), "w") as f:
             json.dump({"pid": os.getpid(), "log": log}, f)
     ft.close()
