@@ -46,8 +46,8 @@ from ftrun.worker.joining import connect, native_group, plain_group, quiet_store
 from ftrun.worker.loader import Loader
 from ftrun.worker.rng import RandomStreams
 from ftrun.worker.sharded import (
-    Placement,
     ReplicaSync,
+    ShardedView,
     Sharding,
     leave_quietly_when_evicted,
 )
@@ -76,7 +76,7 @@ class StepState(enum.Enum):
     COMMITTED = "committed"
 
 
-class FaultTolerant:
+class FaultTolerant(ShardedView):
     def __init__(self, backend: str, seed: int, wenv: WorkerEnv | None) -> None:
         import torch
 
@@ -157,34 +157,6 @@ class FaultTolerant:
     @property
     def world_size(self) -> int:
         return self._group.gen.world_size
-
-    @property
-    def shard_mesh(self) -> Any:
-        """--shard-size: a 1-D DeviceMesh over this rank's replica group, for
-        `fully_shard(module, mesh=ft.shard_mesh)`; ftrun averages across the groups."""
-        return self._sharded().group().mesh
-
-    @property
-    def replica_rank(self) -> int:
-        return self._placement().replica_rank
-
-    @property
-    def num_replicas(self) -> int:
-        return self._placement().num_replicas
-
-    @property
-    def shard_rank(self) -> int:
-        return self._placement().shard_rank
-
-    def _sharded(self) -> Sharding:
-        if self._sharding is None:
-            raise WorkerApiError("ft.shard_mesh needs replica groups",
-                                 hint="launch with ftrun --shard-size N")
-        return self._sharding
-
-    def _placement(self) -> Placement:
-        size = self._sharding.shard_size if self._sharding is not None else 1
-        return Placement(self.rank, self.world_size, size)
 
     @property
     def generation(self) -> int:

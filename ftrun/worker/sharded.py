@@ -276,3 +276,43 @@ class Sharding:
             self._group.check(gen)
         return (replicate_members(gen, rank % self.shard_size, self.shard_size),
                 rank // self.shard_size)
+
+
+class ShardedView:
+    """The worker API's replica-group properties (`ftrun.worker.api.FaultTolerant` has them),
+    read from its live rank and world size."""
+
+    _sharding: Sharding | None
+
+    @property
+    def rank(self) -> int:
+        raise NotImplementedError  # the worker API's live rank
+
+    @property
+    def world_size(self) -> int:
+        raise NotImplementedError
+
+    @property
+    def shard_mesh(self) -> Any:
+        """--shard-size: a 1-D DeviceMesh over this rank's replica group, for
+        `fully_shard(module, mesh=ft.shard_mesh)`; ftrun averages across the groups."""
+        if self._sharding is None:
+            raise WorkerApiError("ft.shard_mesh needs replica groups",
+                                 hint="launch with ftrun --shard-size N")
+        return self._sharding.group().mesh
+
+    @property
+    def replica_rank(self) -> int:
+        return self._placement().replica_rank
+
+    @property
+    def num_replicas(self) -> int:
+        return self._placement().num_replicas
+
+    @property
+    def shard_rank(self) -> int:
+        return self._placement().shard_rank
+
+    def _placement(self) -> Placement:
+        size = self._sharding.shard_size if self._sharding is not None else 1
+        return Placement(self.rank, self.world_size, size)
