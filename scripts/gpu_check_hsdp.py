@@ -1,0 +1,90 @@
+"""The hsdp section of scripts/gpu_check.py: what one GPU can check of ftrun's HSDP path.
+
+Imported, never run: gpu_check.py runs each section in a child process of its own. A shard
+group of 2 needs 2 GPUs (NCCL refuses two ranks on one device), so the fault path (a group
+out, a fresh one healed shard by shard) is tested on CPU only. Here, on cuda:0 (gloo on the CPU
+in the dry run): whether this torch can make the rank identity `--shard-size` needs (torch >=
+2.15's reconfigurable default group; older torch refuses with one line, which is printed), then
+a world of one: a model sharded with FSDP2 per layer over a 1-D mesh, one AdamW step, its
+model and optimizer state packed the way a healing source sends it (DTensor local shards) and
+unpacked into a fresh sharded model and optimizer on the receiver's mesh, bitwise; and the
+replicate-dimension average (`sharded._flatten`/`_scatter_back`) leaving a 1-group gradient
+as it was.
+"""
+
+from __future__ import annotations
+
+import argparse
+import socket
+from datetime import timedelta
+
+from gpu_check_common import check, say
+
+
+def _sharded(device: str, mesh: object, width: int) -> tuple:
+    import torch
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(3)]).to(device)
+    for layer in model:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def sec_hsdp(a: argparse.Namespace) -> None:
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from ftrun.core.errors import WorkerApiError
+    from ftrun.worker import sharded
+    from ftrun.worker.transfer import pack, unpack
+
+    device, backend = ("cpu", "gloo") if a.cpu_dry_run else ("cuda", "nccl")
+    if device == "cuda":
+        torch.cuda.set_device(0)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    store = dist.TCPStore("127.0.0.1", port, 1, True, timeout=timedelta(seconds=30))
+    try:
+        sharded.ensure_rank_identity(store, 0)
+        say("rank identity for --shard-size: made (torch has the reconfigurable default group)")
+        dist.destroy_process_group()
+    except WorkerApiError as exc:
+        say(f"rank identity for --shard-size: refused in one line here: {exc}")
+    dist.init_process_group(backend, store=dist.PrefixStore("plain/", store), rank=0,
+                            world_size=1)
+    mesh = DeviceMesh(device, [0])
+    width = 64 if a.cpu_dry_run else 2048
+    model, opt = _sharded(device, mesh, width)
+    model(torch.randn(8, width, device=device)).pow(2).mean().backward()
+    grads = [p.grad.to_local().clone() for p in model.parameters()]
+    local = [p.grad.to_local() for p in model.parameters()]
+    sharded._scatter_back(local, sharded._flatten(local), 1)
+    check(all(torch.equal(g, p.grad.to_local()) for g, p in zip(grads, model.parameters(),
+                                                                strict=True)),
+          "averaging over one group changed a gradient")
+    opt.step()
+    parts = pack({"model": model, "optimizer": opt}, {})
+    fresh, fresh_opt = _sharded(device, mesh, width)
+    unpack([p.cpu() if p.device.type != "cpu" else p for p in parts],
+           {"model": fresh, "optimizer": fresh_opt}, mesh)
+    same = all(torch.equal(p.to_local().cpu(), q.to_local().cpu())
+               for p, q in zip(model.parameters(), fresh.parameters(), strict=True))
+    check(same, "the healed model's shards differ from the source's")
+    st_a, st_b = opt.state_dict()["state"], fresh_opt.state_dict()["state"]
+    check(all(torch.equal(_local(st_a[i][k]).cpu(), _local(st_b[i][k]).cpu())
+              for i in st_a for k in st_a[i]), "the healed optimizer state differs")
+    kinds = {type(v).__name__ for s in st_b.values() for v in s.values()}
+    say(f"FSDP2 over a 1-D {device} mesh: state packed as DTensor local shards and rebuilt on "
+        f"the receiver's mesh, bitwise ({sum(p.numel() for p in parts[1:]) / 1e6:.1f} M "
+        f"values; optimizer state types {sorted(kinds)})")
+    say("not checked here: a shard group of 2 and the replicate all-reduce need 2 GPUs")
+    dist.destroy_process_group()
+
+
+def _local(t: object) -> object:
+    return t.to_local() if hasattr(t, "to_local") else t  # type: ignore[attr-defined]
