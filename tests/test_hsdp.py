@@ -51,6 +51,29 @@ def _initial_params() -> list[torch.Tensor]:
     return [p.detach().clone() for p in model.parameters()]
 
 
+@pytest.mark.slow
+def test_the_hsdp_api_script_runs_under_torchrun_and_alone(tmp_path: Path) -> None:
+    """FTRUN_SHARD_SIZE outside ftrun: the same replica groups over torch's default group;
+    without it, `python script.py` shards over a world of one."""
+    mine, theirs, alone = (tmp_path / n for n in ("ftrun", "torchrun", "alone"))
+    for d in (mine, theirs, alone):
+        d.mkdir()
+    r = run_ftrun("--nproc", "4", "--shard-size", "2", FT_SCRIPT, "--steps", "6", "--out",
+                  str(mine), timeout=180)
+    assert r.returncode == 0, r.stderr[-3000:]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    t = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4",
+                        FT_SCRIPT, "--steps", "6", "--out", str(theirs)], capture_output=True,
+                       text=True, timeout=180, env={**env, "FTRUN_SHARD_SIZE": "2"})
+    assert t.returncode == 0, t.stderr[-3000:]
+    ours, ref = gathered(mine), gathered(theirs)
+    assert all(torch.equal(ours[r][n], ref[r][n]) for r in range(4) for n in ref[0])
+    one = subprocess.run([sys.executable, FT_SCRIPT, "--steps", "2", "--out", str(alone)],
+                         capture_output=True, text=True, timeout=120, env=env)
+    assert one.returncode == 0, one.stderr[-3000:]
+    assert len(_seen(alone)) == 2
+
+
 def _events(log_dir: Path) -> list[dict]:
     lines = next(log_dir.glob("*/events.jsonl")).read_text().splitlines()
     return [json.loads(line) for line in lines]

@@ -107,30 +107,13 @@ def leave_quietly_when_evicted(interrupt: Interrupt, worker_id: int) -> None:
 
 
 class ShardGroup:
-    """This rank's shard group: its replica group's members as they were published in `gen`
-    (the generation this process entered in), under a store prefix no other group uses."""
+    """A replica group's shard process group and its 1-D mesh; `members` are the global
+    ranks c10d knows the group's ranks by (under ftrun: worker ids)."""
 
-    def __init__(self, store: Store, gen: Generation, worker_id: int, shard_size: int,
-                 backend: str, device: Any) -> None:
-        import torch.distributed as dist
-        import torch.distributed.distributed_c10d as c10d
-        from torch.distributed.device_mesh import DeviceMesh
-
-        ensure_rank_identity(store, worker_id)
-        self.members = group_members(gen, worker_id, shard_size)
-        self.shard_rank = self.members.index(worker_id)
-        first = self.members[0]
-        prefix = dist.PrefixStore(f"{PREFIX}shard/{gen.number}/{first}/", store)  # type: ignore[arg-type]
-        # the private helper, as the probe did (scripts/probe_fsdp_reconfigure.py): the public
-        # new_group must be called by every rank of the default group, which is never whole
-        name: Any = f"ftrun-shard-{gen.number}-{first}"
-        pg: Any = c10d._new_process_group_helper(
-            shard_size, self.shard_rank, list(self.members), backend, prefix, name,
-            timeout=timedelta(seconds=timeouts.COLLECTIVE_S))[0]
-        self.pg = pg
-        c10d._world.pg_group_ranks[self.pg] = {m: i for i, m in enumerate(self.members)}
-        self.mesh = DeviceMesh.from_group(self.pg, device.type)
-        self.device = device
+    def __init__(self, pg: Any, mesh: Any, members: tuple[int, ...], shard_rank: int,
+                 device: Any) -> None:
+        self.pg, self.mesh, self.members = pg, mesh, members
+        self.shard_rank, self.device = shard_rank, device
 
     def check(self, gen: Generation) -> None:
         """The agent keeps a group's ranks consecutive and in order in every generation."""
@@ -153,6 +136,49 @@ class ShardGroup:
                             f"{str(exc).splitlines()[0][:160]}") from None
         failed, switches = votes.tolist()
         return failed == 0, switches > 0
+
+
+def join_shard_group(store: Store, gen: Generation, worker_id: int, shard_size: int,
+                     backend: str, device: Any) -> ShardGroup:
+    """Under ftrun: this rank's replica group's members as they were published in `gen` (the
+    generation this process entered in), under a store prefix no other group uses."""
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+    from torch.distributed.device_mesh import DeviceMesh
+
+    ensure_rank_identity(store, worker_id)
+    members = group_members(gen, worker_id, shard_size)
+    first = members[0]
+    prefix = dist.PrefixStore(f"{PREFIX}shard/{gen.number}/{first}/", store)  # type: ignore[arg-type]
+    # the private helper, as the probe did (scripts/probe_fsdp_reconfigure.py): the public
+    # new_group must be called by every rank of the default group, which is never whole
+    name: Any = f"ftrun-shard-{gen.number}-{first}"
+    pg: Any = c10d._new_process_group_helper(
+        shard_size, members.index(worker_id), list(members), backend, prefix, name,
+        timeout=timedelta(seconds=timeouts.COLLECTIVE_S))[0]
+    c10d._world.pg_group_ranks[pg] = {m: i for i, m in enumerate(members)}
+    return ShardGroup(pg, DeviceMesh.from_group(pg, device.type), members,
+                      members.index(worker_id), device)
+
+
+def plain_shard_groups(shard_size: int, world: int, rank: int, backend: str, device: Any
+                       ) -> tuple[ShardGroup, Any]:
+    """Outside ftrun (torchrun, or python alone: a world of one): a (replicate, shard) mesh
+    over torch's default group; the shard group and the replicate dimension's group."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if world % shard_size:
+        raise WorkerApiError(f"FTRUN_SHARD_SIZE {shard_size} does not divide the world size "
+                             f"{world}", hint="export a divisor of WORLD_SIZE")
+    if not dist.is_initialized():
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    mesh = init_device_mesh(device.type, (world // shard_size, shard_size),
+                            mesh_dim_names=("replicate", "shard"))
+    start = rank - rank % shard_size
+    shard = ShardGroup(mesh["shard"].get_group(), mesh["shard"],
+                       tuple(range(start, start + shard_size)), rank % shard_size, device)
+    return shard, mesh["replicate"].get_group()
 
 
 class ReplicaSync:
@@ -251,23 +277,25 @@ class Sharding:
     group (made on first use, over its group as published in `entered`), and each
     generation's replicate group for it."""
 
-    def __init__(self, shard_size: int, connect: Callable[[], Store], worker_id: int,
-                 backend: str, device: Any) -> None:
+    def __init__(self, shard_size: int, connect: Callable[[], Store] | None = None,
+                 worker_id: int = -1, backend: str = "gloo", device: Any = None,
+                 made: ShardGroup | None = None) -> None:
+        """Under ftrun: made on first use (`connect` to the store); outside it: `made`."""
         self.shard_size = shard_size
         self._connect = connect
         self._worker_id = worker_id
         self._backend = backend
         self._device = device
         self.entered: Generation | None = None  # the first generation with this rank in it
-        self._group: ShardGroup | None = None
+        self._group = made
 
     def group(self) -> ShardGroup:
         if self._group is None:
-            if self.entered is None:
+            if self.entered is None or self._connect is None:
                 raise WorkerApiError("ft.shard_mesh before this rank has a replica group",
                                      hint="a hot spare cannot shard yet; use no --spares")
-            self._group = ShardGroup(self._connect(), self.entered, self._worker_id,
-                                     self.shard_size, self._backend, self._device)
+            self._group = join_shard_group(self._connect(), self.entered, self._worker_id,
+                                           self.shard_size, self._backend, self._device)
         return self._group
 
     def replicate(self, gen: Generation, rank: int) -> tuple[tuple[int, ...], int]:
@@ -296,10 +324,7 @@ class ShardedView:
     def shard_mesh(self) -> Any:
         """--shard-size: a 1-D DeviceMesh over this rank's replica group, for
         `fully_shard(module, mesh=ft.shard_mesh)`; ftrun averages across the groups."""
-        if self._sharding is None:
-            raise WorkerApiError("ft.shard_mesh needs replica groups",
-                                 hint="launch with ftrun --shard-size N")
-        return self._sharding.group().mesh
+        return self._shards().group().mesh
 
     @property
     def replica_rank(self) -> int:
@@ -312,6 +337,9 @@ class ShardedView:
     @property
     def shard_rank(self) -> int:
         return self._placement().shard_rank
+
+    def _shards(self) -> Sharding:
+        raise NotImplementedError  # the worker API's replica groups, made where it can
 
     def _placement(self) -> Placement:
         size = self._sharding.shard_size if self._sharding is not None else 1
