@@ -50,6 +50,8 @@ THREAD_JOIN_S = 5.0  # a helper thread ending once what it blocks on is closed
 REQUEST_CATCH_UP_S = 0.5  # the agent letting queued worker requests in before judging an exit
 WATCH_POLL_S = 3600.0  # watcher threads re-arm their blocking store waits (c10d logs each expiry)
 FAULT_CONFIRM_S = 10.0  # a worker whose collective failed waits this long for a new generation
+EVICTION_WAIT_S = 2.0  # a replica group's rank failing in FSDP's collective: for the generation
+# that leaves it out (the agent publishes it ~0.1 s after the peer's death) before it reports
 
 # GPU health
 GPU_POLL_S = 5.0  # periodic NVML readings

@@ -117,7 +117,8 @@ class FaultTolerant(ShardedView):
         if wenv.shard_size > 1:
             self._sharding = Sharding(wenv.shard_size, lambda: connect(wenv), wenv.worker_id,
                                       backend, self.device)
-            self._sync = ReplicaSync(self._wants_switch, self._sharding.group)
+            self._sync = ReplicaSync(self._wants_switch, self._sharding.group,
+                                     self._bucket_starting, self._in_collective)
         self.worker_id = wenv.worker_id
         quiet_store_warnings()
         errorfile.install()
@@ -260,20 +261,22 @@ class FaultTolerant(ShardedView):
         if self._state is not StepState.RUNNING:
             raise WorkerApiError(f"ft.sync() in a step that is {self._state.value}",
                                  hint="call it once per step, after backward, before commit")
-        switch = False
+        switch = finished = False
         if not self._recovery.broken:
             self._bucket_starting()  # a comm drill fires here if no bucket started it
         if not self._recovery.broken:
             if self._progress is not None:  # collective 1 of this step
                 self._progress.collective_started(time.time())
             try:
+                finished = True  # it votes, whatever it raises
                 switch = self._sync.finish(self._group, self._interrupt)
             except (CommError, Abandoned) as exc:
                 self._broke(str(exc))
         if self._recovery.broken:
+            if not finished:  # broken before: its replica group still counts on one vote
+                self._sync.abstain()
             # an abandoned all-reduce is not cancelled and may still write into its bucket:
             # never let it near a later step's gradients
-            self._sync.abstain()
             self._sync.drop()
             self._state = StepState.FAILED
             return False

@@ -86,12 +86,13 @@ def leave_quietly_when_evicted(interrupt: Interrupt, worker_id: int) -> None:
     """A rank whose group lost a peer fails inside FSDP's own collective, in the script's
     code where ftrun cannot catch it, a moment before the agent stops it. Its traceback would
     repeat the agent's fault line: once a generation that leaves it out is published (within
-    timeouts.FAULT_CONFIRM_S), it leaves with one line instead. Other errors are untouched."""
+    timeouts.EVICTION_WAIT_S), it leaves with one line instead. Any other error, or one raised
+    outside torch.distributed, is reported at once as it is."""
     previous = sys.excepthook
 
     def hook(kind: type[BaseException], value: BaseException, tb: Any) -> None:
-        if isinstance(value, RuntimeError):
-            deadline = time.monotonic() + timeouts.FAULT_CONFIRM_S
+        if isinstance(value, RuntimeError) and _raised_in_collective(tb):
+            deadline = time.monotonic() + timeouts.EVICTION_WAIT_S
             while time.monotonic() < deadline and not interrupt.store_lost:
                 gen = interrupt.newest
                 if gen is not None and gen.rank_of(worker_id) is None:
@@ -104,6 +105,15 @@ def leave_quietly_when_evicted(interrupt: Interrupt, worker_id: int) -> None:
         previous(kind, value, tb)
 
     sys.excepthook = hook
+
+
+def _raised_in_collective(tb: Any) -> bool:
+    """The innermost frame is torch.distributed's (a collective that failed)."""
+    last = None
+    while tb is not None:
+        last, tb = tb, tb.tb_next
+    path = last.tb_frame.f_code.co_filename if last is not None else ""
+    return f"torch{os.sep}distributed{os.sep}" in path
 
 
 class ShardGroup:
@@ -187,10 +197,13 @@ class ReplicaSync:
     shard is averaged over the generation's replicate group, abandonably; then the group
     votes, so that its ranks all apply the step or all repeat it."""
 
-    def __init__(self, want_switch: Callable[[], bool], shard: Callable[[], ShardGroup]
-                 ) -> None:
+    def __init__(self, want_switch: Callable[[], bool], shard: Callable[[], ShardGroup],
+                 first_start: Callable[[], bool] = lambda: True,
+                 before_wait: Callable[[], None] = lambda: None) -> None:
         self.want_switch = want_switch
         self.shard = shard
+        self.first_start = first_start  # False: a stall drill holds this rank's part back
+        self.before_wait = before_wait  # where a stall or wedge drill waits
         self.params: list[Any] = []
         self.enabled = True  # no_sync(): FSDP's own set_requires_gradient_sync decides
 
@@ -226,11 +239,15 @@ class ReplicaSync:
         switch = self.want_switch()
         failure: CommError | Abandoned | None = None
         flats: list[Any] = []
+        held = not self.first_start()
         try:
             if group.size > 1:
                 flats = _flatten(grads)
                 flats[0] = torch.cat([flats[0], torch.tensor(
                     [1.0 if switch else 0.0], dtype=flats[0].dtype, device=flats[0].device)])
+                self.before_wait()
+                if held:  # what a drill of a hung kernel leaves behind
+                    raise CommError("this rank's part of the step was held back")
                 for flat in flats:
                     group.allreduce(flat, interrupt)
                 switch = bool(flats[0][-1].item() > 0)
