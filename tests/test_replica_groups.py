@@ -94,3 +94,23 @@ def test_status_text_names_the_groups() -> None:
     rows = [{"group": 0, "ranks": [0, 1], "workers": [0, 1], "state": "training"},
             {"group": None, "ranks": [], "workers": [4, 5], "state": "starting"}]
     assert replica_groups_text(rows) == "0 training (ranks 0-1); starting: workers 4, 5"
+
+
+def test_the_metrics_count_groups_by_state() -> None:
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from ftrun.adapters import metrics
+
+    doc = {"generation": 2, "world_size": 4, "uptime_s": 1.0, "workers": [], "faults": [],
+           "summary": {}, "replica_groups": [
+               {"group": 0, "ranks": [0, 1], "workers": [0, 1], "state": "training"},
+               {"group": 1, "ranks": [2, 3], "workers": [4, 5], "state": "healing"}]}
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(metrics._Collector(lambda: doc))
+    got = {(s.name, tuple(s.labels.items())): s.value for fam in text_string_to_metric_families(
+        generate_latest(registry).decode()) for s in fam.samples}
+    assert got[("ftrun_replica_groups", (("state", "training"),))] == 1
+    assert got[("ftrun_replica_groups", (("state", "healing"),))] == 1
+    doc["replica_groups"] = None  # a data-parallel job has no such family
+    assert "ftrun_replica_groups" not in generate_latest(registry).decode()

@@ -62,6 +62,21 @@ class _Collector:
         yield from worker_families(doc.get("workers", []))
         yield from fault_families(doc.get("faults", []), doc.get("summary", {}))
         yield from node_families(doc)
+        yield from replica_families(doc.get("replica_groups"))
+
+
+def replica_families(groups: Sequence[Mapping[str, Any]] | None) -> Iterator[Any]:
+    """--shard-size: live replica groups by state (training, or healing: a fresh group that
+    holds no committed state yet). A group out of the job is in neither."""
+    from prometheus_client.core import GaugeMetricFamily
+
+    if not groups:
+        return
+    family = GaugeMetricFamily("ftrun_replica_groups", "replica groups by state",
+                               labels=["state"])
+    for state in ("training", "healing"):
+        family.add_metric([state], float(sum(g["state"] == state for g in groups)))
+    yield family
 
 
 def job_families(doc: Mapping[str, Any]) -> Iterator[Any]:
