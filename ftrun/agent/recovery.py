@@ -271,6 +271,8 @@ class Recovery:
             # spares that take a rank leave the pool for good: the lost node's devices are
             # gone, so there is none to start a new spare on
             self._publish(d.members, d.reason, True, min(last_seen, now), d.joiners)
+            if self.spec.shard_size > 1 and self._out_since is None:  # its groups went too
+                self._out_since = min(last_seen, now)
             return None
         return _stop(d, None)
 
