@@ -6,8 +6,9 @@
   `ft.shard_mesh`), a SIGKILLed rank takes its group out while the other group goes on, a fresh
   group heals shard by shard and rejoins (and again when the first fresh group dies during its
   heal); the groups end bitwise equal and every step's global batch is consumed exactly once;
-- drills on a running sharded job (a communicator failure, a stalled collective, a kill) each
-  recover, and `ftrun status` shows the replica groups."""
+- drills on a running sharded job with a hot spare group (a communicator failure, a stalled
+  collective, a kill that the spare group answers) each recover, and `ftrun status` shows the
+  replica groups."""
 import json
 import os
 import subprocess
@@ -105,6 +106,7 @@ def test_a_lost_rank_takes_its_group_out_and_a_fresh_group_heals_and_rejoins(
     sizes = [e["world_size"] for e in ev if e["event"] == "generation"]
     assert sizes == [2, 4, 2, 4], sizes
     assert "Traceback" not in r.stderr  # the stopped ranks leave with one line
+    assert "replica groups back in service" in r.stderr
     # the live group never waited: it committed steps while the other group was out
     seen = _seen(out)
     assert any(s["world"] == 2 and s["replica"] == 0 for s in seen)
@@ -134,20 +136,25 @@ def _ftrun_out(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 def _groups_at(step: int) -> object:
+    """Both groups training past `step`, and a spare group of 2 ready."""
     r = _ftrun_out("status", "--json")
     if r.returncode:
         return None
     doc = json.loads(r.stdout)
     rows = doc.get("replica_groups") or []
-    live = len(doc["workers"]) == 4 and all((w["step"] or 0) > step for w in doc["workers"])
-    return doc if live and [g["state"] for g in rows] == ["training", "training"] else None
+    members = [w for w in doc["workers"] if w["role"] == "member"]
+    live = len(members) == 4 and all((w["step"] or 0) > step for w in members)
+    spares = [w for w in doc["workers"] if w["role"] == "spare"]
+    ok = live and len(spares) == 2 and [g["state"] for g in rows] == ["training", "training"]
+    return doc if ok else None
 
 
 @pytest.mark.slow
 def test_drills_on_a_sharded_job_recover_and_status_shows_its_groups(
         tmp_path: Path, private_run_dir: Path) -> None:
     job = subprocess.Popen(
-        ftrun_cmd("--nproc", "4", "--shard-size", "2", "--hang-timeout", "2", FT_SCRIPT,
+        ftrun_cmd("--nproc", "4", "--shard-size", "2", "--spares", "1", "--hang-timeout", "2",
+                  FT_SCRIPT,
                   "--steps", "100000", "--step-time", "0.02"),
         env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE, text=True)
@@ -159,16 +166,18 @@ def test_drills_on_a_sharded_job_recover_and_status_shows_its_groups(
             "status").stdout
         # comm: every group rebuilds its replicate groups, none is taken out (a rank whose
         # step failed in the sync must vote once: twice deadlocked the group); stall: the
-        # communicator is rebuilt; kill: the group goes out and a fresh one rejoins
+        # communicator is rebuilt; kill: the group goes out, the spare group takes its ranks
+        # at once (healed in the same recovery) and a new spare group is started
         for kind in ("comm", "stall", "kill"):
             r = _ftrun_out("inject-fault", "--rank", "3", "--kind", kind)
             assert r.returncode == 0 and "yes" in r.stdout, f"{kind}:\n{r.stdout}{r.stderr}"
             step = max(w["step"] or 0 for w in json.loads(
-                _ftrun_out("status", "--json").stdout)["workers"])
+                _ftrun_out("status", "--json").stdout)["workers"] if w["role"] == "member")
             wait_for(lambda s=step: _groups_at(s + 2), 60, f"both groups training after {kind}")
         faults = json.loads(_ftrun_out("status", "--json").stdout)["faults"]
-        assert [f["decision"] for f in faults] == ["rebuild", "rebuild", "shrink"]
+        assert [f["decision"] for f in faults] == ["rebuild", "rebuild", "replace"]
+        assert "spare group" in faults[-1]["reason"]
     finally:
         job.terminate()
         _, err = job.communicate(timeout=60)
-    assert "survived 3/3 faults" in err and "replica groups back in service" in err
+    assert "survived 3/3 faults" in err and "Traceback" not in err

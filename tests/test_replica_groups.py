@@ -29,7 +29,6 @@ def test_shard_size_reaches_the_spec_and_only_the_sharded_workers_environment() 
     (["--nproc", "4", "--shard-size", "3"], "does not divide"),
     (["--nproc", "4", "--shard-size", "0"], ">= 1"),
     (["--nproc", "4", "--shard-size", "x"], "not an integer"),
-    (["--nproc", "4", "--shard-size", "2", "--spares", "1"], "--spares"),
     (["--nproc", "4", "--shard-size", "2", "--snapshot-every", "5"], "sharded state"),
     (["--nproc", "4", "--shard-size", "2", "--on-fault", "restart"], "in-process"),
 ])
@@ -114,3 +113,14 @@ def test_the_metrics_count_groups_by_state() -> None:
     assert got[("ftrun_replica_groups", (("state", "healing"),))] == 1
     doc["replica_groups"] = None  # a data-parallel job has no such family
     assert "ftrun_replica_groups" not in generate_latest(registry).decode()
+
+
+def test_a_ready_spare_group_takes_the_lost_groups_ranks_in_place() -> None:
+    s = Snapshot(members=(0, 1, 2, 3, 4, 5), max_faults=10)
+    d = decide_group_fault(s, 2, "exited with 1", 2, spare_group=(8, 9))
+    assert d.action is FaultAction.REPLACE and d.joiners == (8, 9) and d.evicted == (3,)
+    assert d.members == (0, 1, 8, 9, 4, 5)  # the group's place: consecutive, in its order
+    assert "spare group 8, 9 takes its ranks" in d.reason
+    # crash-looping replacements are not fed spare groups either
+    looped = decide_group_fault(s, 2, "x", 2, crash_loop=3, spare_group=(8, 9))
+    assert looped.action is FaultAction.SHRINK and not looped.regrow

@@ -16,6 +16,7 @@ import time
 from dataclasses import replace
 from typing import Any
 
+from ftrun.agent.group_recovery import GroupRecovery
 from ftrun.agent.ports import AgentPort
 from ftrun.agent.roster import RemoteWorker, Worker
 from ftrun.core import timeouts
@@ -34,7 +35,6 @@ from ftrun.core.policy import (
     decide_rebuild,
     decide_respawn,
 )
-from ftrun.core.replica_groups import decide_group_fault
 from ftrun.protocol.rendezvous import (
     REQUEST_QUEUE,
     CommFailed,
@@ -54,7 +54,7 @@ AnyWorker = Worker | RemoteWorker
 R = WorkerRole
 
 
-class Recovery:
+class Recovery(GroupRecovery):
     def __init__(self, port: AgentPort, store: Any) -> None:
         self.port = port
         self.spec = port.spec
@@ -65,7 +65,7 @@ class Recovery:
         self._reported: set[int] = set()  # generations whose recovery was announced
         self._refills: list[tuple[int, int]] = []  # (node, local rank): spares to start
         self._joiners_to_start: list[tuple[int, int]] = []  # shrink mode: replacements
-        self._out_since: float | None = None  # the fault that took a replica group out
+        self._init_groups()
         # failures in a row before a first commit, per ("rank", r), ("join", node) and
         # ("spare", node): the policy stops replacing at CRASH_LOOP_LIMIT
         self._early_failures: dict[tuple[str, int], int] = {}
@@ -114,7 +114,10 @@ class Recovery:
 
     def _start_spares(self, node: int) -> None:
         for i in range(self.spec.spares):
-            self._spawn(node, self.spec.nproc + i, R.STARTING_SPARE)
+            if self.spec.shard_size > 1:  # --spares counts groups
+                self._start_spare_group(node, i)
+            else:
+                self._spawn(node, self.spec.nproc + i, R.STARTING_SPARE)
 
     # ------------------------------------------------------------ worker exits
     def owns(self, w: AnyWorker) -> bool:
@@ -140,7 +143,9 @@ class Recovery:
             if code != 0:
                 self.faults += 1
                 what = f"spare worker {wid} exited with {describe_exit(code)}"
-                if self._respawn_allowed(("spare", node), what, "spares"):
+                if self.spec.shard_size > 1:
+                    self._on_spare_group_exit(wid, what)
+                elif self._respawn_allowed(("spare", node), what, "spares"):
                     self._spawn(node, w.local_rank, R.STARTING_SPARE)
             return None
         if wid not in self.membership.members:
@@ -170,14 +175,17 @@ class Recovery:
         self._early_failures[rank_key] = loop
         snap = replace(snap, spares=_near(snap.spares, node),
                        starting_spares=_near(snap.starting_spares, node))
+        fault_at = w.exit.wall_time
         if self.spec.shard_size > 1:
-            d = decide_group_fault(snap, w.worker_id, why, self.spec.shard_size, loop)
+            d = self._decide_group_fault(snap, w.worker_id, why, loop)
         else:
             d = decide_fault(snap, w.worker_id, why, new_id, crash_loop=loop)
         self._emit_fault({"worker": w.worker_id, "rank": live.index(w.worker_id), "why": why,
                           "decision": d.action.value, "reason": d.reason,
                           "detected_at": w.exit.wall_time})
-        fault_at = w.exit.wall_time
+        if self.spec.shard_size > 1 and d.action in (FaultAction.REPLACE, FaultAction.SHRINK):
+            self._act_on_group_fault(d, w.worker_id, fault_at)
+            return None
         if d.action is FaultAction.REPLACE:
             # published first: the survivors re-form while the replacement starts
             self._publish(d.members, d.reason, True, fault_at, d.joiners)
@@ -188,22 +196,11 @@ class Recovery:
             return None
         if d.action is FaultAction.SHRINK:
             self._publish(d.members, d.reason, True, fault_at)
-            if d.evicted and self._out_since is None:
-                self._out_since = fault_at
-            if d.regrow:  # after the first commit; a replica group comes back whole
-                self._joiners_to_start.append((node, w.local_rank))
-                self._joiners_to_start += [self._place_of(m) for m in d.evicted]
-            for m in d.evicted:  # its group cannot step without it: stop them now
-                self.port.kill_worker(m)
+            if d.regrow:
+                self._joiners_to_start.append((node, w.local_rank))  # after the first commit
             return None
         return _stop(d, w.rank)
 
-    def _place_of(self, worker_id: int) -> tuple[int, int]:
-        """(node, local rank) of a worker this job started."""
-        for w in self.port.all_workers():
-            if w.worker_id == worker_id:
-                return node_of(worker_id), w.local_rank
-        raise KeyError(worker_id)
 
     def _emit_fault(self, fields: dict[str, Any]) -> None:
         """A fault event, with the highest step any member had committed before it: the
@@ -344,18 +341,6 @@ class Recovery:
         self._publish(d.members, d.reason, True, time.time())
         return None
 
-    def _back_in_service(self, req: Recovered) -> None:
-        """Replica groups out since a fault are all back: the job's first commit at full
-        strength, timed from that fault."""
-        full = len(self.membership.live()) >= self.spec.nproc * self.spec.nnodes_min
-        if self._out_since is None or not full or req.fault_at:
-            return
-        ms = (req.first_commit - self._out_since) * 1000
-        self.port.emit(Event.NOTICE, {"text": f"replica groups back in service: generation "
-                                              f"{req.generation} committed step {req.step} at "
-                                              f"full size, {ms:.0f} ms after the fault"})
-        self._out_since = None
-
     def _committed_first(self, wid: int) -> None:
         """A joiner holds committed state now: the crash-loop counts behind it start over. (A
         joiner whose clean exit was handled first keeps them: the job is ending anyway.)"""
@@ -374,6 +359,7 @@ class Recovery:
         while self._refills:
             node, local_rank = self._refills.pop(0)
             self._spawn(node, local_rank, R.STARTING_SPARE)
+        self._refill_groups()
         while self._joiners_to_start:
             node, local_rank = self._joiners_to_start.pop(0)
             self._spawn(node, local_rank, R.JOINING)

@@ -113,7 +113,8 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
         help="scripts using the ftrun API: replace the lost rank (world size held), shrink "
         "and grow back, or restart every worker as torchrun does (default replace)")
     opt("min-nproc", default="1", help="shrink: the fewest workers to go on with")
-    opt("spares", default="0", help="hot spare workers, started and waiting")
+    opt("spares", default="0", help="hot spare workers, started and waiting (with "
+        "--shard-size: spare replica groups)")
     opt("shard-size", default="1", help="ranks per replica group: the script shards its model "
         "inside a group (FSDP2 over ft.shard_mesh), ftrun averages across groups and drops a "
         "broken group until it heals (HSDP; default 1: plain data parallel)")

@@ -2,7 +2,8 @@
 
 Owns: turning --shard-size into the `RunSpec` field, with a one-line error for each value or
 combination ftrun cannot run (replica groups must tile every node's workers; what does not
-work with sharded state yet is refused rather than half-run).
+work with sharded state yet is refused rather than half-run). With it, --spares counts hot
+spare groups of SIZE workers.
 Must not import: torch, typer, rich, the agent.
 """
 
@@ -27,10 +28,6 @@ def shard_fields(ns: argparse.Namespace, nproc: int, snapshots: bool) -> dict[st
         raise UsageError("--shard-size needs in-process recovery, not --on-fault restart",
                          hint="drop --on-fault restart (a broken replica group is dropped, "
                               "then rejoins)")
-    if int(str(ns.spares or 0)) > 0:
-        raise UsageError("--spares is not supported with --shard-size yet",
-                         hint="drop --spares: a broken replica group is forked afresh from "
-                              "the zygote and heals from a live group")
     if snapshots:
         raise UsageError("snapshots of sharded state are not supported yet",
                          hint="drop --snapshot-every/--snapshot-interval/--resume with "

@@ -42,10 +42,13 @@ def _plural(n: int, word: str) -> str:
 
 
 def decide_group_fault(s: Snapshot, lost: int, why: str, shard_size: int,
-                       crash_loop: int = 0) -> FaultDecision:
+                       crash_loop: int = 0, spare_group: tuple[int, ...] = ()
+                       ) -> FaultDecision:
     """A member of the current generation is gone; `s.members` are in rank order, so its
     group is the block of `shard_size` ranks around it. `crash_loop`: fresh groups in a row
-    for this rank that failed before their first commit (this one included)."""
+    for this rank that failed before their first commit (this one included). `spare_group`:
+    a ready hot spare group (its shard group formed, its model sharded), which takes the lost
+    group's ranks at once."""
     rank = s.members.index(lost)
     index = rank // shard_size
     group = replica_groups(s.members, shard_size)[index]
@@ -57,17 +60,26 @@ def decide_group_fault(s: Snapshot, lost: int, why: str, shard_size: int,
                if len(g) == shard_size and not set(g) & s.unhealed]
     if not healthy:
         return _total_loss(f"{head}; no other replica group holds the model", s)
-    if len(survivors) < s.min_nproc:
-        return _give_up(f"{head}; {len(survivors)} left is below --min-nproc {s.min_nproc}", s)
     evicted = tuple(m for m in group if m != lost)
     regrow = crash_loop < CRASH_LOOP_LIMIT
+    stopped = f"{_plural(len(evicted), 'other rank')} stopped"
+    if spare_group and regrow:
+        at = index * shard_size
+        return FaultDecision(
+            FaultAction.REPLACE, f"{head}; replica group {index} out ({stopped}), spare group "
+            f"{', '.join(map(str, spare_group))} takes its ranks",
+            survivors[:at] + spare_group + survivors[at:], spare_group, spare_group[0],
+            evicted=evicted)
+    if len(survivors) < s.min_nproc:
+        return _give_up(f"{head}; {len(survivors)} left is below --min-nproc {s.min_nproc}", s)
+    groups = _plural(len(survivors) // shard_size, "group")
     then = ("a fresh group heals from a live one and rejoins" if regrow else
             f"the {crash_loop}th fresh group in a row failed before its first commit (a "
             f"crash loop): no more for it")
     return FaultDecision(
         FaultAction.SHRINK,
-        f"{head}; replica group {index} out ({_plural(len(evicted), 'other rank')} stopped), "
-        f"continuing with {_plural(len(survivors) // shard_size, 'group')} of {shard_size}; "
+        f"{head}; replica group {index} out ({stopped}), continuing with {groups} of "
+        f"{shard_size}; "
         f"{then}", survivors, regrow=regrow, evicted=evicted)
 
 

@@ -32,6 +32,12 @@ def gen_key(number: int) -> str:
     return f"{PREFIX}gen/{number}"
 
 
+def spare_group_key(worker_id: int) -> str:
+    """A hot spare of a replica group (--shard-size): its group's worker ids, comma-separated,
+    set by the agent before the spare starts."""
+    return f"{PREFIX}spare-group/{worker_id}"
+
+
 class Store(Protocol):
     def set(self, key: str, value: str | bytes) -> None: ...
     def get(self, key: str) -> bytes: ...

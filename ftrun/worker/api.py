@@ -116,7 +116,7 @@ class FaultTolerant(ShardedView):
             return
         if wenv.shard_size > 1:
             self._sharding = Sharding(wenv.shard_size, lambda: connect(wenv), wenv.worker_id,
-                                      backend, self.device)
+                                      backend, self.device, spare=wenv.spare)
             self._sync = ReplicaSync(self._wants_switch, self._sharding.group,
                                      self._bucket_starting, self._in_collective)
         self.worker_id = wenv.worker_id

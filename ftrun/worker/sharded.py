@@ -26,7 +26,7 @@ from typing import Any
 
 from ftrun.core import timeouts
 from ftrun.core.errors import WorkerApiError
-from ftrun.protocol.rendezvous import PREFIX, Generation, Store
+from ftrun.protocol.rendezvous import PREFIX, Generation, Store, spare_group_key
 from ftrun.worker.comm import Abandoned, CommError, Group, Interrupt
 
 
@@ -296,9 +296,11 @@ class Sharding:
 
     def __init__(self, shard_size: int, connect: Callable[[], Store] | None = None,
                  worker_id: int = -1, backend: str = "gloo", device: Any = None,
-                 made: ShardGroup | None = None) -> None:
-        """Under ftrun: made on first use (`connect` to the store); outside it: `made`."""
+                 made: ShardGroup | None = None, spare: bool = False) -> None:
+        """Under ftrun: made on first use (`connect` to the store); outside it: `made`. A hot
+        spare's group is the spare group the agent named in the store."""
         self.shard_size = shard_size
+        self._spare = spare
         self._connect = connect
         self._worker_id = worker_id
         self._backend = backend
@@ -308,6 +310,8 @@ class Sharding:
 
     def group(self) -> ShardGroup:
         if self._group is None:
+            if self.entered is None and self._spare and self._connect is not None:
+                self.entered = _spare_group(self._connect(), self._worker_id)
             if self.entered is None or self._connect is None:
                 raise WorkerApiError("ft.shard_mesh before this rank has a replica group",
                                      hint="a hot spare cannot shard yet; use no --spares")
@@ -321,6 +325,15 @@ class Sharding:
             self._group.check(gen)
         return (replicate_members(gen, rank % self.shard_size, self.shard_size),
                 rank // self.shard_size)
+
+
+def _spare_group(store: Store, worker_id: int) -> Generation:
+    """A hot spare's group, as a placeholder generation numbered -1 (its shard group's store
+    prefix then names the spare group's first worker, which no other group has)."""
+    key = spare_group_key(worker_id)
+    store.wait([key], timedelta(seconds=timeouts.GENERATION_WAIT_S))
+    members = tuple(int(w) for w in store.get(key).decode().split(","))
+    return Generation(-1, members, reason="spare group")
 
 
 class ShardedView:

@@ -1,0 +1,136 @@
+"""The agent's side of replica groups (--shard-size): a fault that takes a whole group out,
+hot spare groups, and the groups' return.
+
+Owns: what `Recovery` does when `policy`/`replica_groups` decide on a member of a sharded job
+(publish, stop the rest of the lost group, call in a ready spare group or start a fresh group
+after the next commit), starting spare groups (S workers whose shard group is named in the
+store under `SPARE_GROUP_KEY` before they need it, so they shard their model while they wait)
+and replacing one whose member died, and the back-in-service notice. A mixin of
+`agent.recovery.Recovery`: it uses that class's membership, port, store and publishing.
+Must not import: typer, rich, the CLI, the worker library, the agent's node.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ftrun.agent.ports import AgentPort
+from ftrun.core.events import Event
+from ftrun.core.membership import Membership, WorkerRole
+from ftrun.core.policy import FaultAction, FaultDecision, Snapshot
+from ftrun.core.replica_groups import decide_group_fault
+from ftrun.core.spec import RunSpec
+from ftrun.protocol.rendezvous import Recovered, node_of, spare_group_key
+
+R = WorkerRole
+
+
+class GroupRecovery:
+    """Replica-group behaviour for `Recovery` (used when spec.shard_size > 1)."""
+
+    spec: RunSpec
+    port: AgentPort
+    store: Any
+    membership: Membership
+    _joiners_to_start: list[tuple[int, int]]
+
+    def _publish(self, members: tuple[int, ...], reason: str, urgent: bool,
+                 fault_at: float = 0.0, joiners: tuple[int, ...] = ()) -> None:
+        raise NotImplementedError  # Recovery's
+
+    def _respawn_allowed(self, key: tuple[str, int], what: str, kind: str) -> bool:
+        raise NotImplementedError  # Recovery's
+
+    def _init_groups(self) -> None:
+        self._out_since: float | None = None  # the fault that took a replica group out
+        self._spare_groups: list[tuple[int, ...]] = []  # started, oldest first
+        self._group_refills: list[int] = []  # nodes owed a spare group after a recovery
+
+    # ------------------------------------------------------------ a member lost
+    def _decide_group_fault(self, snap: Snapshot, lost: int, why: str, loop: int
+                            ) -> FaultDecision:
+        return decide_group_fault(snap, lost, why, self.spec.shard_size, loop,
+                                  self._ready_spare_group(node_of(lost)))
+
+    def _act_on_group_fault(self, d: FaultDecision, lost: int, fault_at: float) -> None:
+        node = node_of(lost)
+        if d.action is FaultAction.REPLACE:
+            self._publish(d.members, d.reason, True, fault_at, d.joiners)
+            self._spare_groups.remove(d.joiners)
+            self._group_refills.append(node)
+        elif d.action is FaultAction.SHRINK:
+            self._publish(d.members, d.reason, True, fault_at)
+            if self._out_since is None:
+                self._out_since = fault_at
+            if d.regrow:  # after the first commit; a replica group comes back whole
+                self._joiners_to_start += [self._place_of(m) for m in (lost, *d.evicted)]
+        if d.action in (FaultAction.REPLACE, FaultAction.SHRINK):
+            for m in d.evicted:  # its group cannot step without it: stop them now
+                self.port.kill_worker(m)
+
+    def _ready_spare_group(self, node: int) -> tuple[int, ...]:
+        """The oldest spare group whose every member is ready, on `node` first."""
+        ready = [g for g in self._spare_groups
+                 if all(self.membership.role(w) is R.SPARE for w in g)]
+        ready.sort(key=lambda g: node_of(g[0]) != node)
+        return ready[0] if ready else ()
+
+    def _place_of(self, worker_id: int) -> tuple[int, int]:
+        """(node, local rank) of a worker this job started."""
+        for w in self.port.all_workers():
+            if w.worker_id == worker_id:
+                return node_of(worker_id), w.local_rank
+        raise KeyError(worker_id)
+
+    # ------------------------------------------------------------ spare groups
+    def _start_spare_group(self, node: int, index: int) -> None:
+        """`shard_size` spares whose group is written to the store before any of them
+        reads it (their devices follow the node's workers: nproc + index * size + k)."""
+        size = self.spec.shard_size
+        ids = [self.port.allocate_id(node) for _ in range(size)]
+        for wid in ids:
+            self.store.set(spare_group_key(wid), ",".join(map(str, ids)))
+        for k, wid in enumerate(ids):
+            self.port.place(wid, rank=-1, local_rank=self.spec.nproc + index * size + k,
+                            spare=True)
+            self.membership.move(wid, R.STARTING_SPARE)
+        self._spare_groups.append(tuple(ids))
+
+    def _on_spare_group_exit(self, wid: int, what: str) -> None:
+        """A spare of a group ended: the group is no use without it. Its other members are
+        stopped and, unless spares keep dying (a crash loop), a new group is started."""
+        group = next((g for g in self._spare_groups if wid in g), ())
+        if not group:
+            return
+        self._spare_groups.remove(group)
+        others = [m for m in group if m != wid]
+        self.membership.leave(others)
+        for m in others:
+            self.port.kill_worker(m)
+        node = node_of(wid)
+        if self._respawn_allowed(("spare", node), what, "spare groups"):
+            self._start_spare_group(node, self._free_spare_index(node))
+
+    def _free_spare_index(self, node: int) -> int:
+        taken = {(self._place_of(g[0])[1] - self.spec.nproc) // self.spec.shard_size
+                 for g in self._spare_groups if node_of(g[0]) == node}
+        return min(i for i in range(len(taken) + 1) if i not in taken)
+
+    def _refill_groups(self) -> None:
+        while self._group_refills:
+            node = self._group_refills.pop(0)
+            if node in self.port.live_nodes():
+                self._start_spare_group(node, self._free_spare_index(node))
+
+    # ------------------------------------------------------------ the groups' return
+    def _back_in_service(self, req: Recovered) -> None:
+        """Replica groups out since a fault are all back: the job's first commit at full
+        strength, timed from that fault."""
+        full = len(self.membership.live()) >= self.spec.nproc * self.spec.nnodes_min
+        if self._out_since is None or not full or req.fault_at:
+            return
+        ms = (req.first_commit - self._out_since) * 1000
+        self.port.emit(Event.NOTICE, {"text": f"replica groups back in service: generation "
+                                              f"{req.generation} committed step {req.step} at "
+                                              f"full size, {ms:.0f} ms after the fault"})
+        self._out_since = None
