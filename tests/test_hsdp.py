@@ -7,7 +7,7 @@
   group heals shard by shard and rejoins (and again when the first fresh group dies during its
   heal); the groups end bitwise equal and every step's global batch is consumed exactly once;
 - drills on a running sharded job with a hot spare group (a communicator failure, a stalled
-  collective, a kill that the spare group answers) each recover, and `ftrun status` shows the
+  collective, a kill after which the spare group enters) each recover, and `ftrun status` shows the
   replica groups."""
 import json
 import os
@@ -166,8 +166,8 @@ def test_drills_on_a_sharded_job_recover_and_status_shows_its_groups(
             "status").stdout
         # comm: every group rebuilds its replicate groups, none is taken out (a rank whose
         # step failed in the sync must vote once: twice deadlocked the group); stall: the
-        # communicator is rebuilt; kill: the group goes out, the spare group takes its ranks
-        # at once (healed in the same recovery) and a new spare group is started
+        # communicator is rebuilt; kill: the group goes out, the other goes on, the spare group
+        # enters at the next step boundary (healed there) and a new spare group is started
         for kind in ("comm", "stall", "kill"):
             r = _ftrun_out("inject-fault", "--rank", "3", "--kind", kind)
             assert r.returncode == 0 and "yes" in r.stdout, f"{kind}:\n{r.stdout}{r.stderr}"
@@ -175,9 +175,10 @@ def test_drills_on_a_sharded_job_recover_and_status_shows_its_groups(
                 _ftrun_out("status", "--json").stdout)["workers"] if w["role"] == "member")
             wait_for(lambda s=step: _groups_at(s + 2), 60, f"both groups training after {kind}")
         faults = json.loads(_ftrun_out("status", "--json").stdout)["faults"]
-        assert [f["decision"] for f in faults] == ["rebuild", "rebuild", "replace"]
+        assert [f["decision"] for f in faults] == ["rebuild", "rebuild", "shrink"]
         assert "spare group" in faults[-1]["reason"]
     finally:
         job.terminate()
         _, err = job.communicate(timeout=60)
     assert "survived 3/3 faults" in err and "Traceback" not in err
+    assert "replica groups back in service" in err

@@ -115,12 +115,13 @@ def test_the_metrics_count_groups_by_state() -> None:
     assert "ftrun_replica_groups" not in generate_latest(registry).decode()
 
 
-def test_a_ready_spare_group_takes_the_lost_groups_ranks_in_place() -> None:
+def test_a_ready_spare_group_enters_after_the_others_go_on() -> None:
     s = Snapshot(members=(0, 1, 2, 3, 4, 5), max_faults=10)
     d = decide_group_fault(s, 2, "exited with 1", 2, spare_group=(8, 9))
-    assert d.action is FaultAction.REPLACE and d.joiners == (8, 9) and d.evicted == (3,)
-    assert d.members == (0, 1, 8, 9, 4, 5)  # the group's place: consecutive, in its order
-    assert "spare group 8, 9 takes its ranks" in d.reason
+    assert d.action is FaultAction.SHRINK and d.members == (0, 1, 4, 5)
+    assert d.spare_used == 8 and not d.regrow and d.evicted == (3,)
+    assert "spare group 8, 9 joins at the next step boundary" in d.reason
     # crash-looping replacements are not fed spare groups either
     looped = decide_group_fault(s, 2, "x", 2, crash_loop=3, spare_group=(8, 9))
-    assert looped.action is FaultAction.SHRINK and not looped.regrow
+    assert looped.action is FaultAction.SHRINK and looped.spare_used is None
+    assert not looped.regrow

@@ -1,12 +1,13 @@
 """The agent's side of replica groups (--shard-size): a fault that takes a whole group out,
 hot spare groups, and the groups' return.
 
-Owns: what `Recovery` does when `policy`/`replica_groups` decide on a member of a sharded job
-(publish, stop the rest of the lost group, call in a ready spare group or start a fresh group
-after the next commit), starting spare groups (S workers whose shard group is named in the
-store under `SPARE_GROUP_KEY` before they need it, so they shard their model while they wait)
-and replacing one whose member died, and the back-in-service notice. A mixin of
-`agent.recovery.Recovery`: it uses that class's membership, port, store and publishing.
+Owns: what `Recovery` does when `replica_groups` decides on a member of a sharded job
+(publish without the lost group, stop the rest of it, and after the others' first commit call
+a ready spare group in or start a fresh group), starting spare groups (S workers whose group
+is named in the store, under `spare_group_key`, before they need it, so they shard their
+model while they wait) and replacing one whose member died, and the back-in-service notice.
+A mixin of `agent.recovery.Recovery`: it uses that class's membership, port, store and
+publishing.
 Must not import: typer, rich, the CLI, the worker library, the agent's node.
 """
 
@@ -17,7 +18,7 @@ from typing import Any
 from ftrun.agent.ports import AgentPort
 from ftrun.core.events import Event
 from ftrun.core.membership import Membership, WorkerRole
-from ftrun.core.policy import FaultAction, FaultDecision, Snapshot
+from ftrun.core.policy import FaultDecision, Snapshot
 from ftrun.core.replica_groups import decide_group_fault
 from ftrun.core.spec import RunSpec
 from ftrun.protocol.rendezvous import Recovered, node_of, spare_group_key
@@ -41,10 +42,14 @@ class GroupRecovery:
     def _respawn_allowed(self, key: tuple[str, int], what: str, kind: str) -> bool:
         raise NotImplementedError  # Recovery's
 
+    def _grow(self, wids: tuple[int, ...]) -> None:
+        raise NotImplementedError  # Recovery's
+
     def _init_groups(self) -> None:
         self._out_since: float | None = None  # the fault that took a replica group out
         self._spare_groups: list[tuple[int, ...]] = []  # started, oldest first
         self._group_refills: list[int] = []  # nodes owed a spare group after a recovery
+        self._calling_in: list[tuple[int, ...]] = []  # spare groups to enter after a commit
 
     # ------------------------------------------------------------ a member lost
     def _decide_group_fault(self, snap: Snapshot, lost: int, why: str, loop: int
@@ -53,20 +58,29 @@ class GroupRecovery:
                                   self._ready_spare_group(node_of(lost)))
 
     def _act_on_group_fault(self, d: FaultDecision, lost: int, fault_at: float) -> None:
-        node = node_of(lost)
-        if d.action is FaultAction.REPLACE:
-            self._publish(d.members, d.reason, True, fault_at, d.joiners)
-            self._spare_groups.remove(d.joiners)
-            self._group_refills.append(node)
-        elif d.action is FaultAction.SHRINK:
-            self._publish(d.members, d.reason, True, fault_at)
-            if self._out_since is None:
-                self._out_since = fault_at
-            if d.regrow:  # after the first commit; a replica group comes back whole
-                self._joiners_to_start += [self._place_of(m) for m in (lost, *d.evicted)]
-        if d.action in (FaultAction.REPLACE, FaultAction.SHRINK):
-            for m in d.evicted:  # its group cannot step without it: stop them now
-                self.port.kill_worker(m)
+        """SHRINK: publish without the lost group, stop its other ranks; after the others'
+        first commit, call a spare group in or start a fresh one (`_after_first_commit`)."""
+        self._publish(d.members, d.reason, True, fault_at)
+        if self._out_since is None:
+            self._out_since = fault_at
+        group = next((g for g in self._spare_groups if g[0] == d.spare_used), ())
+        if group:
+            self._spare_groups.remove(group)
+            self._calling_in.append(group)
+            self._group_refills.append(node_of(lost))
+        elif d.regrow:  # a replica group comes back whole
+            self._joiners_to_start += [self._place_of(m) for m in (lost, *d.evicted)]
+        for m in d.evicted:  # its group cannot step without it: stop them now
+            self.port.kill_worker(m)
+
+    def _after_first_commit(self) -> None:
+        """The groups left went on: spare groups called in now enter at a step boundary
+        (those that died meanwhile are dropped), new spare groups start."""
+        while self._calling_in:
+            group = self._calling_in.pop(0)
+            if all(self.membership.role(w) is R.SPARE for w in group):
+                self._grow(group)
+        self._refill_groups()
 
     def _ready_spare_group(self, node: int) -> tuple[int, ...]:
         """The oldest spare group whose every member is ready, on `node` first."""

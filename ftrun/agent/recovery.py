@@ -183,7 +183,7 @@ class Recovery(GroupRecovery):
         self._emit_fault({"worker": w.worker_id, "rank": live.index(w.worker_id), "why": why,
                           "decision": d.action.value, "reason": d.reason,
                           "detected_at": w.exit.wall_time})
-        if self.spec.shard_size > 1 and d.action in (FaultAction.REPLACE, FaultAction.SHRINK):
+        if self.spec.shard_size > 1 and d.action is FaultAction.SHRINK:
             self._act_on_group_fault(d, w.worker_id, fault_at)
             return None
         if d.action is FaultAction.REPLACE:
@@ -359,7 +359,7 @@ class Recovery(GroupRecovery):
         while self._refills:
             node, local_rank = self._refills.pop(0)
             self._spawn(node, local_rank, R.STARTING_SPARE)
-        self._refill_groups()
+        self._after_first_commit()
         while self._joiners_to_start:
             node, local_rank = self._joiners_to_start.pop(0)
             self._spawn(node, local_rank, R.JOINING)

@@ -47,8 +47,9 @@ def decide_group_fault(s: Snapshot, lost: int, why: str, shard_size: int,
     """A member of the current generation is gone; `s.members` are in rank order, so its
     group is the block of `shard_size` ranks around it. `crash_loop`: fresh groups in a row
     for this rank that failed before their first commit (this one included). `spare_group`:
-    a ready hot spare group (its shard group formed, its model sharded), which takes the lost
-    group's ranks at once."""
+    a ready hot spare group (its shard group formed, its model sharded): the other groups
+    still go on at once, and the spare group enters at the next step boundary after their
+    first commit (`spare_used` names its first worker)."""
     rank = s.members.index(lost)
     index = rank // shard_size
     group = replica_groups(s.members, shard_size)[index]
@@ -63,24 +64,22 @@ def decide_group_fault(s: Snapshot, lost: int, why: str, shard_size: int,
     evicted = tuple(m for m in group if m != lost)
     regrow = crash_loop < CRASH_LOOP_LIMIT
     stopped = f"{_plural(len(evicted), 'other rank')} stopped"
-    if spare_group and regrow:
-        at = index * shard_size
-        return FaultDecision(
-            FaultAction.REPLACE, f"{head}; replica group {index} out ({stopped}), spare group "
-            f"{', '.join(map(str, spare_group))} takes its ranks",
-            survivors[:at] + spare_group + survivors[at:], spare_group, spare_group[0],
-            evicted=evicted)
-    if len(survivors) < s.min_nproc:
+    if len(survivors) < s.min_nproc and not (spare_group and regrow):
         return _give_up(f"{head}; {len(survivors)} left is below --min-nproc {s.min_nproc}", s)
     groups = _plural(len(survivors) // shard_size, "group")
+    if spare_group and regrow:  # the others go on at once; the spare group enters next
+        return FaultDecision(
+            FaultAction.SHRINK, f"{head}; replica group {index} out ({stopped}), continuing "
+            f"with {groups} of {shard_size}; spare group {', '.join(map(str, spare_group))} "
+            f"joins at the next step boundary", survivors, spare_used=spare_group[0],
+            regrow=False, evicted=evicted)
     then = ("a fresh group heals from a live one and rejoins" if regrow else
             f"the {crash_loop}th fresh group in a row failed before its first commit (a "
             f"crash loop): no more for it")
     return FaultDecision(
         FaultAction.SHRINK,
         f"{head}; replica group {index} out ({stopped}), continuing with {groups} of "
-        f"{shard_size}; "
-        f"{then}", survivors, regrow=regrow, evicted=evicted)
+        f"{shard_size}; {then}", survivors, regrow=regrow, evicted=evicted)
 
 
 def group_rows(ms: Membership, shard_size: int) -> list[dict[str, Any]]:
