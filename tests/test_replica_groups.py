@@ -125,3 +125,22 @@ def test_a_ready_spare_group_enters_after_the_others_go_on() -> None:
     looped = decide_group_fault(s, 2, "x", 2, crash_loop=3, spare_group=(8, 9))
     assert looped.action is FaultAction.SHRINK and looped.spare_used is None
     assert not looped.regrow
+
+
+def test_only_errors_that_came_up_through_torch_distributed_wait_for_eviction() -> None:
+    import os
+    import sys
+
+    from ftrun.worker.sharded import _raised_in_collective
+
+    def traceback_of(code: str, filename: str) -> object:
+        try:
+            exec(compile(code, filename, "exec"), {})
+        except RuntimeError:
+            return sys.exc_info()[2]
+        raise AssertionError("no error")
+
+    torch_file = os.path.join("site-packages", "torch", "distributed", "tensor", "_ops.py")
+    assert _raised_in_collective(traceback_of("raise RuntimeError('reset by peer')",
+                                              torch_file))
+    assert not _raised_in_collective(traceback_of("raise RuntimeError('a bug')", "train.py"))

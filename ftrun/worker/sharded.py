@@ -108,12 +108,14 @@ def leave_quietly_when_evicted(interrupt: Interrupt, worker_id: int) -> None:
 
 
 def _raised_in_collective(tb: Any) -> bool:
-    """The innermost frame is torch.distributed's (a collective that failed)."""
-    last = None
+    """The error came up through torch.distributed (FSDP's hooks, DTensor's ops, c10d): a
+    collective of the group failed. A user's own error in a module's forward does not: FSDP
+    runs around the module, not under it."""
     while tb is not None:
-        last, tb = tb, tb.tb_next
-    path = last.tb_frame.f_code.co_filename if last is not None else ""
-    return f"torch{os.sep}distributed{os.sep}" in path
+        if f"torch{os.sep}distributed{os.sep}" in tb.tb_frame.f_code.co_filename:
+            return True
+        tb = tb.tb_next
+    return False
 
 
 class ShardGroup:
