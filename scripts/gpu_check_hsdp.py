@@ -8,7 +8,7 @@ in the dry run): whether this torch can make the rank identity `--shard-size` ne
 a world of one: a model sharded with FSDP2 per layer over a 1-D mesh, one AdamW step, its
 model and optimizer state packed the way a healing source sends it (DTensor local shards) and
 unpacked into a fresh sharded model and optimizer on the receiver's mesh, bitwise; and the
-replicate-dimension average (`sharded._flatten`/`_scatter_back`) leaving a 1-group gradient
+replicate-dimension average (`replica_sync._flatten`/`_scatter_back`) leaving a 1-group gradient
 as it was.
 """
 
@@ -39,7 +39,7 @@ def sec_hsdp(a: argparse.Namespace) -> None:
     from torch.distributed.device_mesh import DeviceMesh
 
     from ftrun.core.errors import WorkerApiError
-    from ftrun.worker import sharded
+    from ftrun.worker import replica_sync, sharded
     from ftrun.worker.transfer import pack, unpack
 
     device, backend = ("cpu", "gloo") if a.cpu_dry_run else ("cuda", "nccl")
@@ -63,7 +63,7 @@ def sec_hsdp(a: argparse.Namespace) -> None:
     model(torch.randn(8, width, device=device)).pow(2).mean().backward()
     grads = [p.grad.to_local().clone() for p in model.parameters()]
     local = [p.grad.to_local() for p in model.parameters()]
-    sharded._scatter_back(local, sharded._flatten(local), 1)
+    replica_sync._scatter_back(local, replica_sync._flatten(local), 1)
     check(all(torch.equal(g, p.grad.to_local()) for g, p in zip(grads, model.parameters(),
                                                                 strict=True)),
           "averaging over one group changed a gradient")

@@ -44,13 +44,12 @@ from ftrun.worker.comm import Abandoned, CommError, GenerationWatcher, Group, In
 from ftrun.worker.drills import Drills
 from ftrun.worker.joining import connect, native_group, plain_group, quiet_store_warnings, warm_up
 from ftrun.worker.loader import Loader
+from ftrun.worker.replica_sync import ReplicaSync
 from ftrun.worker.rng import RandomStreams
 from ftrun.worker.sharded import (
-    ReplicaSync,
     ShardedView,
     Sharding,
     leave_quietly_when_evicted,
-    plain_shard_groups,
 )
 from ftrun.worker.snapshots import Snapshots
 from ftrun.worker.waits import await_assignment, await_newer, first_generation, watch_as_spare
@@ -166,27 +165,6 @@ class FaultTolerant(ShardedView):
     def generation(self) -> int:
         return self._group.gen.number
 
-    def _shards(self) -> Sharding:
-        if self._sharding is None and not self._managed:  # plain FSDP over every rank
-            self._shard_plainly(self.world_size)
-        if self._sharding is None:
-            raise WorkerApiError("ft.shard_mesh needs replica groups",
-                                 hint="launch with ftrun --shard-size N")
-        return self._sharding
-
-    def _shard_plainly(self, size: int) -> None:
-        """Outside ftrun: replica groups of `size` over torch's default group, averaged by
-        the same ReplicaSync (without fault tolerance)."""
-        if self._sync.params:
-            raise WorkerApiError("ft.wrap(model) before the model was sharded",
-                                 hint="fully_shard over ft.shard_mesh first, then ft.wrap")
-        shard, replicate = plain_shard_groups(size, self.world_size, self.rank, self.backend,
-                                              self.device)
-        self._sharding = Sharding(size, made=shard)
-        world, rank = self.world_size, self.rank
-        self._group = Group(self._group.gen, rank // size, replicate if world > size else None,
-                            members=tuple(range(rank % size, world, size)))
-        self._sync = ReplicaSync(self._wants_switch, self._sharding.group)
 
     # ---------------------------------------------------------------- user API
     def wrap(self, model: Any, bucket_mb: float = 25.0) -> Any:

@@ -1,21 +1,18 @@
-"""Replica groups on the worker side (--shard-size): this rank's shard group and its mesh, and
-the replicate dimension: shard k's gradients averaged with shard k of every other live group,
-then a step vote inside the group, so that a group commits a step on all its ranks or on none.
+"""Replica groups on the worker side (--shard-size): this rank's shard group, its mesh and its
+step vote; where a rank sits; the groups outside ftrun (torchrun, python alone).
 
 Owns: `Placement` (where a rank sits: replica group, shard), `ShardGroup` (the process group
 and 1-D `DeviceMesh` a script passes to `fully_shard`; made once per process over the members
 of its replica group, which never change: a group that loses a rank is replaced whole), the
 rank identity c10d needs for a mesh (a default group that never connects, rank = worker id),
-and `ReplicaSync` (the replicate-dimension all-reduce with the vote, the interface of
-`buckets.GradSync`). The replicate groups themselves are the generation's groups built by
-`comm.build_group` (shard k of every live group), so they are abandoned, rebuilt and healed
-over exactly as the data-parallel group is.
+a hot spare's group (named by the agent in the store), a stopped group's quiet leave, and the
+worker API's replica-group properties (`ShardedView`). The replicate dimension's averaging is
+`replica_sync.ReplicaSync`.
 Must not import: typer, rich, NVML, the agent, worker.api. Torch is imported lazily.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
 import sys
 import time
@@ -27,7 +24,8 @@ from typing import Any
 from ftrun.core import timeouts
 from ftrun.core.errors import WorkerApiError
 from ftrun.protocol.rendezvous import PREFIX, Generation, Store, spare_group_key
-from ftrun.worker.comm import Abandoned, CommError, Group, Interrupt
+from ftrun.worker.comm import CommError, Group, Interrupt
+from ftrun.worker.replica_sync import ReplicaSync
 
 
 @dataclass(frozen=True)
@@ -193,104 +191,6 @@ def plain_shard_groups(shard_size: int, world: int, rank: int, backend: str, dev
     return shard, mesh["replicate"].get_group()
 
 
-class ReplicaSync:
-    """The replicate dimension of HSDP, with `buckets.GradSync`'s interface: after backward
-    (FSDP has reduce-scattered inside the group), every wrapped parameter's local gradient
-    shard is averaged over the generation's replicate group, abandonably; then the group
-    votes, so that its ranks all apply the step or all repeat it."""
-
-    def __init__(self, want_switch: Callable[[], bool], shard: Callable[[], ShardGroup],
-                 first_start: Callable[[], bool] = lambda: True,
-                 before_wait: Callable[[], None] = lambda: None) -> None:
-        self.want_switch = want_switch
-        self.shard = shard
-        self.first_start = first_start  # False: a stall drill holds this rank's part back
-        self.before_wait = before_wait  # where a stall or wedge drill waits
-        self.params: list[Any] = []
-        self.enabled = True  # no_sync(): FSDP's own set_requires_gradient_sync decides
-
-    def add(self, params: list[Any], bucket_mb: float) -> None:
-        for p in params:
-            if p.requires_grad and all(p is not q for q in self.params):
-                self.params.append(p)
-
-    def prepare(self) -> None:
-        """Nothing to allocate ahead: buffers are made per step."""
-
-    def next_step(self, group: Group) -> None:
-        """Nothing carries over from a step to the next."""
-
-    def drop(self) -> None:
-        for p in self.params:
-            p.grad = None
-
-    zero = drop  # FSDP accumulates into a gradient that exists: none after a commit
-
-    def abstain(self) -> None:
-        """This rank cannot finish the step: its group must not wait for its vote."""
-        with contextlib.suppress(CommError):
-            self.shard().vote(False, False)
-
-    def finish(self, group: Group, interrupt: Interrupt) -> bool:
-        """Raises CommError or Abandoned when the step failed on any rank of the group;
-        True when some rank voted to switch to a planned generation."""
-        import torch
-
-        with torch.no_grad():
-            grads = [_local(p.grad) for p in self.params if p.grad is not None]
-        switch = self.want_switch()
-        failure: CommError | Abandoned | None = None
-        flats: list[Any] = []
-        held = not self.first_start()
-        try:
-            if group.size > 1:
-                flats = _flatten(grads)
-                flats[0] = torch.cat([flats[0], torch.tensor(
-                    [1.0 if switch else 0.0], dtype=flats[0].dtype, device=flats[0].device)])
-                self.before_wait()
-                if held:  # what a drill of a hung kernel leaves behind
-                    raise CommError("this rank's part of the step was held back")
-                for flat in flats:
-                    group.allreduce(flat, interrupt)
-                switch = bool(flats[0][-1].item() > 0)
-        except (CommError, Abandoned) as exc:
-            failure = exc
-        ok, switch = self.shard().vote(failure is None, switch)
-        if failure is not None:
-            raise failure
-        if not ok:
-            raise CommError("another rank of this replica group failed the step")
-        if flats:
-            flats[0] = flats[0][:-1]
-            _scatter_back(grads, flats, group.size)
-        return switch
-
-
-def _local(t: Any) -> Any:
-    """A gradient's own shard (a DTensor's local tensor; a plain tensor is its own)."""
-    return t.to_local() if hasattr(t, "to_local") else t
-
-
-def _flatten(grads: list[Any]) -> list[Any]:
-    """One flat buffer per dtype, in parameter order."""
-    import torch
-
-    by_dtype: dict[Any, list[Any]] = {}
-    for g in grads:
-        by_dtype.setdefault(g.dtype, []).append(g.reshape(-1))
-    return [torch.cat(parts) for parts in by_dtype.values()]
-
-
-def _scatter_back(grads: list[Any], flats: list[Any], size: int) -> None:
-    offsets: dict[Any, int] = {}
-    dtypes = list(dict.fromkeys(g.dtype for g in grads))  # _flatten's order
-    for g in grads:
-        flat = flats[dtypes.index(g.dtype)]
-        start = offsets.get(g.dtype, 0)
-        offsets[g.dtype] = start + g.numel()
-        g.copy_(flat[start:start + g.numel()].view_as(g).div_(size))
-
-
 class Sharding:
     """What `ftrun.worker.api` asks of the replica groups: where this rank sits, its shard
     group (made on first use, over its group as published in `entered`), and each
@@ -340,9 +240,17 @@ def _spare_group(store: Store, worker_id: int) -> Generation:
 
 class ShardedView:
     """The worker API's replica-group properties (`ftrun.worker.api.FaultTolerant` has them),
-    read from its live rank and world size."""
+    read from its live rank and world size, and its replica groups outside ftrun."""
 
     _sharding: Sharding | None
+    _managed: bool
+    _group: Group
+    _sync: Any  # buckets.GradSync, or ReplicaSync once sharded
+    backend: str
+    device: Any
+
+    def _wants_switch(self) -> bool:
+        raise NotImplementedError  # the worker API's
 
     @property
     def rank(self) -> int:
@@ -371,7 +279,26 @@ class ShardedView:
         return self._placement().shard_rank
 
     def _shards(self) -> Sharding:
-        raise NotImplementedError  # the worker API's replica groups, made where it can
+        if self._sharding is None and not self._managed:  # plain FSDP over every rank
+            self._shard_plainly(self.world_size)
+        if self._sharding is None:
+            raise WorkerApiError("ft.shard_mesh needs replica groups",
+                                 hint="launch with ftrun --shard-size N")
+        return self._sharding
+
+    def _shard_plainly(self, size: int) -> None:
+        """Outside ftrun: replica groups of `size` over torch's default group, averaged by
+        the same ReplicaSync (without fault tolerance)."""
+        if self._sync.params:
+            raise WorkerApiError("ft.wrap(model) before the model was sharded",
+                                 hint="fully_shard over ft.shard_mesh first, then ft.wrap")
+        shard, replicate = plain_shard_groups(size, self.world_size, self.rank, self.backend,
+                                              self.device)
+        self._sharding = Sharding(size, made=shard)
+        world, rank = self.world_size, self.rank
+        self._group = Group(self._group.gen, rank // size, replicate if world > size else None,
+                            members=tuple(range(rank % size, world, size)))
+        self._sync = ReplicaSync(self._wants_switch, self._sharding.group)
 
     def _placement(self) -> Placement:
         size = self._sharding.shard_size if self._sharding is not None else 1
