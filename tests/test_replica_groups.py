@@ -87,8 +87,12 @@ def test_a_rank_heals_and_averages_with_the_same_shard_of_the_other_groups() -> 
     assert (p.replica_rank, p.num_replicas, p.shard_rank) == (1, 3, 1)
 
 
-def test_status_text_names_the_groups() -> None:
-    from ftrun.cli.render import replica_groups_text
+def test_status_text_names_the_groups_and_their_policy() -> None:
+    from ftrun.cli.render import policy_text, replica_groups_text
+
+    assert policy_text({"shard_size": 2, "spares": 1, "policy": "replace"}) == \
+        "a lost group out, then rejoined (groups of 2, spare groups 1)"
+    assert policy_text({"spares": 0, "policy": "shrink"}) == "shrink (spares 0)"
 
     rows = [{"group": 0, "ranks": [0, 1], "workers": [0, 1], "state": "training"},
             {"group": None, "ranks": [], "workers": [4, 5], "state": "starting"}]

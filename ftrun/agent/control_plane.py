@@ -261,6 +261,7 @@ class ControlPlane:
             "generation": view.generation if view else 0,
             "world_size": len(view.members) if view else port.spec.nproc,
             "policy": port.spec.on_fault, "spares": port.spec.spares,
+            "shard_size": port.spec.shard_size,
             "attempt": port.restarts, "log_dir": self.info.log_dir,
             "ft_api": bool(ms and ms.uses_api), "workers": self.worker_rows(now),
             "hang_timeout_s": round(self.health.timeout_s, 2) or None,

@@ -99,8 +99,7 @@ def status_tables(doc: Mapping[str, Any]) -> list[Any]:
     head = Table.grid(padding=(0, 2))
     head.add_row("run", str(doc["run_id"]), "script", str(doc["script"]))
     head.add_row("uptime", f"{doc['uptime_s']:.0f}s", "generation", str(doc["generation"]))
-    head.add_row("world size", str(doc["world_size"]), "policy",
-                 f"{doc['policy']} (spares {doc['spares']})")
+    head.add_row("world size", str(doc["world_size"]), "policy", policy_text(doc))
     rate = doc.get("steps_per_s")
     head.add_row("steps/s", f"{rate:.2f} (last minute)" if rate is not None else "-",
                  "metrics", str(doc.get("metrics") or "off (--metrics-port)"))
@@ -136,6 +135,15 @@ def status_tables(doc: Mapping[str, Any]) -> list[Any]:
         out.append(fault_table("faults", doc["faults"][-10:]))
         out += [f"  #{f['id']}: {f['reason']}" for f in doc["faults"][-5:]]
     return out
+
+
+def policy_text(doc: Mapping[str, Any]) -> str:
+    """`replace (spares 1)`, or under --shard-size `a lost group out, then rejoined (groups of
+    2, spare groups 1)`."""
+    size = doc.get("shard_size") or 1
+    if size > 1:
+        return f"a lost group out, then rejoined (groups of {size}, spare groups {doc['spares']})"
+    return f"{doc['policy']} (spares {doc['spares']})"
 
 
 def replica_groups_text(groups: Sequence[Mapping[str, Any]]) -> str:

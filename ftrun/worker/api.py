@@ -165,7 +165,6 @@ class FaultTolerant(ShardedView):
     def generation(self) -> int:
         return self._group.gen.number
 
-
     # ---------------------------------------------------------------- user API
     def wrap(self, model: Any, bucket_mb: float = 25.0) -> Any:
         """Gradients of `model` are averaged over the live group: bucket by bucket while
