@@ -78,16 +78,18 @@ class GroupRecovery:
         (those that died meanwhile are dropped), new spare groups start."""
         while self._calling_in:
             group = self._calling_in.pop(0)
-            if all(self.membership.role(w) is R.SPARE for w in group):
+            if self._all_ready(group):
                 self._grow(group)
         self._refill_groups()
 
     def _ready_spare_group(self, node: int) -> tuple[int, ...]:
         """The oldest spare group whose every member is ready, on `node` first."""
-        ready = [g for g in self._spare_groups
-                 if all(self.membership.role(w) is R.SPARE for w in g)]
+        ready = [g for g in self._spare_groups if self._all_ready(g)]
         ready.sort(key=lambda g: node_of(g[0]) != node)
         return ready[0] if ready else ()
+
+    def _all_ready(self, group: tuple[int, ...]) -> bool:
+        return all(self.membership.role(w) is R.SPARE for w in group)
 
     def _place_of(self, worker_id: int) -> tuple[int, int]:
         """(node, local rank) of a worker this job started."""

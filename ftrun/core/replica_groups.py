@@ -23,6 +23,7 @@ from ftrun.core.policy import (
     FaultDecision,
     Snapshot,
     _give_up,
+    _s,
     _total_loss,
 )
 
@@ -31,14 +32,6 @@ def replica_groups(members: tuple[int, ...], shard_size: int) -> list[tuple[int,
     """The members in groups of `shard_size` consecutive ranks (a short last group, which
     the launcher never makes, is kept as it is rather than hidden)."""
     return [members[i:i + shard_size] for i in range(0, len(members), shard_size)]
-
-
-def group_index(members: tuple[int, ...], worker: int, shard_size: int) -> int:
-    return members.index(worker) // shard_size
-
-
-def _plural(n: int, word: str) -> str:
-    return f"{n} {word}{'' if n == 1 else 's'}"
 
 
 def decide_group_fault(s: Snapshot, lost: int, why: str, shard_size: int,
@@ -63,10 +56,11 @@ def decide_group_fault(s: Snapshot, lost: int, why: str, shard_size: int,
         return _total_loss(f"{head}; no other replica group holds the model", s)
     evicted = tuple(m for m in group if m != lost)
     regrow = crash_loop < CRASH_LOOP_LIMIT
-    stopped = f"{_plural(len(evicted), 'other rank')} stopped"
+    stopped = f"{len(evicted)} other rank{_s(len(evicted))} stopped"
     if len(survivors) < s.min_nproc and not (spare_group and regrow):
         return _give_up(f"{head}; {len(survivors)} left is below --min-nproc {s.min_nproc}", s)
-    groups = _plural(len(survivors) // shard_size, "group")
+    left = len(survivors) // shard_size
+    groups = f"{left} group{_s(left)}"
     if spare_group and regrow:  # the others go on at once; the spare group enters next
         return FaultDecision(
             FaultAction.SHRINK, f"{head}; replica group {index} out ({stopped}), continuing "

@@ -105,6 +105,18 @@ def native_reconfigure_supported(backend: str) -> bool:
     return backend == "gloo" and hasattr(dist, "_supports_reconfigure")
 
 
+def reconfigurable_default_group(store: Store, worker_id: int, backend: str, name: str) -> None:
+    """torch's default group in the reconfigure regime (torch >= 2.15), rank = the worker id:
+    it connects to no one until it is re-formed, so no member waits for a lost one. `name`
+    keeps its store keys apart from another such group's."""
+    import torch.distributed as dist
+
+    dist.init_process_group(
+        backend, store=dist.PrefixStore(f"{PREFIX}{name}/", store),  # type: ignore[arg-type]
+        rank=worker_id, world_size=worker_id + 1, enable_reconfigure=True,
+        timeout=timedelta(seconds=timeouts.COLLECTIVE_S))
+
+
 class NativeGroup:
     """torch's in-process reconfigure of the default group (`init_process_group(...,
     enable_reconfigure=True)`, `dist._reconfigure`): `dist.get_rank()` and friends follow the
@@ -113,14 +125,10 @@ class NativeGroup:
 
     def __init__(self, store: Store, worker_id: int, backend: str) -> None:
         """`store`: a connection of the group's own (its rendezvous blocks on it)."""
-        import torch.distributed as dist
 
         self.worker_id = worker_id
         self._busy = threading.Lock()
-        dist.init_process_group(
-            backend, store=dist.PrefixStore(f"{PREFIX}native/", store),  # type: ignore[arg-type]
-            rank=worker_id, world_size=worker_id + 1, enable_reconfigure=True,
-            timeout=timedelta(seconds=timeouts.COLLECTIVE_S))
+        reconfigurable_default_group(store, worker_id, backend, "native")
 
     def reconfigure(self, store: Store, gen: Generation, timeout_s: float,
                     cancel: threading.Event) -> Any:

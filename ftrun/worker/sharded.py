@@ -23,8 +23,10 @@ from typing import Any
 
 from ftrun.core import timeouts
 from ftrun.core.errors import WorkerApiError
+from ftrun.core.replica_groups import replica_groups
 from ftrun.protocol.rendezvous import PREFIX, Generation, Store, spare_group_key
 from ftrun.worker.comm import CommError, Group, Interrupt
+from ftrun.worker.joining import reconfigurable_default_group
 from ftrun.worker.replica_sync import ReplicaSync
 
 
@@ -58,8 +60,7 @@ def group_members(gen: Generation, worker_id: int, shard_size: int) -> tuple[int
     rank = gen.rank_of(worker_id)
     if rank is None:
         raise WorkerApiError(f"worker {worker_id} is not in generation {gen.number}")
-    start = rank - rank % shard_size
-    return gen.members[start:start + shard_size]
+    return replica_groups(gen.members, shard_size)[rank // shard_size]
 
 
 def ensure_rank_identity(store: Store, worker_id: int) -> None:
@@ -75,9 +76,7 @@ def ensure_rank_identity(store: Store, worker_id: int) -> None:
 
         raise WorkerApiError(f"--shard-size needs torch >= 2.15 (this is {torch.__version__})",
                              hint="upgrade torch, or run without --shard-size")
-    dist.init_process_group("gloo", store=dist.PrefixStore(f"{PREFIX}identity/", store),  # type: ignore[arg-type]
-                            rank=worker_id, world_size=worker_id + 1, enable_reconfigure=True,
-                            timeout=timedelta(seconds=timeouts.COLLECTIVE_S))
+    reconfigurable_default_group(store, worker_id, "gloo", "identity")
 
 
 def leave_quietly_when_evicted(interrupt: Interrupt, worker_id: int) -> None:
@@ -185,9 +184,9 @@ def plain_shard_groups(shard_size: int, world: int, rank: int, backend: str, dev
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     mesh = init_device_mesh(device.type, (world // shard_size, shard_size),
                             mesh_dim_names=("replicate", "shard"))
-    start = rank - rank % shard_size
-    shard = ShardGroup(mesh["shard"].get_group(), mesh["shard"],
-                       tuple(range(start, start + shard_size)), rank % shard_size, device)
+    members = replica_groups(tuple(range(world)), shard_size)[rank // shard_size]
+    shard = ShardGroup(mesh["shard"].get_group(), mesh["shard"], members, rank % shard_size,
+                       device)
     return shard, mesh["replicate"].get_group()
 
 
@@ -216,7 +215,7 @@ class Sharding:
                 self.entered = _spare_group(self._connect(), self._worker_id)
             if self.entered is None or self._connect is None:
                 raise WorkerApiError("ft.shard_mesh before this rank has a replica group",
-                                     hint="a hot spare cannot shard yet; use no --spares")
+                                     hint="ask for it after ftrun.init()")
             self._group = join_shard_group(self._connect(), self.entered, self._worker_id,
                                            self.shard_size, self._backend, self._device)
         return self._group
