@@ -9,7 +9,7 @@ import pytest
 from conftest import wait_for
 
 from ftrun.adapters.store import QueueReader, client, is_timeout
-from ftrun.cluster import link as cluster
+from ftrun.cluster import messages as cluster
 from ftrun.core import timeouts
 from ftrun.protocol.rendezvous import (
     REQUEST_QUEUE,
@@ -36,11 +36,11 @@ COMMANDS = [
     cluster.Spawn(worker=10_002, rank=-1, local_rank=1, spare=False),
     cluster.Kill(worker=10_000),
     cluster.Stop(signal=15, grace=30.0),
-    cluster.End(code=1, reason="node index 1 is taken"),
+    cluster.End(code=1, reason="node index 1 is taken", lost=False),
     cluster.Ping(seq=9),
 ]
 REPORTS = [
-    cluster.Join(node=1, host="h1", pid=77, nproc=2, rdzv_id="job"),
+    cluster.Join(node=1, host="h1", pid=77, nproc=2, rdzv_id="job", net_drill=""),
     cluster.Spawned(node=1, worker=10_000, pid=78, local_rank=0),
     cluster.Exited(node=1, worker=10_001, attempt=0, pid=79, returncode=-9,
                    wall_time=123.25, error="", by_launcher=False),

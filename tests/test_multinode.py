@@ -28,11 +28,16 @@ def free_port() -> int:
 class Node:
     """One `ftrun` agent process, as if on its own machine (own FTRUN_RUN_DIR)."""
 
-    def __init__(self, tmp: Path, name: str, args: list[str]) -> None:
+    def __init__(self, tmp: Path, name: str, args: list[str], prefix: list[str] | None = None,
+                 env: dict[str, str] | None = None) -> None:
+        """`prefix`: what runs the agent (e.g. `ip netns exec NS`); `env`: added to its
+        environment."""
         self.run_dir = tmp / f"run_{name}"
-        self.env = {**os.environ, "OMP_NUM_THREADS": "1", "FTRUN_RUN_DIR": str(self.run_dir)}
+        self.env = {**os.environ, "OMP_NUM_THREADS": "1", "FTRUN_RUN_DIR": str(self.run_dir),
+                    **(env or {})}
         self.stderr_path = tmp / f"{name}.err"
-        self.proc = subprocess.Popen(ftrun_cmd(*args), env=self.env, text=True,
+        self.proc = subprocess.Popen([*(prefix or []), *ftrun_cmd(*args)], env=self.env,
+                                     text=True,
                                      stdout=subprocess.DEVNULL,
                                      stderr=open(self.stderr_path, "w"),  # noqa: SIM115
                                      start_new_session=True)

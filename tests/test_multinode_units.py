@@ -5,7 +5,8 @@ import pytest
 
 from ftrun.cli.cluster_env import first_host
 from ftrun.cli.launch_args import parse_run_args
-from ftrun.cluster.link import BeatTracker, Probe, endpoint_of, issue_ids
+from ftrun.cluster.link import endpoint_of, issue_ids
+from ftrun.cluster.nodewatch import BeatTracker, Probe
 from ftrun.core.policy import FaultAction, Snapshot, decide_node_loss, find_lost_nodes
 from ftrun.protocol.rendezvous import WORKER_ID_STRIDE, node_of
 

@@ -31,7 +31,7 @@ def test_status_with_no_job(capsys) -> None:
 
 
 @pytest.mark.parametrize("argv, needle", [
-    (["inject-fault", "--kind", "kill"], "exactly one of --rank or --gpu"),
+    (["inject-fault", "--kind", "kill"], "exactly one of --rank, --gpu or --node"),
     (["inject-fault", "--kind", "kill", "--rank", "0", "--gpu", "1"], "exactly one of"),
     (["inject-fault", "--kind", "melt", "--rank", "0"], "unknown fault kind 'melt'"),
     (["inject-fault", "--rank", "0"], "Missing option '--kind'"),

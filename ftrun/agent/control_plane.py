@@ -31,7 +31,14 @@ from ftrun.agent.timeline import Timeline, sample_every_s
 from ftrun.agent.watch import HealthWatch
 from ftrun.core.errors import FtrunError
 from ftrun.core.events import Event
-from ftrun.core.faultkinds import AGENT_SIGNALS, ALL_KINDS, GPU_KINDS, WORKER_ONLY, FaultKind
+from ftrun.core.faultkinds import (
+    AGENT_SIGNALS,
+    ALL_KINDS,
+    GPU_KINDS,
+    NODE_KINDS,
+    WORKER_ONLY,
+    FaultKind,
+)
 from ftrun.core.membership import Membership
 from ftrun.core.policy import phase_text
 from ftrun.core.replica_groups import group_rows
@@ -41,7 +48,7 @@ _MAX_INDEX = (1 << 31) - 1
 _MAX_STEP = (1 << 63) - 1  # the drill slot holds the step as an int64
 # each inject field and the `ftrun inject-fault` option that sets it
 _OPTIONS = {"kind": "--kind", "rank": "--rank", "gpu": "--gpu", "at_step": "--at-step",
-            "arg": "--delay", "xid": "--xid"}
+            "arg": "--delay", "xid": "--xid", "node": "--node", "duration": "--duration"}
 _SHOW = reprlib.Repr()
 _SHOW.maxstring, _SHOW.maxother, _SHOW.maxlevel = 40, 40, 2
 
@@ -56,7 +63,8 @@ class StatusOp:
 
 @dataclass(frozen=True)
 class InjectOp:
-    """`ftrun inject-fault`: a drill on one rank of this node, or a fault of one GPU."""
+    """`ftrun inject-fault`: a drill on one rank of this node, a fault of one GPU, or of
+    one node's link."""
 
     kind: FaultKind
     rank: int | None
@@ -64,6 +72,8 @@ class InjectOp:
     at_step: int = -1  # -1: now
     arg: float = 0.0  # slow: extra seconds per step
     xid: int | None = None
+    node: int | None = None
+    duration: float = 0.0  # net-down: seconds the link stays down
 
     def to_wire(self) -> dict[str, Any]:
         return {"op": "inject", **asdict(self)}
@@ -104,14 +114,24 @@ def _check_inject(req: dict[str, Any]) -> InjectOp:
         raise FtrunError(f"unknown fault kind {_show(kind)}",
                          hint="use one of " + ", ".join(ALL_KINDS))
     rank, gpu = _integer(req, "rank", 0, _MAX_INDEX), _integer(req, "gpu", 0, _MAX_INDEX)
-    if (rank is None) == (gpu is None):
-        raise FtrunError("give exactly one of --rank or --gpu", hint="e.g. --rank 1")
+    node = _integer(req, "node", 0, _MAX_INDEX)
+    if sum(x is not None for x in (rank, gpu, node)) != 1:
+        raise FtrunError("give exactly one of --rank, --gpu or --node", hint="e.g. --rank 1")
     if gpu is not None and kind not in GPU_KINDS:
         raise FtrunError(f"--gpu takes --kind xid, ecc or thermal, not {kind}",
                          hint="e.g. --gpu 0 --kind xid --xid 79")
+    if (node is not None) != (kind in NODE_KINDS):
+        raise FtrunError(f"--kind net-down takes --node K, and --node takes --kind net-down"
+                         f" (not --kind {kind})", hint="e.g. --node 1 --kind net-down "
+                         "--duration 5")
+    duration = _delay(req.get("duration"), "duration")
+    if node is not None and duration <= 0:
+        raise FtrunError("--kind net-down needs --duration SECONDS > 0",
+                         hint="e.g. --duration 5")
     at_step = _integer(req, "at_step", -1, _MAX_STEP)
     return InjectOp(FaultKind(kind), rank, gpu, -1 if at_step is None else at_step,
-                    _delay(req.get("arg")), _integer(req, "xid", 0, _MAX_INDEX))
+                    _delay(req.get("arg")), _integer(req, "xid", 0, _MAX_INDEX), node,
+                    duration)
 
 
 def _integer(req: dict[str, Any], field: str, lo: int, hi: int) -> int | None:
@@ -124,13 +144,14 @@ def _integer(req: dict[str, Any], field: str, lo: int, hi: int) -> int | None:
     return value
 
 
-def _delay(value: object) -> float:
+def _delay(value: object, field: str = "arg") -> float:
     if value is None:
         return 0.0
     if (isinstance(value, bool) or not isinstance(value, (int, float))
             or not math.isfinite(value) or not 0 <= value <= MAX_DRILL_DELAY_S):
-        raise FtrunError(f"--delay must be a number of seconds 0..{MAX_DRILL_DELAY_S:g}, "
-                         f"not {_show(value)}", hint="e.g. --delay 0.5")
+        raise FtrunError(f"{_OPTIONS[field]} must be a number of seconds "
+                         f"0..{MAX_DRILL_DELAY_S:g}, not {_show(value)}",
+                         hint=f"e.g. {_OPTIONS[field]} 0.5")
     return float(value)
 
 
@@ -185,6 +206,8 @@ class ControlPlane:
         if op.gpu is not None:
             uuid = self.health.inject(op.gpu, op.kind, op.xid)
             return {"ok": True, "gpu": op.gpu, "uuid": uuid}
+        if op.node is not None:
+            return {"ok": True, **self.port.net_down(op.node, op.duration)}
         target = self._validate(op)
         self.drills.put(Drill(target.worker_id, op.kind, op.at_step, op.arg))
         self.port.wake()

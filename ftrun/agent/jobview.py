@@ -25,6 +25,7 @@ class Node:
     nproc: int
     alive: bool = True
     in_attempt: bool = False  # its workers belong to the current attempt
+    net_drill: str = ""  # why a net-down drill cannot run there ("": it can)
 
     @property
     def label(self) -> str:

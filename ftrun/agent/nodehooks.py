@@ -22,6 +22,7 @@ from ftrun.agent.roster import RemoteWorker, Worker
 from ftrun.agent.snapshots import SnapshotKeeper
 from ftrun.agent.starter import WorkerStarter
 from ftrun.agent.watch import Finding, HealthWatch, Kill, Rebuild
+from ftrun.core.errors import FtrunError
 from ftrun.core.events import Event, EventSink
 from ftrun.core.policy import Decision, Liveness
 from ftrun.core.spec import RunSpec
@@ -114,6 +115,11 @@ class NodeHooks:
 
     def resumable(self) -> tuple[int, int]:
         return self.snapshots.resumable()
+
+    def net_down(self, node: int, duration: float) -> dict[str, Any]:
+        raise FtrunError("--kind net-down cuts one node of a multi-node job off the others; "
+                         "this job runs on one node", hint="rehearse a node's partition in "
+                         "a job of several nodes (README: Many nodes)")
 
     def uses_api(self) -> bool:
         return self.recovery is not None and self.recovery.uses_api

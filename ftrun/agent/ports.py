@@ -44,6 +44,8 @@ class AgentPort(Protocol):
     def remote_liveness(self) -> list[Liveness]: ...
     def resumable(self) -> tuple[int, int]:
         """(newest snapshot step or -1, whole-group restarts that already resumed from it)"""
+    def net_down(self, node: int, duration: float) -> dict[str, Any]:
+        """A net-down drill on `node` (control thread), or a one-line FtrunError."""
 
     # what a worker said, and what the job shows
     def suspect(self) -> None: ...

@@ -93,6 +93,8 @@ def inject_fault(
     count: int = typer.Option(1, "--count", help="how many faults"),
     delay: float = typer.Option(0.5, "--delay", help="slow: extra seconds per step"),
     xid: Optional[int] = typer.Option(None, "--xid", help="the XID for --kind xid"),  # noqa: UP045
+    node: Optional[int] = typer.Option(None, "--node", help="the node whose link to cut (net-down)"),  # noqa: UP045,E501
+    duration: float = typer.Option(0.0, "--duration", help="net-down: seconds the link stays down"),  # noqa: E501
 ) -> None:
     """Break a running job on purpose and print how it recovered, phase by phase."""
     if kind not in ALL_KINDS:
@@ -104,7 +106,8 @@ def inject_fault(
         raise UsageError("--count N needs --every SECONDS > 0", hint="e.g. --every 5 --count 3")
     try:  # the job checks the same way; checking here first gives a usage error, exit 2
         drill = check_request({"op": "inject", "kind": kind, "rank": rank, "gpu": gpu,
-                               "at_step": at_step, "arg": delay, "xid": xid})
+                               "at_step": at_step, "arg": delay, "xid": xid, "node": node,
+                               "duration": duration})
     except FtrunError as exc:
         raise UsageError(exc.message, hint=exc.hint) from None
     info = control.find_run(run_id)
@@ -119,7 +122,11 @@ def inject_fault(
             raise control.JobGone(f"job {info.run_id[:8]} ended before the drill was injected "
                                   f"({i}/{count} faults injected)",
                                   hint="see its log directory") from None
-        if gpu is not None:
+        if node is not None:
+            where = reply.get("device") or reply.get("host")
+            print(f"ftrun: node {node} ({where}) takes its link down for {duration:g} s",
+                  flush=True)
+        elif gpu is not None:
             print(f"ftrun: injected {kind} {xid or ''} into GPU {gpu} ({reply['uuid']})",
                   flush=True)
         else:
@@ -127,6 +134,10 @@ def inject_fault(
                   f"{reply['worker']}, pid {reply['pid']})", flush=True)
     benign_xid = kind == FaultKind.XID and xid_is_benign(xid)
     if kind in (FaultKind.SLOW, FaultKind.THERMAL) or benign_xid:
+        return
+    if kind == FaultKind.NET_DOWN:  # a cut node's own agent cannot see the job meanwhile
+        print("ftrun: see the node dropped, fenced and rejoining with `ftrun status` on the "
+              "coordinator (node 0)")
         return
     if not first.get("ft_api"):  # a plain script: torchrun semantics, no in-process record
         print("ftrun: the job does not use the ftrun worker API: it restarts or stops as "

@@ -26,32 +26,35 @@ from ftrun.agent.roster import RemoteWorker, Worker
 from ftrun.cluster.link import (
     AGENT_QUEUE,
     STATUS_KEY,
-    BeatTracker,
-    Bye,
-    Command,
-    End,
     Endpoint,
-    Exited,
-    Join,
-    Kill,
-    Left,
-    Ping,
-    Pong,
-    Probe,
-    Report,
-    Spawn,
-    Spawned,
-    Start,
-    Stop,
     command_queue,
     conf_float,
     connect,
     first_worker_id,
     issue_ids,
-    parse_report,
     read_payload,
+)
+from ftrun.cluster.messages import (
+    Bye,
+    Command,
+    End,
+    Exited,
+    Join,
+    Kill,
+    Left,
+    NetDown,
+    Ping,
+    Pong,
+    Report,
+    Spawn,
+    Spawned,
+    Start,
+    Stop,
+    parse_report,
     send,
 )
+from ftrun.cluster.netdrill import NetDrills, check_duration, refuse
+from ftrun.cluster.nodewatch import NodeWatch
 from ftrun.core import timeouts
 from ftrun.core.errors import FtrunError
 from ftrun.core.events import Event, EventSink
@@ -70,21 +73,23 @@ class Coordinator(Agent):
         self.remote: dict[int, RemoteWorker] = {}
         self._inbox: queue.SimpleQueue[Report | str] = queue.SimpleQueue()
         self._exited: list[RemoteWorker] = []
-        self._beats = BeatTracker()
         self._ids: dict[int, int] = {}
         self._members: tuple[int, ...] = ()
         self._next_status = 0.0
-        self._suspect_until = 0.0
         self.beat_s = conf_float(spec, "heartbeat", timeouts.NODE_HEARTBEAT_S)
         self.lost_after_s = conf_float(spec, "node_timeout", timeouts.NODE_LOST_S)
         # after a broken connection: silent this long means gone (a busy host's agent may
-        # miss a few beats; killing a healthy node costs far more than a second)
-        self.suspect_after_s = conf_float(spec, "suspect_timeout",
-                                          max(10 * self.beat_s, timeouts.NODE_SUSPECT_S))
+        # miss a few beats; killing a healthy node costs far more than a second); quiet this
+        # long, every node is pinged (a cut link breaks no connection: the beats just stop)
+        self.watch = NodeWatch(self.lost_after_s, conf_float(
+            spec, "suspect_timeout", max(10 * self.beat_s, timeouts.NODE_SUSPECT_S)),
+            conf_float(spec, "quiet_timeout", max(5 * self.beat_s, timeouts.NODE_QUIET_S)),
+            conf_float(spec, "cut_timeout", max(10 * self.beat_s, timeouts.NODE_CUT_S)))
         self._reader: QueueReader | None = None
         self._lost_nodes: list[tuple[int, str, float]] = []  # node, why, silent for (s)
         self._payloads: dict[int, tuple[float, dict[str, Any]]] = {}
-        self._probe = Probe()
+        self._net: NetDrills | None = None  # this node's link drills, made at the first
+        self._net_drills: queue.SimpleQueue[tuple[int, float]] = queue.SimpleQueue()
 
     # ----------------------------------------------------------------- lifecycle
     def run(self) -> Any:
@@ -98,9 +103,11 @@ class Coordinator(Agent):
                 reason = result.reason if result is not None else "the coordinator failed"
                 ending = self._alive()
                 for node in ending:
-                    self._send(node, End(code=code, reason=reason))
+                    self._send(node, End(code=code, reason=reason, lost=False))
                 self._await_byes({n.index for n in ending})
                 self._reader.close(self.rdzv.store)
+            if self._net is not None:
+                self._net.close()
             self.rdzv.close()
 
     def _prepare_env(self) -> None:
@@ -169,7 +176,7 @@ class Coordinator(Agent):
         enough_at: float | None = None
         while True:
             self._drain_inbox(running=False)
-            for index, why in find_lost_nodes(self._beats.ages(self.rdzv.store),
+            for index, why in find_lost_nodes(self.watch.beats.ages(self.rdzv.store),
                                               self.lost_after_s):
                 self._node_lost(self.nodes[index], why, time.time())  # no attempt runs
             count = 1 + len(self._alive())
@@ -212,21 +219,22 @@ class Coordinator(Agent):
                     else:
                         self._node_lost(self.nodes[msg.node], why, time.time())
                 case Pong():
-                    self._probe.answer(msg.node, msg.seq)
+                    self.watch.answer(msg.node, msg.seq)
                 case Bye() if msg.node in self.nodes:
                     self.nodes[msg.node].alive = False  # it has ended for good
 
     def _on_join(self, msg: Join, running: bool) -> None:
-        node = Node(msg.node, msg.host, msg.pid, msg.nproc)
+        node = Node(msg.node, msg.host, msg.pid, msg.nproc, net_drill=msg.net_drill)
         if msg.rdzv_id != self.spec.rdzv_id:
             self._send(node, End(code=1, reason=f"this store serves --rdzv-id "
-                                 f"{self.spec.rdzv_id!r}, not {msg.rdzv_id!r}"))
+                                 f"{self.spec.rdzv_id!r}, not {msg.rdzv_id!r}", lost=False))
             return
         if node.index in self.nodes and self.nodes[node.index].alive:
-            self._send(node, End(code=1, reason=f"node index {node.index} is taken"))
+            self._send(node, End(code=1, reason=f"node index {node.index} is taken",
+                                 lost=False))
             return
         self.nodes[node.index] = node
-        self._beats.watch(node.index)  # a node waiting to be used can die too
+        self.watch.watch(node.index)  # a node waiting to be used can die too
         self.emit(Event.NOTICE, {"text": f"{node.label} joined with {node.nproc} workers"})
         if running:
             self._admit(node)
@@ -271,36 +279,39 @@ class Coordinator(Agent):
     def _tick(self) -> Decision | None:
         super()._tick()
         self._publish_status()
-        ages = self._beats.ages(self.rdzv.store)
-        limit = self.suspect_after_s if time.monotonic() < self._suspect_until \
-            else self.lost_after_s
-        silent = frozenset(self._probe.silent(time.monotonic(), timeouts.NODE_PING_S))
-        lost = self._lost_nodes + [(n, why, ages[n]) for n, why in find_lost_nodes(
-            ages, limit, silent, timeouts.NODE_PING_S)]
-        self._lost_nodes = []
-        decisions = [self._node_lost(self.nodes[i], why, time.time() - s) for i, why, s in lost]
+        self._send_net_drills()
+        verdict = self.watch.check(self.rdzv.store, [n.index for n in self._alive()])
+        if verdict.ping is not None:
+            self._ping(*verdict.ping)
+        lost, self._lost_nodes = self._lost_nodes + verdict.lost, []
+        now = time.time()
+        first = {i: (why, s) for i, why, s in reversed(lost)}  # a node lost twice: once
+        gone = [(self.nodes[i], why, now - s) for i, (why, s) in first.items()
+                if self.nodes[i].alive]
+        for node, _, _ in gone:  # all at once: the decisions see how many nodes are left
+            node.alive = False
+        decisions = [self._node_lost(node, why, seen) for node, why, seen in gone]
         return next((d for d in decisions if d is not None), None)
 
     def suspect(self) -> None:
-        """A worker saw a peer's connection break: ping every node (a live agent answers in
-        ms) and check the heartbeats on a short fuse."""
-        now = time.monotonic()
-        self._suspect_until = now + self.lost_after_s
-        nodes = [n for n in self._alive() if n.in_attempt]
-        seq = self._probe.start([n.index for n in nodes], now)
-        if seq is None:  # a round is running
-            return
-        for node in nodes:
-            self._send(node, Ping(seq=seq))
+        """A worker saw a peer's connection break: ping every node of the attempt (a live
+        agent answers in ms) and check the heartbeats on a short fuse."""
+        ping = self.watch.suspect([n.index for n in self._alive() if n.in_attempt])
+        if ping is not None:
+            self._ping(*ping)
+
+    def _ping(self, seq: int, nodes: list[int]) -> None:
+        for index in nodes:
+            self._send(self.nodes[index], Ping(seq=seq))
 
     def _node_lost(self, node: Node, why: str, last_seen: float) -> Decision | None:
-        """`last_seen`: wall clock of its last sign of life, the fault's best estimate."""
-        if not node.alive:
-            return None
+        """`last_seen`: wall clock of its last sign of life, the fault's best estimate. The
+        node may be marked dead already (several lost at once)."""
         node.alive = False
-        self._beats.forget(node.index)
+        self.watch.forget(node.index)
         self.emit(Event.NOTICE, {"text": f"{node.label} is lost: {why}"})
-        self._send(node, End(code=1, reason=f"the coordinator declared this node lost ({why})"))
+        self._send(node, End(code=1, reason=f"the coordinator dropped this node ({why})",
+                             lost=True))
         gone = [w for w in self.remote.values() if w.node == node.index and w.alive]
         now = time.time()
         for w in gone:
@@ -359,6 +370,36 @@ class Coordinator(Agent):
 
     def initial_members(self) -> tuple[int, ...]:
         return self._members
+
+    def net_down(self, node: int, duration: float) -> dict[str, Any]:
+        """Control thread: node 0's drill here; another node's is checked, then sent to it
+        from the main loop (which owns the store connection)."""
+        check_duration(duration)
+        if node == 0:
+            if self._net is None:
+                self._net = NetDrills(self.ep.host, self.emit)
+            return self._net.start(0, duration)
+        target = self.nodes.get(node)
+        if target is None or not target.alive:
+            live = ", ".join(str(n.index) for n in self._alive())
+            raise FtrunError(f"no live node {node} in this job (nodes: 0{', ' if live else ''}"
+                             f"{live})", hint="see the nodes with `ftrun status`")
+        if target.net_drill:
+            raise refuse(node, target.net_drill)
+        self._net_drills.put((node, duration))
+        self.wake()
+        return {"node": node, "host": target.host, "duration": duration}
+
+    def _send_net_drills(self) -> None:
+        while True:
+            try:
+                node, duration = self._net_drills.get_nowait()
+            except queue.Empty:
+                break
+            if self.nodes[node].alive:
+                self._send(self.nodes[node], NetDown(duration=duration))
+        if self._net is not None:
+            self._net.check()
 
     def all_workers(self) -> list[Worker | RemoteWorker]:
         return [*self._workers, *self.remote.values()]

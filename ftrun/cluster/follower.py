@@ -2,13 +2,17 @@
 
 Owns: joining the rendezvous (a node index, a heartbeat), starting this node's workers when
 the coordinator says so (first members, replacements, spares, a late node's joiners),
-reporting every exit at once, stopping on command, and leaving cleanly when the store host
-dies: its workers stopped within a bounded time and one line saying why.
+reporting every exit at once, stopping on command, and fencing (`ftrun.core.fencing`): cut
+off from the store (no round trip for `fence_timeout`, or dropped by the coordinator), it
+stops its workers within a bound, then comes back as a new node when the store answers
+again within `rejoin_timeout`, or leaves with one line saying why.
 Must not import: typer, rich, the CLI or the worker library.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
 import os
 import queue
@@ -16,7 +20,7 @@ import signal
 import socket
 import time
 from collections.abc import Mapping
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -28,15 +32,23 @@ from ftrun.cluster.link import (
     AGENT_QUEUE,
     NODE_COUNTER,
     STATUS_KEY,
+    Endpoint,
+    Heartbeat,
+    Outbox,
+    command_queue,
+    conf_float,
+    connect,
+    reach,
+)
+from ftrun.cluster.messages import (
     Bye,
     Command,
     End,
-    Endpoint,
     Exited,
-    Heartbeat,
     Join,
     Kill,
     Left,
+    NetDown,
     Ping,
     Pong,
     Report,
@@ -45,18 +57,30 @@ from ftrun.cluster.link import (
     Start,
     Stop,
     Stopped,
-    command_queue,
-    conf_float,
-    connect,
     parse_command,
-    send,
 )
+from ftrun.cluster.netdrill import NetDrills
 from ftrun.core import timeouts
 from ftrun.core.errors import FtrunError
 from ftrun.core.events import Event, EventSink
+from ftrun.core.fencing import Next, cut_off, rejoin_step
 from ftrun.core.spec import RunSpec
 
 MAX_ERROR_FILE_BYTES = 64 * 1024
+REJOIN_RETRY_S = 0.2  # between two tries of a fenced node to reach the store again
+
+
+@dataclass(frozen=True)
+class Fenced:
+    """This node left the job without being told: its store was lost or silent, or the
+    coordinator dropped it. `stopped`: how many of its workers it stopped."""
+
+    why: str
+    stopped: int
+
+
+def _s(n: int) -> str:
+    return "" if n == 1 else "s"
 
 
 class Follower(Agent):
@@ -67,18 +91,24 @@ class Follower(Agent):
         super().__init__(spec, env, emit)
         self.ep = ep
         self.node = -1
-        self.link: Any = None
+        self._session = 0  # one per membership: a cut session's threads may wake up late
         self._commands: queue.SimpleQueue[Command | str] = queue.SimpleQueue()
         self._lost: str | None = None
+        self._beat: Heartbeat | None = None
+        self._outbox: Outbox | None = None
         self._payload_at, self._last_payload = 0.0, dict[str, Any]()
+        self.fence_after_s = conf_float(spec, "fence_timeout", timeouts.NODE_FENCE_S)
+        self.rejoin_s = conf_float(spec, "rejoin_timeout", timeouts.NODE_REJOIN_S)
+        self.net: NetDrills | None = None
 
     # ----------------------------------------------------------------- threads
-    def _deliver(self, raw: str | bytes) -> None:
-        self._commands.put(parse_command(raw))
-        self.wake()
+    def _deliver(self, raw: str | bytes, session: int) -> None:
+        if session == self._session:
+            self._commands.put(parse_command(raw))
+            self.wake()
 
-    def _on_lost(self, why: str) -> None:
-        if self._lost is None:
+    def _on_lost(self, why: str, session: int) -> None:
+        if session == self._session and self._lost is None:
             self._lost = why or "connection closed"
         self.wake()
 
@@ -96,37 +126,54 @@ class Follower(Agent):
         return self._last_payload
 
     def _report(self, msg: Report) -> None:
-        if self._lost is None:
-            try:
-                send(self.link, AGENT_QUEUE, msg)
-            except Exception as exc:
-                self._on_lost(str(exc).splitlines()[0][:200])
+        if self._lost is None and self._outbox is not None:
+            self._outbox.put(msg)
 
     # ----------------------------------------------------------------- top level
     def _run_attempts(self) -> RunResult:
-        self.link = self._connect()
-        if isinstance(self.link, RunResult):
-            return self.link
-        self.link.set_timeout(timedelta(seconds=timeouts.STORE_LOST_S))
+        link = self._connect()
+        self.net = NetDrills(self.ep.host, self.emit)
+        try:
+            while not isinstance(link, RunResult):
+                outcome = self._membership(link)
+                if isinstance(outcome, RunResult):
+                    return outcome
+                link = self._rejoin(outcome)
+            return link
+        finally:
+            self.net.close()
+
+    def _membership(self, link: Any) -> RunResult | Fenced:
+        """One membership of the job, from joining to its end (or to this node's fencing)."""
+        self._session += 1
+        session, self._lost, self._commands = self._session, None, queue.SimpleQueue()
+        link.set_timeout(timedelta(seconds=timeouts.STORE_LOST_S))
         static = self.spec.rdzv_backend == "static"
-        self.node = self.spec.node_rank if static else int(self.link.add(NODE_COUNTER, 1))
+        self.node = self.spec.node_rank if static else int(link.add(NODE_COUNTER, 1))
         self.snapshots.bind_node(self.node)
-        self.link.delete_key(command_queue(self.node))  # an earlier agent's unread commands
+        link.delete_key(command_queue(self.node))  # an earlier agent's unread commands
+        lost = functools.partial(self._on_lost, session=session)
+        self._outbox = Outbox(self.ep, AGENT_QUEUE, timeouts.STORE_LOST_S, lost)
         reader = QueueReader(lambda: connect(self.ep, timeouts.STORE_CLIENT_CONNECT_S),
-                             command_queue(self.node), self._deliver, self._on_lost,
+                             command_queue(self.node),
+                             functools.partial(self._deliver, session=session), lost,
                              "ftrun-commands")
-        beat = Heartbeat(self.ep, self.node,
-                         conf_float(self.spec, "heartbeat", timeouts.NODE_HEARTBEAT_S),
-                         timeouts.STORE_LOST_S, self._payload, self._on_lost)
+        self._beat = Heartbeat(self.ep, self.node,
+                               conf_float(self.spec, "heartbeat", timeouts.NODE_HEARTBEAT_S),
+                               timeouts.STORE_LOST_S, self._payload, lost)
+        assert self.net is not None
         self._report(Join(node=self.node, host=socket.gethostname(), pid=os.getpid(),
-                          nproc=self.spec.nproc, rdzv_id=self.spec.rdzv_id))
+                          nproc=self.spec.nproc, rdzv_id=self.spec.rdzv_id,
+                          net_drill=self.net.refusal))
         self.emit(Event.NOTICE, {"text": f"joined the rendezvous at {self.ep} as node {self.node}"})
         try:
             return self._serve()
         finally:
-            beat.close()
-            reader.close(self.link if self._lost is None else None)
+            cut = self._lost is not None
+            self._beat.close(wait=not cut)
+            reader.close(None if cut else link)
             self._report(Bye(node=self.node))  # the coordinator may close the store now
+            self._outbox.close(0.0 if cut else timeouts.THREAD_JOIN_S)
 
     def _connect(self) -> Any:
         """Reach the store, retrying in short tries so that Ctrl-C is honoured meanwhile."""
@@ -142,10 +189,10 @@ class Follower(Agent):
             if sig is not None:
                 return self._signal_result(sig, 0)
 
-    def _serve(self) -> RunResult:
+    def _serve(self) -> RunResult | Fenced:
         while True:
             match self._next_command():
-                case RunResult() as done:
+                case RunResult() | Fenced() as done:
                     return done
                 case End() as cmd:
                     return self._end(cmd)
@@ -157,14 +204,29 @@ class Follower(Agent):
                     self._report(Stopped(node=self.node))
                 case Ping() as cmd:
                     self._report(Pong(node=self.node, seq=cmd.seq))
+                case NetDown() as cmd:
+                    self._net_down(cmd)
                 case str() as why:
                     self._refused(why)
 
     def _refused(self, why: str) -> None:
         self.emit(Event.NOTICE, {"text": f"ignored a malformed command ({why})"})
 
-    def _next_command(self) -> Command | str | RunResult:
-        """Wait (no deadline: the heartbeat notices a dead coordinator) for a command."""
+    def _net_down(self, cmd: NetDown) -> None:
+        assert self.net is not None
+        try:
+            self.net.start(self.node, cmd.duration)
+        except FtrunError as exc:
+            self.emit(Event.NOTICE, {"text": f"net-down drill refused: {exc.message}"})
+
+    def _cut_off(self) -> str | None:
+        """Why this node is out of the job now (the store lost or silent), or None."""
+        if self._lost is None and self._beat is not None:
+            self._lost = cut_off(self._beat.silent_for(), self.fence_after_s)
+        return self._lost
+
+    def _next_command(self) -> Command | str | RunResult | Fenced:
+        """Wait (no deadline: the heartbeat notices a silent store) for a command."""
         with self._selector() as sel:
             while True:
                 sig = self._wakeup.pop_signal()
@@ -172,8 +234,8 @@ class Follower(Agent):
                     self._report(Left(node=self.node,
                                       reason=f"received {signal.Signals(sig).name}"))
                     return self._signal_result(sig, self.restarts)
-                if self._lost is not None:
-                    return self._lost_result(0)
+                if (why := self._cut_off()) is not None:
+                    return Fenced(why, 0)
                 try:
                     return self._commands.get_nowait()
                 except queue.Empty:
@@ -201,7 +263,7 @@ class Follower(Agent):
                               "master": f"{self.master_addr}:{self.worker_port}",
                               "node": self.node})
 
-    def _follow(self) -> RunResult | None:
+    def _follow(self) -> RunResult | Fenced | None:
         """This node's workers run: report exits, obey commands. None when told to stop."""
         with self._selector() as sel:
             self._sel = sel
@@ -210,22 +272,22 @@ class Follower(Agent):
                     sig = self._wakeup.pop_signal()
                     if sig is not None:
                         return self._leave_on_signal(sig)
-                    if self._lost is not None:
-                        alive = sum(w.alive for w in self._workers)
-                        self._stop_workers(signal.SIGTERM, timeouts.LOST_STORE_GRACE_S)
-                        return self._lost_result(alive)
+                    if (why := self._cut_off()) is not None:
+                        return self._fence(why)
                     self._reap_ready(sel, timeout=timeouts.NODE_HEARTBEAT_S)
                     self.act(self.health.tick(None, time.time()))  # no membership here
                     self.snapshots.drain()
                     self.control_plane.apply_drills()
                     self.control_plane.sample(time.time(), whole_job=False)
+                    assert self.net is not None
+                    self.net.check()
                     stop, result = self._obey()
                     if stop:
                         return result
             finally:
                 self._sel = None
 
-    def _obey(self) -> tuple[bool, RunResult | None]:
+    def _obey(self) -> tuple[bool, RunResult | Fenced | None]:
         """Apply queued commands: (stop following?, the run's result if it ended)."""
         while True:
             try:
@@ -248,12 +310,28 @@ class Follower(Agent):
                     self._close_streams()
                     self._report(Stopped(node=self.node))
                     return True, None
+                case End(lost=True):
+                    self._lost = cmd.reason
+                    return True, self._fence(cmd.reason)
                 case End():
                     return True, self._end(cmd)
+                case NetDown():
+                    self._net_down(cmd)
                 case str():
                     self._refused(cmd)
 
-    def _end(self, cmd: End) -> RunResult:
+    def _fence(self, why: str) -> Fenced:
+        """Out of the job: this node's workers stop (SIGTERM, then SIGKILL) before anything
+        of them could act on a generation they are no longer part of."""
+        alive = sum(w.alive for w in self._workers)
+        self._stop_workers(signal.SIGTERM, timeouts.LOST_STORE_GRACE_S)
+        self._close_streams()
+        return Fenced(why, alive)
+
+    def _end(self, cmd: End) -> RunResult | Fenced:
+        if cmd.lost:
+            self._lost = cmd.reason
+            return Fenced(cmd.reason, 0)
         if any(w.alive for w in self._workers):
             self._stop_workers(signal.SIGTERM, self.spec.shutdown_timeout)
         self._close_streams()
@@ -271,11 +349,35 @@ class Follower(Agent):
         self._close_streams()
         return self._signal_result(sig, self.restarts)
 
-    def _lost_result(self, stopped: int) -> RunResult:
-        self._close_streams()
-        reason = (f"lost the rendezvous store at {self.ep}: the coordinating agent (or its "
-                  f"host) is gone ({self._lost}); stopped {stopped} worker"
-                  f"{'s' if stopped != 1 else ''} of this node")
+    # ----------------------------------------------------------------- fenced
+    def _rejoin(self, fenced: Fenced) -> Any:
+        """A new connection to the store (to join again, as a new node), or the run's end."""
+        if self.rejoin_s > 0:
+            self.emit(Event.NOTICE, {"text": f"fenced: cut off from the rendezvous store at "
+                                             f"{self.ep} ({fenced.why}); stopped "
+                                             f"{fenced.stopped} worker{_s(fenced.stopped)} of "
+                                             f"this node; trying to rejoin for up to "
+                                             f"{self.rejoin_s:g} s"})
+        start, stable_since = time.monotonic(), None
+        while (sig := self._wakeup.pop_signal()) is None:
+            failed = reach(self.ep, timeouts.CONNECT_TRY_S) if self.rejoin_s > 0 else None
+            now = time.monotonic()
+            stable_since = None if failed else stable_since or now
+            step = rejoin_step(failed is None, failed.errno if failed else None,
+                               now - (stable_since or now), now - start, self.rejoin_s,
+                               timeouts.NODE_SETTLE_S)
+            if step.action is Next.END:
+                return self._lost_result(fenced, step.reason)
+            if step.action is Next.JOIN:
+                with contextlib.suppress(FtrunError):
+                    return connect(self.ep, timeouts.CONNECT_TRY_S)
+                stable_since = None
+            self._wakeup.wait(REJOIN_RETRY_S)
+        return self._signal_result(sig, self.restarts)
+
+    def _lost_result(self, fenced: Fenced, why: str) -> RunResult:
+        reason = (f"lost the rendezvous store at {self.ep} ({fenced.why}); stopped "
+                  f"{fenced.stopped} worker{_s(fenced.stopped)} of this node; {why}")
         self.emit(Event.FAILURE, {"reason": reason, "rank": None})
         return RunResult(1, reason, restarts_used=self.restarts, log_dir=self.logs.run_dir)
 
@@ -290,6 +392,14 @@ class Follower(Agent):
                             pid=w.exit.pid, returncode=w.exit.returncode,
                             wall_time=w.exit.wall_time, error=error,
                             by_launcher=w.exit.killed_by_launcher))
+
+    def net_down(self, node: int, duration: float) -> dict[str, Any]:
+        if node != self.node:
+            raise FtrunError(f"this is node {self.node}, not node {node}",
+                             hint=f"run the drill on node {node}, or on the coordinator (node 0)")
+        if self.net is None:
+            raise FtrunError("this node has not joined the job yet", hint="try again in a moment")
+        return self.net.start(node, duration)
 
     def uses_api(self) -> bool:
         """No Recovery here: a worker that reported a generation uses the API."""

@@ -2,9 +2,10 @@
 
 Owns: deciding which agent hosts the rendezvous store (the one that can bind the endpoint on
 this host; node rank 0 with the static backend), connecting the others, the store's keys,
-the typed messages between agents (commands to a node; a node's reports: joining, a worker's
-exit, ...) and node heartbeats, written by a thread on a store connection of its own (the
-queues are read by `ftrun.adapters.store.QueueReader`).
+node heartbeats (a thread on a store connection of its own, which also times the round
+trips a follower fences on), a follower's outbox (its reports, sent by a thread, so that a
+cut link never blocks its main loop) and the coordinator's clocks on the nodes. The messages
+are in `messages`; the queues are read by `ftrun.adapters.store.QueueReader`.
 Must not import: typer, rich, the CLI, the agent or the worker library. Torch lazily.
 """
 
@@ -12,18 +13,21 @@ from __future__ import annotations
 
 import contextlib
 import json
+import queue
 import socket
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from datetime import timedelta
+from typing import Any
 
 from ftrun.adapters.store import HostedStore, client
+from ftrun.cluster.messages import Command, Report
 from ftrun.core import timeouts
 from ftrun.core.errors import FtrunError, StoreError
 from ftrun.core.spec import RunSpec
-from ftrun.protocol.rendezvous import WORKER_ID_STRIDE, decode, encode
+from ftrun.protocol.rendezvous import WORKER_ID_STRIDE, encode
 
 PREFIX = "ftrun/rdzv/"
 NODE_COUNTER = PREFIX + "nodes"  # c10d: followers draw their node index here (1, 2, ...)
@@ -95,19 +99,27 @@ def endpoint_of(spec: RunSpec) -> Endpoint:
 
 
 def _is_local(host: str) -> bool:
+    """Whether `host` names this host: one of its addresses can be bound here (an address of
+    any interface, in this network namespace; a host name need not resolve to it)."""
     try:
-        wanted = {str(a[4][0]) for a in socket.getaddrinfo(host, None)}
+        wanted = {(a[0], str(a[4][0])) for a in socket.getaddrinfo(host, None)}
     except OSError:
         return False
-    if any(a.startswith("127.") or a == "::1" for a in wanted):
-        return True
-    mine: set[str] = set()
-    for name in {socket.gethostname(), socket.getfqdn()}:
-        try:
-            mine |= {str(a[4][0]) for a in socket.getaddrinfo(name, None)}
-        except OSError:
-            continue
-    return bool(wanted & mine)
+    for family, addr in wanted:
+        with contextlib.suppress(OSError), socket.socket(family, socket.SOCK_STREAM) as s:
+            s.bind((addr, 0))
+            return True
+    return False
+
+
+def reach(ep: Endpoint, timeout_s: float) -> OSError | None:
+    """None when something accepts connections at `ep`, else the error. A plain socket first:
+    c10d's own client prints a C++ stack trace for every failed try."""
+    try:
+        with socket.create_connection((ep.host, ep.port), timeout=timeout_s):
+            return None
+    except OSError as exc:
+        return exc
 
 
 def try_host(spec: RunSpec, ep: Endpoint) -> HostedStore | None:
@@ -127,159 +139,17 @@ def try_host(spec: RunSpec, ep: Endpoint) -> HostedStore | None:
 
 def connect(ep: Endpoint, timeout_s: float) -> Any:
     """A client connection to the rendezvous store; a clear error when nobody serves it."""
+    start = time.monotonic()
     try:
-        return client(ep.host, ep.port, timeout_s)
+        failed = reach(ep, timeout_s)
+        if failed is not None:
+            raise StoreError(failed.strerror or "timed out")
+        return client(ep.host, ep.port, max(0.1, timeout_s - (time.monotonic() - start)))
     except Exception as exc:
         raise FtrunError(f"cannot reach the rendezvous store at {ep} within {timeout_s:g} s "
                          f"({str(exc).splitlines()[0][:120]})",
                          hint="start the agent of the endpoint host (node rank 0) first, or "
                               "check --rdzv-endpoint / --master-addr and the firewall") from None
-
-
-# ------------------------------------------------------ coordinator -> follower: commands
-@dataclass(frozen=True)
-class Start:
-    """Start this node's workers for attempt `attempt` (ranks from `base_rank`; -1: joiners
-    or spares), whose store is at addr:port."""
-
-    kind: ClassVar[str] = "start"
-    attempt: int
-    addr: str
-    port: int
-    base_rank: int
-    world_size: int
-    group_rank: int
-    group_world_size: int
-    first_id: int
-    run_id: str
-    spare: bool
-
-
-@dataclass(frozen=True)
-class Spawn:
-    """Start one more worker (a replacement, a spare) on this node."""
-
-    kind: ClassVar[str] = "spawn"
-    worker: int
-    rank: int
-    local_rank: int
-    spare: bool
-
-
-@dataclass(frozen=True)
-class Kill:
-    kind: ClassVar[str] = "kill"
-    worker: int
-
-
-@dataclass(frozen=True)
-class Stop:
-    """Stop this attempt's workers (signal, then SIGKILL after `grace` seconds)."""
-
-    kind: ClassVar[str] = "stop"
-    signal: int
-    grace: float
-
-
-@dataclass(frozen=True)
-class End:
-    """The job is over (or this node is out of it): stop and exit with `code`."""
-
-    kind: ClassVar[str] = "end"
-    code: int
-    reason: str
-
-
-@dataclass(frozen=True)
-class Ping:
-    kind: ClassVar[str] = "ping"
-    seq: int
-
-
-# ------------------------------------------------------ follower -> coordinator: reports
-@dataclass(frozen=True)
-class Join:
-    kind: ClassVar[str] = "join"
-    node: int
-    host: str
-    pid: int
-    nproc: int
-    rdzv_id: str
-
-
-@dataclass(frozen=True)
-class Spawned:
-    kind: ClassVar[str] = "spawned"
-    node: int
-    worker: int
-    pid: int
-    local_rank: int
-
-
-@dataclass(frozen=True)
-class Exited:
-    """A worker of attempt `attempt` ended; `error` is its error file's text, if any."""
-
-    kind: ClassVar[str] = "exit"
-    node: int
-    worker: int
-    attempt: int
-    pid: int
-    returncode: int
-    wall_time: float
-    error: str
-    by_launcher: bool
-
-
-@dataclass(frozen=True)
-class Stopped:
-    kind: ClassVar[str] = "stopped"
-    node: int
-
-
-@dataclass(frozen=True)
-class Left:
-    """The node's agent is leaving on its own (a signal)."""
-
-    kind: ClassVar[str] = "left"
-    node: int
-    reason: str
-
-
-@dataclass(frozen=True)
-class Pong:
-    kind: ClassVar[str] = "pong"
-    node: int
-    seq: int
-
-
-@dataclass(frozen=True)
-class Bye:
-    """The node's agent has let go of the store: the coordinator may close it."""
-
-    kind: ClassVar[str] = "bye"
-    node: int
-
-
-Command = Start | Spawn | Kill | Stop | End | Ping
-Report = Join | Spawned | Exited | Stopped | Left | Pong | Bye
-COMMANDS: dict[str, type[Command]] = {c.kind: c for c in (Start, Spawn, Kill, Stop, End, Ping)}
-REPORTS: dict[str, type[Report]] = {
-    c.kind: c for c in (Join, Spawned, Exited, Stopped, Left, Pong, Bye)}
-
-
-def send(store: Any, queue_key: str, msg: Command | Report) -> None:
-    store.queue_push(queue_key, encode(msg))
-
-
-def parse_command(raw: str | bytes) -> Command | str:
-    """A command as a follower may obey it, or the one-line reason it is refused."""
-    return decode(raw, COMMANDS)
-
-
-def parse_report(raw: str | bytes) -> Report | str:
-    """A follower's report as the coordinator may act on it, or why it is refused."""
-    return decode(raw, REPORTS)
 
 
 def read_payload(store: Any, node: int) -> dict[str, Any]:
@@ -293,20 +163,29 @@ def read_payload(store: Any, node: int) -> dict[str, Any]:
 
 class Heartbeat:
     """A follower's pulse: a counter bumped every `interval_s` (a round trip, so a store that
-    stopped answering is noticed within `lost_after_s`), and what its workers are doing."""
+    stopped answering is noticed within `lost_after_s`, and a cut link by `silent_for` at
+    once), and what its workers are doing."""
 
     def __init__(self, ep: Endpoint, node: int, interval_s: float, lost_after_s: float,
                  payload: Callable[[], dict[str, Any]], on_lost: Callable[[str], None]) -> None:
         self._ep, self._node = ep, node
         self._interval, self._lost_after = interval_s, lost_after_s
         self._payload, self._on_lost = payload, on_lost
+        self._last_ok = time.monotonic()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="ftrun-heartbeat", daemon=True)
         self._thread.start()
 
-    def close(self) -> None:
+    def silent_for(self) -> float:
+        """Seconds since the store last answered a beat (or since the heartbeat started)."""
+        return time.monotonic() - self._last_ok
+
+    def close(self, wait: bool = True) -> None:
+        """`wait` False: the link is cut, the thread may be inside a call that answers only
+        when the link comes back; it ends then, unseen (a daemon)."""
         self._stop.set()
-        self._thread.join(timeouts.THREAD_JOIN_S)
+        if wait:
+            self._thread.join(timeouts.THREAD_JOIN_S)
 
     def _run(self) -> None:
         try:
@@ -325,58 +204,41 @@ class Heartbeat:
                 if not self._stop.is_set():
                     self._on_lost(str(exc).splitlines()[0][:200])
                 return
+            self._last_ok = time.monotonic()
             self._stop.wait(self._interval)
 
 
-class Probe:
-    """One ping round after a broken connection: every node of the attempt is asked to answer
-    at once; one that neither answers nor beats within the wait is gone."""
+class Outbox:
+    """A follower's reports to the coordinator, pushed in order by a thread on a store
+    connection of its own: the main loop never waits on the network (a cut link would hold
+    it until the store's timeout). A failed push goes to `on_lost`; what is left is dropped."""
 
-    def __init__(self) -> None:
-        self.seq = 0
-        self._asked: set[int] = set()
-        self._sent_at: float | None = None
+    def __init__(self, ep: Endpoint, key: str, timeout_s: float,
+                 on_lost: Callable[[str], None]) -> None:
+        self._ep, self._key, self._timeout = ep, key, timeout_s
+        self._on_lost = on_lost
+        self._items: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="ftrun-outbox", daemon=True)
+        self._thread.start()
 
-    def start(self, nodes: list[int], now: float) -> int | None:
-        """A new round (None while one is running): the sequence number to send."""
-        if self._sent_at is not None:
-            return None
-        self.seq += 1
-        self._asked, self._sent_at = set(nodes), now
-        return self.seq
+    def put(self, msg: Command | Report) -> None:
+        self._items.put(encode(msg).encode())
 
-    def answer(self, node: int, seq: int) -> None:
-        if seq == self.seq:
-            self._asked.discard(node)
+    def close(self, flush_s: float) -> None:
+        """Send what is queued (at most `flush_s` seconds), then end the thread."""
+        self._items.put(None)
+        self._thread.join(flush_s)
 
-    def silent(self, now: float, wait_s: float) -> set[int]:
-        """After `wait_s`: the nodes that did not answer (the round is then over)."""
-        if self._sent_at is None or now - self._sent_at < wait_s:
-            return set()
-        silent, self._asked, self._sent_at = self._asked, set(), None
-        return silent
-
-
-class BeatTracker:
-    """The coordinator's clock on each follower: when its counter last moved (monotonic,
-    this host's clock: immune to skew between hosts)."""
-
-    def __init__(self) -> None:
-        self._last: dict[int, tuple[int, float]] = {}
-
-    def watch(self, node: int) -> None:
-        self._last[node] = (-1, time.monotonic())
-
-    def forget(self, node: int) -> None:
-        self._last.pop(node, None)
-
-    def ages(self, store: Any) -> dict[int, float]:
-        now = time.monotonic()
-        out: dict[int, float] = {}
-        for node, (count, seen) in list(self._last.items()):
-            current = int(store.add(heartbeat_key(node), 0))
-            if current != count:
-                self._last[node] = (current, now)
-                seen = now
-            out[node] = now - seen
-        return out
+    def _run(self) -> None:
+        try:
+            client = connect(self._ep, self._timeout)
+            client.set_timeout(timedelta(seconds=self._timeout))
+        except Exception as exc:
+            self._on_lost(str(exc).splitlines()[0][:200])
+            return
+        while (item := self._items.get()) is not None:
+            try:
+                client.queue_push(self._key, item)
+            except Exception as exc:
+                self._on_lost(str(exc).splitlines()[0][:200])
+                return

@@ -2,7 +2,8 @@
 
 Owns: `FaultKind` and the groups derived from it: the drills a worker's progress slot
 carries (their order is the slot's format), the ones the agent acts out with a signal, the
-ones only a worker can act out, the GPU kinds and the drills that stall a whole group.
+ones only a worker can act out, the GPU kinds, the node kinds and the drills that stall a
+whole group.
 Must not import: anything beyond the standard library and ftrun.core.states.
 """
 
@@ -31,10 +32,13 @@ class FaultKind(TextEnum):
     XID = "xid"
     ECC = "ecc"
     THERMAL = "thermal"
+    # faults of a node (--node K)
+    NET_DOWN = "net-down"  # its link down for --duration seconds
 
 
 GPU_KINDS = (FaultKind.XID, FaultKind.ECC, FaultKind.THERMAL)
-SLOT_DRILLS = tuple(kind for kind in FaultKind if kind not in GPU_KINDS)
+NODE_KINDS = (FaultKind.NET_DOWN,)
+SLOT_DRILLS = tuple(kind for kind in FaultKind if kind not in GPU_KINDS + NODE_KINDS)
 # with no --at-step the agent sends these itself; with one, the worker signals itself. Keyed
 # by str: a request's plain kind looks its signal up
 AGENT_SIGNALS: dict[str, signal.Signals] = {

@@ -17,9 +17,18 @@ ZYGOTE_FORK_S = 3.0  # the zygote answering one fork request with the worker's p
 ZYGOTE_REPARENT_S = 5.0  # a forked worker waiting to become the agent's child
 
 # Multi-node (each overridable with --rdzv-conf heartbeat=, node_timeout=, suspect_timeout=,
-# join_timeout=, last_call_timeout=)
+# quiet_timeout=, cut_timeout=, fence_timeout=, rejoin_timeout=, join_timeout=,
+# last_call_timeout=)
 NODE_HEARTBEAT_S = 0.1  # a follower agent bumps its heartbeat counter this often
 NODE_LOST_S = 5.0  # no heartbeat for this long: the node is lost (host gone, agent frozen)
+NODE_QUIET_S = 0.7  # no heartbeat for this long: the coordinator pings every node (a cut link)
+NODE_CUT_S = 1.3  # ...and one that did not answer is lost after this much silence: a carrier
+# blink silences a link for ~1.1 s however short it is (the kernel takes a carrier change at
+# most once a second), and costs nothing
+NODE_FENCE_S = 3.0  # a follower with no store round trip for this long stops its workers: the
+# coordinator has dropped it by then (~1.3 s), so nothing of it may act any more
+NODE_REJOIN_S = 10.0  # a fenced follower trying to reach the store again, as a new node
+NODE_SETTLE_S = 1.0  # ...which must have answered every try for this long (a flapping link)
 NODE_SUSPECT_S = 1.0  # the same once a worker saw a peer's connection break
 NODE_PING_S = 0.3  # ...or no answer to a ping within this, and no heartbeat for as long
 NODE_JOIN_S = 600.0  # the coordinator waiting for --nnodes MIN nodes (torchrun's join_timeout)

@@ -1,0 +1,177 @@
+"""The typed messages between the agents of a multi-node job, as they travel on the store.
+
+Owns: the commands a coordinator sends one node (start, spawn, kill, stop, end, ping, a
+net-down drill) and the reports a node sends the coordinator (join, a worker's exit, ...),
+each checked field by field where it enters (`parse_command`, `parse_report`).
+Must not import: typer, rich, the CLI, the agent or the worker library.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from ftrun.protocol.rendezvous import decode, encode
+
+
+# ------------------------------------------------------ coordinator -> follower: commands
+@dataclass(frozen=True)
+class Start:
+    """Start this node's workers for attempt `attempt` (ranks from `base_rank`; -1: joiners
+    or spares), whose store is at addr:port."""
+
+    kind: ClassVar[str] = "start"
+    attempt: int
+    addr: str
+    port: int
+    base_rank: int
+    world_size: int
+    group_rank: int
+    group_world_size: int
+    first_id: int
+    run_id: str
+    spare: bool
+
+
+@dataclass(frozen=True)
+class Spawn:
+    """Start one more worker (a replacement, a spare) on this node."""
+
+    kind: ClassVar[str] = "spawn"
+    worker: int
+    rank: int
+    local_rank: int
+    spare: bool
+
+
+@dataclass(frozen=True)
+class Kill:
+    kind: ClassVar[str] = "kill"
+    worker: int
+
+
+@dataclass(frozen=True)
+class Stop:
+    """Stop this attempt's workers (signal, then SIGKILL after `grace` seconds)."""
+
+    kind: ClassVar[str] = "stop"
+    signal: int
+    grace: float
+
+
+@dataclass(frozen=True)
+class End:
+    """The job is over (or this node is out of it): stop and exit with `code`. `lost`: the
+    coordinator dropped this node (a cut link seen from its side); the node fences, and may
+    come back as a new node."""
+
+    kind: ClassVar[str] = "end"
+    code: int
+    reason: str
+    lost: bool
+
+
+@dataclass(frozen=True)
+class Ping:
+    kind: ClassVar[str] = "ping"
+    seq: int
+
+
+@dataclass(frozen=True)
+class NetDown:
+    """A drill (`ftrun inject-fault --node K --kind net-down`): take this node's link down
+    for `duration` seconds."""
+
+    kind: ClassVar[str] = "net_down"
+    duration: float
+
+
+# ------------------------------------------------------ follower -> coordinator: reports
+@dataclass(frozen=True)
+class Join:
+    """A node's agent joining. `net_drill`: why a net-down drill cannot run there ("" if it
+    can), so that the coordinator refuses one at once."""
+
+    kind: ClassVar[str] = "join"
+    node: int
+    host: str
+    pid: int
+    nproc: int
+    rdzv_id: str
+    net_drill: str
+
+
+@dataclass(frozen=True)
+class Spawned:
+    kind: ClassVar[str] = "spawned"
+    node: int
+    worker: int
+    pid: int
+    local_rank: int
+
+
+@dataclass(frozen=True)
+class Exited:
+    """A worker of attempt `attempt` ended; `error` is its error file's text, if any."""
+
+    kind: ClassVar[str] = "exit"
+    node: int
+    worker: int
+    attempt: int
+    pid: int
+    returncode: int
+    wall_time: float
+    error: str
+    by_launcher: bool
+
+
+@dataclass(frozen=True)
+class Stopped:
+    kind: ClassVar[str] = "stopped"
+    node: int
+
+
+@dataclass(frozen=True)
+class Left:
+    """The node's agent is leaving on its own (a signal)."""
+
+    kind: ClassVar[str] = "left"
+    node: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class Pong:
+    kind: ClassVar[str] = "pong"
+    node: int
+    seq: int
+
+
+@dataclass(frozen=True)
+class Bye:
+    """The node's agent has let go of the store: the coordinator may close it."""
+
+    kind: ClassVar[str] = "bye"
+    node: int
+
+
+Command = Start | Spawn | Kill | Stop | End | Ping | NetDown
+Report = Join | Spawned | Exited | Stopped | Left | Pong | Bye
+COMMANDS: dict[str, type[Command]] = {
+    c.kind: c for c in (Start, Spawn, Kill, Stop, End, Ping, NetDown)}
+REPORTS: dict[str, type[Report]] = {
+    c.kind: c for c in (Join, Spawned, Exited, Stopped, Left, Pong, Bye)}
+
+
+def send(store: Any, queue_key: str, msg: Command | Report) -> None:
+    store.queue_push(queue_key, encode(msg))
+
+
+def parse_command(raw: str | bytes) -> Command | str:
+    """A command as a follower may obey it, or the one-line reason it is refused."""
+    return decode(raw, COMMANDS)
+
+
+def parse_report(raw: str | bytes) -> Report | str:
+    """A follower's report as the coordinator may act on it, or why it is refused."""
+    return decode(raw, REPORTS)

@@ -1,0 +1,132 @@
+"""The coordinator's watch on the other nodes: is each one still there?
+
+Owns: each node's heartbeat clock (when its counter last moved, on this host's clock), ping
+rounds, and the verdict of each pass: the nodes lost (no heartbeat for `node_timeout`; after
+a broken connection, `suspect_timeout`; or a ping unanswered within `timeouts.NODE_PING_S`
+with no beat either) and the ping round to send. A node quiet for `quiet_timeout` (a cut
+link: no connection breaks, the beats just stop) starts a round for every node, so that
+nodes cut off together are dropped together.
+Must not import: typer, rich, the CLI, the agent or the worker library.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ftrun.cluster.link import heartbeat_key
+from ftrun.core import timeouts
+from ftrun.core.fencing import quiet_nodes
+from ftrun.core.policy import find_lost_nodes
+
+
+class Probe:
+    """One ping round after a broken connection: every node of the attempt is asked to answer
+    at once; one that neither answers nor beats within the wait is gone."""
+
+    def __init__(self) -> None:
+        self.seq = 0
+        self._asked: set[int] = set()
+        self._sent_at: float | None = None
+
+    def start(self, nodes: list[int], now: float) -> int | None:
+        """A new round (None while one is running): the sequence number to send."""
+        if self._sent_at is not None:
+            return None
+        self.seq += 1
+        self._asked, self._sent_at = set(nodes), now
+        return self.seq
+
+    def answer(self, node: int, seq: int) -> None:
+        if seq == self.seq:
+            self._asked.discard(node)
+
+    def silent(self, now: float, wait_s: float) -> set[int]:
+        """After `wait_s`: the nodes that did not answer (the round is then over)."""
+        if self._sent_at is None or now - self._sent_at < wait_s:
+            return set()
+        silent, self._asked, self._sent_at = self._asked, set(), None
+        return silent
+
+
+class BeatTracker:
+    """The coordinator's clock on each follower: when its counter last moved (monotonic,
+    this host's clock: immune to skew between hosts)."""
+
+    def __init__(self) -> None:
+        self._last: dict[int, tuple[int, float]] = {}
+
+    def watch(self, node: int) -> None:
+        self._last[node] = (-1, time.monotonic())
+
+    def forget(self, node: int) -> None:
+        self._last.pop(node, None)
+
+    def ages(self, store: Any) -> dict[int, float]:
+        now = time.monotonic()
+        out: dict[int, float] = {}
+        for node, (count, seen) in list(self._last.items()):
+            current = int(store.add(heartbeat_key(node), 0))
+            if current != count:
+                self._last[node] = (current, now)
+                seen = now
+            out[node] = now - seen
+        return out
+
+
+@dataclass(frozen=True)
+class Verdict:
+    lost: list[tuple[int, str, float]]  # node, why, silent for (s)
+    ping: tuple[int, list[int]] | None  # a new round: its number and the nodes to ask
+
+
+class NodeWatch:
+    def __init__(self, lost_after_s: float, suspect_after_s: float, quiet_after_s: float,
+                 cut_after_s: float) -> None:
+        self.lost_after_s, self.suspect_after_s = lost_after_s, suspect_after_s
+        self.quiet_after_s, self.cut_after_s = quiet_after_s, cut_after_s
+        self.beats = BeatTracker()
+        self._probe = Probe()
+        self._suspect_until = 0.0
+        self._unanswered: set[int] = set()  # asked in a finished round, silent since
+
+    def watch(self, node: int) -> None:
+        self.beats.watch(node)
+
+    def forget(self, node: int) -> None:
+        self.beats.forget(node)
+        self._unanswered.discard(node)
+
+    def answer(self, node: int, seq: int) -> None:
+        self._probe.answer(node, seq)
+        self._unanswered.discard(node)
+
+    def suspect(self, nodes: Sequence[int]) -> tuple[int, list[int]] | None:
+        """A worker saw a peer's connection break: a ping round over `nodes` (None while one
+        runs), and the heartbeats judged on a short fuse for a while."""
+        now = time.monotonic()
+        self._suspect_until = now + self.lost_after_s
+        seq = self._probe.start(list(nodes), now)
+        return None if seq is None else (seq, list(nodes))
+
+    def check(self, store: Any, nodes: Sequence[int]) -> Verdict:
+        """One pass over the heartbeats of every watched node; `nodes`: those a quiet node's
+        ping round asks. After a broken connection, a node that did not answer is lost once
+        silent for `timeouts.NODE_PING_S`; otherwise (a link may just have blinked) once
+        silent for `cut_after_s`."""
+        now = time.monotonic()
+        ages = self.beats.ages(store)
+        suspecting = now < self._suspect_until
+        ping = None
+        if quiet_nodes(ages, self.quiet_after_s) and (seq := self._probe.start(
+                list(nodes), now)) is not None:
+            ping = (seq, list(nodes))
+        self._unanswered |= self._probe.silent(now, timeouts.NODE_PING_S)
+        self._unanswered &= {n for n, age in ages.items() if age >= timeouts.NODE_PING_S}
+        lost = [(n, why, ages[n]) for n, why in find_lost_nodes(
+            ages, self.suspect_after_s if suspecting else self.lost_after_s,
+            frozenset(self._unanswered), timeouts.NODE_PING_S if suspecting
+            else self.cut_after_s)]
+        return Verdict(lost, ping)
