@@ -1,6 +1,7 @@
 """Node-loss recovery, ftrun against torchrun, in the same run, on one machine.
 
     python scripts/bench_node_loss.py [--nodes 3] [--nproc 1] [--kill-after 20]
+    python scripts/bench_node_loss.py --partition [--outage 6] [--torchrun-cap 60]  (root)
 
 Each "node" is one launcher process on loopback (c10d rendezvous on 127.0.0.1), with
 --nproc workers running scripts/bench_recovery_worker.py (~10 M-parameter MLP, gloo).
@@ -10,6 +11,7 @@ by the smaller job; committed steps lost = the highest step the full job committ
 step the smaller job resumed from, plus one, when positive. torchrun: DDP with a checkpoint every 10
 steps, --max-restarts 3, its default c10d timeouts (what a user gets); ftrun: the same model
 through the ftrun API. Prints both and their ratio; every process is gone at the end.
+--partition: the last node's network cut instead (scripts/bench_partition.py).
 """
 from __future__ import annotations
 
@@ -158,7 +160,18 @@ def main() -> None:
     ap.add_argument("--only", choices=["ftrun", "torchrun"])
     ap.add_argument("--show-logs", type=int, default=0, metavar="N",
                     help="print the last N lines of each surviving launcher when it fails")
+    ap.add_argument("--partition", action="store_true",
+                    help="cut the last node's link instead (network namespaces, root)")
+    ap.add_argument("--outage", type=float, default=6.0,
+                    help="--partition: seconds until the link comes back")
+    ap.add_argument("--torchrun-cap", type=float, default=60.0,
+                    help="--partition: how long torchrun is given to commit a step again")
     a = ap.parse_args()
+    if a.partition:
+        import bench_partition
+
+        bench_partition.report(a)
+        return
     skipped: dict[str, float | str] = {"error": "not measured (--only)"}
     ft = measure("ftrun", a) if a.only != "torchrun" else skipped
     tr = measure("torchrun", a) if a.only != "ftrun" else skipped

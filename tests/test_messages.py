@@ -38,6 +38,7 @@ COMMANDS = [
     cluster.Stop(signal=15, grace=30.0),
     cluster.End(code=1, reason="node index 1 is taken", lost=False),
     cluster.Ping(seq=9),
+    cluster.NetDown(duration=6.0),
 ]
 REPORTS = [
     cluster.Join(node=1, host="h1", pid=77, nproc=2, rdzv_id="job", net_drill=""),

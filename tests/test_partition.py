@@ -53,7 +53,10 @@ def job(lab: netlab.NetLab, port: int, *flags: str, steps: int, out: Path) -> li
     return ["--nnodes", "2:3", "--nproc", "1", *flags, "--rdzv-backend", "c10d",
             "--rdzv-endpoint", f"{lab.addr(0)}:{port}", "--rdzv-id", "part",
             str(FIXTURES / "ft_train.py"), "--steps", str(steps), "--step-time", "0.04",
-            "--out", str(out), "--trail", str(out)]
+            "--out", str(out), "--trail", str(out),
+            # several all-reduces in flight: a cut leaves more of them hanging than gloo has
+            # threads, and the next generation's group must not queue behind them
+            "--bucket-mb", "0.004"]
 
 
 def node_of(doc: dict[str, Any], agent: Node) -> int:
@@ -72,6 +75,7 @@ def start_three(lab: netlab.NetLab, hosts, args: list[str]) -> list[Node]:
     return [coord, hosts(1, args), hosts(2, args)]
 
 
+@pytest.mark.timeout(300)  # ~80 s: three outages, two rejoins, then the end of training
 def test_a_cut_off_follower_is_fenced_and_rejoins(tmp_path: Path, lab, hosts) -> None:
     out = tmp_path / "out"
     out.mkdir()
@@ -102,9 +106,11 @@ def test_a_cut_off_follower_is_fenced_and_rejoins(tmp_path: Path, lab, hosts) ->
     # a real outage, as a drill: node K takes its own link down for 6 s
     k2 = node_of(calm, f2)
     f2_workers = {w["worker_id"]: w["pid"] for w in calm["workers"] if w["node"] == k2}
+    cut_at = time.time()
     drill = subprocess.run(ftrun_cmd("inject-fault", "--node", str(k2), "--kind", "net-down",
                                      "--duration", "6"), env=f2.env, capture_output=True,
                            text=True, timeout=30)
+    outages = [(cut_at, cut_at + 6.0)]  # the job must go on while the node is cut off
     assert drill.returncode == 0, drill.stderr
     assert f"node {k2} (eth0) takes its link down for 6 s" in drill.stdout
     wait_for(lambda: not any(pid_alive(p) for p in f2_workers.values()), 30,
@@ -121,10 +127,12 @@ def test_a_cut_off_follower_is_fenced_and_rejoins(tmp_path: Path, lab, hosts) ->
     k1 = node_of(back, f1)
     f1_workers = {w["worker_id"]: w["pid"] for w in back["workers"] if w["node"] == k1}
     lab.drop_sends(1, 0)
+    cut_at = time.time()
     wait_for(lambda: not any(pid_alive(p) for p in f1_workers.values()), 30,
              "the half-cut node's workers stopped (fenced)")
     time.sleep(1.0)
     lab.allow_sends(1, 0)
+    outages.append((cut_at, time.time()))
     time.sleep(0.5)
     lab.drop_sends(1, 0)
     time.sleep(3.0)
@@ -142,8 +150,16 @@ def test_a_cut_off_follower_is_fenced_and_rejoins(tmp_path: Path, lab, hosts) ->
         assert follower.stderr.count("fenced: cut off from the rendezvous store") == 1
         assert follower.stderr.count("joined the rendezvous at") == 2
 
-    # fencing: whatever a cut-off worker committed, a survivor committed in the same generation
+    # the job went on without the cut node, not once its link was back: generation g + 1 (the
+    # one without it) committed a step within outage g
     survivors = {int(p.stem.split("_")[1]) for p in out.glob("params_*.pt")}
+    for gen, (start, end) in enumerate(outages, start=1):
+        first = min(e["t"] for w in survivors for e in trail(out, w) if e["ok"]
+                    and e["gen"] == gen)
+        assert start < first < end, f"generation {gen} committed {first - start:.1f} s " \
+            f"after the cut, the link was back after {end - start:.1f} s"
+
+    # fencing: whatever a cut-off worker committed, a survivor committed in the same generation
     committed = {(e["gen"], e["step"]) for w in survivors for e in trail(out, w) if e["ok"]}
     for wid in {**f2_workers, **f1_workers}:
         alone = [e for e in trail(out, wid) if e["ok"] and (e["gen"], e["step"]) not in committed]

@@ -37,6 +37,13 @@ def test_status_with_no_job(capsys) -> None:
     (["inject-fault", "--rank", "0"], "Missing option '--kind'"),
     (["inject-fault", "--kind", "kill", "--rank", "0", "--count", "3"], "needs --every"),
     (["status", "--bogus"], "No such option: --bogus"),
+    (["inject-fault", "--kind", "net-down", "--rank", "0"], "--kind net-down takes --node K"),
+    (["inject-fault", "--kind", "kill", "--node", "1"], "--node takes --kind net-down"),
+    (["inject-fault", "--kind", "net-down", "--node", "1"], "needs --duration SECONDS > 0"),
+    (["inject-fault", "--kind", "net-down", "--node", "1", "--duration", "-2"],
+     "--duration must be a number of seconds"),
+    (["inject-fault", "--kind", "net-down", "--node", "1", "--rank", "0", "--duration", "1"],
+     "exactly one of"),
 ])
 def test_inject_fault_usage_errors(argv, needle, capsys) -> None:
     assert main(argv) == 2

@@ -58,14 +58,14 @@ class BeatTracker:
     def __init__(self) -> None:
         self._last: dict[int, tuple[int, float]] = {}
 
-    def watch(self, node: int) -> None:
-        self._last[node] = (-1, time.monotonic())
+    def watch(self, node: int, now: float | None = None) -> None:
+        self._last[node] = (-1, time.monotonic() if now is None else now)
 
     def forget(self, node: int) -> None:
         self._last.pop(node, None)
 
-    def ages(self, store: Any) -> dict[int, float]:
-        now = time.monotonic()
+    def ages(self, store: Any, now: float | None = None) -> dict[int, float]:
+        now = time.monotonic() if now is None else now
         out: dict[int, float] = {}
         for node, (count, seen) in list(self._last.items()):
             current = int(store.add(heartbeat_key(node), 0))
@@ -92,8 +92,8 @@ class NodeWatch:
         self._suspect_until = 0.0
         self._unanswered: set[int] = set()  # asked in a finished round, silent since
 
-    def watch(self, node: int) -> None:
-        self.beats.watch(node)
+    def watch(self, node: int, now: float | None = None) -> None:
+        self.beats.watch(node, now)
 
     def forget(self, node: int) -> None:
         self.beats.forget(node)
@@ -103,21 +103,22 @@ class NodeWatch:
         self._probe.answer(node, seq)
         self._unanswered.discard(node)
 
-    def suspect(self, nodes: Sequence[int]) -> tuple[int, list[int]] | None:
+    def suspect(self, nodes: Sequence[int], now: float | None = None
+                ) -> tuple[int, list[int]] | None:
         """A worker saw a peer's connection break: a ping round over `nodes` (None while one
         runs), and the heartbeats judged on a short fuse for a while."""
-        now = time.monotonic()
+        now = time.monotonic() if now is None else now
         self._suspect_until = now + self.lost_after_s
         seq = self._probe.start(list(nodes), now)
         return None if seq is None else (seq, list(nodes))
 
-    def check(self, store: Any, nodes: Sequence[int]) -> Verdict:
+    def check(self, store: Any, nodes: Sequence[int], now: float | None = None) -> Verdict:
         """One pass over the heartbeats of every watched node; `nodes`: those a quiet node's
         ping round asks. After a broken connection, a node that did not answer is lost once
         silent for `timeouts.NODE_PING_S`; otherwise (a link may just have blinked) once
         silent for `cut_after_s`."""
-        now = time.monotonic()
-        ages = self.beats.ages(store)
+        now = time.monotonic() if now is None else now
+        ages = self.beats.ages(store, now)
         suspecting = now < self._suspect_until
         ping = None
         if quiet_nodes(ages, self.quiet_after_s) and (seq := self._probe.start(

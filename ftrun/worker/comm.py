@@ -27,6 +27,7 @@ from ftrun.protocol.rendezvous import Generation, Store, gen_key
 
 REAP_POLL_S = 0.5  # how often the reaper looks at abandoned ops that are still pending
 REAP_GRACE_S = 5.0  # past an op's own timeout, release it even if it never said it ended
+BUSY_POLL_S = 0.01  # Reaper.busy waiting for abandoned ops to end
 
 
 class Abandoned(Exception):
@@ -92,6 +93,21 @@ class Reaper:
         deadline = time.monotonic() + timeout_s + REAP_GRACE_S
         self._add(lambda: self._ops.append((id(pg), work, done, deadline)))
 
+    def busy(self, pg: Any, grace_s: float) -> bool:
+        """Whether an abandoned op of `pg` still runs after `grace_s`: gloo runs a group's
+        ops on a few threads in order, so a new op would queue behind one that waits on a
+        peer cut off by its network (no error comes until the op's timeout; a dead peer's
+        op fails within milliseconds)."""
+        deadline = time.monotonic() + grace_s
+        while True:
+            with self._cond:
+                held = [op for op in self._ops if op[0] == id(pg)]
+            if all(_ended(op[2]) for op in held):
+                return False
+            if time.monotonic() >= deadline:
+                return True
+            time.sleep(BUSY_POLL_S)
+
     def hold_group(self, pg: Any) -> None:
         """`pg` (aborted) is released once none of its abandoned ops is held any more."""
         self._add(lambda: self._groups.append((id(pg), pg)))
@@ -146,7 +162,9 @@ class Reconfigurable(Protocol):
     """A group re-formed in place per generation (joining.NativeGroup)."""
 
     def reconfigure(self, store: Store, gen: Generation, timeout_s: float,
-                    cancel: threading.Event) -> Any: ...
+                    cancel: threading.Event) -> Any:
+        """The reconfigured group, or None when a member cannot reuse it this time (every
+        member then builds a fresh group for the generation)."""
 
 
 @dataclass
@@ -262,12 +280,12 @@ def build_group(connect: Callable[[], Store], gen: Generation, rank: int, backen
 
     def construct() -> None:
         try:
-            if native is not None:
-                pg = native.reconfigure(connect(), gen, timeout_s, cancel)
-            else:
+            pg = native.reconfigure(connect(), gen, timeout_s, cancel) if native else None
+            result["shared"] = pg is not None
+            if pg is None:
                 pg = _new_pg(connect(), gen, rank, backend, device, members)
             with handover:
-                if cancel.is_set() and native is None:
+                if cancel.is_set() and not result["shared"]:
                     _discard(pg)  # built after it was abandoned: nobody will use it
                 else:
                     result["pg"] = pg
@@ -293,12 +311,12 @@ def build_group(connect: Callable[[], Store], gen: Generation, rank: int, backen
         with handover:
             cancel.set()  # a native handle exchange waiting for a lost member stops at once
             late = result.pop("pg", None)
-        if late is not None and native is None:
+        if late is not None and not result.get("shared"):
             _discard(late)
         raise
     if "error" in result:
         raise CommError(f"building generation {gen.number}'s group failed: {result['error']}")
-    return Group(gen, rank, result["pg"], shared=native is not None, members=members)
+    return Group(gen, rank, result["pg"], shared=result["shared"], members=members)
 
 
 def _discard(pg: Any) -> None:

@@ -21,9 +21,11 @@ from ftrun.core import timeouts
 from ftrun.core.errors import WorkerApiError
 from ftrun.core.spec import WorkerEnv
 from ftrun.protocol.rendezvous import PREFIX, Generation, Store
-from ftrun.worker.comm import CommError, Group
+from ftrun.worker.comm import REAPER, CommError, Group
 
 HANDLE_POLL_S = 0.01  # a native reconfigure polling for its members' handles
+BUSY = "ftrun:busy"  # published instead of a handle: an abandoned op still holds the group
+ABANDONED_OP_GRACE_S = 0.2  # a dead peer's abandoned ops fail within ms; a cut one's never
 
 
 def native_group(store: Any, wenv: WorkerEnv, backend: str) -> NativeGroup | None:
@@ -121,7 +123,9 @@ class NativeGroup:
     """torch's in-process reconfigure of the default group (`init_process_group(...,
     enable_reconfigure=True)`, `dist._reconfigure`): `dist.get_rank()` and friends follow the
     live membership. Each generation exchanges handles under its own store keys and uses its
-    number as the reconfigure uuid, so no uuid is ever reused."""
+    number as the reconfigure uuid, so no uuid is ever reused. A member whose group still
+    runs an abandoned op (a peer cut off by its network never fails it) publishes BUSY
+    instead: that generation's members build a fresh group, and the next may reconfigure."""
 
     def __init__(self, store: Store, worker_id: int, backend: str) -> None:
         """`store`: a connection of the group's own (its rendezvous blocks on it)."""
@@ -140,7 +144,9 @@ class NativeGroup:
             raise CommError("the previous reconfigure is still running")
         try:
             key = f"{gen.pg_prefix}handle/"
-            store.set(key + str(self.worker_id), dist._get_reconfigure_handle())
+            busy = REAPER.busy(dist.group.WORLD, ABANDONED_OP_GRACE_S)
+            store.set(key + str(self.worker_id),
+                      BUSY if busy else dist._get_reconfigure_handle())
             keys = [key + str(m) for m in gen.members]
             deadline = time.monotonic() + timeout_s
             while not store.check(keys):  # polled, not waited: a newer generation cancels it
@@ -149,6 +155,8 @@ class NativeGroup:
                                     "its handle" + (" (abandoned)" if cancel.is_set() else ""))
                 time.sleep(HANDLE_POLL_S)
             handles = [store.get(k).decode() for k in keys]
+            if BUSY in handles:  # every member reads the same keys: they all agree
+                return None
             # every member was alive a moment ago: connecting is quick, so its wait is short
             connect_s = min(timeout_s, timeouts.RECONFIGURE_CONNECT_S)
             dist._reconfigure(gen.number + 1, handles,
