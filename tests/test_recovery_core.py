@@ -383,3 +383,16 @@ def test_done_when_every_member_with_state_finished() -> None:
         assert rec.on_exit(exit_(port, wid, 0)) is None
     assert rec.done()  # worker 2 holds no committed state: not needed
     assert rec.membership.role(0) is R.FINISHED
+
+
+def test_a_comm_failure_from_a_worker_outside_the_generation_is_stale() -> None:
+    """A dropped node's worker that wakes up when its link comes back may report its broken
+    collective; it may even have read the new generation's number first. Fenced by number
+    and by membership: nothing is rebuilt for it."""
+    rec, port, store = make()
+    hello(rec, 0)
+    rec.on_exit(exit_(port, 1, 1))
+    assert store.generation().number == 1 and 1 not in store.generation().members
+    assert say(rec, "comm_failed", worker=1, generation=1, error="connection reset") is None
+    assert store.generation().number == 1 and port.faults()[-1]["worker"] == 1
+    assert len(port.faults()) == 1  # the exit only, not a rebuild

@@ -301,7 +301,8 @@ class Recovery(GroupRecovery):
         match req:
             case Hello():
                 self._on_hello(req)
-            case CommFailed() if req.generation == self.membership.generation:
+            case CommFailed() if req.generation == self.membership.generation and \
+                    req.worker in self.membership.members:  # else stale: fenced by number
                 return self._on_comm_failed(req)
             case Suspect():
                 self.port.suspect()

@@ -1,17 +1,18 @@
 """The coordinating agent of a multi-node job: it serves the rendezvous store and decides.
 
-Owns: the node table (who joined, their heartbeats, which are lost), global rank assignment
-(nodes in join order, this node first, ranks contiguous per node as torchrun assigns them),
-the remote workers as this agent knows them from their node's reports, starting, stopping and
-ending the other nodes' workers through their command queues, admitting a node into a
-running job, and publishing the whole job's status for `ftrun status` on any node.
-Generations and fault decisions stay with `Recovery` and the pure policy.
+Owns: the node table (who joined; which are lost, as `nodewatch` judges them: all of those
+lost in one pass are dropped together, and told so), global rank assignment (nodes in join
+order, this node first, ranks contiguous per node as torchrun assigns them), the remote
+workers as this agent knows them from their node's reports, starting, stopping and ending
+the other nodes' workers through their command queues, and admitting a node into a running
+job (a fenced node comes back this way, as a new node). What the job shows of the other
+nodes lives in `jobnodes`; generations and fault decisions stay with `Recovery` and the
+pure policy.
 Must not import: typer, rich, the CLI or the worker library.
 """
 
 from __future__ import annotations
 
-import json
 import queue
 import signal
 import time
@@ -20,29 +21,25 @@ from typing import Any
 
 from ftrun.adapters.report import WorkerExit
 from ftrun.adapters.store import HostedStore, QueueReader
-from ftrun.agent.jobview import Node, merge_job_status
-from ftrun.agent.node import Agent, _ignore
+from ftrun.agent.jobview import Node
+from ftrun.agent.node import _ignore
 from ftrun.agent.roster import RemoteWorker, Worker
+from ftrun.cluster.jobnodes import NodeTable
 from ftrun.cluster.link import (
     AGENT_QUEUE,
-    STATUS_KEY,
     Endpoint,
-    command_queue,
     conf_float,
     connect,
     first_worker_id,
     issue_ids,
-    read_payload,
 )
 from ftrun.cluster.messages import (
     Bye,
-    Command,
     End,
     Exited,
     Join,
     Kill,
     Left,
-    NetDown,
     Ping,
     Pong,
     Report,
@@ -51,19 +48,18 @@ from ftrun.cluster.messages import (
     Start,
     Stop,
     parse_report,
-    send,
 )
-from ftrun.cluster.netdrill import NetDrills, check_duration, refuse
+from ftrun.cluster.netdrill import NetDrills
 from ftrun.cluster.nodewatch import NodeWatch
 from ftrun.core import timeouts
 from ftrun.core.errors import FtrunError
 from ftrun.core.events import Event, EventSink
-from ftrun.core.policy import Decision, Liveness, find_lost_nodes
+from ftrun.core.policy import Decision, find_lost_nodes
 from ftrun.core.spec import RunSpec
 from ftrun.protocol.rendezvous import node_of
 
 
-class Coordinator(Agent):
+class Coordinator(NodeTable):
     def __init__(self, spec: RunSpec, rdzv: HostedStore, ep: Endpoint,
                  env: Mapping[str, str] | None = None, emit: EventSink = _ignore) -> None:
         super().__init__(spec, env, emit)
@@ -133,12 +129,6 @@ class Coordinator(Agent):
     def _deliver(self, raw: str | bytes) -> None:  # reader thread
         self._inbox.put(parse_report(raw))
         self.wake()
-
-    def _send(self, node: Node, cmd: Command) -> None:
-        send(self.rdzv.store, command_queue(node.index), cmd)  # our own store
-
-    def _alive(self) -> list[Node]:
-        return [n for n in self.nodes.values() if n.alive]
 
     # ----------------------------------------------------------------- rendezvous
     def _start_group(self, restarts: int, hosted: HostedStore) -> None:
@@ -346,19 +336,6 @@ class Coordinator(Agent):
     def live_nodes(self) -> list[int]:
         return [0] + [n.index for n in self._alive() if n.in_attempt]
 
-    def committed_step(self, worker_id: int) -> int:
-        node = node_of(worker_id)
-        if node == 0:
-            return super().committed_step(worker_id)
-        doc = self._payload(node)
-        step = next((w.get("step") for w in doc.get("workers", [])
-                     if w.get("worker_id") == worker_id), None)
-        return -1 if step is None else int(step)
-
-    def remote_liveness(self) -> list[Liveness]:
-        nodes = [n for n in self._alive() if n.in_attempt]
-        return [Liveness(**d) for n in nodes for d in self._payload(n.index).get("liveness", [])]
-
     def kill_worker(self, worker_id: int) -> bool:
         w = self.remote.get(worker_id)
         if w is None:
@@ -370,36 +347,6 @@ class Coordinator(Agent):
 
     def initial_members(self) -> tuple[int, ...]:
         return self._members
-
-    def net_down(self, node: int, duration: float) -> dict[str, Any]:
-        """Control thread: node 0's drill here; another node's is checked, then sent to it
-        from the main loop (which owns the store connection)."""
-        check_duration(duration)
-        if node == 0:
-            if self._net is None:
-                self._net = NetDrills(self.ep.host, self.emit)
-            return self._net.start(0, duration)
-        target = self.nodes.get(node)
-        if target is None or not target.alive:
-            live = ", ".join(str(n.index) for n in self._alive())
-            raise FtrunError(f"no live node {node} in this job (nodes: 0{', ' if live else ''}"
-                             f"{live})", hint="see the nodes with `ftrun status`")
-        if target.net_drill:
-            raise refuse(node, target.net_drill)
-        self._net_drills.put((node, duration))
-        self.wake()
-        return {"node": node, "host": target.host, "duration": duration}
-
-    def _send_net_drills(self) -> None:
-        while True:
-            try:
-                node, duration = self._net_drills.get_nowait()
-            except queue.Empty:
-                break
-            if self.nodes[node].alive:
-                self._send(self.nodes[node], NetDown(duration=duration))
-        if self._net is not None:
-            self._net.check()
 
     def all_workers(self) -> list[Worker | RemoteWorker]:
         return [*self._workers, *self.remote.values()]
@@ -416,30 +363,3 @@ class Coordinator(Agent):
             self._drain_inbox(running=False)
             time.sleep(0.02)
         return received
-
-    # ----------------------------------------------------------------- status
-    def decorate_status(self, doc: dict[str, Any]) -> dict[str, Any]:
-        nodes = list(self.nodes.values())  # the control thread reads while the loop adds
-        payloads = {n.index: self._payload(n.index) for n in nodes if n.alive}
-        membership = self.recovery.membership if self.recovery is not None else None
-        doc = super().decorate_status(doc)  # this node's zygote and snapshots
-        return merge_job_status(doc, nodes, payloads, membership, self.world_size, str(self.ep))
-
-    def _payload(self, node: int) -> dict[str, Any]:
-        """Read once per heartbeat period: a fault or a status asks for every member's."""
-        now = time.monotonic()
-        seen_at, doc = self._payloads.get(node, (-1.0, {}))
-        if now - seen_at >= self.beat_s:
-            doc = read_payload(self.rdzv.store, node)
-            self._payloads[node] = (now, doc)
-        return doc
-
-    def _publish_status(self) -> None:
-        now = time.monotonic()
-        if now < self._next_status:
-            return
-        self._next_status = now + timeouts.STATUS_EVERY_S
-        try:
-            self.rdzv.store.set(STATUS_KEY, json.dumps(self.control_plane.status()))
-        except Exception as exc:  # a status snapshot must never stop the job
-            self.emit(Event.NOTICE, {"text": f"could not publish the job status: {exc}"})

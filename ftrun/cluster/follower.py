@@ -11,7 +11,6 @@ Must not import: typer, rich, the CLI or the worker library.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import json
 import os
@@ -20,12 +19,12 @@ import signal
 import socket
 import time
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from datetime import timedelta
 from typing import Any
 
 from ftrun.adapters.store import QueueReader
-from ftrun.agent.node import Agent, _ignore
+from ftrun.agent.node import _ignore
 from ftrun.agent.roster import RunResult, Worker
 from ftrun.agent.watch import CHECK_EVERY_S
 from ftrun.cluster.link import (
@@ -38,7 +37,6 @@ from ftrun.cluster.link import (
     command_queue,
     conf_float,
     connect,
-    reach,
 )
 from ftrun.cluster.messages import (
     Bye,
@@ -60,30 +58,17 @@ from ftrun.cluster.messages import (
     parse_command,
 )
 from ftrun.cluster.netdrill import NetDrills
+from ftrun.cluster.rejoin import Fenced, Rejoining
 from ftrun.core import timeouts
 from ftrun.core.errors import FtrunError
 from ftrun.core.events import Event, EventSink
-from ftrun.core.fencing import Next, cut_off, rejoin_step
+from ftrun.core.fencing import cut_off
 from ftrun.core.spec import RunSpec
 
 MAX_ERROR_FILE_BYTES = 64 * 1024
-REJOIN_RETRY_S = 0.2  # between two tries of a fenced node to reach the store again
 
 
-@dataclass(frozen=True)
-class Fenced:
-    """This node left the job without being told: its store was lost or silent, or the
-    coordinator dropped it. `stopped`: how many of its workers it stopped."""
-
-    why: str
-    stopped: int
-
-
-def _s(n: int) -> str:
-    return "" if n == 1 else "s"
-
-
-class Follower(Agent):
+class Follower(Rejoining):
     REMEMBERED = False  # the coordinator's run is the job's
 
     def __init__(self, spec: RunSpec, ep: Endpoint, env: Mapping[str, str] | None = None,
@@ -348,38 +333,6 @@ class Follower(Agent):
         self._stop_workers(sig, self.spec.shutdown_timeout)
         self._close_streams()
         return self._signal_result(sig, self.restarts)
-
-    # ----------------------------------------------------------------- fenced
-    def _rejoin(self, fenced: Fenced) -> Any:
-        """A new connection to the store (to join again, as a new node), or the run's end."""
-        if self.rejoin_s > 0:
-            self.emit(Event.NOTICE, {"text": f"fenced: cut off from the rendezvous store at "
-                                             f"{self.ep} ({fenced.why}); stopped "
-                                             f"{fenced.stopped} worker{_s(fenced.stopped)} of "
-                                             f"this node; trying to rejoin for up to "
-                                             f"{self.rejoin_s:g} s"})
-        start, stable_since = time.monotonic(), None
-        while (sig := self._wakeup.pop_signal()) is None:
-            failed = reach(self.ep, timeouts.CONNECT_TRY_S) if self.rejoin_s > 0 else None
-            now = time.monotonic()
-            stable_since = None if failed else stable_since or now
-            step = rejoin_step(failed is None, failed.errno if failed else None,
-                               now - (stable_since or now), now - start, self.rejoin_s,
-                               timeouts.NODE_SETTLE_S)
-            if step.action is Next.END:
-                return self._lost_result(fenced, step.reason)
-            if step.action is Next.JOIN:
-                with contextlib.suppress(FtrunError):
-                    return connect(self.ep, timeouts.CONNECT_TRY_S)
-                stable_since = None
-            self._wakeup.wait(REJOIN_RETRY_S)
-        return self._signal_result(sig, self.restarts)
-
-    def _lost_result(self, fenced: Fenced, why: str) -> RunResult:
-        reason = (f"lost the rendezvous store at {self.ep} ({fenced.why}); stopped "
-                  f"{fenced.stopped} worker{_s(fenced.stopped)} of this node; {why}")
-        self.emit(Event.FAILURE, {"reason": reason, "rank": None})
-        return RunResult(1, reason, restarts_used=self.restarts, log_dir=self.logs.run_dir)
 
     def _record_exit(self, w: Worker) -> None:
         super()._record_exit(w)

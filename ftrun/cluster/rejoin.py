@@ -1,0 +1,71 @@
+"""A fenced follower: out of the job after a cut, and on its way back in, or out for good.
+
+Owns: `Fenced` (why a follower left the job without being told, and how many of its workers
+it stopped), trying to reach the store again until it has answered steadily for a while (a
+link that flaps is not rejoined at every blink: `ftrun.core.fencing.rejoin_step` decides),
+and the one line a follower leaves with when it does not come back.
+Must not import: typer, rich, the CLI or the worker library.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from ftrun.agent.node import Agent
+from ftrun.agent.roster import RunResult
+from ftrun.cluster.link import Endpoint, connect, reach
+from ftrun.core import timeouts
+from ftrun.core.errors import FtrunError
+from ftrun.core.events import Event
+from ftrun.core.fencing import Next, rejoin_step
+from ftrun.core.policy import _s
+
+REJOIN_RETRY_S = 0.2  # between two tries of a fenced node to reach the store again
+
+
+@dataclass(frozen=True)
+class Fenced:
+    """This node left the job without being told: its store was lost or silent, or the
+    coordinator dropped it. `stopped`: how many of its workers it stopped."""
+
+    why: str
+    stopped: int
+
+
+class Rejoining(Agent):
+    ep: Endpoint
+    rejoin_s: float
+
+    def _rejoin(self, fenced: Fenced) -> Any:
+        """A new connection to the store (to join again, as a new node), or the run's end."""
+        if self.rejoin_s > 0:
+            self.emit(Event.NOTICE, {"text": f"fenced: cut off from the rendezvous store at "
+                                             f"{self.ep} ({fenced.why}); stopped "
+                                             f"{fenced.stopped} worker{_s(fenced.stopped)} of "
+                                             f"this node; trying to rejoin for up to "
+                                             f"{self.rejoin_s:g} s"})
+        start, stable_since = time.monotonic(), None
+        while (sig := self._wakeup.pop_signal()) is None:
+            failed = reach(self.ep, timeouts.CONNECT_TRY_S) if self.rejoin_s > 0 else None
+            now = time.monotonic()
+            stable_since = None if failed else stable_since or now
+            step = rejoin_step(failed is None, failed.errno if failed else None,
+                               now - (stable_since or now), now - start, self.rejoin_s,
+                               timeouts.NODE_SETTLE_S)
+            if step.action is Next.END:
+                return self._lost_result(fenced, step.reason)
+            if step.action is Next.JOIN:
+                with contextlib.suppress(FtrunError):
+                    return connect(self.ep, timeouts.CONNECT_TRY_S)
+                stable_since = None
+            self._wakeup.wait(REJOIN_RETRY_S)
+        return self._signal_result(sig, self.restarts)
+
+    def _lost_result(self, fenced: Fenced, why: str) -> RunResult:
+        reason = (f"lost the rendezvous store at {self.ep} ({fenced.why}); stopped "
+                  f"{fenced.stopped} worker{_s(fenced.stopped)} of this node; {why}")
+        self.emit(Event.FAILURE, {"reason": reason, "rank": None})
+        return RunResult(1, reason, restarts_used=self.restarts, log_dir=self.logs.run_dir)
