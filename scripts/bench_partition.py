@@ -19,6 +19,7 @@ import argparse
 import glob
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -34,10 +35,13 @@ WORKER = os.path.join(HERE, "bench_recovery_worker.py")
 PORT = 29400
 
 
-def launcher(kind: str, a: argparse.Namespace, lab: netlab.NetLab, out: str) -> list[str]:
+def launcher(kind: str, a: argparse.Namespace, lab: netlab.NetLab, out: str, i: int
+             ) -> list[str]:
     rdzv = ["--nnodes", f"{a.nodes - 1}:{a.nodes}", "--nproc-per-node", str(a.nproc),
             "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{lab.addr(0)}:{PORT}",
             "--rdzv-id", "bench"]
+    if kind == "torchrun":  # it knows a node by its host name, which is the host's here
+        rdzv += ["--rdzv-conf", f"is_host={str(i == 0).lower()}", "--local-addr", lab.addr(i)]
     head = [sys.executable, "-m", "ftrun"] if kind == "ftrun" else [
         sys.executable, "-m", "torch.distributed.run", "--max-restarts", "3"]
     log_dir = ["--log-dir", os.path.join(out, "logs")] if kind == "ftrun" else []
@@ -91,7 +95,7 @@ def measure(kind: str, a: argparse.Namespace) -> dict[str, float | str]:
             for i in range(a.nodes):
                 log = open(os.path.join(out, f"launcher{i}.log"), "w")  # noqa: SIM115
                 procs.append(subprocess.Popen(
-                    lab.wrap(i, launcher(kind, a, lab, out)),
+                    lab.wrap(i, launcher(kind, a, lab, out, i)),
                     env={**env, "FTRUN_RUN_DIR": os.path.join(out, f"run{i}")},
                     stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
                 if i == 0:
@@ -109,8 +113,9 @@ def observe(kind: str, a: argparse.Namespace, lab: netlab.NetLab, out: str,
                                     and e["step"] >= a.kill_after}) == world, a.timeout)
     if not ready:
         return {"error": "never reached the cut step"}
-    victims = {e["pid"] for e in events(out) if e["ev"] == "step"
-               and e["rank"] >= world - a.nproc and e["world"] == world}
+    inside = set(subprocess.run(["ip", "netns", "pids", lab.ns(a.nodes - 1)], text=True,
+                                capture_output=True, timeout=10).stdout.split())
+    victims = {e["pid"] for e in events(out) if e["ev"] == "step" and str(e["pid"]) in inside}
     cut_at = time.time()
     lab.cut(a.nodes - 1)
     if kind == "torchrun":
@@ -138,6 +143,8 @@ def observe(kind: str, a: argparse.Namespace, lab: netlab.NetLab, out: str,
 
 
 def report(a: argparse.Namespace) -> None:
+    # SIGTERM (a timeout, a Ctrl-C of a wrapper) unwinds: the namespaces and processes go
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     why = netlab.unavailable()
     if why is not None:
         sys.exit(f"bench_node_loss.py --partition: cannot make network namespaces ({why})")

@@ -109,8 +109,9 @@ class NetLab:
 
     def close(self) -> None:
         """Remove everything the lab made (the veth pairs go with their namespaces)."""
-        for ns in self._made:
-            _ip("netns", "del", ns, check=False)
+        for i, ns in enumerate(self._made):
+            _ip("link", "del", self.port_of(i), check=False)  # its namespace may outlive
+            _ip("netns", "del", ns, check=False)  # its deletion while a process holds it
         self._made = []
         _ip("link", "del", self.bridge, check=False)
 
