@@ -295,8 +295,7 @@ class Follower(Rejoining):
                     self._close_streams()
                     self._report(Stopped(node=self.node))
                     return True, None
-                case End(lost=True):
-                    self._lost = cmd.reason
+                case End(lost=True):  # the link works: this session closes cleanly
                     return True, self._fence(cmd.reason)
                 case End():
                     return True, self._end(cmd)
@@ -315,7 +314,6 @@ class Follower(Rejoining):
 
     def _end(self, cmd: End) -> RunResult | Fenced:
         if cmd.lost:
-            self._lost = cmd.reason
             return Fenced(cmd.reason, 0)
         if any(w.alive for w in self._workers):
             self._stop_workers(signal.SIGTERM, self.spec.shutdown_timeout)
