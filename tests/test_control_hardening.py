@@ -196,7 +196,8 @@ def test_checked_requests_are_typed() -> None:
     req = check_request({"op": "inject", "kind": "slow", "rank": 1, "arg": 2})
     assert req == InjectOp(FaultKind.SLOW, rank=1, gpu=None, at_step=-1, arg=2.0, xid=None)
     assert req.to_wire() == {"op": "inject", "kind": "slow", "rank": 1, "gpu": None,
-                             "at_step": -1, "arg": 2.0, "xid": None}
+                             "at_step": -1, "arg": 2.0, "xid": None, "node": None,
+                             "duration": 0.0}
     assert type(req.arg) is float and check_request({"op": "status"}) == StatusOp()
     for bad in (math.nan, -math.inf, True, "1", [1], 1e9):
         with pytest.raises(FtrunError):

@@ -16,6 +16,7 @@ from ftrun.core.faultkinds import (
     ALL_KINDS,
     GPU_KINDS,
     GROUP_DRILLS,
+    NODE_KINDS,
     SLOT_DRILLS,
     WORKER_ONLY,
     FaultKind,
@@ -26,6 +27,7 @@ from ftrun.protocol.progress import SIZE, Progress, Reporter, Slot, pack, unpack
 OLD_DRILL_KINDS = ("kill", "segv", "exit", "exception", "hang", "slow", "comm", "spin",
                    "deadlock", "stall", "wedge")
 OLD_GPU_KINDS = ("xid", "ecc", "thermal")
+NODE_KINDS_NOW = ("net-down",)  # appended: the slot's drill indices are unchanged
 OLD_WORKER_ONLY = ("exit", "exception", "slow", "comm", "spin", "deadlock", "stall", "wedge")
 OLD_PHASES = ("", "step", "collective", "optimizer", "user", "long", "recovering")
 
@@ -63,7 +65,8 @@ REPORTED_BYTES = bytes.fromhex(
 def test_fault_kinds_keep_the_old_names_and_orders() -> None:
     assert SLOT_DRILLS == OLD_DRILL_KINDS and GPU_KINDS == OLD_GPU_KINDS
     assert WORKER_ONLY == OLD_WORKER_ONLY and GROUP_DRILLS == ("stall", "wedge")
-    assert ALL_KINDS == (*OLD_DRILL_KINDS, *OLD_GPU_KINDS) == tuple(FaultKind)
+    assert ALL_KINDS == (*OLD_DRILL_KINDS, *OLD_GPU_KINDS, *NODE_KINDS_NOW) == tuple(FaultKind)
+    assert NODE_KINDS == NODE_KINDS_NOW
     assert AGENT_SIGNALS == {"kill": signal.SIGKILL, "segv": signal.SIGSEGV,
                              "hang": signal.SIGSTOP}
     assert set(AGENT_SIGNALS) | set(WORKER_ONLY) == set(SLOT_DRILLS)
@@ -71,7 +74,7 @@ def test_fault_kinds_keep_the_old_names_and_orders() -> None:
 
 def test_fault_kinds_read_print_and_serialise_as_their_strings() -> None:
     help_text = "kill, segv, exit, exception, hang, slow, comm, spin, deadlock, stall, wedge, " \
-                "xid, ecc, thermal"
+                "xid, ecc, thermal, net-down"
     assert ", ".join(ALL_KINDS) == help_text
     for kind in FaultKind:
         assert (str(kind), f"{kind}", f"{kind:>3}") == (kind.value, kind.value,

@@ -93,16 +93,16 @@ class Reaper:
         deadline = time.monotonic() + timeout_s + REAP_GRACE_S
         self._add(lambda: self._ops.append((id(pg), work, done, deadline)))
 
-    def busy(self, pg: Any, grace_s: float) -> bool:
-        """Whether an abandoned op of `pg` still runs after `grace_s`: gloo runs a group's
-        ops on a few threads in order, so a new op would queue behind one that waits on a
-        peer cut off by its network (no error comes until the op's timeout; a dead peer's
-        op fails within milliseconds)."""
+    def busy(self, pg: Any, limit: int, grace_s: float) -> bool:
+        """Whether `limit` or more abandoned ops of `pg` still run after `grace_s`. gloo runs
+        a group's ops on a few threads, each op to its end, so with every thread held by an
+        op that waits on a peer cut off by its network (no error comes until the op's
+        timeout) a new op would queue behind them. A dead peer's ops fail within ms."""
         deadline = time.monotonic() + grace_s
         while True:
             with self._cond:
                 held = [op for op in self._ops if op[0] == id(pg)]
-            if all(_ended(op[2]) for op in held):
+            if sum(not _ended(op[2]) for op in held) < limit:
                 return False
             if time.monotonic() >= deadline:
                 return True

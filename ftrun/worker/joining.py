@@ -26,6 +26,7 @@ from ftrun.worker.comm import REAPER, CommError, Group
 HANDLE_POLL_S = 0.01  # a native reconfigure polling for its members' handles
 BUSY = "ftrun:busy"  # published instead of a handle: an abandoned op still holds the group
 ABANDONED_OP_GRACE_S = 0.2  # a dead peer's abandoned ops fail within ms; a cut one's never
+GLOO_THREADS = 2  # ProcessGroupGloo's default worker threads: this many stuck ops block it
 
 
 def native_group(store: Any, wenv: WorkerEnv, backend: str) -> NativeGroup | None:
@@ -123,8 +124,9 @@ class NativeGroup:
     """torch's in-process reconfigure of the default group (`init_process_group(...,
     enable_reconfigure=True)`, `dist._reconfigure`): `dist.get_rank()` and friends follow the
     live membership. Each generation exchanges handles under its own store keys and uses its
-    number as the reconfigure uuid, so no uuid is ever reused. A member whose group still
-    runs an abandoned op (a peer cut off by its network never fails it) publishes BUSY
+    number as the reconfigure uuid, so no uuid is ever reused. A member whose group has every
+    thread held by an abandoned op (a peer cut off by its network never fails them; one op
+    stuck on a live peer that waits on a dead one is usual and harmless) publishes BUSY
     instead: that generation's members build a fresh group, and the next may reconfigure."""
 
     def __init__(self, store: Store, worker_id: int, backend: str) -> None:
@@ -144,7 +146,7 @@ class NativeGroup:
             raise CommError("the previous reconfigure is still running")
         try:
             key = f"{gen.pg_prefix}handle/"
-            busy = REAPER.busy(dist.group.WORLD, ABANDONED_OP_GRACE_S)
+            busy = REAPER.busy(dist.group.WORLD, GLOO_THREADS, ABANDONED_OP_GRACE_S)
             store.set(key + str(self.worker_id),
                       BUSY if busy else dist._get_reconfigure_handle())
             keys = [key + str(m) for m in gen.members]
