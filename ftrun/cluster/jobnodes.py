@@ -42,7 +42,7 @@ class NodeTable(Agent):
         send(self.rdzv.store, command_queue(node.index), cmd)  # our own store
 
     def _alive(self) -> list[Node]:
-        return [n for n in self.nodes.values() if n.alive]
+        return [n for n in list(self.nodes.values()) if n.alive]  # the control thread too
 
     def committed_step(self, worker_id: int) -> int:
         node = node_of(worker_id)
