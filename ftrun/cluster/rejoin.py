@@ -42,11 +42,8 @@ class Rejoining(Agent):
     def _rejoin(self, fenced: Fenced) -> Any:
         """A new connection to the store (to join again, as a new node), or the run's end."""
         if self.rejoin_s > 0:
-            self.emit(Event.NOTICE, {"text": f"fenced: cut off from the rendezvous store at "
-                                             f"{self.ep} ({fenced.why}); stopped "
-                                             f"{fenced.stopped} worker{_s(fenced.stopped)} of "
-                                             f"this node; trying to rejoin for up to "
-                                             f"{self.rejoin_s:g} s"})
+            self.emit(Event.NOTICE, {"text": f"fenced: cut off from {self._store_lost(fenced)}; "
+                                             f"trying to rejoin for up to {self.rejoin_s:g} s"})
         start, stable_since = time.monotonic(), None
         while (sig := self._wakeup.pop_signal()) is None:
             failed = reach(self.ep, timeouts.CONNECT_TRY_S) if self.rejoin_s > 0 else None
@@ -64,8 +61,11 @@ class Rejoining(Agent):
             self._wakeup.wait(REJOIN_RETRY_S)
         return self._signal_result(sig, self.restarts)
 
+    def _store_lost(self, fenced: Fenced) -> str:
+        return (f"the rendezvous store at {self.ep} ({fenced.why}); stopped {fenced.stopped} "
+                f"worker{_s(fenced.stopped)} of this node")
+
     def _lost_result(self, fenced: Fenced, why: str) -> RunResult:
-        reason = (f"lost the rendezvous store at {self.ep} ({fenced.why}); stopped "
-                  f"{fenced.stopped} worker{_s(fenced.stopped)} of this node; {why}")
+        reason = f"lost {self._store_lost(fenced)}; {why}"
         self.emit(Event.FAILURE, {"reason": reason, "rank": None})
         return RunResult(1, reason, restarts_used=self.restarts, log_dir=self.logs.run_dir)
