@@ -65,14 +65,24 @@ def test_a_probe_round_names_the_nodes_that_did_not_answer() -> None:
 
 
 class FakeCounterStore:
-    """The one store call BeatTracker makes: add(key, 0) reads a counter."""
+    """The store calls BeatTracker makes, with c10d's semantics: add creates a counter, a
+    multi-get of a missing key never answers (here: fails), counters come back as ASCII."""
 
     def __init__(self) -> None:
         self.counts: dict[str, int] = {}
+        self.requests = 0
 
     def add(self, key: str, amount: int) -> int:
+        self.requests += 1
         self.counts[key] = self.counts.get(key, 0) + amount
         return self.counts[key]
+
+    def multi_get(self, keys: list[str]) -> list[bytes]:
+        self.requests += 1
+        missing = [k for k in keys if k not in self.counts]
+        if missing:
+            raise TimeoutError(f"wait timeout for {missing}")
+        return [str(self.counts[k]).encode() for k in keys]
 
 
 def test_beat_tracker_ages_reset_when_the_counter_moves() -> None:
@@ -83,8 +93,20 @@ def test_beat_tracker_ages_reset_when_the_counter_moves() -> None:
     store.add("ftrun/rdzv/node/1/beat", 1)
     ages = beats.ages(store)
     assert ages[1] < 0.01
+    assert beats.beaten() == [1]
     beats.forget(2)
     assert set(beats.ages(store)) == {1}
+
+
+def test_beat_tracker_reads_every_counter_in_one_request() -> None:
+    store, beats = FakeCounterStore(), BeatTracker()
+    for node in range(1, 301):
+        beats.watch(node)
+    beats.ages(store)  # the first pass makes each counter once
+    before = store.requests
+    for _ in range(5):
+        beats.ages(store)
+    assert store.requests - before == 5
 
 
 def test_worker_ids_name_their_node() -> None:

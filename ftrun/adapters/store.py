@@ -115,6 +115,27 @@ def client(host: str, port: int, timeout_s: float) -> Any:
     return TCPStore(host, port, None, False, timedelta(seconds=timeout_s))
 
 
+class CountingStore:
+    """A store connection whose requests are counted (`calls`): what an agent costs the store
+    it serves, shown in `ftrun status` (`rdzv_store_ops`). Every method call is one request."""
+
+    def __init__(self, store: Any) -> None:
+        self._store = store
+        self._lock = threading.Lock()
+        self.calls = 0
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._store, name)
+        if not callable(attr):
+            return attr
+
+        def counted(*args: Any, **kw: Any) -> Any:
+            with self._lock:
+                self.calls += 1
+            return attr(*args, **kw)
+        return counted
+
+
 def is_timeout(exc: BaseException) -> bool:
     """A blocking store call that expired (poll again), not a lost store. c10d says so only in
     its text: "wait timeout after ..." for a store call, "... timed out ..." for its socket."""

@@ -32,7 +32,7 @@ def worker_argv(spec: RunSpec, env: Mapping[str, str], local_rank: int) -> list[
 def worker_env(spec: RunSpec, env: Mapping[str, str], *, rank: int, local_rank: int,
                worker_id: int, restarts: int, run_id: str, master_addr: str, port: int,
                error_file: str, spare: bool, progress_dir: str, world_size: int | None = None,
-               group_rank: int = 0, group_world_size: int = 1) -> WorkerEnv:
+               group_rank: int = 0, group_world_size: int = 1, relay: str = "") -> WorkerEnv:
     n = spec.nproc if world_size is None else world_size
     return WorkerEnv(
         rank=rank, local_rank=local_rank, world_size=n, local_world_size=spec.nproc,
@@ -44,6 +44,7 @@ def worker_env(spec: RunSpec, env: Mapping[str, str], *, rank: int, local_rank: 
         error_file=error_file, worker_id=worker_id, attempt=restarts,
         ft_mode="restart" if spec.on_fault == "restart" else "inprocess",
         spare=spare, comm=spec.comm, progress_dir=progress_dir, shard_size=spec.shard_size,
+        relay=relay,
     )
 
 

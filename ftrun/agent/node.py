@@ -59,6 +59,7 @@ class Agent(NodeHooks, RunServices):
         self._next_id = spec.nproc
         self._killed: set[tuple[int, int]] = set()
         self.group_rank, self.group_world_size, self.world_size = 0, 1, spec.nproc
+        self.relay_addr = ""  # a follower's generation relay, which its workers watch
 
     # ----------------------------------------------------------------- top level
     def run(self) -> RunResult:
@@ -180,7 +181,8 @@ class Agent(NodeHooks, RunServices):
                           master_addr=self.master_addr, port=self.worker_port,
                           error_file=streams.error_file, spare=spare,
                           progress_dir=self.progress_dir, world_size=self.world_size,
-                          group_rank=self.group_rank, group_world_size=self.group_world_size)
+                          group_rank=self.group_rank, group_world_size=self.group_world_size,
+                          relay=self.relay_addr)
         wenv = replace(wenv, **self.snapshots.worker_fields(worker_id, self.restarts))
         env = {**self.base_env, **wenv.to_env()}
         self.slots.reset(worker_id)  # no progress of an earlier attempt's worker

@@ -70,7 +70,7 @@ class Recovery(GroupRecovery):
         # ("spare", node): the policy stops replacing at CRASH_LOOP_LIMIT
         self._early_failures: dict[tuple[str, int], int] = {}
         publish(store, Generation(0, self.membership.members, reason="start",
-                                  published_at=time.time()))
+                                  published_at=time.time()), self._relays())
 
     @property
     def uses_api(self) -> bool:
@@ -96,10 +96,14 @@ class Recovery(GroupRecovery):
         self.membership.publish(members, joiners)
         number = self.membership.generation
         gen = Generation(number, members, reason, urgent, time.time(), fault_at, joiners)
-        publish(self.store, gen)
+        publish(self.store, gen, self._relays())
         self.port.emit(Event.GENERATION, {"generation": number, "world_size": len(members),
                                       "reason": reason, "urgent": urgent,
                                       "published_at": gen.published_at})
+
+    def _relays(self) -> list[int]:
+        """The other nodes: their agents relay each generation to their workers."""
+        return [n for n in self.port.live_nodes() if n != 0]
 
     def _spawn(self, node: int, local_rank: int, role: WorkerRole | None = None,
                rank: int = -1) -> int:

@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ftrun.adapters.report import WorkerExit
-from ftrun.adapters.store import HostedStore, QueueReader
+from ftrun.adapters.store import CountingStore, HostedStore, QueueReader
 from ftrun.agent.jobview import Node
 from ftrun.agent.node import _ignore
 from ftrun.agent.roster import RemoteWorker, Worker
@@ -112,6 +112,7 @@ class Coordinator(NodeTable):
         # every follower reached the store through the endpoint host: their workers can too
         self.master_addr = self.spec.local_addr or self.ep.host
         self.rdzv.serve()
+        self.rdzv.store = CountingStore(self.rdzv.store)  # its load shows in `ftrun status`
         self._reader = QueueReader(lambda: connect(self.ep, timeouts.STORE_CLIENT_CONNECT_S),
                                    AGENT_QUEUE, self._deliver, lambda why: None, "ftrun-agents")
 

@@ -23,7 +23,7 @@ from dataclasses import asdict
 from datetime import timedelta
 from typing import Any
 
-from ftrun.adapters.store import QueueReader
+from ftrun.adapters.store import QueueReader, client
 from ftrun.agent.node import _ignore
 from ftrun.agent.roster import RunResult, Worker
 from ftrun.agent.watch import CHECK_EVERY_S
@@ -59,6 +59,7 @@ from ftrun.cluster.messages import (
 )
 from ftrun.cluster.netdrill import NetDrills
 from ftrun.cluster.rejoin import Fenced, Rejoining
+from ftrun.cluster.relay import GenerationRelay
 from ftrun.core import timeouts
 from ftrun.core.errors import FtrunError
 from ftrun.core.events import Event, EventSink
@@ -85,6 +86,7 @@ class Follower(Rejoining):
         self.fence_after_s = conf_float(spec, "fence_timeout", timeouts.NODE_FENCE_S)
         self.rejoin_s = conf_float(spec, "rejoin_timeout", timeouts.NODE_REJOIN_S)
         self.net: NetDrills | None = None
+        self._relay: GenerationRelay | None = None
 
     # ----------------------------------------------------------------- threads
     def _deliver(self, raw: str | bytes, session: int) -> None:
@@ -155,6 +157,7 @@ class Follower(Rejoining):
             return self._serve()
         finally:
             cut = self._lost is not None
+            self._close_relay(link_works=not cut)  # its workers have stopped by now
             self._beat.close(wait=not cut)
             reader.close(None if cut else link)
             self._report(Bye(node=self.node))  # the coordinator may close the store now
@@ -233,6 +236,7 @@ class Follower(Rejoining):
         self.restarts = cmd.attempt
         self.run_id = cmd.run_id
         self.master_addr, self.worker_port = cmd.addr, cmd.port
+        self._start_relay(cmd)
         self.world_size = cmd.world_size
         self.group_rank = cmd.group_rank
         self.group_world_size = cmd.group_world_size
@@ -247,6 +251,26 @@ class Follower(Rejoining):
                               "pids": [w.spawned.pid for w in self._workers],
                               "master": f"{self.master_addr}:{self.worker_port}",
                               "node": self.node})
+
+    def _start_relay(self, cmd: Start) -> None:
+        """This attempt's generation relay, before its workers start (they watch it). Where
+        it cannot start, the workers watch the coordinator's store, as they can."""
+        self._close_relay(link_works=True)
+        if self.spec.on_fault == "restart":
+            return  # its workers follow no generation
+        try:
+            self._relay = GenerationRelay(
+                lambda: client(cmd.addr, cmd.port, timeouts.STORE_CLIENT_CONNECT_S),
+                self.node, lambda why: None)  # a lost store is the heartbeat's to notice
+            self.relay_addr = self._relay.addr
+        except Exception as exc:
+            self.emit(Event.NOTICE, {"text": f"no generation relay on this node ({exc}); its "
+                                             "workers watch the coordinator's store"})
+
+    def _close_relay(self, link_works: bool) -> None:
+        if self._relay is not None:
+            self._relay.close(link_works)
+        self._relay, self.relay_addr = None, ""
 
     def _follow(self) -> RunResult | Fenced | None:
         """This node's workers run: report exits, obey commands. None when told to stop."""

@@ -18,9 +18,10 @@ from typing import Any
 from ftrun.adapters.store import HostedStore
 from ftrun.agent.jobview import Node, merge_job_status
 from ftrun.agent.node import Agent
-from ftrun.cluster.link import STATUS_KEY, Endpoint, command_queue, read_payload
+from ftrun.cluster.link import STATUS_KEY, Endpoint, command_queue, read_payloads
 from ftrun.cluster.messages import Command, NetDown, send
 from ftrun.cluster.netdrill import NetDrills, check_duration, refuse
+from ftrun.cluster.nodewatch import NodeWatch
 from ftrun.core import timeouts
 from ftrun.core.errors import FtrunError
 from ftrun.core.events import Event
@@ -33,6 +34,7 @@ class NodeTable(Agent):
     ep: Endpoint
     nodes: dict[int, Node]
     beat_s: float
+    watch: NodeWatch
     _payloads: dict[int, tuple[float, dict[str, Any]]]
     _next_status: float
     _net: NetDrills | None
@@ -93,16 +95,27 @@ class NodeTable(Agent):
         payloads = {n.index: self._payload(n.index) for n in nodes if n.alive}
         membership = self.recovery.membership if self.recovery is not None else None
         doc = super().decorate_status(doc)  # this node's zygote and snapshots
-        return merge_job_status(doc, nodes, payloads, membership, self.world_size, str(self.ep))
+        doc = merge_job_status(doc, nodes, payloads, membership, self.world_size, str(self.ep))
+        return {**doc, "rdzv_store_ops": getattr(self.rdzv.store, "calls", None)}
 
     def _payload(self, node: int) -> dict[str, Any]:
-        """Read once per heartbeat period: a fault or a status asks for every member's."""
+        """Every node's payload is read at once, at most once per heartbeat period: a fault,
+        the health watch or a status asks for every member's."""
         now = time.monotonic()
         seen_at, doc = self._payloads.get(node, (-1.0, {}))
         if now - seen_at >= self.beat_s:
-            doc = read_payload(self.rdzv.store, node)
-            self._payloads[node] = (now, doc)
+            self._read_payloads(now)
+            doc = self._payloads.get(node, (now, {}))[1]
         return doc
+
+    def _read_payloads(self, now: float) -> None:
+        """One request for every live node that has beaten (a payload is set before the
+        first beat); one that has not shows nothing yet."""
+        live = {n.index for n in self._alive()}
+        nodes = [n for n in self.watch.beats.beaten() if n in live]
+        self._payloads = {n: (now, {}) for n in live}
+        for node, doc in zip(nodes, read_payloads(self.rdzv.store, nodes), strict=True):
+            self._payloads[node] = (now, doc)
 
     def _publish_status(self) -> None:
         now = time.monotonic()

@@ -152,13 +152,22 @@ def connect(ep: Endpoint, timeout_s: float) -> Any:
                               "check --rdzv-endpoint / --master-addr and the firewall") from None
 
 
-def read_payload(store: Any, node: int) -> dict[str, Any]:
-    """A node's last heartbeat payload; never blocks (a new node may have none yet)."""
-    key = payload_key(node)
+def read_payloads(store: Any, nodes: list[int]) -> list[dict[str, Any]]:
+    """The nodes' last heartbeat payloads in one request; each must have beaten once (a
+    missing key blocks a multi-get). One that cannot be read shows as {}."""
+    if not nodes:
+        return []
     try:
-        return dict(json.loads(store.get(key))) if store.check([key]) else {}
+        raws = store.multi_get([payload_key(n) for n in nodes])
     except Exception:
-        return {}
+        return [{} for _ in nodes]
+    out: list[dict[str, Any]] = []
+    for raw in raws:
+        try:
+            out.append(dict(json.loads(raw)))
+        except (ValueError, TypeError):
+            out.append({})
+    return out
 
 
 class Heartbeat:
@@ -193,12 +202,14 @@ class Heartbeat:
         except Exception as exc:
             self._on_lost(str(exc))
             return
-        last = "{}"
+        last, sent = "{}", None
         while not self._stop.is_set():
             with contextlib.suppress(Exception):  # a status hiccup is not a lost store
                 last = json.dumps(self._payload())
             try:
-                client.set(payload_key(self._node), last)
+                if last != sent:  # rebuilt a few times a second, not at every beat
+                    client.set(payload_key(self._node), last)
+                    sent = last
                 client.add(heartbeat_key(self._node), 1)
             except Exception as exc:
                 if not self._stop.is_set():

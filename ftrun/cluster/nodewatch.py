@@ -57,6 +57,7 @@ class BeatTracker:
 
     def __init__(self) -> None:
         self._last: dict[int, tuple[int, float]] = {}
+        self._keyed: set[int] = set()  # nodes whose counter exists in the store
 
     def watch(self, node: int, now: float | None = None) -> None:
         self._last[node] = (-1, time.monotonic() if now is None else now)
@@ -64,11 +65,24 @@ class BeatTracker:
     def forget(self, node: int) -> None:
         self._last.pop(node, None)
 
+    def beaten(self) -> list[int]:
+        """The nodes that have beaten at least once (their payload is in the store)."""
+        return [node for node, (count, _) in self._last.items() if count > 0]
+
     def ages(self, store: Any, now: float | None = None) -> dict[int, float]:
+        """Seconds since each node's counter last moved: every counter in one round trip (a
+        request per node per beat would cost the coordinator a core at a few hundred)."""
         now = time.monotonic() if now is None else now
+        nodes = list(self._last)
+        for node in nodes:
+            if node not in self._keyed:  # a multi-get waits for a missing key: make it
+                store.add(heartbeat_key(node), 0)
+                self._keyed.add(node)
+        counts = store.multi_get([heartbeat_key(n) for n in nodes]) if nodes else []
         out: dict[int, float] = {}
-        for node, (count, seen) in list(self._last.items()):
-            current = int(store.add(heartbeat_key(node), 0))
+        for node, raw in zip(nodes, counts, strict=True):
+            count, seen = self._last[node]
+            current = int(raw)
             if current != count:
                 self._last[node] = (current, now)
                 seen = now

@@ -141,11 +141,12 @@ _ENV_NAMES: dict[str, str] = {
     "resume": "FTRUN_RESUME",
     "resume_dir": "FTRUN_RESUME_DIR",
     "shard_size": "FTRUN_SHARD_SIZE",
+    "relay": "FTRUN_RELAY",
 }
 
 _OMITTED_AT_DEFAULT = frozenset(
     {"snapshot_shm", "snapshot_every", "snapshot_interval", "resume", "resume_dir",
-     "shard_size"})
+     "shard_size", "relay"})
 
 
 @dataclass(frozen=True)
@@ -181,6 +182,7 @@ class WorkerEnv:
     resume: bool = False  # started with no live replica: load the newest snapshot first
     resume_dir: str = ""  # where disk snapshots are looked for (after shared memory)
     shard_size: int = 1  # ranks per replica group (--shard-size); 1: plain data parallel
+    relay: str = ""  # HOST:PORT of the node agent's generation relay ("": watch the store)
 
     def to_env(self) -> dict[str, str]:
         # Snapshot variables appear only when snapshots are on, so a job without

@@ -13,7 +13,7 @@ from __future__ import annotations
 import functools
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field, fields
 from datetime import timedelta
 from typing import Any, ClassVar, Protocol, TypeVar, get_type_hints
@@ -30,6 +30,13 @@ def node_of(worker_id: int) -> int:
 
 def gen_key(number: int) -> str:
     return f"{PREFIX}gen/{number}"
+
+
+def relay_queue(node: int) -> str:
+    """Node `node`'s agent relays each generation named here to its own workers
+    (`ftrun.cluster.relay`); the coordinator's own node has none: its workers watch the
+    store itself."""
+    return f"{PREFIX}relay/{node}"
 
 
 def spare_group_key(worker_id: int) -> str:
@@ -84,10 +91,13 @@ class Generation:
         return cls(**doc)
 
 
-def publish(store: Store, gen: Generation) -> None:
-    """The record first, then the pointer: a reader of `latest` always finds the record."""
+def publish(store: Store, gen: Generation, relays: Iterable[int] = ()) -> None:
+    """The record first, then the pointer: a reader of `latest` always finds the record.
+    Then each node of `relays` is told (a push each, answered by no one: microseconds)."""
     store.set(gen_key(gen.number), gen.to_json())
     store.set(LATEST_KEY, str(gen.number))
+    for node in relays:
+        store.queue_push(relay_queue(node), str(gen.number))  # type: ignore[attr-defined]
 
 
 def read_generation(store: Store, number: int, timeout_s: float) -> Generation:

@@ -42,7 +42,14 @@ from ftrun.worker.aligning import STREAMS, align
 from ftrun.worker.buckets import GradSync
 from ftrun.worker.comm import Abandoned, CommError, GenerationWatcher, Group, Interrupt, build_group
 from ftrun.worker.drills import Drills
-from ftrun.worker.joining import connect, native_group, plain_group, quiet_store_warnings, warm_up
+from ftrun.worker.joining import (
+    connect,
+    native_group,
+    plain_group,
+    quiet_store_warnings,
+    warm_up,
+    watch_connect,
+)
 from ftrun.worker.loader import Loader
 from ftrun.worker.replica_sync import ReplicaSync
 from ftrun.worker.rng import RandomStreams
@@ -134,13 +141,14 @@ class FaultTolerant(ShardedView):
         if wenv.spare:
             # a hot spare returns at once, so the script builds its model now; steps()
             # announces it ready and waits there to be called in
-            gen, self._watcher = watch_as_spare(self._store, lambda: connect(wenv),
+            gen, self._watcher = watch_as_spare(self._store, lambda: watch_connect(wenv),
                                                 self._interrupt)
             self._group, self._rank = Group(gen, -1, None), -1
             return
         send_request(self._store, Hello(self.worker_id, os.getpid(), spare=False))
         gen = first_generation(self._store, self.worker_id)
-        self._watcher = GenerationWatcher(lambda: connect(wenv), gen.number, self._interrupt)
+        self._watcher = GenerationWatcher(lambda: watch_connect(wenv), gen.number,
+                                          self._interrupt)
         if self._sharding is not None:
             leave_quietly_when_evicted(self._interrupt, self.worker_id)
         rank = gen.rank_of(self.worker_id)

@@ -88,6 +88,16 @@ def connect(wenv: WorkerEnv) -> Any:
     return client(wenv.master_addr, wenv.master_port, timeouts.STORE_CLIENT_CONNECT_S)
 
 
+def watch_connect(wenv: WorkerEnv) -> Any:
+    """Where this worker's generation watcher waits: its node agent's relay on another node
+    than the coordinator's (one reader per node on the coordinator's store), else the
+    agent's store itself."""
+    if not wenv.relay:
+        return connect(wenv)
+    host, _, port = wenv.relay.rpartition(":")
+    return client(host, int(port), timeouts.STORE_CLIENT_CONNECT_S)
+
+
 def plain_group(backend: str) -> Group:
     """Outside ftrun: torchrun's default group, or a world of one."""
     import torch.distributed as dist
