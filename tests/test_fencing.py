@@ -12,6 +12,7 @@ from ftrun.core.policy import find_lost_nodes
 from tests.conftest import FIXTURES, ftrun_cmd, wait_for
 from tests.test_multinode import free_port, two_nodes
 from tests.test_multinode import nodes as nodes  # noqa: F401  (the fixture)
+from tests.test_multinode_units import FakeCounterStore
 
 
 def test_quiet_nodes_and_the_fence() -> None:
@@ -40,19 +41,11 @@ def test_rejoining_can_be_turned_off() -> None:
     assert step.action is Next.END and "rejoin_timeout=0" in step.reason
 
 
-class Counters:
-    """The one store call the watch makes: add(key, 0) reads a node's beat counter."""
-
-    def __init__(self) -> None:
-        self.counts: dict[str, int] = {}
+class Counters(FakeCounterStore):
+    """The node watch's store (one fake, c10d's semantics), with a node's beat."""
 
     def beat(self, node: int) -> None:
-        key = f"ftrun/rdzv/node/{node}/beat"
-        self.counts[key] = self.counts.get(key, 0) + 1
-
-    def add(self, key: str, amount: int) -> int:
-        self.counts[key] = self.counts.get(key, 0) + amount
-        return self.counts[key]
+        self.add(f"ftrun/rdzv/node/{node}/beat", 1)
 
 
 def run_watch(silent: dict[int, tuple[float, float]], until: float,
