@@ -58,7 +58,8 @@ from ftrun.protocol.rendezvous import Generation, Hello, Suspect, send_request
 from ftrun.worker.comm import GenerationWatcher, Interrupt
 from ftrun.worker.waits import first_generation
 
-SPAWNERS = 16  # threads starting simulated workers (connections wait on the resolver)
+SPAWNERS = 4  # threads starting simulated workers (connections wait on the resolver)
+SPAWN_PAUSE_S = 0.003  # after each start: the GIL goes back to the heartbeat threads
 STEP_S = 0.5  # a simulated step: what the payloads and node 0's workers report
 CONNECT_S = 60.0
 
@@ -300,9 +301,10 @@ class Sim:
         self.errors: list[str] = []
         self.published: dict[int, Generation] = {}
         self.started = time.time()
-        # workers start on a few threads, not on every node's: a hundred threads parsing
-        # generation records at once starve the heartbeat threads of the GIL for seconds,
-        # a stall real nodes (processes of their own) never see
+        # workers start on a few threads, not on every node's, pausing between starts: a
+        # hundred threads parsing generation records at once starve the heartbeat threads of
+        # the GIL for seconds (nodes are then lost), a stall real nodes (processes of their
+        # own) never see
         self.spawner: queue.SimpleQueue[SimWorker] = queue.SimpleQueue()
         for i in range(SPAWNERS):
             threading.Thread(target=self._spawn_loop, name=f"sim-spawner-{i}",
@@ -315,6 +317,7 @@ class Sim:
                 w.start()
             except Exception as exc:  # a simulation fault: reported, never hidden
                 self.errors.append(f"worker {w.worker_id}: {type(exc).__name__}: {exc}")
+            time.sleep(SPAWN_PAUSE_S)
 
     def add_nodes(self, count: int, nproc: int) -> None:
         nodes = [SimNode(self, nproc) for _ in range(count)]
