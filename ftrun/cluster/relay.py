@@ -32,6 +32,7 @@ class GenerationRelay:
         self._upstream = connect()  # the copier's own reads (the reader thread's only)
         self._upstream.set_timeout(timedelta(seconds=timeouts.STORE_LOST_S))
         self._lock = threading.Lock()
+        self._on_lost = on_lost
         self._copied = -1
         if self._upstream.check([LATEST_KEY]):  # a running job: from its newest generation
             self._copy_up_to(int(self._upstream.get(LATEST_KEY)), first=True)
@@ -43,7 +44,10 @@ class GenerationRelay:
             number = int(raw)
         except ValueError:
             return  # not ours to act on: only the coordinator pushes here
-        self._copy_up_to(number)
+        try:
+            self._copy_up_to(number)
+        except Exception as exc:  # the coordinator's store is gone: the heartbeat says so
+            self._on_lost(str(exc).splitlines()[0][:200] if str(exc) else "lost")
 
     def _copy_up_to(self, number: int, first: bool = False) -> None:
         """Copy every record after the last copied up to `number` (a node admitted late
