@@ -17,7 +17,7 @@ from ftrun.agent.roster import RemoteWorker, Worker
 from ftrun.core.membership import ALLOWED, Membership, RoleError, WorkerRole
 from ftrun.core.policy import Action, Liveness
 from ftrun.core.spec import RunSpec
-from ftrun.protocol.rendezvous import LATEST_KEY, Generation, gen_key
+from ftrun.protocol.rendezvous import LATEST_KEY, REQUEST_QUEUE, Generation, gen_key
 
 R = WorkerRole
 
@@ -27,6 +27,7 @@ class MemoryStore:
 
     def __init__(self) -> None:
         self.keys: dict[str, bytes] = {}
+        self.queues: dict[str, list[bytes]] = {}
 
     def set(self, key: str, value: str | bytes) -> None:
         self.keys[key] = value.encode() if isinstance(value, str) else value
@@ -35,7 +36,11 @@ class MemoryStore:
         return self.keys[key]
 
     def queue_len(self, key: str) -> int:
-        return 0  # the fake port delivers requests directly
+        return len(self.queues.get(key, [])) if key != REQUEST_QUEUE else 0  # delivered directly
+
+    def queue_push(self, key: str, value: str | bytes) -> None:
+        """The relay queues: what each other node's relay is told to copy."""
+        self.queues.setdefault(key, []).append(value.encode() if isinstance(value, str) else value)
 
     def generation(self) -> Generation:
         return Generation.from_json(self.keys[gen_key(int(self.keys[LATEST_KEY]))])
