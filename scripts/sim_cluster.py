@@ -10,7 +10,8 @@ queue, its first generation read from the store, a `GenerationWatcher` thread bl
 next generation key on a connection of its own. It runs no torch and no collective.
 Simplification, counted in the figures: a node's workers share one connection for their
 requests (hello, suspect; a few per run), where real workers have one each.
-Must not import: the agent, the CLI (the coordinator under test is a real `ftrun` process).
+Must not import: the agent's loop (only its health-check period, as the follower does), the
+CLI (the coordinator under test is a real `ftrun` process).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from dataclasses import asdict
 from datetime import timedelta
 from typing import Any
 
-from ftrun.adapters.store import QueueReader, client
+from ftrun.adapters.store import CountingStore, QueueReader, Tally, client
 from ftrun.agent.watch import CHECK_EVERY_S
 from ftrun.cluster.link import (
     AGENT_QUEUE,
@@ -62,35 +63,6 @@ SPAWNERS = 4  # threads starting simulated workers (connections wait on the reso
 SPAWN_PAUSE_S = 0.003  # after each start: the GIL goes back to the heartbeat threads
 STEP_S = 0.5  # a simulated step: what the payloads and node 0's workers report
 CONNECT_S = 60.0
-
-
-class Ops:
-    """Store operations issued by the simulated side, from many threads."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self.total = 0
-
-    def add(self, n: int = 1) -> None:
-        with self._lock:
-            self.total += n
-
-
-class Counted:
-    """A store connection whose calls are counted (every call is one request to the server)."""
-
-    def __init__(self, store: Any, ops: Ops) -> None:
-        self._store, self._ops = store, ops
-
-    def __getattr__(self, name: str) -> Any:
-        attr = getattr(self._store, name)
-        if not callable(attr):
-            return attr
-
-        def call(*args: Any, **kw: Any) -> Any:
-            self._ops.add()
-            return attr(*args, **kw)
-        return call
 
 
 class SimWorker:
@@ -143,13 +115,13 @@ class SimNode:
     # ------------------------------------------------------------------ joining
     def join(self) -> None:
         sim = self.sim
-        link = Counted(connect(sim.ep, CONNECT_S), sim.ops)
+        link = CountingStore(connect(sim.ep, CONNECT_S), sim.ops)
         link.set_timeout(timedelta(seconds=timeouts.STORE_LOST_S))
         self.index = int(link.add(NODE_COUNTER, 1))
         link.delete_key(command_queue(self.index))
         self._link = link
         self._outbox = Outbox(sim.ep, AGENT_QUEUE, timeouts.STORE_LOST_S, self._lost)
-        self._reader = QueueReader(lambda: Counted(connect(sim.ep, CONNECT_S), sim.ops),
+        self._reader = QueueReader(lambda: CountingStore(connect(sim.ep, CONNECT_S), sim.ops),
                                    command_queue(self.index), self._command, self._lost,
                                    f"sim-node-{self.index}")
         self._beat = Heartbeat(sim.ep, self.index, timeouts.NODE_HEARTBEAT_S,
@@ -168,7 +140,7 @@ class SimNode:
 
     def worker_connection(self) -> Any:
         assert self._addr is not None
-        return Counted(client(*self._addr, CONNECT_S), self.sim.ops)
+        return CountingStore(client(*self._addr, CONNECT_S), self.sim.ops)
 
     def watch_connection(self) -> Any:
         """Where a worker's watcher waits: this node's relay, as a follower's workers do
@@ -296,7 +268,7 @@ class Sim:
                  relays: bool = True) -> None:
         self.ep, self.rdzv_id = ep, rdzv_id
         self.watchers, self.relays = watchers, relays  # watching workers per node
-        self.ops = Ops()
+        self.ops = Tally()  # requests the simulated side issues
         self.nodes: list[SimNode] = []
         self.errors: list[str] = []
         self.published: dict[int, Generation] = {}

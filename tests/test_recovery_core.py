@@ -17,7 +17,7 @@ from ftrun.agent.roster import RemoteWorker, Worker
 from ftrun.core.membership import ALLOWED, Membership, RoleError, WorkerRole
 from ftrun.core.policy import Action, Liveness
 from ftrun.core.spec import RunSpec
-from ftrun.protocol.rendezvous import LATEST_KEY, REQUEST_QUEUE, Generation, gen_key
+from ftrun.protocol.rendezvous import LATEST_KEY, Generation, gen_key
 
 R = WorkerRole
 
@@ -36,7 +36,7 @@ class MemoryStore:
         return self.keys[key]
 
     def queue_len(self, key: str) -> int:
-        return len(self.queues.get(key, [])) if key != REQUEST_QUEUE else 0  # delivered directly
+        return len(self.queues.get(key, []))  # requests: the fake port delivers them directly
 
     def queue_push(self, key: str, value: str | bytes) -> None:
         """The relay queues: what each other node's relay is told to copy."""

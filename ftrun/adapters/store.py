@@ -115,14 +115,30 @@ def client(host: str, port: int, timeout_s: float) -> Any:
     return TCPStore(host, port, None, False, timedelta(seconds=timeout_s))
 
 
-class CountingStore:
-    """A store connection whose requests are counted (`calls`): what an agent costs the store
-    it serves, shown in `ftrun status` (`rdzv_store_ops`). Every method call is one request."""
+class Tally:
+    """A count that threads add to."""
 
-    def __init__(self, store: Any) -> None:
-        self._store = store
+    def __init__(self) -> None:
         self._lock = threading.Lock()
-        self.calls = 0
+        self.total = 0
+
+    def add(self, n: int = 1) -> None:
+        with self._lock:
+            self.total += n
+
+
+class CountingStore:
+    """A store connection whose requests are counted into `tally` (its own, or one shared by
+    many connections): what an agent costs the store it serves, shown in `ftrun status`
+    (`rdzv_store_ops`). Every method call is one request."""
+
+    def __init__(self, store: Any, tally: Tally | None = None) -> None:
+        self._store = store
+        self.tally = Tally() if tally is None else tally
+
+    @property
+    def calls(self) -> int:
+        return self.tally.total
 
     def __getattr__(self, name: str) -> Any:
         attr = getattr(self._store, name)
@@ -130,8 +146,7 @@ class CountingStore:
             return attr
 
         def counted(*args: Any, **kw: Any) -> Any:
-            with self._lock:
-                self.calls += 1
+            self.tally.add()
             return attr(*args, **kw)
         return counted
 

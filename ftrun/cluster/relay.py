@@ -11,7 +11,6 @@ Must not import: typer, rich, the CLI, the agent or the worker library. Torch la
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -31,7 +30,6 @@ class GenerationRelay:
         self.addr = f"{LOOPBACK}:{self._hosted.port}"
         self._upstream = connect()  # the copier's own reads (the reader thread's only)
         self._upstream.set_timeout(timedelta(seconds=timeouts.STORE_LOST_S))
-        self._lock = threading.Lock()
         self._on_lost = on_lost
         self._copied = -1
         if self._upstream.check([LATEST_KEY]):  # a running job: from its newest generation
@@ -51,14 +49,14 @@ class GenerationRelay:
 
     def _copy_up_to(self, number: int, first: bool = False) -> None:
         """Copy every record after the last copied up to `number` (a node admitted late
-        starts at the newest: its workers are in no older one)."""
-        with self._lock:
-            start = number if first else self._copied + 1
-            for n in range(start, number + 1):
-                record = self._upstream.get(gen_key(n))
-                self._local.set(gen_key(n), record)  # the record first, as `publish` does
-                self._local.set(LATEST_KEY, str(n))
-                self._copied = n
+        starts at the newest: its workers are in no older one). Called before the reader
+        thread starts, then on it only."""
+        start = number if first else self._copied + 1
+        for n in range(start, number + 1):
+            record = self._upstream.get(gen_key(n))
+            self._local.set(gen_key(n), record)  # the record first, as `publish` does
+            self._local.set(LATEST_KEY, str(n))
+            self._copied = n
 
     def close(self, link_works: bool) -> None:
         """`link_works` False: the coordinator's store is out of reach; the reader is left
