@@ -27,6 +27,7 @@ Usage: python scripts/sim_scale.py [--ranks 64,256,1024,4096] [--node-size 8] [-
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import resource
@@ -112,6 +113,20 @@ def status(store: Any) -> dict[str, Any]:
     return dict(json.loads(store.get(STATUS_KEY)))
 
 
+RUNNING: list[Coordinator] = []  # the child's coordinator, for its watchdog
+CHILD_GRACE_S = 30.0  # the parent waits this much longer than the child's watchdog
+
+
+def give_up() -> None:
+    """The child's watchdog: its coordinator (a session of its own, workers included) must not
+    outlive it."""
+    for coord in RUNNING:
+        with contextlib.suppress(OSError):
+            os.killpg(coord.proc.pid, signal.SIGKILL)
+    print("sim_scale: gave up: the job size ran past --timeout-s", file=sys.stderr, flush=True)
+    os._exit(3)
+
+
 def measure(ranks: int, node_size: int, steady_s: float, watchers: int,
             relays: bool, conf: str = "") -> dict[str, Any]:
     """One job size, end to end; figures in ms and percent."""
@@ -126,6 +141,7 @@ def measure(ranks: int, node_size: int, steady_s: float, watchers: int,
     port = free_port()
     ep = Endpoint("127.0.0.1", port)
     coord = Coordinator(nodes, node_size, port, workdir, conf)
+    RUNNING.append(coord)
     row: dict[str, Any] = {"ranks": ranks, "nodes": nodes, "errors": [],
                            "watchers": watchers * (nodes - 1) + node_size, "relays": relays,
                            "rdzv_conf": conf}
@@ -226,10 +242,11 @@ def run_child(ranks: int, args: argparse.Namespace) -> dict[str, Any]:
     out = Path(tempfile.mkstemp(prefix="ftrun-sim-", suffix=".json")[1])
     cmd = [sys.executable, __file__, "--one", str(ranks), "--node-size", str(args.node_size),
            "--steady-s", str(args.steady_s), "--json", str(out), "--watchers",
-           str(args.watchers), "--rdzv-conf", args.rdzv_conf,
+           str(args.watchers), "--rdzv-conf", args.rdzv_conf, "--timeout-s", str(args.timeout_s),
            *(["--no-relay"] if args.no_relay else [])]
-    try:
-        done = subprocess.run(cmd, timeout=args.timeout_s, capture_output=True, text=True)
+    try:  # the child's own watchdog (and its coordinator's end) comes first
+        done = subprocess.run(cmd, timeout=args.timeout_s + CHILD_GRACE_S, capture_output=True,
+                              text=True)
         if done.returncode != 0:
             return {"ranks": ranks, "errors": [done.stderr.strip().splitlines()[-1:]]}
         return dict(json.loads(out.read_text()))
@@ -291,6 +308,7 @@ def main() -> int:
     # 20 ms), a cost real workers (processes of their own) do not have
     sys.setswitchinterval(0.02)
     if args.one:
+        threading.Timer(args.timeout_s, give_up).start()
         row = measure(args.one, args.node_size, args.steady_s, args.watchers,
                       not args.no_relay, args.rdzv_conf)
         Path(args.json).write_text(json.dumps(row))
