@@ -190,3 +190,38 @@ print(code, reaped, left)
 '''
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30)
     assert r.stdout.split() == ["7", "2", "none"], (r.stdout, r.stderr)
+
+
+def test_forked_workers_import_and_draw_as_python_would(tmp_path) -> None:
+    """From a folder holding a clone named `ftrun` and a `torch.py` that is not torch, with
+    OMP_NUM_THREADS=4 (OpenBLAS starts its pool at import): the zygote still forks, and each
+    worker has the installed packages, python's __file__, its own seeds and 4 threads."""
+    job = tmp_path / "job"
+    (job / "ftrun").mkdir(parents=True)  # a clone's folder: a namespace package to python
+    (job / "ftrun" / "README.md").write_text("a clone of ftrun\n")
+    (job / "torch.py").write_text("raise ImportError('the working directory was imported')\n")
+    (job / "sub").mkdir()
+    (job / "sub" / "fidelity.py").write_text((FIXTURES / "fork_fidelity.py").read_text())
+    out, logs = tmp_path / "out", tmp_path / "logs"
+    out.mkdir()
+    # the installed command, as a user types it (`python -m ftrun` would put the folder's
+    # torch.py before torch in the agent itself, as `python -m torch.distributed.run` does)
+    launcher = str(Path(sys.executable).parent / "ftrun")
+    r = subprocess.run([launcher, "--nproc", "2", "--max-restarts", "1", "--log-dir", str(logs),
+                        "sub/fidelity.py", str(out)], cwd=job, capture_output=True, text=True,
+                       env={**os.environ, "OMP_NUM_THREADS": "4"}, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "starting workers as new processes" not in r.stderr
+    assert [e["via"] for e in events(logs, "spawned")] == ["zygote"] * 4
+    docs = {p.stem: json.loads(p.read_text()) for p in out.glob("fidelity_*.json")}
+    assert sorted(docs) == ["fidelity_0_0", "fidelity_0_1", "fidelity_1_0", "fidelity_1_1"]
+    for doc in docs.values():
+        assert doc["zygote"] != 0 and doc["has_init"]
+        assert not doc["torch_file"].startswith(str(job))
+        assert not doc["ftrun_file"].startswith(str(job))
+        assert doc["file"] == str(job / "sub" / "fidelity.py")
+        assert doc["loader"] == "SourceFileLoader"
+        assert doc["threads"] == 4
+    for key in ("torch_rand", "random", "numpy"):
+        values = [str(doc[key]) for doc in docs.values()]
+        assert len(set(values)) == 4 or key == "numpy" and values == ["None"] * 4, (key, values)

@@ -1,8 +1,9 @@
 """The agent's handle on its zygote: start it, wait for its preloads, ask it for workers.
 
-Owns: starting `python -u -m ftrun.worker.zygote` in a session of its own (dying with the
-agent), the socket to it, the one fork request at a time and its answer, whether a script
-wants torch preloaded (a look at its imports), and the zygote's end.
+Owns: starting the zygote (`python -u -c ZYGOTE_BOOT`, see `zygote_argv`) in a session of its
+own (dying with the agent), with one thread per pool while it imports, the socket to it, the
+one fork request at a time and its answer, whether a script wants torch preloaded (a look at
+its imports), and the zygote's end.
 Must not import: torch, typer, rich, the agent, the worker library.
 """
 
@@ -36,6 +37,18 @@ from ftrun.protocol.zygote import (
 )
 
 _IMPORTS_TORCH = re.compile(rb"^\s*(?:import|from)\s+(?:torch|ftrun)\b", re.MULTILINE)
+
+# `python -m` and `-c` put the working directory first on sys.path, so a folder or file there
+# named like ftrun, torch or a preload (a clone of this project, a stray torch.py) would be
+# imported by the zygote and inherited by every worker, where `python script.py` would import
+# the installed package. The zygote drops that entry before it imports anything of ours.
+ZYGOTE_BOOT = ("import sys; sys.path[:1] = [] if sys.path[:1] == [''] else sys.path[:1]; "
+               "from ftrun.worker.zygote import main; main()")
+# thread pools start at import (OpenBLAS through numpy) or at the first op (OpenMP, MKL): the
+# zygote imports and warms up with one thread each, so it can fork; each worker gets the
+# user's values back (ftrun.worker.forked)
+ONE_THREAD_ENV = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
+                  "GOTO_NUM_THREADS": "1", "NUMEXPR_NUM_THREADS": "1"}
 
 
 class ZygoteState(str, enum.Enum):
@@ -96,6 +109,12 @@ def memory_kb(pid: int) -> dict[str, int]:
     return out
 
 
+def zygote_argv(python: str, fd: int, with_torch: bool, preload: Sequence[str]) -> list[str]:
+    argv = [python, "-u", "-c", ZYGOTE_BOOT, "--fd", str(fd)]
+    return argv + (["--torch"] if with_torch else []) + (
+        ["--preload", ",".join(preload)] if preload else [])
+
+
 class Zygote:
     def __init__(self, python: str, env: Mapping[str, str], preload: Sequence[str],
                  with_torch: bool) -> None:
@@ -106,11 +125,10 @@ class Zygote:
         self.forks = 0
         self._closed = False
         self._sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        argv = [python, "-u", "-m", "ftrun.worker.zygote", "--fd", str(theirs.fileno())]
-        argv += (["--torch"] if with_torch else []) + (
-            ["--preload", ",".join(self.preload)] if self.preload else [])
+        argv = zygote_argv(python, theirs.fileno(), with_torch, self.preload)
         try:
-            self._proc = spawn(argv, env, subprocess.DEVNULL, None, pass_fds=(theirs.fileno(),))
+            self._proc = spawn(argv, {**env, **ONE_THREAD_ENV}, subprocess.DEVNULL, None,
+                               pass_fds=(theirs.fileno(),))
         finally:
             theirs.close()
         self.state = ZygoteState.STARTING

@@ -1,8 +1,9 @@
 """A worker forked from the zygote turning into what `python -u SCRIPT ARGS` would have started.
 
 Owns: what a forked child sets before the script runs (its session, becoming the agent's child
-and dying with it, stdio, environment, working directory, signal dispositions and mask,
-`sys.argv`, `sys.path`, a fresh `__main__`), then running the script or module and leaving as
+and dying with it, stdio, environment and the thread pools it sizes, working directory, signal
+dispositions and mask, seeds drawn from the OS, `sys.argv`, `sys.path`, a fresh `__main__`
+with python's `__file__` and `__loader__`), then running the script or module and leaving as
 the interpreter would: exit status, traceback, atexit handlers, flushed stdio.
 Must not import: typer, rich, NVML, the agent. Torch only if the zygote imported it.
 """
@@ -10,8 +11,11 @@ Must not import: typer, rich, NVML, the agent. Torch only if the zygote imported
 from __future__ import annotations
 
 import builtins
+import ctypes
+import importlib.machinery
 import io
 import os
+import random
 import runpy
 import signal
 import sys
@@ -52,6 +56,7 @@ def become_worker(plan: Plan) -> None:
     _reset_signals()
     req = plan.request
     _set_environment(req.env)
+    _fresh_seeds()
     os.chdir(req.cwd)
     global ZYGOTE_PID
     ZYGOTE_PID = plan.zygote_pid
@@ -98,11 +103,67 @@ def _reset_signals() -> None:
 def _set_environment(env: dict[str, str]) -> None:
     os.environ.clear()
     os.environ.update(env)
+    _size_thread_pools(env)
+
+
+def _fresh_seeds() -> None:
+    """A new interpreter draws these from the OS; forked workers would all share the zygote's
+    (random reseeds itself at fork, torch and numpy do not)."""
+    random.seed()
     torch = sys.modules.get("torch")
-    threads = env.get("OMP_NUM_THREADS", "")
-    if torch is not None and threads.isdigit() and int(threads) > 0:
-        # OpenMP read the zygote's value when torch loaded; the worker's may differ
-        torch.set_num_threads(int(threads))
+    if torch is not None:
+        torch.seed()  # the CPU generator now, the CUDA ones lazily (no context is made)
+    numpy_random = sys.modules.get("numpy.random")
+    if numpy_random is not None:
+        numpy_random.seed()
+
+
+def _size_thread_pools(env: dict[str, str]) -> None:
+    """The zygote imported with one thread per pool (so that it could fork); the pools get
+    what this worker's environment, or a new interpreter's default, asks for."""
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        torch.set_num_threads(_threads(env, "OMP_NUM_THREADS", "MKL_NUM_THREADS")
+                              or _physical_cores())
+    if "numpy" in sys.modules:
+        _set_openblas_threads(_threads(env, "OPENBLAS_NUM_THREADS", "GOTO_NUM_THREADS",
+                                       "OMP_NUM_THREADS") or len(os.sched_getaffinity(0)))
+
+
+def _threads(env: dict[str, str], *names: str) -> int:
+    """The first of `names` set to a positive count (as the libraries read them); 0: none."""
+    for name in names:
+        value = env.get(name, "").split(",")[0].strip()
+        if value.isdigit() and int(value) > 0:
+            return int(value)
+    return 0
+
+
+def _physical_cores() -> int:
+    """torch's own default for intra-op threads."""
+    import psutil  # only here: a worker whose environment names a count never loads it
+
+    return psutil.cpu_count(logical=False) or os.cpu_count() or 1
+
+
+_OPENBLAS_SETTERS = ("openblas_set_num_threads", "scipy_openblas_set_num_threads64_",
+                     "scipy_openblas_set_num_threads", "openblas_set_num_threads64_")
+
+
+def _set_openblas_threads(count: int) -> None:
+    """numpy's OpenBLAS sized its pool when the zygote imported it (one thread)."""
+    with open("/proc/self/maps") as maps:  # the loaded shared objects, as dl_iterate_phdr
+        libraries = {line.split()[-1] for line in maps if "openblas" in line.lower()}
+    for path in libraries:
+        try:
+            lib = ctypes.CDLL(path)
+        except OSError:
+            continue
+        for name in _OPENBLAS_SETTERS:
+            setter = getattr(lib, name, None)
+            if setter is not None:
+                setter(count)
+                break
 
 
 def run(req: Fork) -> None:
@@ -113,19 +174,28 @@ def run(req: Fork) -> None:
     as_main = getattr(runpy, "_run_module_as_main")  # noqa: B009 - what `python -m` runs
     sys.argv = [req.target, *req.args]  # for -m, runpy puts the module's path in argv[0]
     if req.module:
-        sys.path[0] = os.getcwd()
+        _path_first(os.getcwd())
         _run_guarded(lambda: as_main(req.target, alter_argv=True))
         return
     if not os.path.isfile(req.target):  # a directory or a zip archive with a __main__.py
-        sys.path[0] = req.target
+        _path_first(req.target)
         _run_guarded(lambda: as_main("__main__", alter_argv=False))
         return
-    sys.path[0] = os.path.dirname(os.path.realpath(req.target))
-    main.__file__ = req.target
+    _path_first(os.path.dirname(os.path.realpath(req.target)))
+    path = os.path.join(os.getcwd(), req.target)  # python's __file__: absolute, not resolved
+    main.__file__ = path
     main.__dict__["__cached__"] = None
-    with io.open_code(req.target) as f:
-        code = compile(f.read(), req.target, "exec", dont_inherit=True)
+    main.__dict__["__loader__"] = importlib.machinery.SourceFileLoader("__main__", path)
+    with io.open_code(path) as f:
+        code = compile(f.read(), path, "exec", dont_inherit=True)
     _run_guarded(lambda: exec(code, main.__dict__))
+
+
+def _path_first(entry: str) -> None:
+    """What python puts first on sys.path for a script, a module or a directory: nothing
+    under PYTHONSAFEPATH (the zygote's own first entry, its working directory, is gone)."""
+    if not os.environ.get("PYTHONSAFEPATH"):
+        sys.path.insert(0, entry)
 
 
 def _run_guarded(body: Callable[[], object]) -> None:

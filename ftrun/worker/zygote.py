@@ -5,8 +5,9 @@ process is still safe to fork (one thread, no CUDA context), a warm-up of torch'
 uses, and answering the agent's fork requests. A request is served by a double fork: the
 middle process exits at once, so the worker is handed to the agent (a child subreaper), which
 waits for it, signals its group and sees its exit through a pidfd as for any worker.
-Run as `python -u -m ftrun.worker.zygote --fd N [--torch] [--preload a,b]`; it serves until the
-agent closes the socket, and dies with the agent.
+Run as `python -u -c ZYGOTE_BOOT --fd N [--torch] [--preload a,b]` (adapters.zygote: the
+working directory off sys.path); it serves until the agent closes the socket, and dies with
+the agent.
 Must not import: typer, rich, NVML, the agent. Torch only when asked to (--torch).
 """
 
