@@ -144,10 +144,18 @@ def test_torch_is_preloaded_only_for_scripts_that_import_it(tmp_path) -> None:
     assert wants_torch(str(uses), module=False, run_path=False)
     assert wants_torch("pkg.train", module=True, run_path=False)
     assert wants_torch(str(tmp_path / "missing.py"), module=False, run_path=False)
+    for line in ("import os, torch", "import sys as s, torch.nn as nn", "import torchvision",
+                 "from ftrun import init", "import lightning as L"):
+        uses.write_text(f"{line}\n")
+        assert wants_torch(str(uses), module=False, run_path=False), line
+    for line in ("# import torch", "x = 'import torch'", "import mytorch", "import os, json"):
+        plain.write_text(f"{line}\n")
+        assert not wants_torch(str(plain), module=False, run_path=False), line
 
 
 def test_ctrl_c_while_the_zygote_still_imports_stops_the_run_at_once(tmp_path) -> None:
-    proc = subprocess.Popen(ftrun_cmd("--preload", "slow_mod", PROBE, str(tmp_path)),
+    proc = subprocess.Popen(ftrun_cmd("--preload", "slow_mod", "--log-dir", str(tmp_path / "logs"),
+                                      PROBE, str(tmp_path)),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "OMP_NUM_THREADS": "1",
                                  "PYTHONPATH": str(FIXTURES)})
@@ -158,6 +166,7 @@ def test_ctrl_c_while_the_zygote_still_imports_stops_the_run_at_once(tmp_path) -
     finally:
         proc.kill()
     assert proc.returncode != 0 and "received SIGINT" in err, err
+    assert "Traceback" not in err and not events(tmp_path / "logs", "spawned"), err  # none ran
 
 
 def test_orphans_handed_to_the_agent_are_reaped_and_its_own_children_left() -> None:

@@ -36,7 +36,11 @@ from ftrun.protocol.zygote import (
     send,
 )
 
-_IMPORTS_TORCH = re.compile(rb"^\s*(?:import|from)\s+(?:torch|ftrun)\b", re.MULTILINE)
+# torch, or what imports it: `import os, torch`, `from torch import nn`, `import torchvision`
+_TORCH_USERS = rb"(?:torch\w*|ftrun|lightning|pytorch_lightning|transformers|accelerate)\b"
+_IMPORTS_TORCH = re.compile(
+    rb"^[ \t]*(?:import[ \t]+(?:[\w.]+(?:[ \t]+as[ \t]+\w+)?[ \t]*,[ \t]*)*|from[ \t]+)"
+    + _TORCH_USERS, re.MULTILINE)
 
 # `python -m` and `-c` put the working directory first on sys.path, so a folder or file there
 # named like ftrun, torch or a preload (a clone of this project, a stray torch.py) would be

@@ -164,6 +164,8 @@ class Agent(NodeHooks, RunServices):
     # ----------------------------------------------------------------- workers
     def _start_group(self, restarts: int, hosted: HostedStore) -> None:
         self._workers, self._next_id = [], self.spec.nproc  # ids restart with every attempt
+        if self._wakeup.signals:  # stopped while the zygote imported: start nothing, then stop
+            return
         for local_rank in range(self.spec.nproc):
             self.spawn_worker(local_rank, rank=local_rank, local_rank=local_rank)
         self.emit(Event.STARTED, {"attempt": restarts, "world_size": self.world_size,
