@@ -130,7 +130,7 @@ def test_a_partial_or_corrupt_disk_snapshot_is_told_apart(tmp_path: Path) -> Non
         d.mkdir(parents=True)
         (d / snap.SKELETON).write_bytes(b"skeleton")
         (d / "__0_0.distcp").write_bytes(bytes(range(256)) * 10)
-        snap.write_manifest(str(d), step, 0.0, {})
+        snap.write_manifest(str(d), step, 0.0, {"run": "r"})
     dead = node / f".step-000000016.tmp-{2**22 + 7}"  # a write that never finished, by a pid
     dead.mkdir()  # that no process has: never listed, pruned
     assert [s for s, _ in snap.disk_snapshots(str(tmp_path))] == [12, 8, 4]
@@ -141,7 +141,7 @@ def test_a_partial_or_corrupt_disk_snapshot_is_told_apart(tmp_path: Path) -> Non
     assert snap.verify(str(newest.parent)) == "__0_0.distcp fails its checksum"
     os.unlink(Path(snap.step_dir(str(node), 8)) / snap.MANIFEST)
     assert snap.verify(snap.step_dir(str(node), 8)) == "no manifest (a partial write)"
-    assert snap.prune(str(node), keep=1) == [snap.step_dir(str(node), 4), str(dead)]
+    assert snap.prune(str(node), keep=1, run="r") == [snap.step_dir(str(node), 4), str(dead)]
     assert snap.root_of(snap.step_dir(str(node), 12)) == str(tmp_path)  # --resume of one
 
 
@@ -161,7 +161,8 @@ def test_the_agent_writes_a_published_slot_to_disk_or_says_why_not(tmp_path: Pat
         _publish(Path(keeper.shm), 1, _state(), 8)
         wait_for(lambda: keeper.drain() or len(events) > 1, 60, "the failed write reported")
         kind, fields = events[1]
-        assert kind is Event.NOTICE and "snapshot of step 8 could not be written" in fields["text"]
+        assert kind is Event.SNAPSHOT_FAILED and fields["step"] == 8 and fields["error"]
+        assert keeper.describe(time.time())["failed"] == 1
     finally:
         keeper.close()
     assert not os.path.exists(keeper.shm or "/nonexistent")

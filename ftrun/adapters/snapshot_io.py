@@ -22,11 +22,20 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from ftrun.core import timeouts
-from ftrun.protocol.snapshots import SKELETON, SlotRecord, try_lock
+from ftrun.protocol.snapshots import SKELETON, SlotRecord, not_mine, try_lock, unsafe
 
 _ALIGN = 64
 # "WID:STEP": the first attempt's worker WID dies halfway through copying the snapshot of STEP
 DRILL_KILL_MID_SNAPSHOT = "FTRUN_DRILL_KILL_MID_SNAPSHOT"
+
+
+class Unreadable(Exception):
+    """A snapshot that must not be read: another user's, or writable by others (one line)."""
+
+
+class WriteFailed(Exception):
+    """A disk write that failed (DCP's own `CheckpointException` is a BaseException, which an
+    `except Exception` would let kill the writer thread): the first cause, in one line."""
 
 
 class _Slice:
@@ -221,8 +230,11 @@ def read_slot(path: str, rec: SlotRecord, owned: bool = False) -> dict[str, Any]
     import torch
 
     with open(path, "rb") as f:
+        why = not_mine(os.fstat(f.fileno()), path)  # the very file mapped, before unpickling
+        if why is not None:
+            raise Unreadable(why)
         mm = mmap.mmap(f.fileno(), rec.total_bytes, prot=mmap.PROT_READ)
-    skeleton = pickle.loads(mm[:rec.meta_bytes])
+    skeleton = pickle.loads(mm[:rec.meta_bytes])  # noqa: S301 - this user's own, checked
     with warnings.catch_warnings():  # read-only buffer: the views are never written
         warnings.simplefilter("ignore", UserWarning)
         flats = [torch.frombuffer(mm, dtype=getattr(torch, d), count=n, offset=o)
@@ -248,18 +260,42 @@ def prepare() -> None:
 def save_disk(state: Mapping[str, Any], path: str) -> None:
     """`state` as a DCP checkpoint in the (new, empty) directory `path`, plus the skeleton."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
 
     skeleton = map_leaves(dict(state), _is_tensor, lambda _t, p: _Path(p))
-    with open(os.path.join(path, SKELETON), "wb") as f:
+    fd = os.open(os.path.join(path, SKELETON), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with open(fd, "wb") as f:
         pickle.dump(skeleton, f)
-    with warnings.catch_warnings():  # "assuming the intent is to save in a single process"
-        warnings.simplefilter("ignore", UserWarning)
-        dcp.save(dict(state), storage_writer=dcp.FileSystemWriter(path, sync_files=True),
-                 no_dist=True)
+    try:
+        with warnings.catch_warnings():  # "assuming the intent is to save in a single process"
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.save(dict(state), storage_writer=dcp.FileSystemWriter(path, sync_files=True),
+                     no_dist=True)
+    except CheckpointException as exc:
+        raise WriteFailed(_first_cause(exc)) from None
+
+
+def _first_cause(exc: Any) -> str:
+    """`[Errno 28] No space left on device` out of DCP's per-rank failure table."""
+    for failure in getattr(exc, "failures", {}).values():
+        cause = failure[0] if isinstance(failure, tuple) else failure
+        if isinstance(cause, BaseException):
+            return f"{type(cause).__name__}: {cause}"
+    return str(exc).splitlines()[0]
+
+
+def shm_free(path: str) -> int:
+    """Bytes this user may still allocate in the filesystem of `path` (a tmpfs's room)."""
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
 
 
 def load_disk(path: str) -> dict[str, Any]:
-    """The state tree of a disk snapshot (verified by the caller)."""
+    """The state tree of a disk snapshot (its checksums verified by the caller). Nothing in
+    it is unpickled unless it is this user's own, and no one else's to write."""
+    why = unsafe(path)
+    if why is not None:
+        raise Unreadable(why)
     import torch
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
@@ -270,11 +306,16 @@ def load_disk(path: str) -> dict[str, Any]:
     flat = {fqn: torch.empty(tuple(md.size), dtype=md.properties.dtype)
             for fqn, md in meta.state_dict_metadata.items()
             if isinstance(md, TensorStorageMetadata)}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)
-        dcp.load(flat, storage_reader=reader, no_dist=True)
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load(flat, storage_reader=reader, no_dist=True)
+    except CheckpointException as exc:  # a BaseException: the caller's `except` would miss it
+        raise OSError(_first_cause(exc)) from None
     with open(os.path.join(path, SKELETON), "rb") as f:
-        skeleton = pickle.load(f)  # noqa: S301 - written by ftrun, checksummed
+        skeleton = pickle.load(f)  # noqa: S301 - this user's own (checked above), checksummed
 
     def fill(ref: _Path, _p: tuple[str, ...]) -> Any:
         return flat[by_path.get(ref.path, ".".join(ref.path))]

@@ -59,8 +59,8 @@ class RunServices:
             history.remember(self.run_id, run_dir)
         self.emit = self.journal.emit
         self.snapshots = SnapshotKeeper(self.spec, self.run_id, 0, self.emit)
-        if self.snapshots.shm:  # gone with the agent, even a SIGKILLed one
-            guardian.remove_on_death(self.snapshots.shm)
+        for slots in self.snapshots.private_dirs:  # gone with the agent, even a SIGKILLed one
+            guardian.remove_on_death(slots)
         self.progress_dir = (os.path.join(run_dir, "progress") if run_dir
                              else tempfile.mkdtemp(prefix="ftrun_progress_"))
         os.makedirs(self.progress_dir, exist_ok=True)

@@ -6,8 +6,12 @@ when the agent ends: it outlives every worker, not the agent), what each worker 
 resume), a writer thread that copies each newly published slot to `--snapshot-dir` in torch's
 Distributed Checkpoint format (atomically: a temporary directory, a manifest of checksums
 last, then a rename; the newest `--snapshot-keep` kept), what it reports (an event per
-snapshot written, a notice for one that could not be, the status line), and the newest step a
-total loss can resume from.
+snapshot written, a `snapshot_failed` event for one that could not be, the status line), the
+newest step a total loss can resume from, and the safety rules on its side: the default
+directory is this user's alone, the snapshot directory is checked writable at launch, a
+run prunes and overwrites only the snapshots it wrote (its name is in each manifest), the
+shared memory a killed agent left is removed, and a state that /dev/shm has no room for
+goes to slots on disk instead (the worker's choice: only it knows the state's size).
 Must not import: the worker library, typer, rich, the CLI. Torch only inside the writer thread
 (through `adapters.snapshot_io`).
 """
@@ -21,10 +25,12 @@ import shutil
 import tempfile
 import threading
 import time
+import uuid
 from typing import Any
 
 from ftrun.adapters import snapshot_io
 from ftrun.core import timeouts
+from ftrun.core.errors import FtrunError
 from ftrun.core.events import Event, EventSink
 from ftrun.core.spec import RunSpec
 from ftrun.protocol.rendezvous import WORKER_ID_STRIDE
@@ -33,14 +39,19 @@ from ftrun.protocol.snapshots import (
     disk_snapshots,
     newest_slot,
     node_dir,
+    owner_of,
+    private_dir,
     prune,
     read_manifest,
     read_slot_record,
+    remove_stale_shm,
     root_of,
+    shm_prefix,
     slot_paths,
     step_dir,
     temp_dir,
     try_lock,
+    writable,
     write_manifest,
 )
 
@@ -48,8 +59,14 @@ SHM_ROOT = "/dev/shm"
 WRITER_NICENESS = 10
 
 
+def default_root() -> str:
+    """Every default snapshot directory of this user lives here: this user's alone (0700),
+    so no other user's file can ever pass for one of their snapshots."""
+    return os.path.join(tempfile.gettempdir(), f"ftrun-snapshots-{os.getuid()}")
+
+
 def default_dir(run_id: str) -> str:
-    return os.path.join(tempfile.gettempdir(), "ftrun-snapshots", run_id)
+    return os.path.join(default_root(), run_id)
 
 
 class SnapshotKeeper:
@@ -61,19 +78,38 @@ class SnapshotKeeper:
         self.base = spec.snapshot_dir or (root_of(spec.resume) if spec.resume
                                           else default_dir(run_id))
         self.disk = node_dir(self.base, node)
+        self.run = f"{run_id}/{uuid.uuid4().hex[:12]}"  # in each manifest: whose it is
         self._resumed_from: list[int] = []  # snapshot steps whole-group restarts resumed from
-        self.shm = ""
+        self.shm = self.spill = ""
         self.last: dict[str, Any] | None = None  # the newest snapshot written to disk
+        self.failed: list[str] = []  # why each failed write failed
         self._written_step = -1
         self._results: queue.SimpleQueue[tuple[Event, dict[str, Any]]] = queue.SimpleQueue()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         if self.on:
+            self._check_dir(spec)
             root = SHM_ROOT if os.path.isdir(SHM_ROOT) else None
-            self.shm = tempfile.mkdtemp(prefix=f"ftrun-snap-{run_id[:16]}-", dir=root)
+            remove_stale_shm(root or tempfile.gettempdir())
+            self.shm = tempfile.mkdtemp(prefix=shm_prefix(run_id), dir=root)
+            self.spill = tempfile.mkdtemp(prefix=".slots-", dir=self.base)
             self._thread = threading.Thread(target=self._write_loop, name="ftrun-snapshots",
                                             daemon=True)
             self._thread.start()
+
+    def _check_dir(self, spec: RunSpec) -> None:
+        """At launch, not at the first snapshot: the directory is usable (the default one
+        this user's alone)."""
+        flag = "--snapshot-dir" if spec.snapshot_dir else "the default snapshot directory"
+        why = None if spec.snapshot_dir or spec.resume else private_dir(default_root())
+        why = why or writable(self.base)
+        if why is not None:
+            raise FtrunError(f"{flag}: {why}", hint="give a --snapshot-dir you can write to")
+
+    @property
+    def private_dirs(self) -> tuple[str, ...]:
+        """What goes with the agent, even a SIGKILLed one: the slots."""
+        return tuple(d for d in (self.shm, self.spill) if d)
 
     def bind_node(self, node: int) -> None:
         """A follower learns its node index once it joined: its disk snapshots go there."""
@@ -81,20 +117,28 @@ class SnapshotKeeper:
 
     def worker_fields(self, worker_id: int, attempt: int) -> dict[str, Any]:
         """What a worker is told. The first workers of an attempt after a restart (or of a
-        `--resume` run) have no live replica to heal from: they resume from a snapshot."""
-        first = worker_id % WORKER_ID_STRIDE < self.spec.nproc
-        resume = first and (attempt > 0 and self.on or attempt == 0 and bool(self.spec.resume))
-        return {"snapshot_shm": self.shm, "snapshot_every": self.spec.snapshot_every,
-                "snapshot_interval": self.spec.snapshot_interval, "resume": resume,
-                "resume_dir": (self.spec.resume if attempt == 0 and self.spec.resume
-                               else self.base) if resume else ""}
+        `--resume` run) have no live replica to heal from: they resume from a snapshot, and
+        must (none loaded is an error, not a silent step 0). After a restart that is the
+        snapshot the agent chose, this run's own; another run's only when --resume names it."""
+        fields: dict[str, Any] = {"snapshot_shm": self.shm, "snapshot_spill": self.spill,
+                                  "snapshot_every": self.spec.snapshot_every,
+                                  "snapshot_interval": self.spec.snapshot_interval}
+        if worker_id % WORKER_ID_STRIDE >= self.spec.nproc:
+            return fields  # a replacement or a spare heals from a live replica
+        chosen = self._resumed_from[-1] if attempt > 0 and self._resumed_from else -1
+        if chosen >= 0:
+            fields.update(resume=True, resume_dir=self.disk, resume_run=self.run,
+                          resume_step=chosen)
+        elif self.spec.resume:
+            fields.update(resume=True, resume_dir=self.spec.resume)
+        return fields
 
     def newest_step(self) -> int:
         """The newest step a total loss could resume from on this node (-1: none)."""
         if not self.on:
             return -1
-        slot = newest_slot(self.shm)
-        return max(slot[1].step if slot else -1, self._written_step)
+        slots = [s[1].step for d in self.private_dirs if (s := newest_slot(d))]
+        return max([*slots, self._written_step])
 
     def resumable(self) -> tuple[int, int]:
         """(the newest step a total loss resumes from or -1, restarts already resumed from
@@ -121,11 +165,13 @@ class SnapshotKeeper:
             return None
         doc: dict[str, Any] = {"dir": self.disk, "every": self.spec.snapshot_every,
                                "interval_s": self.spec.snapshot_interval}
-        slot = newest_slot(self.shm)
-        if slot is not None:
-            doc["shm_step"] = slot[1].step
+        slots = [s[1].step for d in self.private_dirs if (s := newest_slot(d))]
+        if slots:
+            doc["shm_step"] = max(slots)
         if self.last is not None:
             doc.update(self.last, age_s=round(now - float(self.last["taken_at"]), 1))
+        if self.failed:
+            doc.update(failed=len(self.failed), last_error=self.failed[-1])
         return doc
 
     def close(self) -> None:
@@ -134,9 +180,14 @@ class SnapshotKeeper:
             self._stop.set()
             self._thread.join(timeouts.SNAPSHOT_FLUSH_S)
             self.drain()
-        if self.shm:
-            shutil.rmtree(self.shm, ignore_errors=True)
-            self.shm = ""
+        if self.failed:  # the end of the run says it, not only the moment it happened
+            newest = f"step {self.last['step']}" if self.last else "none"
+            self._emit(Event.NOTICE, {"text": f"snapshots: {len(self.failed)} could not be "
+                                              f"written (the last: {self.failed[-1]}); the "
+                                              f"newest on disk: {newest}"})
+        for d in self.private_dirs:
+            shutil.rmtree(d, ignore_errors=True)
+        self.shm = self.spill = ""
 
     # ---------------------------------------------------------------- writer thread
     def _write_loop(self) -> None:
@@ -146,16 +197,20 @@ class SnapshotKeeper:
         snapshot_io.prepare()  # DCP's first use costs ~1 s: not at the first snapshot
         while True:
             stopping = self._stop.wait(timeouts.SNAPSHOT_POLL_S)
-            self._write_newest()
+            try:
+                self._write_newest()
+            except Exception as exc:  # the writer outlives any one snapshot's trouble
+                self._results.put((Event.NOTICE, {"text": f"snapshot writer: "
+                                                          f"{type(exc).__name__}: {exc}"[:300]}))
             if stopping:
                 return
 
     def _write_newest(self) -> None:
-        found = newest_slot(self.shm)
-        if found is None or found[1].step <= self._written_step:
+        found = [(s[1].step, d, s[0]) for d in self.private_dirs if (s := newest_slot(d))]
+        if not found or max(found)[0] <= self._written_step:
             return
-        slot, _ = found
-        data = slot_paths(self.shm, slot)[0]
+        _, where, slot = max(found)
+        data = slot_paths(where, slot)[0]
         try:
             fd = os.open(data, os.O_RDONLY)
         except OSError:
@@ -163,7 +218,7 @@ class SnapshotKeeper:
         try:
             if not try_lock(fd, shared=True):
                 return  # a worker is filling it: the next poll sees the result
-            rec = read_slot_record(self.shm, slot)  # under the lock: what the slot holds now
+            rec = read_slot_record(where, slot)  # under the lock: what the slot holds now
             if rec is None or rec.step <= self._written_step:
                 return
             self._write(data, rec)
@@ -174,23 +229,27 @@ class SnapshotKeeper:
         started = time.time()
         final, tmp = step_dir(self.disk, rec.step), temp_dir(self.disk, rec.step)
         try:
+            owner = owner_of(final)
+            if owner is not None and owner != self.run:
+                raise FileExistsError(f"{final} holds another run's snapshot: not overwritten")
             shutil.rmtree(tmp, ignore_errors=True)
-            os.makedirs(tmp)  # and the node's directory, the first time
+            os.makedirs(tmp, mode=0o700)  # and the node's directory, the first time
             snapshot_io.save_disk(snapshot_io.read_slot(data, rec), tmp)
-            write_manifest(tmp, rec.step, rec.taken_at, {"worker": rec.worker,
+            write_manifest(tmp, rec.step, rec.taken_at, {"run": self.run, "worker": rec.worker,
                                                          "generation": rec.generation})
             if os.path.exists(final):
-                shutil.rmtree(final)  # an older run's step of the same number
+                shutil.rmtree(final)  # this run's own, of the same step (after a restart)
             os.rename(tmp, final)
-        except Exception as exc:  # reported, never fatal: training goes on
-            shutil.rmtree(tmp, ignore_errors=True)
+        except Exception as exc:  # reported, never fatal: training goes on, the next is tried
+            shutil.rmtree(tmp, ignore_errors=True)  # a full disk is not kept full by it
             self._written_step = rec.step  # not retried: the next snapshot comes soon
-            self._results.put((Event.NOTICE, {"text": f"snapshot of step {rec.step} could not "
-                                                      f"be written to {self.disk}: "
-                                                      f"{type(exc).__name__}: {exc}"[:300]}))
+            why = f"{type(exc).__name__}: {exc}".splitlines()[0][:240]
+            self.failed.append(why)
+            self._results.put((Event.SNAPSHOT_FAILED, {"step": rec.step, "dir": self.disk,
+                                                       "error": why}))
             return
         self._written_step = rec.step
-        prune(self.disk, self.spec.snapshot_keep)
+        prune(self.disk, self.spec.snapshot_keep, self.run)
         self.last = {"step": rec.step, "taken_at": rec.taken_at, "bytes": rec.total_bytes,
                      "blocking_ms": rec.blocking_ms,
                      "write_ms": round((time.time() - started) * 1000, 1), "path": final}

@@ -48,6 +48,8 @@ def _notice_text(kind: str, f: Mapping[str, object]) -> str | None:
                 f"(ms after the fault: {phases})")
     if kind == "restart":
         return f"restart {f['attempt']} starting"
+    if kind == "snapshot_failed":
+        return f"snapshot of step {f['step']} could not be written to {f['dir']}: {f['error']}"
     if kind == "resumed":
         return (f"worker {f['worker']} resumed from step {f['step']} ({f['source']}, "
                 f"{float(str(f['load_ms'])):.0f} ms)")
@@ -288,5 +290,7 @@ def print_report(rep: Mapping[str, Any], stream: TextIO | None = None) -> None:
         console.print(f"snapshots: {snap['count']}, the last of step {snap['last_step']}; "
                       f"blocking {_fmt(snap['blocking_ms_median'], ' ms')}, write "
                       f"{_fmt(snap['write_ms_median'], ' ms')} (medians)")
+    if snap.get("failed"):
+        console.print(f"snapshots that could not be written: {snap['failed']}")
     if rep.get("picture"):
         console.print(f"picture: {rep['picture']}")

@@ -130,7 +130,8 @@ def build_report(run: RunRecord) -> dict[str, Any]:
         "snapshots": {"count": len(snapshots),
                       "last_step": snapshots[-1].get("step") if snapshots else None,
                       "blocking_ms_median": _median(snapshots, "blocking_ms"),
-                      "write_ms_median": _median(snapshots, "write_ms")},
+                      "write_ms_median": _median(snapshots, "write_ms"),
+                      "failed": len(run.of_kind("snapshot_failed"))},
         "faults": fault_docs(run.faults),
     }
 

@@ -2,7 +2,7 @@
 --snapshot-keep, --resume, checked before anything starts.
 
 Owns: turning those options into `RunSpec` fields, with a one-line error for each bad value
-(a --resume directory that holds no complete snapshot included).
+(a --resume directory that holds no complete snapshot, or only other users' ones, included).
 Must not import: torch, typer, rich, the agent.
 """
 
@@ -14,7 +14,7 @@ from typing import Any
 
 from ftrun.cli.values import float_value, int_value
 from ftrun.core.errors import UsageError
-from ftrun.protocol.snapshots import disk_snapshots, read_manifest
+from ftrun.protocol.snapshots import disk_snapshots, read_manifest, unsafe
 
 
 def snapshot_fields(ns: argparse.Namespace) -> dict[str, Any]:
@@ -50,8 +50,13 @@ def _check_resumable(path: str) -> None:
     if not os.path.isdir(path):
         raise UsageError(f"--resume {path}: no such directory",
                          hint="give the --snapshot-dir of the earlier run")
-    if read_manifest(path) is None and not any(read_manifest(p) for _, p in
-                                               disk_snapshots(path)):
+    found = [path] if read_manifest(path) is not None else [
+        p for _, p in disk_snapshots(path) if read_manifest(p) is not None]
+    if not found:
         raise UsageError(f"--resume {path} holds no complete snapshot",
                          hint="give the --snapshot-dir of the earlier run, or one of its "
                               "step-N directories")
+    refused = [why for p in found if (why := unsafe(p)) is not None]
+    if len(refused) == len(found):  # a pickle is code: only this user's own are ever read
+        raise UsageError(f"--resume {path}: {refused[0]}",
+                         hint="resume only from snapshots that you wrote")

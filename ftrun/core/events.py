@@ -28,6 +28,7 @@ class Event(TextEnum):
     GPU = "gpu"  # a GPU's health changed
     STRAGGLER = "straggler"
     SNAPSHOT = "snapshot"  # a snapshot written to disk (step, size, blocking and write ms)
+    SNAPSHOT_FAILED = "snapshot_failed"  # a snapshot that could not be written (step, error)
     RESUMED = "resumed"  # a worker with no live replica loaded a snapshot
     NOTICE = "notice"  # one line for the operator
 

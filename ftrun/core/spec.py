@@ -140,13 +140,16 @@ _ENV_NAMES: dict[str, str] = {
     "snapshot_interval": "FTRUN_SNAPSHOT_INTERVAL",
     "resume": "FTRUN_RESUME",
     "resume_dir": "FTRUN_RESUME_DIR",
+    "snapshot_spill": "FTRUN_SNAPSHOT_SPILL",
+    "resume_run": "FTRUN_RESUME_RUN",
+    "resume_step": "FTRUN_RESUME_STEP",
     "shard_size": "FTRUN_SHARD_SIZE",
     "relay": "FTRUN_RELAY",
 }
 
 _OMITTED_AT_DEFAULT = frozenset(
     {"snapshot_shm", "snapshot_every", "snapshot_interval", "resume", "resume_dir",
-     "shard_size", "relay"})
+     "snapshot_spill", "resume_run", "resume_step", "shard_size", "relay"})
 
 
 @dataclass(frozen=True)
@@ -181,6 +184,9 @@ class WorkerEnv:
     snapshot_interval: float = 0.0
     resume: bool = False  # started with no live replica: load the newest snapshot first
     resume_dir: str = ""  # where disk snapshots are looked for (after shared memory)
+    snapshot_spill: str = ""  # slots on disk, for a state that /dev/shm has no room for
+    resume_run: str = ""  # only the disk snapshots this run wrote ("": any, --resume named it)
+    resume_step: int = -1  # the snapshot step the agent chose: nothing newer is loaded
     shard_size: int = 1  # ranks per replica group (--shard-size); 1: plain data parallel
     relay: str = ""  # HOST:PORT of the node agent's generation relay ("": watch the store)
 

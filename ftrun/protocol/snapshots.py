@@ -7,17 +7,22 @@ Owns: the shared-memory slot files (`slot<k>.bin`, published by `slot<k>.json`, 
 the slot to fill and of the replica that fills it, when a snapshot is due, the disk layout
 (`<dir>/node<k>/step-<n>/`: torch Distributed Checkpoint files, ftrun's skeleton, and the
 manifest `ftrun.json` with every file's size and CRC-32, written last, then the directory is
-renamed into place), listing, verifying and pruning disk snapshots.
+renamed into place), listing, verifying and pruning disk snapshots, and the safety rules:
+whose a snapshot is (the manifest names the run that wrote it: a run prunes and overwrites
+only its own), and whether it may be read at all (its directory and files belong to this
+user and no one else can write them: a pickle is code).
 Must not import: torch, typer, rich, the agent or the worker library.
 """
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
 import re
 import shutil
+import stat
 import zlib
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
@@ -68,6 +73,8 @@ def read_slot_record(shm_dir: str, slot: int) -> SlotRecord | None:
 
 
 def newest_slot(shm_dir: str) -> tuple[int, SlotRecord] | None:
+    if not shm_dir:
+        return None
     found = [(r.step, s, r) for s in range(SLOTS) if (r := read_slot_record(shm_dir, s))]
     if not found:
         return None
@@ -130,15 +137,17 @@ def crc32_of(path: str) -> int:
 
 
 def write_manifest(path: str, step: int, taken_at: float, extra: dict[str, object]) -> None:
-    """Last file of a snapshot: sizes and checksums of every other file in it."""
+    """Last file of a snapshot: sizes and checksums of every other file in it (each made
+    private to this user on the way: DCP writes them with the umask's modes)."""
     files = {}
     for name in sorted(os.listdir(path)):
         full = os.path.join(path, name)
         if name != MANIFEST and os.path.isfile(full):
+            os.chmod(full, 0o600)
             files[name] = {"bytes": os.path.getsize(full), "crc32": crc32_of(full)}
     doc = {"format": FORMAT, "step": step, "taken_at": taken_at, "files": files, **extra}
     tmp = os.path.join(path, MANIFEST + ".tmp")
-    with open(tmp, "w") as f:
+    with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
         json.dump(doc, f)
         f.flush()
         os.fsync(f.fileno())
@@ -154,23 +163,127 @@ def read_manifest(path: str) -> dict[str, object] | None:
         return None
 
 
+@dataclass(frozen=True)
+class Manifest:
+    """A snapshot's manifest, its fields checked."""
+
+    step: int
+    taken_at: float
+    run: str  # the run that wrote it ("": a snapshot of an ftrun that did not say)
+    files: tuple[tuple[str, int, int], ...]  # (name, bytes, crc32)
+
+
+def decode_manifest(doc: object) -> Manifest | str:
+    """A manifest, or why it is not one (one line): a wrong-typed field is a reason, never a
+    crash (`"step": "sixty"` must not stop a resume that an older snapshot can serve)."""
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+        return "an unknown manifest format"
+    step, taken_at, run, files = (doc.get(k) for k in ("step", "taken_at", "run", "files"))
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        return f"its manifest's step is {step!r}, not a step number"
+    if not isinstance(taken_at, (int, float)) or isinstance(taken_at, bool):
+        return f"its manifest's taken_at is {taken_at!r}, not a time"
+    if not isinstance(run, (str, type(None))):
+        return f"its manifest's run is {run!r}, not a run's name"
+    if not isinstance(files, dict) or SKELETON not in files:
+        return "an unknown manifest format"
+    listed = []
+    for name, want in sorted(files.items()):
+        size, crc = (want.get("bytes"), want.get("crc32")) if isinstance(want, dict) else (0, 0)
+        if not isinstance(size, int) or not isinstance(crc, int) or os.sep in name:
+            return f"its manifest's entry for {name!r} is malformed"
+        listed.append((name, size, crc))
+    return Manifest(step, float(taken_at), run or "", tuple(listed))
+
+
+def manifest_of(path: str) -> Manifest | str:
+    doc = read_manifest(path)
+    return "no manifest (a partial write)" if doc is None else decode_manifest(doc)
+
+
 def verify(path: str) -> str | None:
     """None when the snapshot at `path` is complete and intact, else why not (one line)."""
-    doc = read_manifest(path)
-    if doc is None:
-        return "no manifest (a partial write)"
-    files = doc.get("files")
-    if doc.get("format") != FORMAT or not isinstance(files, dict) or SKELETON not in files:
-        return "an unknown manifest format"
-    for name, want in sorted(files.items()):
+    man = manifest_of(path)
+    if isinstance(man, str):
+        return man
+    for name, size, crc in man.files:
         full = os.path.join(path, name)
         if not os.path.isfile(full):
             return f"{name} is missing"
-        if os.path.getsize(full) != want.get("bytes"):
-            return f"{name} has {os.path.getsize(full)} bytes, not {want.get('bytes')}"
-        if crc32_of(full) != want.get("crc32"):
+        if os.path.getsize(full) != size:
+            return f"{name} has {os.path.getsize(full)} bytes, not {size}"
+        if crc32_of(full) != crc:
             return f"{name} fails its checksum"
     return None
+
+
+# ---------------------------------------------------------------- whose, and who may read it
+def not_mine(st: os.stat_result, what: str) -> str | None:
+    """Why a file or directory must not be read as a snapshot (its pickles would run as this
+    user's code): another user owns it, or others may write it. None: it is safe."""
+    if st.st_uid != os.getuid():
+        return f"{what} belongs to uid {st.st_uid}, not to you: never read"
+    if st.st_mode & 0o022:
+        return f"{what} is writable by other users (mode {stat.S_IMODE(st.st_mode):o}): " \
+               "never read"
+    return None
+
+
+def unsafe(path: str) -> str | None:
+    """A disk snapshot may be read only if its directory and every file in it are this
+    user's and no one else's to write; why not, else None. Checked before anything in it is
+    unpickled (DCP's metadata is a pickle, and so is ftrun's skeleton)."""
+    try:
+        st = os.lstat(path)
+        if not stat.S_ISDIR(st.st_mode):
+            return f"{path} is not a directory"
+        why = not_mine(st, path)
+        for name in [] if why else os.listdir(path):
+            full = os.path.join(path, name)
+            entry = os.lstat(full)
+            if not stat.S_ISREG(entry.st_mode):
+                return f"{full} is not a plain file: never read"
+            why = why or not_mine(entry, full)
+        return why
+    except OSError as exc:
+        return f"cannot inspect {path} ({exc.strerror})"
+
+
+def private_dir(path: str) -> str | None:
+    """Create `path` (with its parents) for this user alone, or check that an existing one is
+    this user's (made 0700 if it was wider); why it cannot be used, else None."""
+    try:
+        os.makedirs(path, mode=0o700, exist_ok=True)
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except OSError as exc:
+        return f"cannot use {path} ({exc.strerror})"
+    try:
+        st = os.fstat(fd)
+        if st.st_uid != os.getuid():
+            return f"{path} belongs to uid {st.st_uid}, not to you"
+        if st.st_mode & 0o077:
+            os.fchmod(fd, 0o700)
+        return None
+    finally:
+        os.close(fd)
+
+
+def writable(path: str) -> str | None:
+    """Whether snapshots can be written under the directory `path` (created if missing): a
+    probe file written and removed. Why not (one line), else None."""
+    try:
+        os.makedirs(path, mode=0o700, exist_ok=True)
+        fd, probe = _probe(path)
+        os.close(fd)
+        os.unlink(probe)
+        return None
+    except OSError as exc:
+        return f"cannot write to {path} ({exc.strerror})"
+
+
+def _probe(path: str) -> tuple[int, str]:
+    probe = os.path.join(path, f".ftrun-probe-{os.getpid()}")
+    return os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), probe
 
 
 def disk_snapshots(base: str) -> list[tuple[int, str]]:
@@ -208,20 +321,58 @@ def root_of(path: str) -> str:
         else parent
 
 
-def prune(node_base: str, keep: int) -> list[str]:
-    """Keep the newest `keep` complete snapshots of a node; drop older ones and the temporary
-    directories of writers that are gone (a killed agent's). Returns what was removed."""
+def prune(node_base: str, keep: int, run: str) -> list[str]:
+    """Keep the newest `keep` complete snapshots that the run `run` wrote in a node's
+    directory; drop its older ones, and this user's temporary directories of writers that
+    are gone (a killed agent's). Another run's snapshots are never touched. Returns what was
+    removed."""
     removed = []
-    complete = [p for _, p in disk_snapshots(node_base) if read_manifest(p) is not None]
-    for path in complete[keep:]:
+    own = [p for _, p in disk_snapshots(node_base)
+           if isinstance(man := manifest_of(p), Manifest) and man.run == run]
+    for path in own[keep:]:
         shutil.rmtree(path, ignore_errors=True)
         removed.append(path)
     for name in _listdir(node_base):
         m = re.fullmatch(r"\.step-\d{9}\.tmp-(\d+)", name)
-        if m and not _alive(int(m.group(1))):
-            shutil.rmtree(os.path.join(node_base, name), ignore_errors=True)
-            removed.append(os.path.join(node_base, name))
+        full = os.path.join(node_base, name)
+        if m and not _alive(int(m.group(1))) and _owned(full):
+            shutil.rmtree(full, ignore_errors=True)
+            removed.append(full)
     return removed
+
+
+def owner_of(path: str) -> str | None:
+    """The run that wrote the snapshot at `path` ("" unnamed), or None when there is none."""
+    man = manifest_of(path)
+    return man.run if isinstance(man, Manifest) else None
+
+
+_SHM_DIR = re.compile(r"^ftrun-snap-.*-(\d+)-[A-Za-z0-9_]{8}$")
+
+
+def shm_prefix(run_id: str) -> str:
+    """An agent's shared-memory directory's name, up to mkdtemp's suffix: its pid names the
+    owner, so a later agent can remove what a killed one (and its guardian) left."""
+    return f"ftrun-snap-{run_id[:16]}-{os.getpid()}-"
+
+
+def remove_stale_shm(root: str) -> list[str]:
+    """This user's shared-memory directories whose agent is gone: removed, returned."""
+    removed = []
+    for name in _listdir(root):
+        m = _SHM_DIR.match(name)
+        full = os.path.join(root, name)
+        pid = int(m.group(1)) if m else 0
+        if m and pid != os.getpid() and not _alive(pid) and _owned(full):
+            shutil.rmtree(full, ignore_errors=True)
+            removed.append(full)
+    return removed
+
+
+def _owned(path: str) -> bool:
+    with contextlib.suppress(OSError):
+        return os.lstat(path).st_uid == os.getuid()
+    return False
 
 
 def _alive(pid: int) -> bool:

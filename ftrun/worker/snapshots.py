@@ -21,12 +21,15 @@ from typing import Any
 
 from ftrun.adapters import snapshot_io
 from ftrun.core import timeouts
+from ftrun.core.errors import WorkerApiError
 from ftrun.core.spec import WorkerEnv
 from ftrun.protocol.rendezvous import Generation, Resumed
 from ftrun.protocol.snapshots import (
     SLOTS,
+    Manifest,
     disk_snapshots,
     is_due,
+    manifest_of,
     read_manifest,
     read_slot_record,
     slot_paths,
@@ -41,6 +44,9 @@ STEP = "ftrun.step"  # the committed step, beside the registered objects in a sn
 class Snapshots:
     def __init__(self, wenv: WorkerEnv) -> None:
         self.shm_dir = wenv.snapshot_shm
+        self.spill_dir = wenv.snapshot_spill  # slots on disk, when /dev/shm has no room
+        self.resume_run, self.resume_step = wenv.resume_run, wenv.resume_step
+        self._dir = self.shm_dir  # where this worker's slots are
         self.every = wenv.snapshot_every
         self.interval_s = wenv.snapshot_interval
         self.resume_dir = wenv.resume_dir
@@ -76,8 +82,8 @@ class Snapshots:
         if reserving.is_alive():
             self.skipped += 1
             return
-        index = slot_to_fill(self.shm_dir)
-        slot, record = self._slots[index], slot_paths(self.shm_dir, index)[1]
+        index = slot_to_fill(self._dir)
+        slot, record = self._slots[index], slot_paths(self._dir, index)[1]
         if not slot.lock(timeouts.SNAPSHOT_FLUSH_S if final else 0.0):
             self.skipped += 1  # the agent is still writing that one to disk
             return
@@ -99,9 +105,10 @@ class Snapshots:
         """The first boundary of the replica that snapshots: open every slot, then size them
         for this state and write their pages in a thread of their own, so that the first
         copies into them are as quick as the later ones (each was ~5x slower)."""
-        self._slots = {i: snapshot_io.Slot(slot_paths(self.shm_dir, i)[0]) for i in range(SLOTS)}
         size = snapshot_io.reserved_size({n: o.state_dict() for n, o in objects.items()})
-        slots = [(slot, slot_paths(self.shm_dir, i)[1]) for i, slot in self._slots.items()]
+        self._dir = self._slot_dir(size)
+        self._slots = {i: snapshot_io.Slot(slot_paths(self._dir, i)[0]) for i in range(SLOTS)}
+        slots = [(slot, slot_paths(self._dir, i)[1]) for i, slot in self._slots.items()]
 
         def reserve_all() -> None:
             for slot, record in slots:
@@ -112,47 +119,128 @@ class Snapshots:
         self._reserving.start()
         return self._reserving
 
-    def resume(self, objects: Mapping[str, Any]) -> Resumed | None:
-        """Load the newest complete snapshot into `objects`; what to tell the agent, or None
-        when there is none."""
+    def _slot_dir(self, size: int) -> str:
+        """Shared memory if it has room for every slot, else the slots on disk: a tmpfs
+        that runs out of pages kills the process that touches one (SIGBUS), and each
+        replacement would die the same way."""
+        held = sum(_size(slot_paths(self.shm_dir, i)[0]) for i in range(SLOTS))
+        free = snapshot_io.shm_free(self.shm_dir) + held
+        if free >= SLOTS * size or not self.spill_dir:
+            return self.shm_dir
+        _say(f"/dev/shm has {free >> 20} MiB free, snapshots need {SLOTS} x {size >> 20} MiB: "
+             f"snapshotting to disk only ({self.spill_dir})")
+        return self.spill_dir
+
+    def resume(self, objects: Mapping[str, Any]) -> Resumed:
+        """Load the newest snapshot this worker may use into `objects`; what to tell the
+        agent. None loaded is an error (the agent chose a snapshot, or --resume named one):
+        training from step 0 instead would be silent, and would overwrite what it was given."""
         self.resuming = False
         started = time.time()
+        reasons: list[str] = []
         for where, taken_at, read in self._candidates():
             try:
                 state = read()
-                missing = sorted(set(objects) - set(state))
-                if missing:
-                    raise Broken(f"it holds no state for {', '.join(missing)}")
+                why = first_mismatch(state, objects)  # before any object is loaded: all or none
+                if why is not None:
+                    raise Broken(why)
                 for name, obj in objects.items():
                     obj.load_state_dict(state[name])
                 now = time.time()
                 return Resumed(self.worker_id, int(state[STEP]), where, taken_at, now,
                                round((now - started) * 1000, 1))
-            except Broken as exc:
-                _say(f"skipping snapshot {where}: {exc}")
+            except (Broken, snapshot_io.Unreadable) as exc:
+                reasons.append(f"{where}: {exc}")
             except Exception as exc:  # a snapshot that cannot be loaded is skipped, said once
-                _say(f"skipping snapshot {where}: {type(exc).__name__}: {exc}"[:300])
-        return None
+                reasons.append(f"{where}: {type(exc).__name__}: {exc}".splitlines()[0][:300])
+            _say(f"skipping snapshot {reasons[-1]}")
+        what = f"--resume {self.resume_dir}" if not self.resume_run else \
+            f"the snapshot of step {self.resume_step}"
+        raise WorkerApiError(f"cannot resume from {what}: "
+                             + (f"no snapshot fits (the newest: {reasons[0]})" if reasons
+                                else "no snapshot of it is left"),
+                             hint="resume with the model and optimizer that wrote it, or "
+                                  "start without --resume")
 
     def _candidates(self) -> list[tuple[str, float, Callable[[], Mapping[str, Any]]]]:
+        """Newest first, shared memory before disk: this agent's slots, and the disk snapshots
+        of `resume_dir` (only this run's after a restart, none newer than the agent chose)."""
         found = []
-        if self.shm_dir:
-            for slot in range(SLOTS):
-                rec = read_slot_record(self.shm_dir, slot)
-                if rec is not None:
-                    path = slot_paths(self.shm_dir, slot)[0]
-                    found.append((rec.step, 1, f"shared memory slot {slot} (step {rec.step})",
+        newest = self.resume_step if self.resume_step >= 0 else None
+        for slots in (self.shm_dir, self.spill_dir):
+            for slot in range(SLOTS) if slots else ():
+                rec = read_slot_record(slots, slot)
+                if rec is not None and (newest is None or rec.step <= newest):
+                    path = slot_paths(slots, slot)[0]
+                    label = "shared memory" if slots == self.shm_dir else "disk"
+                    found.append((rec.step, 1, f"{label} slot {slot} (step {rec.step})",
                                   rec.taken_at, _reader(path, rec)))
         if self.resume_dir:
             single = read_manifest(self.resume_dir) is not None
             for step, path in ([(-1, self.resume_dir)] if single
                                else disk_snapshots(self.resume_dir)):
-                doc = read_manifest(path) or {}
-                step = int(str(doc.get("step", step)))
-                found.append((step, 0, path, float(str(doc.get("taken_at", 0.0))),
-                              _disk_reader(path)))
+                man = manifest_of(path)
+                if isinstance(man, Manifest):
+                    if self.resume_run and man.run != self.resume_run:
+                        continue  # another run's: used only when --resume names it
+                    step = man.step
+                if newest is None or step <= newest:
+                    found.append((step, 0, path, man.taken_at if isinstance(man, Manifest)
+                                  else 0.0, _disk_reader(path)))
         found.sort(key=lambda c: (c[0], c[1]), reverse=True)  # newest; memory before disk
         return [(where, at, read) for _, _, where, at, read in found]
+
+
+def first_mismatch(saved: Mapping[str, Any], objects: Mapping[str, Any]) -> str | None:
+    """The first place where a snapshot's state does not fit the registered objects (a
+    tensor of another shape, a module's key it lacks), named as `model.0.weight`; None when
+    it fits as far as shapes tell."""
+    for name, obj in objects.items():
+        if name not in saved:
+            return f"it holds no state for {name}"
+        why = _tree_mismatch(saved[name], obj.state_dict(), name)
+        if why is not None:
+            return why
+    return None
+
+
+def _tree_mismatch(saved: Any, current: Any, path: str) -> str | None:
+    import torch
+
+    if isinstance(current, torch.Tensor):
+        if not isinstance(saved, torch.Tensor):
+            return f"{path} is not a tensor in the snapshot"
+        if tuple(saved.shape) != tuple(current.shape):
+            return (f"{path} has shape {tuple(saved.shape)} in the snapshot, "
+                    f"{tuple(current.shape)} here")
+        return None
+    if isinstance(current, Mapping) and isinstance(saved, Mapping):
+        module_like = bool(current) and all(isinstance(v, torch.Tensor)
+                                            for v in current.values())
+        for key, value in current.items():
+            if key not in saved:
+                if module_like:  # a module's state dict: every key is needed
+                    return f"{path}.{key} is not in the snapshot"
+                continue  # an optimizer's state fills in as it steps
+            why = _tree_mismatch(saved[key], value, f"{path}.{key}")
+            if why is not None:
+                return why
+        return None
+    if isinstance(current, (list, tuple)) and isinstance(saved, (list, tuple)):
+        if len(current) != len(saved):
+            return f"{path} has {len(saved)} entries in the snapshot, {len(current)} here"
+        for i, (a, b) in enumerate(zip(saved, current, strict=True)):
+            why = _tree_mismatch(a, b, f"{path}.{i}")
+            if why is not None:
+                return why
+    return None
+
+
+def _size(path: str) -> int:
+    try:
+        return os.path.getsize(path)
+    except OSError:
+        return 0
 
 
 def _reader(path: str, rec: Any) -> Callable[[], Mapping[str, Any]]:
@@ -160,7 +248,7 @@ def _reader(path: str, rec: Any) -> Callable[[], Mapping[str, Any]]:
 
 
 class Broken(Exception):
-    """A disk snapshot that is partial or corrupt: its checksums say so before it is read."""
+    """A snapshot that is partial, corrupt or does not fit: said in one line, then skipped."""
 
 
 def _disk_reader(path: str) -> Callable[[], Mapping[str, Any]]:
@@ -168,7 +256,7 @@ def _disk_reader(path: str) -> Callable[[], Mapping[str, Any]]:
         why = verify(path)
         if why is not None:
             raise Broken(why)
-        return snapshot_io.load_disk(path)
+        return snapshot_io.load_disk(path)  # refuses another user's before unpickling
     return read
 
 
