@@ -64,7 +64,7 @@ def serve(run_dir, handler) -> control.ControlServer:
     os.makedirs(run_dir, mode=0o700, exist_ok=True)
     info = control.RunInfo("t" * 16, os.getpid(), "fake.py", time.time(),
                            str(run_dir / "t.sock"), None)
-    return control.ControlServer(info, handler)
+    return control.ControlServer(info, handler).start()
 
 
 def dead_pid() -> int:

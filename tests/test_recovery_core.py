@@ -12,8 +12,10 @@ from typing import Any
 import pytest
 
 from ftrun.adapters.report import WorkerExit
+from ftrun.agent.ports import AgentPort
 from ftrun.agent.recovery import Recovery
 from ftrun.agent.roster import RemoteWorker, Worker
+from ftrun.core.errors import FtrunError
 from ftrun.core.membership import ALLOWED, Membership, RoleError, WorkerRole
 from ftrun.core.policy import Action, Liveness
 from ftrun.core.spec import RunSpec
@@ -48,7 +50,9 @@ class MemoryStore:
 
 @dataclass
 class FakePort:
-    """The agent as the helpers see it: workers are records, placing one records it."""
+    """The agent as the helpers see it: workers are records, placing one records it. Typed as
+    `AgentPort` (test_layering runs mypy on this file): a member the port gains is a member
+    this fake must have."""
 
     spec: RunSpec
     nodes: list[int] = field(default_factory=lambda: [0])
@@ -58,6 +62,7 @@ class FakePort:
     workers: dict[int, RemoteWorker] = field(default_factory=dict)
     placed: list[tuple[int, int, bool]] = field(default_factory=list)  # (id, rank, spare)
     suspects: int = 0
+    killed: list[int] = field(default_factory=list)  # kill_worker's, in order
     snapshot: tuple[int, int] = (-1, 0)  # (newest snapshot step, restarts resumed from it)
 
     def __post_init__(self) -> None:
@@ -103,11 +108,21 @@ class FakePort:
     def committed_step(self, worker_id: int) -> int:
         return 7
 
+    def kill_worker(self, worker_id: int) -> bool:
+        w = self.workers.get(worker_id)
+        if w is None or not w.alive:
+            return False
+        self.killed.append(worker_id)
+        return True
+
     def remote_liveness(self) -> list[Liveness]:
         return []
 
     def resumable(self) -> tuple[int, int]:
         return self.snapshot
+
+    def net_down(self, node: int, duration: float) -> dict[str, Any]:
+        raise FtrunError("no link drills without processes", hint="see test_fencing.py")
 
     def suspect(self) -> None:
         self.suspects += 1
@@ -130,7 +145,8 @@ class FakePort:
 
 def make(**spec: Any) -> tuple[Recovery, FakePort, MemoryStore]:
     port, store = FakePort(RunSpec("train.py", **{"nproc": 2, **spec})), MemoryStore()
-    return Recovery(port, store), port, store
+    as_port: AgentPort = port  # the fake is checked against the protocol here
+    return Recovery(as_port, store), port, store
 
 
 def exit_(port: FakePort, wid: int, code: int) -> RemoteWorker:
@@ -345,7 +361,7 @@ def test_node_loss_hands_its_ranks_to_spares_elsewhere(ready: bool) -> None:
     spares = [wid for wid, _, spare in port.placed if spare]
     for s in spares if ready else ():
         hello(rec, s, spare=True)
-    lost = [port.workers[1]]
+    lost: list[Worker | RemoteWorker] = [port.workers[1]]
     d = rec.on_node_lost(1, "node 1 (h)", lost, nodes_left=1, last_seen=999.0)
     assert d is None and store.generation().members == (0, spares[0])
     assert rec.membership.role(spares[0]) is R.HEALING

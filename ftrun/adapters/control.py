@@ -98,7 +98,9 @@ _MAX_SOCKET_PATH = 107  # sun_path is 108 bytes with its terminating NUL
 
 
 class ControlServer:
-    """Serve requests on the run's socket from a daemon thread; one request per connection."""
+    """Serve requests on the run's socket from a daemon thread; one request per connection.
+    Nothing is served, nor listed by `ftrun status`, before `start()`: the owner calls it once
+    the object its handler reads is whole."""
 
     def __init__(self, info: RunInfo, handler: Handler) -> None:
         self.info = info
@@ -108,34 +110,44 @@ class ControlServer:
             raise FtrunError(f"the control socket path {info.socket} is too long for a Unix "
                              f"socket ({_MAX_SOCKET_PATH} bytes at most)",
                              hint="set FTRUN_RUN_DIR to a shorter directory, e.g. /tmp/ftrun")
+        self._sock: socket.socket | None = None
+        self._thread: threading.Thread | None = None
+        self._closed = False
+
+    def start(self) -> ControlServer:
+        """Listen, publish the run's file, serve; returns self."""
         with contextlib.suppress(FileNotFoundError):
-            os.unlink(info.socket)
+            os.unlink(self.info.socket)
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         old = os.umask(0o177)  # the socket is created 0600: no window where others may connect
         try:
-            self._sock.bind(info.socket)
+            self._sock.bind(self.info.socket)
         finally:
             os.umask(old)
         self._sock.listen(16)
-        _write_private(self._meta, json.dumps(info.__dict__).encode())
-        self._closed = False
-        self._thread = threading.Thread(target=self._serve, name="ftrun-control", daemon=True)
+        _write_private(self._meta, json.dumps(self.info.__dict__).encode())
+        self._thread = threading.Thread(target=self._serve, args=(self._sock,),
+                                        name="ftrun-control", daemon=True)
         self._thread.start()
+        return self
 
     def close(self) -> None:
         self._closed = True
+        if self._sock is None:
+            return  # never started: nothing was published
         for path in (self.info.socket, self._meta):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
         with contextlib.suppress(OSError):
             self._sock.shutdown(socket.SHUT_RDWR)  # wakes the blocked accept()
         self._sock.close()
-        self._thread.join(timeouts.THREAD_JOIN_S)
+        if self._thread is not None:
+            self._thread.join(timeouts.THREAD_JOIN_S)
 
-    def _serve(self) -> None:
+    def _serve(self, sock: socket.socket) -> None:
         while not self._closed:
             try:
-                conn, _ = self._sock.accept()
+                conn, _ = sock.accept()
             except OSError:
                 return
             with conn:

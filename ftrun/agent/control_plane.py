@@ -172,9 +172,14 @@ class ControlPlane:
         sock = os.path.join(run_dir(), f"{port.control_name()}.sock")
         self.info = RunInfo(port.run_id, os.getpid(), port.spec.script, time.time(), sock,
                             log_dir)
-        self.server = ControlServer(self.info, self.handle)
         self.timeline = Timeline(log_dir, sample_every_s(port.spec.nnodes_max))
         self.metrics_url: str | None = None  # where Prometheus scrapes this agent, if it does
+        self.server = ControlServer(self.info, self.handle)  # serves from serve() on
+
+    def serve(self) -> None:
+        """Answer `ftrun status` and `ftrun inject-fault` from now on: called once this object
+        and the agent it reads are whole (a request is answered from another thread)."""
+        self.server.start()
 
     def close(self) -> None:
         self.server.close()

@@ -68,9 +68,10 @@ class RunServices:
         self.health = HealthWatch(port, self.slots)
         self.control_plane = ControlPlane(port, self.slots, self.journal, self.health, run_dir)
         if self.metrics is not None:
-            self.metrics.serve(self.control_plane.status)
             self.control_plane.metrics_url = self.metrics.url
+            self.metrics.serve(self.control_plane.status)
             self.emit(Event.NOTICE, {"text": f"Prometheus metrics at {self.metrics.url}"})
+        self.control_plane.serve()  # last: a request may come at once, from another thread
 
     def _finish(self, result: RunResult) -> RunResult:
         result = replace(result, faults=tuple(self.journal.faults))
