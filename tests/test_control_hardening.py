@@ -14,10 +14,10 @@ import pytest
 from conftest import FIXTURES, ftrun_cmd, run_ftrun, wait_for
 
 from ftrun.adapters import control
-from ftrun.agent.control_plane import InjectOp, StatusOp, check_request
 from ftrun.cli.main import main
 from ftrun.core.errors import FtrunError
 from ftrun.core.faultkinds import FaultKind
+from ftrun.protocol.control_ops import InjectOp, StatusOp, check_request
 
 # Each gets a one-line refusal; none may end the server thread or the agent's main loop.
 JUNK = [

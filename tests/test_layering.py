@@ -151,9 +151,28 @@ def _modules_after(code: str) -> set[str]:
     return set(out.stdout.split())
 
 
-def test_import_ftrun_is_light() -> None:
+STATUS_PATH_BOUND = 24  # ftrun modules behind `ftrun status` (19 when this was written)
+
+
+def test_import_ftrun_is_light_and_its_face_is_lazy() -> None:
     mods = _modules_after("import ftrun")
-    assert not {"torch", "typer", "rich", "pynvml"} & mods
+    assert not {"torch", "typer", "rich", "pynvml", "psutil"} & mods
+    assert {m for m in mods if m.startswith("ftrun")} == {"ftrun"}  # no worker module yet
+    mods = _modules_after("import ftrun, ftrun.worker.api as api\n"
+                          "assert ftrun.init is api.init and ftrun.FaultTolerant is "
+                          "api.FaultTolerant\nfrom ftrun import init")
+    assert "ftrun.worker.api" in mods
+
+
+def test_the_status_path_loads_no_torch_worker_or_agent_module() -> None:
+    """What `ftrun status` and `ftrun inject-fault` import: the CLI's entry and its commands.
+    The request types live in protocol.control_ops, not in the agent's control plane."""
+    mods = _modules_after("import ftrun.cli.main, ftrun.cli.commands")
+    assert not {"torch", "pynvml", "psutil"} & mods
+    ours = {m for m in mods if m.startswith("ftrun")}
+    below = {m for m in ours if package_of(m) in ("worker", "agent", "cluster")}
+    assert not below, sorted(below)
+    assert len(ours) <= STATUS_PATH_BOUND, sorted(ours)
 
 
 def test_cli_module_does_not_import_torch() -> None:

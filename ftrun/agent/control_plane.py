@@ -1,10 +1,11 @@
 """The agent's window to the outside: `ftrun status` answers and `ftrun inject-fault` drills.
 
-Owns: the run's control server, building the status document (from the port, the progress
-slots, the journal, the health watch and the attempt's membership), checking every field of a
-request where it enters (one-line errors; nothing malformed reaches the main loop) and
-applying drills from the agent's main loop: signals the agent sends itself, or drill slots a
-worker acts on at a step.
+Owns: the run's control server (serving from `serve()`, once the agent is whole), building the
+status document (from the port, the progress slots, the journal, the health watch and the
+attempt's membership), checking every request where it enters with
+`protocol.control_ops.check_request` (one-line errors; nothing malformed reaches the main loop),
+refusing a drill this job cannot take, and applying drills from the agent's main loop: signals
+the agent sends itself, or drill slots a worker acts on at a step.
 Must not import: torch, typer, rich, the CLI, the agent (it reaches the node through
 `ports.AgentPort`).
 """
@@ -12,13 +13,11 @@ Must not import: torch, typer, rich, the CLI, the agent (it reaches the node thr
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 import queue
-import reprlib
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 from ftrun.adapters.control import ControlServer, RunInfo, run_dir
@@ -31,55 +30,11 @@ from ftrun.agent.timeline import Timeline, sample_every_s
 from ftrun.agent.watch import HealthWatch
 from ftrun.core.errors import FtrunError
 from ftrun.core.events import Event
-from ftrun.core.faultkinds import (
-    AGENT_SIGNALS,
-    ALL_KINDS,
-    GPU_KINDS,
-    NODE_KINDS,
-    WORKER_ONLY,
-    FaultKind,
-)
+from ftrun.core.faultkinds import AGENT_SIGNALS, GPU_KINDS, WORKER_ONLY, FaultKind
 from ftrun.core.membership import Membership
 from ftrun.core.policy import phase_text
 from ftrun.core.replica_groups import group_rows
-
-MAX_DRILL_DELAY_S = 24 * 3600.0  # a "slow" drill slower than this is a stuck worker
-_MAX_INDEX = (1 << 31) - 1
-_MAX_STEP = (1 << 63) - 1  # the drill slot holds the step as an int64
-# each inject field and the `ftrun inject-fault` option that sets it
-_OPTIONS = {"kind": "--kind", "rank": "--rank", "gpu": "--gpu", "at_step": "--at-step",
-            "arg": "--delay", "xid": "--xid", "node": "--node", "duration": "--duration"}
-_SHOW = reprlib.Repr()
-_SHOW.maxstring, _SHOW.maxother, _SHOW.maxlevel = 40, 40, 2
-
-
-@dataclass(frozen=True)
-class StatusOp:
-    """`ftrun status`: the job's document."""
-
-    def to_wire(self) -> dict[str, Any]:
-        return {"op": "status"}
-
-
-@dataclass(frozen=True)
-class InjectOp:
-    """`ftrun inject-fault`: a drill on one rank of this node, a fault of one GPU, or of
-    one node's link."""
-
-    kind: FaultKind
-    rank: int | None
-    gpu: int | None
-    at_step: int = -1  # -1: now
-    arg: float = 0.0  # slow: extra seconds per step
-    xid: int | None = None
-    node: int | None = None
-    duration: float = 0.0  # net-down: seconds the link stays down
-
-    def to_wire(self) -> dict[str, Any]:
-        return {"op": "inject", **asdict(self)}
-
-
-ControlOp = StatusOp | InjectOp
+from ftrun.protocol.control_ops import InjectOp, StatusOp, check_request
 
 
 @dataclass(frozen=True)
@@ -90,73 +45,6 @@ class Drill:
     kind: FaultKind
     at_step: int
     arg: float
-
-
-def check_request(req: dict[str, Any]) -> ControlOp:
-    """A control request with every field checked and typed, or a one-line FtrunError. The
-    server checks here, before anything reaches the agent's main loop; the CLI checks too."""
-    op = req.get("op")
-    if op == "status":
-        return StatusOp()
-    if op == "inject":
-        return _check_inject(req)
-    raise FtrunError(f"unknown request {_show(op)}",
-                     hint='use "op": "status" or "inject", or upgrade the ftrun client')
-
-
-def _check_inject(req: dict[str, Any]) -> InjectOp:
-    extra = sorted(str(k) for k in set(req) - {"op", *_OPTIONS})
-    if extra:
-        raise FtrunError(f"unknown field {_show(extra[0])} in an inject request",
-                         hint="fields: " + ", ".join(_OPTIONS))
-    kind = req.get("kind")
-    if not isinstance(kind, str) or kind not in ALL_KINDS:
-        raise FtrunError(f"unknown fault kind {_show(kind)}",
-                         hint="use one of " + ", ".join(ALL_KINDS))
-    rank, gpu = _integer(req, "rank", 0, _MAX_INDEX), _integer(req, "gpu", 0, _MAX_INDEX)
-    node = _integer(req, "node", 0, _MAX_INDEX)
-    if sum(x is not None for x in (rank, gpu, node)) != 1:
-        raise FtrunError("give exactly one of --rank, --gpu or --node", hint="e.g. --rank 1")
-    if gpu is not None and kind not in GPU_KINDS:
-        raise FtrunError(f"--gpu takes --kind xid, ecc or thermal, not {kind}",
-                         hint="e.g. --gpu 0 --kind xid --xid 79")
-    if (node is not None) != (kind in NODE_KINDS):
-        raise FtrunError(f"--kind net-down takes --node K, and --node takes --kind net-down"
-                         f" (not --kind {kind})", hint="e.g. --node 1 --kind net-down "
-                         "--duration 5")
-    duration = _delay(req.get("duration"), "duration")
-    if node is not None and duration <= 0:
-        raise FtrunError("--kind net-down needs --duration SECONDS > 0",
-                         hint="e.g. --duration 5")
-    at_step = _integer(req, "at_step", -1, _MAX_STEP)
-    return InjectOp(FaultKind(kind), rank, gpu, -1 if at_step is None else at_step,
-                    _delay(req.get("arg")), _integer(req, "xid", 0, _MAX_INDEX), node,
-                    duration)
-
-
-def _integer(req: dict[str, Any], field: str, lo: int, hi: int) -> int | None:
-    value = req.get(field)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
-        raise FtrunError(f"{_OPTIONS[field]} must be an integer {lo}..{hi}, not {_show(value)}",
-                         hint=f"e.g. {_OPTIONS[field]} {max(lo, 0)}")
-    return value
-
-
-def _delay(value: object, field: str = "arg") -> float:
-    if value is None:
-        return 0.0
-    if (isinstance(value, bool) or not isinstance(value, (int, float))
-            or not math.isfinite(value) or not 0 <= value <= MAX_DRILL_DELAY_S):
-        raise FtrunError(f"{_OPTIONS[field]} must be a number of seconds "
-                         f"0..{MAX_DRILL_DELAY_S:g}, not {_show(value)}",
-                         hint=f"e.g. {_OPTIONS[field]} 0.5")
-    return float(value)
-
-
-def _show(value: object) -> str:
-    return " ".join(_SHOW.repr(value).split())
 
 
 class ControlPlane:

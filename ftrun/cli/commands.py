@@ -19,12 +19,12 @@ from typing import Any, Optional
 import typer
 
 from ftrun.adapters import control
-from ftrun.agent.control_plane import check_request
 from ftrun.cli import render
 from ftrun.core.errors import FtrunError, UsageError
 from ftrun.core.faultkinds import ALL_KINDS, FaultKind
 from ftrun.gpu.verdicts import GpuSample as _Sample
 from ftrun.gpu.verdicts import Health, classify
+from ftrun.protocol.control_ops import check_request
 
 app = typer.Typer(add_completion=False, no_args_is_help=False, pretty_exceptions_enable=False,
                   help="ftrun: see what a job is doing, and rehearse its failures.")
