@@ -5,6 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 PKG = Path(__file__).parent.parent / "ftrun"
 
 LAYERS = [  # packages, lowest first; a package may import itself and those below it
@@ -178,3 +180,14 @@ def test_the_status_path_loads_no_torch_worker_or_agent_module() -> None:
 def test_cli_module_does_not_import_torch() -> None:
     mods = _modules_after("import ftrun.cli.main, ftrun.cli.launch_args")
     assert "torch" not in mods
+
+
+TYPED_TESTS = ["tests/test_recovery_core.py"]  # fakes of a protocol: mypy checks they fit it
+
+
+@pytest.mark.slow  # a cold mypy reads the whole package: ~20 s of CPU
+def test_the_fakes_of_the_ports_type_check() -> None:
+    r = subprocess.run([sys.executable, "-m", "mypy", "--config-file", "pyproject.toml",
+                        *TYPED_TESTS], capture_output=True, text=True, timeout=300,
+                       cwd=PKG.parent)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-1000:]
