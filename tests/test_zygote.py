@@ -11,7 +11,7 @@ import sys
 import time
 from pathlib import Path
 
-from conftest import FIXTURES, ftrun_cmd, run_ftrun, wait_for
+from conftest import FIXTURES, ftrun_cmd, pid_alive, run_ftrun, wait_for
 
 from ftrun.adapters.zygote import Target, wants_torch
 from ftrun.protocol.zygote import Fork, Forked, Ready, Refused, decode, recv, send
@@ -234,3 +234,26 @@ def test_forked_workers_import_and_draw_as_python_would(tmp_path) -> None:
     for key in ("torch_rand", "random", "numpy"):
         values = [str(doc[key]) for doc in docs.values()]
         assert len(set(values)) == 4 or key == "numpy" and values == ["None"] * 4, (key, values)
+
+
+def test_what_a_preload_starts_ends_with_the_job_and_its_prints_are_shown(tmp_path) -> None:
+    pid_file = tmp_path / "child.pid"
+    # capture_output waits for every holder of the job's stdout and stderr to close them
+    r = run_ftrun("--nproc", "1", "--preload", "spawner_mod", PROBE, str(tmp_path), timeout=60,
+                  env={"PYTHONPATH": str(FIXTURES), "SPAWNER_PID_FILE": str(pid_file)})
+    assert r.returncode == 0, r.stderr
+    assert "spawner_mod: preloaded" in r.stdout
+    assert [p["zygote"] != 0 for p in probes(tmp_path).values()] == [True]
+    child = int(pid_file.read_text())
+    wait_for(lambda: not pid_alive(child), 5, "the preload's process to end")
+
+
+def test_a_stalled_preload_is_named_and_its_exit_status_reported(tmp_path) -> None:
+    r = run_ftrun("--nproc", "1", "--preload", "stalling_mod", PROBE, str(tmp_path), timeout=60,
+                  env={"PYTHONPATH": str(FIXTURES)})
+    assert r.returncode == 0, r.stderr  # the workers start as new processes
+    assert "the zygote is still importing stalling_mod after 10 s (--preload stalling_mod" \
+        in r.stderr
+    assert "the zygote exited with 3 while importing stalling_mod; starting workers as new " \
+        "processes" in r.stderr
+    assert [p["zygote"] for p in probes(tmp_path).values()] == [0]

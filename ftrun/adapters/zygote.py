@@ -18,7 +18,7 @@ import signal
 import socket
 import subprocess
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from ftrun.adapters.procs import Spawned, adopt, spawn
@@ -29,6 +29,7 @@ from ftrun.protocol.zygote import (
     Fork,
     Forked,
     ForkFailed,
+    Importing,
     Message,
     Ready,
     Refused,
@@ -127,47 +128,73 @@ class Zygote:
         self.ready: Ready | None = None
         self.refused: Refused | None = None
         self.forks = 0
+        self.importing = ""  # the preload it was importing last
+        self.exit_code: int | None = None  # its own exit's status, if it ended before close()
         self._closed = False
         self._sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         argv = zygote_argv(python, theirs.fileno(), with_torch, self.preload)
         try:
-            self._proc = spawn(argv, {**env, **ONE_THREAD_ENV}, subprocess.DEVNULL, None,
+            self._proc = spawn(argv, {**env, **ONE_THREAD_ENV}, None, None,  # a preload's prints
                                pass_fds=(theirs.fileno(),))
         finally:
             theirs.close()
         self.state = ZygoteState.STARTING
+        self.started_at = time.monotonic()
 
     @property
     def pid(self) -> int:
         return self._proc.pid
 
     def wait_ready(self, timeout_s: float = timeouts.ZYGOTE_READY_S,
-                   wakeup: Wakeup | None = None) -> ZygoteState:
+                   wakeup: Wakeup | None = None,
+                   on_slow: Callable[[str, float], None] | None = None) -> ZygoteState:
         """Block until the zygote has its preloads (or refuses, dies, or takes too long);
-        STARTING still when the agent received a signal meanwhile (through `wakeup`)."""
-        if self.state is not ZygoteState.STARTING:
-            return self.state
+        STARTING still when the agent received a signal meanwhile (through `wakeup`). A slow
+        start calls `on_slow(module being imported, seconds since it started)` now and then."""
         deadline = time.monotonic() + timeout_s
-        while wakeup is not None:
-            ready = select.select([self._sock, wakeup.reader], [], [],
-                                  max(0.0, deadline - time.monotonic()))[0]
+        notice_at = self.started_at + timeouts.ZYGOTE_SLOW_NOTICE_S
+        while self.state is ZygoteState.STARTING:
+            now = time.monotonic()
+            readable = self._readable(max(0.0, min(deadline, notice_at) - now), wakeup)
+            if readable is None:
+                return self.state  # a signal: the agent decides
+            if not readable and time.monotonic() >= deadline:
+                self.close()
+            elif not readable:
+                if on_slow is not None and time.monotonic() >= notice_at:
+                    on_slow(self.importing, time.monotonic() - self.started_at)
+                    notice_at += timeouts.ZYGOTE_SLOW_NOTICE_S
+            else:
+                self._take_start_message()
+        return self.state
+
+    def _readable(self, timeout_s: float, wakeup: Wakeup | None) -> bool | None:
+        """Whether the zygote said something within `timeout_s`; None: a signal came first."""
+        watched = [self._sock, *([wakeup.reader] if wakeup is not None else [])]
+        end = time.monotonic() + timeout_s
+        while True:
+            ready = select.select(watched, [], [], max(0.0, end - time.monotonic()))[0]
             if self._sock in ready or not ready:
-                break
+                return bool(ready)
+            assert wakeup is not None
             if wakeup.signals:
-                return self.state
+                return None
             wakeup.drain()  # another thread's wake: the agent's loop looks at all anyway
+
+    def _take_start_message(self) -> None:
         try:
-            msg = self._answer(max(0.0, deadline - time.monotonic()))
+            msg = self._answer(0.0)
         except ZygoteGone:
-            return self.state
-        if isinstance(msg, Ready):
+            return
+        if isinstance(msg, Importing):
+            self.importing = msg.module
+        elif isinstance(msg, Ready):
             self.ready, self.state = msg, ZygoteState.READY
         elif isinstance(msg, Refused):
             self.refused = msg
             self.close(ZygoteState.REFUSED)
         else:
             self.close()
-        return self.state
 
     def fork(self, target: Target, env: Mapping[str, str], stdout: int, stderr: int
              ) -> Spawned:
@@ -193,11 +220,19 @@ class Zygote:
         try:
             msg, fds = recv(self._sock, timeout_s)
         except ChannelClosed as exc:
-            self.close()
+            self._lost()
             raise ZygoteGone(str(exc)) from exc
         for fd in fds:
             os.close(fd)
         return msg
+
+    def _lost(self) -> None:
+        """The socket closed or went quiet: keep its exit status if it ended by itself."""
+        popen = self._proc.process
+        if isinstance(popen, subprocess.Popen):
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                popen.wait(timeouts.ZYGOTE_EXIT_STATUS_S)
+        self.close()
 
     def alive(self) -> bool:
         return self.state in (ZygoteState.STARTING, ZygoteState.READY) and \
@@ -208,14 +243,17 @@ class Zygote:
         return memory_kb(self.pid).get("rss_kb", 0)
 
     def close(self, state: ZygoteState = ZygoteState.GONE) -> None:
-        """End the zygote (it holds no state): close its socket, SIGKILL it, reap it."""
+        """End the zygote (it holds no state): close its socket, SIGKILL its process group
+        (the workers lead their own), reap it."""
         if self._closed:
             return
         self._closed, self.state = True, state
         with contextlib.suppress(OSError):
             self._sock.close()
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(self.pid, signal.SIGKILL)
+        self.exit_code = self._proc.process.poll()
+        # its process group: what a --preload started (holding our stdout and stderr) too
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.pid, signal.SIGKILL)
         with contextlib.suppress(ChildProcessError, subprocess.TimeoutExpired):
             popen = self._proc.process
             if isinstance(popen, subprocess.Popen):

@@ -67,7 +67,7 @@ class Agent(NodeHooks, RunServices):
         self._guardian = guardian
         self._wakeup.install(self.spec.signals_to_handle)
         self.starter = WorkerStarter(self.spec, lambda kind, fields: self.emit(kind, fields),
-                                     self._wakeup)
+                                     self._wakeup, guardian.watch)
         try:
             self._open_metrics()
             self._prepare_env()

@@ -10,7 +10,7 @@ Must not import: torch, typer, rich, the worker library, the agent.
 from __future__ import annotations
 
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import IO, Any
 
 from ftrun.adapters.procs import Spawned, become_subreaper, reap_strays, spawn
@@ -25,16 +25,19 @@ from ftrun.adapters.zygote import (
 )
 from ftrun.core.errors import UsageError
 from ftrun.core.events import Event, EventSink
+from ftrun.core.exits import describe_exit
 from ftrun.core.spec import RunSpec
 
 _NEW = "starting workers as new processes"
 
 
 class WorkerStarter:
-    def __init__(self, spec: RunSpec, emit: EventSink, wakeup: Wakeup | None = None) -> None:
+    def __init__(self, spec: RunSpec, emit: EventSink, wakeup: Wakeup | None = None,
+                 guard: Callable[[int], None] | None = None) -> None:
         self.spec = spec
         self.emit = emit
         self.wakeup = wakeup  # the agent's: a signal stops the wait for the zygote
+        self.guard = guard  # the guardian's watch: the zygote's group dies with the agent
         self.zygote: Zygote | None = None
         self.subreaper = False
         self.state = "off"  # what `ftrun status` shows: off | starting | ready | gone | refused
@@ -57,6 +60,8 @@ class WorkerStarter:
         except OSError as exc:
             self._give_up(f"cannot start the zygote ({exc.strerror}); {_NEW}")
             return
+        if self.guard is not None:
+            self.guard(self.zygote.pid)  # what a --preload starts, too
         self.state = "starting"
 
     def start(self, argv: Sequence[str], env: Mapping[str, str],
@@ -76,7 +81,7 @@ class WorkerStarter:
         zygote = self.zygote
         if zygote is None:
             return None
-        state = zygote.wait_ready(wakeup=self.wakeup)
+        state = zygote.wait_ready(wakeup=self.wakeup, on_slow=self._slow)
         if state is ZygoteState.STARTING:  # the agent is stopping: no reason to wait on
             self._give_up("interrupted while the zygote started", "gone", quiet=True)
             return None
@@ -87,9 +92,18 @@ class WorkerStarter:
             self._refused(zygote)
         elif state is ZygoteState.READY:
             self._give_up(f"the zygote (pid {zygote.pid}) is gone; {_NEW} from now on")
+        elif zygote.exit_code is not None:
+            self._give_up(f"the zygote exited with {describe_exit(zygote.exit_code)} while "
+                          f"importing {zygote.importing or 'its first module'}; {_NEW}")
         else:
             self._give_up(f"the zygote did not get ready; {_NEW}")
         return None
+
+    def _slow(self, module: str, waited_s: float) -> None:
+        hint = (f" (--preload {module}: a stuck import? it may be dropped from --preload)"
+                if module in self.spec.preload else "")
+        self._notice(f"the zygote is still importing {module or 'its first module'} after "
+                     f"{waited_s:.0f} s{hint}")
 
     def _refused(self, zygote: Zygote) -> None:
         r = zygote.refused

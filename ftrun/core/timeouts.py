@@ -13,6 +13,8 @@ STORE_CLIENT_CONNECT_S = 60.0  # worker -> agent store connection
 STORE_SERVER_START_S = 30.0  # agent binding its TCPStore
 LOG_DRAIN_S = 2.0  # reader threads flushing a dead worker's last output
 ZYGOTE_READY_S = 180.0  # the zygote importing torch and the --preload modules (slow shared FS)
+ZYGOTE_SLOW_NOTICE_S = 10.0  # the zygote still importing after this long: say which module
+ZYGOTE_EXIT_STATUS_S = 0.2  # its socket closed: the zygote's exit status is this close
 ZYGOTE_FORK_S = 3.0  # the zygote answering one fork request with the worker's pid
 ZYGOTE_REPARENT_S = 5.0  # a forked worker waiting to become the agent's child
 

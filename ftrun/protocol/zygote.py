@@ -28,6 +28,13 @@ class Ready:
 
 
 @dataclass(frozen=True)
+class Importing:
+    """Zygote -> agent, before each `--preload` module: what a slow start is waiting on."""
+
+    module: str
+
+
+@dataclass(frozen=True)
 class Refused:
     """Zygote -> agent, once, instead of Ready: it cannot fork workers safely."""
 
@@ -59,9 +66,9 @@ class ForkFailed:
     error: str
 
 
-Message = Ready | Refused | Fork | Forked | ForkFailed
-_TYPES: dict[str, type[Message]] = {t.__name__: t for t in (Ready, Refused, Fork, Forked,
-                                                              ForkFailed)}
+Message = Ready | Importing | Refused | Fork | Forked | ForkFailed
+_TYPES: dict[str, type[Message]] = {t.__name__: t for t in (Ready, Importing, Refused, Fork,
+                                                              Forked, ForkFailed)}
 _TUPLES = {"preloaded", "args"}
 
 

@@ -30,6 +30,7 @@ from ftrun.protocol.zygote import (
     Fork,
     Forked,
     ForkFailed,
+    Importing,
     Ready,
     Refused,
     recv,
@@ -55,8 +56,8 @@ def main(argv: list[str] | None = None) -> None:
     agent_pid = os.getppid()
     sock = socket.socket(fileno=ns.fd)
     preloads = [m for m in ns.preload.split(",") if m]
-    answer = preload(preloads, ns.torch)
     try:
+        answer = preload(preloads, ns.torch, sock)
         send(sock, answer)
     except ChannelClosed:
         return
@@ -67,12 +68,13 @@ def main(argv: list[str] | None = None) -> None:
         become_worker(plan)  # this process is a worker now; the interpreter exits after it
 
 
-def preload(modules: list[str], with_torch: bool) -> Ready | Refused:
+def preload(modules: list[str], with_torch: bool, sock: socket.socket) -> Ready | Refused:
     started = time.monotonic()
     # torch.cuda.is_available() through NVML: no CUDA context, which would not survive fork
     os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"
     names = [*(TORCH_MODULES if with_torch else ()), *modules]
     for name in names:
+        send(sock, Importing(name))  # the agent names it if the start is slow
         try:
             importlib.import_module(name)
         except BaseException as exc:  # noqa: BLE001 - SystemExit from a module, too
