@@ -266,8 +266,20 @@ def test_errors_are_one_line(make, words: str) -> None:  # type: ignore[no-untyp
 
 
 def test_state_dict_round_trips() -> None:
+    """What a healed replica receives: the loader's shape, checked against its own."""
     a, b = Loader(Recording(50), 12, seed=5), Loader(Recording(50), 12, seed=5)
-    b.load_state_dict(a.state_dict())
+    state = a.state_dict()
+    assert state == {"seed": 5, "shuffle": True, "global_batch_size": 12, "dataset_len": 50}
+    b.load_state_dict(state)
+    assert b.state_dict() == state
+    for i in range(3):  # the same loader reads the same data
+        assert torch.equal(b.batch(i, 0, 2)[0], a.batch(i, 0, 2)[0])
+    for other, field in ((Loader(Recording(50), 12, seed=6), "seed"),
+                         (Loader(Recording(50), 12, seed=5, shuffle=False), "shuffle"),
+                         (Loader(Recording(50), 6, seed=5), "global_batch_size"),
+                         (Loader(Recording(49), 12, seed=5), "dataset_len")):
+        with pytest.raises(WorkerApiError, match=f"ft.loader: {field} is "):
+            other.load_state_dict(state)
 
 
 def test_outside_ftrun_membership_follows_torch_distributed() -> None:

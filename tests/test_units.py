@@ -3,7 +3,14 @@ import itertools
 
 import pytest
 
-from ftrun.core.policy import Action, FaultAction, Snapshot, decide_fault, decide_group
+from ftrun.core.policy import (
+    Action,
+    Decision,
+    FaultAction,
+    Snapshot,
+    decide_fault,
+    decide_group,
+)
 from ftrun.core.spec import WorkerEnv
 from ftrun.core.states import TransitionError, WorkerState, allowed, check_transition
 from ftrun.protocol.rendezvous import Generation, Suspect, heal_plan, parse_request
@@ -23,17 +30,22 @@ def test_every_worker_state_edge(src, dst) -> None:
             check_transition(src, dst)
 
 
-@pytest.mark.parametrize("exits, first, used, max_r, action", [
-    ({0: None, 1: None}, None, 0, 0, Action.WAIT),
-    ({0: 0, 1: None}, None, 0, 0, Action.WAIT),
-    ({0: 0, 1: 0}, None, 0, 0, Action.SUCCEED),
-    ({0: None, 1: 3}, 1, 0, 0, Action.FAIL),
-    ({0: None, 1: 3}, 1, 0, 2, Action.RESTART_GROUP),
-    ({0: None, 1: -9}, 1, 2, 2, Action.FAIL),
+@pytest.mark.parametrize("exits, first, used, max_r, action, culprit, reason", [
+    ({0: None, 1: None}, None, 0, 0, Action.WAIT, None, "workers running"),
+    ({0: 0, 1: None}, None, 0, 0, Action.WAIT, None, "workers running"),
+    ({0: 0, 1: 0}, None, 0, 0, Action.SUCCEED, None, "all 2 workers exited 0"),
+    ({0: None, 1: 3}, 1, 0, 0, Action.FAIL, 1,
+     "rank 1 exited with 3; no restarts allowed (--max-restarts 0)"),
+    ({0: None, 1: 3}, 1, 0, 2, Action.RESTART_GROUP, 1,
+     "rank 1 exited with 3; restarting all workers (1/2)"),
+    ({0: None, 1: 3}, 1, 1, 2, Action.RESTART_GROUP, 1,
+     "rank 1 exited with 3; restarting all workers (2/2)"),
+    ({0: None, 1: -9}, 1, 2, 2, Action.FAIL, 1,
+     "rank 1 exited with -9 (SIGKILL); all 2 restarts used"),
+    ({}, None, 0, 0, Action.WAIT, None, "workers running"),  # none started yet: not a success
 ])
-def test_decide_group(exits, first, used, max_r, action) -> None:
-    d = decide_group(exits, first, used, max_r)
-    assert d.action is action and d.reason
+def test_decide_group(exits, first, used, max_r, action, culprit, reason) -> None:
+    assert decide_group(exits, first, used, max_r) == Decision(action, reason, culprit)
 
 
 def fault(lost=1, crash_loop=0, **kw):
