@@ -1,4 +1,5 @@
 """A worker that abandoned a communicator leaves through os._exit with the status it asked for."""
+import os
 import subprocess
 import sys
 
@@ -27,3 +28,28 @@ def test_not_armed_exits_normally() -> None:
                         "errorfile.install()\n"
                         "import sys; sys.exit(5)"], capture_output=True, timeout=30)
     assert r.returncode == 5
+
+
+def test_handlers_registered_before_ftrun_run_once_as_at_a_normal_exit(tmp_path) -> None:
+    """multiprocessing registers its clean-up when torch is imported, before ftrun.init():
+    skipped, a spawn-context queue left its semaphores in /dev/shm on every run."""
+    code = (
+        "import atexit, multiprocessing, os, sys\n"
+        "atexit.register(lambda: print('early ran', flush=True))\n"
+        "q = multiprocessing.get_context('spawn').Queue()\n"
+        "print('sems', q._rlock._semlock.name, q._wlock._semlock.name if q._wlock else '',"
+        " q._sem._semlock.name, flush=True)\n"
+        + PROLOGUE +
+        "atexit.register(lambda: print('late ran', flush=True))\n"
+        "def dropped(): print('unregistered ran', flush=True)\n"
+        "atexit.register(dropped)\n"
+        "atexit.unregister(dropped)\n"
+        "sys.exit(4)\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30)
+    assert r.returncode == 4, r.stderr
+    lines = r.stdout.splitlines()
+    assert lines[1:] == ["late ran", "early ran"], r.stdout  # once each, last registered first
+    names = [n for n in lines[0].split()[1:] if n]
+    assert names and all(n.startswith("/mp-") for n in names), lines[0]
+    leaked = [n for n in names if os.path.exists(f"/dev/shm/sem.{n[1:]}")]
+    assert not leaked, leaked

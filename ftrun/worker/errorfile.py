@@ -9,7 +9,9 @@ here (SIGSEGV, or SIGABRT "terminate called without an active exception"), which
 would take for a new fault.
 Known limit: the status of `sys.exit(n)` and of an uncaught exception is kept; a bare
 `raise SystemExit(n)` at top level is not visible to Python code at exit and leaves with 0.
-atexit handlers registered after `ftrun.init()` run; earlier ones are skipped.
+Every atexit handler runs, as at a normal exit: those registered after `ftrun.init()` before
+`_leave` (atexit runs the last registered first), the earlier ones (multiprocessing's clean-up
+of its semaphores, logging's flush, the script's own) from `_leave`, each once.
 Must not import: torch, typer, rich, other ftrun modules.
 """
 
@@ -22,10 +24,13 @@ import os
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from types import TracebackType
 from typing import Any
 
 _state: dict[str, Any] = {"armed": False, "installed": False, "code": 0}
+_LATER: list[Callable[..., Any]] = []  # atexit handlers registered after _leave: run before it
+_register, _unregister = atexit.register, atexit.unregister
 
 
 def arm() -> None:
@@ -54,7 +59,19 @@ def install() -> None:
 
     sys.exit = exit_  # type: ignore[assignment]
     sys.excepthook = hook
-    atexit.register(_leave)
+    _register(_leave)
+    atexit.register = _register_later  # type: ignore[assignment]
+    atexit.unregister = _unregister_later
+
+
+def _register_later(func: Callable[..., Any], *args: Any, **kwargs: Any) -> Callable[..., Any]:
+    _LATER.append(func)
+    return _register(func, *args, **kwargs)
+
+
+def _unregister_later(func: Callable[..., Any]) -> None:
+    _LATER[:] = [f for f in _LATER if f != func]
+    _unregister(func)
 
 
 def write_error_file(exc: BaseException) -> None:
@@ -83,6 +100,9 @@ def _code_of(status: object) -> int:
 def _leave() -> None:
     if not _state["armed"]:
         return
+    for func in (*_LATER, _leave):  # these ran (or are running): not twice
+        _unregister(func)
+    atexit._run_exitfuncs()  # the handlers registered before ftrun.init(), as exit runs them
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(OSError, ValueError):
             stream.flush()
