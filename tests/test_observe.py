@@ -298,6 +298,47 @@ def status_or_none() -> dict | None:
     return json.loads(r.stdout) if r.returncode == 0 else None
 
 
+VOLATILE = {"ftrun_uptime_seconds", "ftrun_goodput_ratio"}  # move with time
+
+
+def test_a_live_jobs_scrape_is_its_status_document(tmp_path: Path) -> None:
+    """/metrics against `ftrun status --json` of a running job (a plain script that restarts
+    once): every sample the agent serves is what its status document says, and the document
+    carries what the metrics read (no drift between the live document and the collector)."""
+    port = free_port()
+    agent = subprocess.Popen(
+        ftrun_cmd("--nproc", "2", "--max-restarts", "1", "--metrics-port", str(port),
+                  str(FIXTURES / "behave.py"), "--exit-rank", "1:3", "--fail-attempts", "1",
+                  "--sleep", "60"),
+        env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.DEVNULL,
+        stderr=open(tmp_path / "err", "w"), start_new_session=True)  # noqa: SIM115
+    try:
+        doc = wait_for(lambda: (d := status_or_none()) and d["attempt"] == 1 and len(
+            d["workers"]) == 2 and d, 60, "the job running again after its restart")
+        got = scrape(port)
+        after = status()
+        assert after["faults"] == doc["faults"] and after["attempt"] == 1  # settled
+        want = samples(scrape_text(doc))
+        assert {k: v for k, v in got.items() if k[0] not in VOLATILE} == {
+            k: v for k, v in want.items() if k[0] not in VOLATILE}
+        assert got[("ftrun_restarts_total", ())] == doc["attempt"] == 1
+        assert got[("ftrun_generation", ())] == doc["generation"]
+        assert got[("ftrun_world_size", ())] == doc["world_size"] == 2
+        assert got[("ftrun_spares_ready", ())] == 0
+        assert got[("ftrun_faults_recovered_total", ())] == sum(
+            bool(f["recovered"]) for f in doc["faults"])
+        assert got[("ftrun_lost_steps_total", ())] == doc["summary"]["lost_steps"]
+        assert doc["summary"]["goodput"] <= got[("ftrun_goodput_ratio", ())] <= after[
+            "summary"]["goodput"] < 1  # the restart's time is lost, less of it as time goes
+        assert sum(v for k, v in got.items() if k[0] == "ftrun_faults_total") == len(
+            doc["faults"]) == 1
+        assert doc["uptime_s"] <= got[("ftrun_uptime_seconds", ())] <= after["uptime_s"]
+        assert doc["metrics"] == f"http://127.0.0.1:{port}/metrics"
+    finally:
+        os.killpg(agent.pid, signal.SIGTERM)
+        agent.wait(30)
+
+
 def test_without_metrics_port_nothing_serves_metrics(tmp_path: Path) -> None:
     import psutil
 
