@@ -49,6 +49,7 @@ from ftrun.protocol.rendezvous import (
     publish,
     to_fields,
 )
+from ftrun.protocol.snapshots import EXIT_CANNOT_RESUME
 
 AnyWorker = Worker | RemoteWorker
 R = WorkerRole
@@ -154,6 +155,8 @@ class Recovery(GroupRecovery):
             return None
         if wid not in self.membership.members:
             return None  # replaced or evicted earlier; its end is expected
+        if code == EXIT_CANNOT_RESUME:  # its snapshot does not fit; nor would a replacement's
+            return Decision(Action.FAIL, f"worker {wid} could not resume from a snapshot", w.rank)
         if code == 0:
             self.membership.move(wid, R.FINISHED)
             return None

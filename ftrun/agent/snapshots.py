@@ -105,6 +105,12 @@ class SnapshotKeeper:
         why = why or writable(self.base)
         if why is not None:
             raise FtrunError(f"{flag}: {why}", hint="give a --snapshot-dir you can write to")
+        others = [s for s, p in disk_snapshots(self.base) if owner_of(p) is not None]
+        if others and not spec.resume:
+            self._emit(Event.NOTICE, {"text": f"{self.base} holds snapshots of another run "
+                                              f"(the newest of step {others[0]}): they are kept, "
+                                              "never loaded nor overwritten (--resume it to go "
+                                              "on from them)"})
 
     @property
     def private_dirs(self) -> tuple[str, ...]:
@@ -233,7 +239,8 @@ class SnapshotKeeper:
             if owner is not None and owner != self.run:
                 raise FileExistsError(f"{final} holds another run's snapshot: not overwritten")
             shutil.rmtree(tmp, ignore_errors=True)
-            os.makedirs(tmp, mode=0o700)  # and the node's directory, the first time
+            os.makedirs(self.disk, mode=0o700, exist_ok=True)
+            os.makedirs(tmp, mode=0o700)
             snapshot_io.save_disk(snapshot_io.read_slot(data, rec), tmp)
             write_manifest(tmp, rec.step, rec.taken_at, {"run": self.run, "worker": rec.worker,
                                                          "generation": rec.generation})
@@ -243,7 +250,8 @@ class SnapshotKeeper:
         except Exception as exc:  # reported, never fatal: training goes on, the next is tried
             shutil.rmtree(tmp, ignore_errors=True)  # a full disk is not kept full by it
             self._written_step = rec.step  # not retried: the next snapshot comes soon
-            why = f"{type(exc).__name__}: {exc}".splitlines()[0][:240]
+            why = f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
+            why += _room(self.disk, rec.total_bytes)
             self.failed.append(why)
             self._results.put((Event.SNAPSHOT_FAILED, {"step": rec.step, "dir": self.disk,
                                                        "error": why}))
@@ -254,6 +262,15 @@ class SnapshotKeeper:
                      "blocking_ms": rec.blocking_ms,
                      "write_ms": round((time.time() - started) * 1000, 1), "path": final}
         self._results.put((Event.SNAPSHOT, dict(self.last)))
+
+
+def _room(path: str, need: int) -> str:
+    """`; 1 MiB free there, 5 MiB needed`: a full disk is a likely cause, and DCP's error (a
+    torch.save failing halfway) may not say so."""
+    with contextlib.suppress(OSError):
+        return (f"; {snapshot_io.shm_free(path) >> 20} MiB free there, "
+                f"{(need + (1 << 20) - 1) >> 20} MiB needed")
+    return ""
 
 
 def newest_on_disk(base: str) -> tuple[int, str] | None:

@@ -33,6 +33,7 @@ SLOTS = 2  # the newest complete slot is never overwritten: the next one goes to
 MANIFEST = "ftrun.json"
 SKELETON = "ftrun-skeleton.pkl"
 FORMAT = 1
+EXIT_CANNOT_RESUME = 66  # sysexits' EX_NOINPUT: a worker told to resume found no snapshot that fits
 _STEP_DIR = re.compile(r"^step-(\d{9})$")
 _CHUNK = 8 << 20
 

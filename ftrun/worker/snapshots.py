@@ -21,10 +21,10 @@ from typing import Any
 
 from ftrun.adapters import snapshot_io
 from ftrun.core import timeouts
-from ftrun.core.errors import WorkerApiError
 from ftrun.core.spec import WorkerEnv
 from ftrun.protocol.rendezvous import Generation, Resumed
 from ftrun.protocol.snapshots import (
+    EXIT_CANNOT_RESUME,
     SLOTS,
     Manifest,
     disk_snapshots,
@@ -133,11 +133,12 @@ class Snapshots:
 
     def resume(self, objects: Mapping[str, Any]) -> Resumed:
         """Load the newest snapshot this worker may use into `objects`; what to tell the
-        agent. None loaded is an error (the agent chose a snapshot, or --resume named one):
-        training from step 0 instead would be silent, and would overwrite what it was given."""
+        agent. None loaded ends the worker with EXIT_CANNOT_RESUME after one line (the agent
+        chose a snapshot, or --resume named one): training from step 0 instead would be
+        silent, and would overwrite what it was given."""
         self.resuming = False
         started = time.time()
-        reasons: list[str] = []
+        skipped: list[str] = []
         for where, taken_at, read in self._candidates():
             try:
                 state = read()
@@ -147,20 +148,19 @@ class Snapshots:
                 for name, obj in objects.items():
                     obj.load_state_dict(state[name])
                 now = time.time()
+                for line in skipped:  # worth saying only now: an older one served instead
+                    _say(f"skipping snapshot {line}")
                 return Resumed(self.worker_id, int(state[STEP]), where, taken_at, now,
                                round((now - started) * 1000, 1))
             except (Broken, snapshot_io.Unreadable) as exc:
-                reasons.append(f"{where}: {exc}")
+                skipped.append(f"{where}: {exc}")
             except Exception as exc:  # a snapshot that cannot be loaded is skipped, said once
-                reasons.append(f"{where}: {type(exc).__name__}: {exc}".splitlines()[0][:300])
-            _say(f"skipping snapshot {reasons[-1]}")
+                skipped.append(f"{where}: {type(exc).__name__}: {exc}".splitlines()[0][:300])
         what = f"--resume {self.resume_dir}" if not self.resume_run else \
             f"the snapshot of step {self.resume_step}"
-        raise WorkerApiError(f"cannot resume from {what}: "
-                             + (f"no snapshot fits (the newest: {reasons[0]})" if reasons
-                                else "no snapshot of it is left"),
-                             hint="resume with the model and optimizer that wrote it, or "
-                                  "start without --resume")
+        why = f"no snapshot fits (the newest, {skipped[0]})" if skipped else "none is left"
+        _say(f"error: cannot resume from {what}: {why}")
+        sys.exit(EXIT_CANNOT_RESUME)  # the agent ends the job: no replacement would fit
 
     def _candidates(self) -> list[tuple[str, float, Callable[[], Mapping[str, Any]]]]:
         """Newest first, shared memory before disk: this agent's slots, and the disk snapshots
