@@ -269,7 +269,10 @@ class Agent(NodeHooks, RunServices):
         rec = self.recovery
         if rec is not None and outcome.first_failure is None:
             if rec.done():
-                return Decision(Action.SUCCEED, "every member finished")
+                verdict = rec.end_decision()  # FAIL names a rank lost after its last step
+                outcome.cause = next((e for e in reversed(outcome.exits)
+                                      if e.rank == verdict.culprit and e.failed), None)
+                return verdict
             if rec.uses_api:
                 return None
         members = self.all_workers() if rec is None else [

@@ -19,6 +19,7 @@ from typing import Any
 from ftrun.agent.group_recovery import GroupRecovery
 from ftrun.agent.ports import AgentPort
 from ftrun.agent.roster import RemoteWorker, Worker
+from ftrun.agent.script_ends import ScriptEnds
 from ftrun.core import timeouts
 from ftrun.core.events import Event
 from ftrun.core.exits import describe_exit
@@ -31,11 +32,13 @@ from ftrun.core.policy import (
     Snapshot,
     decide_comm_failure,
     decide_fault,
+    decide_late_fault,
     decide_node_loss,
     decide_rebuild,
     decide_respawn,
 )
 from ftrun.protocol.rendezvous import (
+    RELEASE_KEY,
     REQUEST_QUEUE,
     CommFailed,
     Generation,
@@ -43,6 +46,7 @@ from ftrun.protocol.rendezvous import (
     Recovered,
     Request,
     Resumed,
+    Stage,
     Suspect,
     node_of,
     parse_request,
@@ -70,6 +74,7 @@ class Recovery(GroupRecovery):
         # failures in a row before a first commit, per ("rank", r), ("join", node) and
         # ("spare", node): the policy stops replacing at CRASH_LOOP_LIMIT
         self._early_failures: dict[tuple[str, int], int] = {}
+        self.ends = ScriptEnds()  # past training: scripts ended, post-training work owed
         publish(store, Generation(0, self.membership.members, reason="start",
                                   published_at=time.time()), self._relays())
 
@@ -157,11 +162,54 @@ class Recovery(GroupRecovery):
             return None  # replaced or evicted earlier; its end is expected
         if code == EXIT_CANNOT_RESUME:  # its snapshot does not fit; nor would a replacement's
             return Decision(Action.FAIL, f"worker {wid} could not resume from a snapshot", w.rank)
-        if code == 0:
+        if code != 0 and not self.ends.ended(wid):
+            self._take_queued()  # a stage it told just before it died decides the fault
+        if code == 0 or self.ends.ended(wid):
+            if code != 0:  # its script had ended: its work is done, it cannot heal anyone
+                self.port.emit(Event.NOTICE, {"text": f"worker {wid} exited with "
+                                              f"{describe_exit(code)} after its script ended"})
             self.membership.move(wid, R.FINISHED)
+            self._release_if_ended()
             return None
         self.faults += 1
         return self._on_member_fault(w, f"exited with {describe_exit(code)}")
+
+    def _take_queued(self) -> None:
+        """Requests already queued, stages only: the rest waits for the main loop's turn."""
+        self.catch_up()
+        held: list[Request | str] = []
+        while True:
+            try:
+                req = self.requests.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(req, Stage):
+                self._on_stage(req)
+            else:
+                held.append(req)
+        for req in held:
+            self.requests.put(req)
+
+    def _on_stage(self, req: Stage) -> None:
+        refused = self.ends.on_stage(req)
+        if refused:
+            self.port.emit(Event.NOTICE, {"text": refused})
+        self._release_if_ended()
+
+    def _release_if_ended(self) -> None:
+        """Every live member's script ended: they may exit (each waits for this, healing a
+        replacement meanwhile if one comes)."""
+        if self.store is not None and self.ends.may_release(self.membership.live()):
+            self.ends.released = True
+            self.store.set(RELEASE_KEY, "1")
+
+    def end_decision(self) -> Decision:
+        """Every member finished: the run's verdict (a rank lost after its last step and
+        never replaced fails it)."""
+        d = self.ends.verdict()
+        if d.action is Action.FAIL:
+            self.port.emit(Event.NOTICE, {"text": d.reason})
+        return d
 
     def _respawn_allowed(self, key: tuple[str, int], what: str, kind: str) -> bool:
         count = self._early_failures[key] = self._early_failures.get(key, 0) + 1
@@ -183,8 +231,12 @@ class Recovery(GroupRecovery):
         snap = replace(snap, spares=_near(snap.spares, node),
                        starting_spares=_near(snap.starting_spares, node))
         fault_at = w.exit.wall_time
+        late = self.ends.training_over(self.membership.members)
         if self.spec.shard_size > 1:
             d = self._decide_group_fault(snap, w.worker_id, why, loop)
+        elif late:
+            d = decide_late_fault(snap, w.worker_id, why, new_id, crash_loop=loop)
+            self.ends.after_late_fault(w.worker_id, live.index(w.worker_id), why, d)
         else:
             d = decide_fault(snap, w.worker_id, why, new_id, crash_loop=loop)
         self._emit_fault({"worker": w.worker_id, "rank": live.index(w.worker_id), "why": why,
@@ -201,8 +253,9 @@ class Recovery(GroupRecovery):
             else:
                 self._spawn(node, w.local_rank, rank=d.members.index(d.joiners[0]))
             return None
-        if d.action is FaultAction.SHRINK:
+        if d.action in (FaultAction.SHRINK, FaultAction.FAIL_AT_END):
             self._publish(d.members, d.reason, True, fault_at)
+            self._release_if_ended()
             if d.regrow:
                 self._joiners_to_start.append((node, w.local_rank))  # after the first commit
             return None
@@ -321,7 +374,10 @@ class Recovery(GroupRecovery):
                     self._reported.add(req.generation)  # the first member to commit
                     self.port.emit(Event.RECOVERED, to_fields(req))
                     self._back_in_service(req)
-                    self._refill()
+                    if not self.ends.training_over(self.membership.members):
+                        self._refill()  # past training, a new spare would serve nothing
+            case Stage():
+                self._on_stage(req)
         return None
 
     def _on_hello(self, req: Hello) -> None:

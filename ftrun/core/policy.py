@@ -65,6 +65,8 @@ class FaultAction(str, enum.Enum):
     REBUILD = "rebuild"  # same members, a new communicator
     RESTART_GROUP = "restart-group"  # in-process recovery impossible: torchrun semantics
     FAIL = "fail"
+    FAIL_AT_END = "fail-at-end"  # lost after training, not replaced: its post-training work
+    # is lost; the others end their scripts, then the job fails
     NONE = "none"  # refused: nothing changes, the reason says why
 
 
@@ -147,6 +149,24 @@ def decide_fault(s: Snapshot, lost: int, why: str, new_worker_id: int,
     return FaultDecision(FaultAction.SHRINK,
                          f"{head}; continuing with {len(survivors)}, replacement to follow",
                          survivors)
+
+
+def decide_late_fault(s: Snapshot, lost: int, why: str, new_worker_id: int,
+                      crash_loop: int = 0) -> FaultDecision:
+    """A member is gone after training ended (after its last step: in its post-training code,
+    a per-rank save, an evaluation). A replacement heals to the final state and runs the rest
+    of the script, as `decide_fault` would replace it; where that would shrink instead, the
+    rank's post-training work is lost: the others end their scripts and the job fails."""
+    why = f"{why} after its last step"
+    d = decide_fault(s, lost, why, new_worker_id, crash_loop)
+    if d.action is not FaultAction.SHRINK:
+        return d
+    cause = (f"the {_nth(crash_loop)} replacement in a row to fail (a crash loop)"
+             if crash_loop >= CRASH_LOOP_LIMIT else
+             "no spare, and --on-fault shrink does not replace it")
+    return FaultDecision(FaultAction.FAIL_AT_END, f"worker {lost} (rank {s.members.index(lost)})"
+                         f" {why}; {cause}: its post-training work is lost, the job fails once "
+                         f"the others' scripts end", d.members, regrow=False)
 
 
 def _spare_kind(s: Snapshot, wid: int) -> str:

@@ -47,6 +47,8 @@ PG_INIT_S = 60.0  # building one process group
 RECONFIGURE_CONNECT_S = 10.0  # native reconfigure, once every member's handle is published
 STATE_TRANSFER_S = 300.0  # one healing transfer
 SPARE_ASSIGNMENT_S = 24 * 3600.0  # a hot spare waiting to be used
+SCRIPT_END_S = 24 * 3600.0  # a member whose script ended, waiting for its peers' to end (it
+# heals a replacement of a rank lost after its last step meanwhile)
 
 # Snapshots
 SNAPSHOT_POLL_S = 0.05  # the agent's writer looking for a newly published shared-memory slot

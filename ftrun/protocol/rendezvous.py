@@ -21,6 +21,7 @@ from typing import Any, ClassVar, Protocol, TypeVar, get_type_hints
 PREFIX = "ftrun/"
 LATEST_KEY = PREFIX + "gen/latest"
 REQUEST_QUEUE = PREFIX + "requests"
+RELEASE_KEY = PREFIX + "released"  # set once every member's script ended: they may exit
 WORKER_ID_STRIDE = 10_000  # node k's worker ids are k*STRIDE + n: unique across the job
 
 
@@ -235,9 +236,23 @@ class Resumed:
     load_ms: float
 
 
-Request = Hello | CommFailed | Suspect | Recovered | Resumed
+@dataclass(frozen=True)
+class Stage:
+    """Where a member's script is, past training: `trained` (it left ft.steps() with the
+    final state), `training` (it entered ft.steps() again), `ended` (its script ended well;
+    it waits, serving a replacement if one comes, until every member's has)."""
+
+    kind: ClassVar[str] = "stage"
+    worker: int
+    generation: int
+    step: int
+    stage: str
+
+
+STAGES = ("trained", "training", "ended")
+Request = Hello | CommFailed | Suspect | Recovered | Resumed | Stage
 REQUESTS: dict[str, type[Request]] = {c.kind: c for c in (Hello, CommFailed, Suspect, Recovered,
-                                                          Resumed)}
+                                                          Resumed, Stage)}
 
 
 def send_request(store: Any, req: Request) -> None:

@@ -14,6 +14,7 @@ Must not import: typer, rich, NVML, the agent or the CLI. Torch is imported when
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import enum
 import os
@@ -33,6 +34,7 @@ from ftrun.protocol.rendezvous import (
     Hello,
     Recovered,
     Request,
+    Stage,
     latest_number,
     read_generation,
     send_request,
@@ -53,6 +55,7 @@ from ftrun.worker.joining import (
 from ftrun.worker.loader import Loader
 from ftrun.worker.replica_sync import ReplicaSync
 from ftrun.worker.rng import RandomStreams
+from ftrun.worker.script_end import ReleaseWatch, wait_at_end
 from ftrun.worker.sharded import (
     ShardedView,
     Sharding,
@@ -100,6 +103,7 @@ class FaultTolerant(ShardedView):
         self._streams = RandomStreams()
         self._replay: tuple[int, dict[str, Any]] | None = None  # a step's start: its streams
         self.committed = 0
+        self._stage = ""  # past training: "trained", then "ended" (protocol.rendezvous.STAGES)
         self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         cuda = backend == "nccl" and torch.cuda.is_available()
         if cuda and wenv is not None:
@@ -195,7 +199,11 @@ class FaultTolerant(ShardedView):
                       membership=lambda: (self.rank, self.world_size, self.generation))
 
     def steps(self, total: int) -> Iterator[int]:
-        """Yield the next uncommitted step until `total` steps are committed."""
+        """Yield the next uncommitted step until `total` steps are committed. Once they are,
+        this worker stays, at its script's end, until every member's script has ended
+        (script_end.py: a rank lost meanwhile is replaced and heals from it)."""
+        if self._stage == "trained":  # a second training loop: not past training after all
+            self._tell_stage("training")
         while True:
             self._reconcile()
             done = self.committed >= total
@@ -205,6 +213,7 @@ class FaultTolerant(ShardedView):
                                             final=done)
             if done:
                 if self._finished():
+                    self._trained()
                     return
                 continue
             self._start_step()
@@ -299,7 +308,7 @@ class FaultTolerant(ShardedView):
         return True
 
     def close(self) -> None:
-        if self._managed:
+        if self._managed and self._stage != "trained":  # else it serves at the script's end
             self._watcher.stop()
 
     # ---------------------------------------------------------------- a step
@@ -441,6 +450,49 @@ class FaultTolerant(ShardedView):
         except (CommError, Abandoned) as exc:
             self._broke(str(exc))
             return False
+
+    # ---------------------------------------------------------------- past training
+    def _trained(self) -> None:
+        """Out of ft.steps() with the final state. A replacement that healed to it is back
+        in service now (it has no step left to commit)."""
+        if not self._managed:
+            return
+        if self._report_first_commit is not None:
+            self._post(Recovered(**self._report_first_commit, first_commit=time.time()))
+            self._report_first_commit = None
+        if not self._stage:
+            atexit.register(self._at_script_end)  # after errorfile's: it runs first
+        self._tell_stage("trained")
+
+    def _tell_stage(self, stage: str) -> None:
+        self._stage = stage
+        self._post(Stage(self.worker_id, self.generation, self.committed, stage))
+
+    def _at_script_end(self) -> None:
+        """Interpreter exit: a script that ended well waits for its peers' (serving any
+        replacement meanwhile); one that failed leaves at once."""
+        if self._stage != "trained" or errorfile.exit_code() != 0:
+            return
+        self._tell_stage("ended")
+        watch = ReleaseWatch(self._connect, self._interrupt)
+        try:
+            with self.long_phase("script ended"):
+                wait_at_end(self._interrupt, watch, self.worker_id, lambda: self.generation,
+                            self._serve_at_end)
+        except WorkerApiError as exc:
+            print(f"ftrun: worker {self.worker_id}: {exc.one_line()}", file=sys.stderr,
+                  flush=True)
+        self._watcher.stop()
+
+    def _serve_at_end(self, gen: Generation) -> None:
+        """A replacement comes in after training: rebuild with it, heal it, and the final
+        collective it runs too. Nothing of this replica's own was recovered."""
+        self._recovery = self._recovery.escalate(RecoveryMode.ALIGN)
+        while True:
+            self._reconcile()
+            if self._finished():
+                break
+        self._report_first_commit = None
 
     def _await_assignment(self) -> None:
         self._sync.prepare()  # allocate the gradient buckets now, not on the first step

@@ -74,6 +74,11 @@ def _unregister_later(func: Callable[..., Any]) -> None:
     _unregister(func)
 
 
+def exit_code() -> int:
+    """The status the process leaves with, as far as Python code has said (0 so far)."""
+    return int(_state["code"])
+
+
 def write_error_file(exc: BaseException) -> None:
     """torch's `@record` error-file format, so the agent's report shows this traceback (a
     replacement's own error when it keeps failing). A file `@record` wrote is kept."""

@@ -1,0 +1,69 @@
+"""The agent's view of its members' scripts past training: who left ft.steps() with the final
+state, whose script ended, and whose post-training work a replacement owes or was lost.
+
+Owns: each member's stage (`protocol.rendezvous.Stage`: trained, training again, ended), when
+the members may exit (every live member's script ended: `RELEASE_KEY`), the post-training
+work of a rank lost after its last step (owed by its replacement until that one's script
+ends, or lost when none could be started), and the run's verdict once every member finished.
+Pure bookkeeping: `Recovery` feeds it and acts on what it says.
+Must not import: typer, rich, the CLI, the worker library, the agent.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from ftrun.core.policy import Action, Decision, FaultAction, FaultDecision
+from ftrun.protocol.rendezvous import Stage
+
+
+class ScriptEnds:
+    def __init__(self) -> None:
+        self._stages: dict[int, str] = {}  # worker -> "trained" | "ended"
+        self._owed: dict[int, tuple[int, str]] = {}  # replacement -> (rank, what happened)
+        self._lost: list[tuple[int, str]] = []  # ranks whose post-training work is lost
+        self.released = False
+
+    def on_stage(self, req: Stage) -> str | None:
+        """Take a member's stage; the reason it is refused, if it is."""
+        if req.stage == "training":
+            self._stages.pop(req.worker, None)
+        elif req.stage in ("trained", "ended"):
+            self._stages[req.worker] = req.stage
+            if req.stage == "ended":
+                self._owed.pop(req.worker, None)  # the lost rank's work is done now
+        else:
+            return f"ignored stage {req.stage[:40]!r} from worker {req.worker}"
+        return None
+
+    def ended(self, worker: int) -> bool:
+        """Its script ended well: whatever becomes of the process, its work is done."""
+        return self._stages.get(worker) == "ended"
+
+    def training_over(self, members: Iterable[int]) -> bool:
+        """A member of the generation left ft.steps() for good: the final collective was
+        every member's, so none of them will train again (a second ft.steps() loop says
+        "training" first)."""
+        return any(w in self._stages for w in members)
+
+    def after_late_fault(self, lost: int, rank: int, why: str, d: FaultDecision) -> None:
+        """Rank `rank`'s post-training work: owed by the replacement `d` names, or lost."""
+        what = self._owed.pop(lost, (rank, f"rank {rank} (worker {lost} {why})"))
+        if d.action is FaultAction.REPLACE and d.joiners:
+            self._owed[d.joiners[0]] = what
+        else:
+            self._lost.append(what)
+
+    def may_release(self, live: tuple[int, ...]) -> bool:
+        """Every live member's script ended: none is needed to heal a replacement."""
+        return not self.released and bool(live) and all(self.ended(m) for m in live)
+
+    def verdict(self) -> Decision:
+        """Every member finished: success only if no rank's post-training work was lost."""
+        lost = [*self._lost, *((rank, f"{what}, whose replacement {w} did not end its script")
+                               for w, (rank, what) in self._owed.items())]
+        if not lost:
+            return Decision(Action.SUCCEED, "every member finished")
+        return Decision(Action.FAIL, f"{'; '.join(what for _, what in lost)}: lost after its "
+                        f"last step and not replaced, so its post-training work did not run",
+                        lost[0][0])
