@@ -24,6 +24,7 @@ from ftrun.adapters.store import CountingStore, HostedStore, QueueReader
 from ftrun.agent.jobview import Node
 from ftrun.agent.node import _ignore
 from ftrun.agent.roster import RemoteWorker, Worker
+from ftrun.cluster.admission import Waiting, why_wait
 from ftrun.cluster.jobnodes import NodeTable
 from ftrun.cluster.link import (
     AGENT_QUEUE,
@@ -54,6 +55,7 @@ from ftrun.cluster.nodewatch import NodeWatch
 from ftrun.core import timeouts
 from ftrun.core.errors import FtrunError
 from ftrun.core.events import Event, EventSink
+from ftrun.core.membership import WorkerRole
 from ftrun.core.policy import Decision, find_lost_nodes
 from ftrun.core.spec import RunSpec
 from ftrun.protocol.rendezvous import node_of
@@ -86,6 +88,7 @@ class Coordinator(NodeTable):
         self._payloads: dict[int, tuple[float, dict[str, Any]]] = {}
         self._net: NetDrills | None = None  # this node's link drills, made at the first
         self._net_drills: queue.SimpleQueue[tuple[int, float]] = queue.SimpleQueue()
+        self._waiting = Waiting()  # nodes that joined a running job and wait for room
 
     # ----------------------------------------------------------------- lifecycle
     def run(self) -> Any:
@@ -134,7 +137,8 @@ class Coordinator(NodeTable):
     # ----------------------------------------------------------------- rendezvous
     def _start_group(self, restarts: int, hosted: HostedStore) -> None:
         self._gather_nodes()
-        order = sorted(self._alive(), key=lambda n: n.index)
+        # in join order, up to --nnodes MAX; the rest wait for room (a node lost)
+        order = sorted(self._alive(), key=lambda n: n.index)[:self.spec.nnodes_max - 1]
         self.group_world_size = 1 + len(order)
         self.world_size = self.spec.nproc + sum(n.nproc for n in order)
         self.remote, self._ids, self._exited = {}, {}, []  # nothing of an earlier attempt
@@ -197,7 +201,7 @@ class Coordinator(NodeTable):
                 case str():
                     self.emit(Event.NOTICE, {"text": f"ignored a malformed agent message ({msg})"})
                 case Join():
-                    self._on_join(msg, running)
+                    self._on_join(msg)
                 case Exited() if msg.worker in self.remote and msg.attempt == self.restarts:
                     self._on_remote_exit(msg)
                 case Spawned() if msg.worker in self.remote:
@@ -214,7 +218,7 @@ class Coordinator(NodeTable):
                 case Bye() if msg.node in self.nodes:
                     self.nodes[msg.node].alive = False  # it has ended for good
 
-    def _on_join(self, msg: Join, running: bool) -> None:
+    def _on_join(self, msg: Join) -> None:
         node = Node(msg.node, msg.host, msg.pid, msg.nproc, net_drill=msg.net_drill)
         if msg.rdzv_id != self.spec.rdzv_id:
             self._send(node, End(code=1, reason=f"this store serves --rdzv-id "
@@ -227,23 +231,37 @@ class Coordinator(NodeTable):
         self.nodes[node.index] = node
         self.watch.watch(node.index)  # a node waiting to be used can die too
         self.emit(Event.NOTICE, {"text": f"{node.label} joined with {node.nproc} workers"})
-        if running:
+        # while an attempt runs, the main loop's next pass admits it (`_admit_waiting`)
+
+    def _admit_waiting(self) -> None:
+        """Nodes that joined the running job enter in join order while it has room: at
+        once, or when a node is lost; the first that must wait holds the rest back."""
+        rec = self.recovery
+        for node in sorted((n for n in self._alive() if not n.in_attempt),
+                           key=lambda n: n.index):
+            why = why_wait(1 + sum(n.in_attempt for n in self._alive()), self.spec.nnodes_max,
+                           rec is not None, rec is not None and rec.uses_api)
+            if why is not None:
+                if self._waiting.news(node.index, why):
+                    self.emit(Event.NOTICE, {"text": f"{node.label} waits: {why}"})
+                return
+            self._waiting.forget(node.index)
             self._admit(node)
 
     def _admit(self, node: Node) -> None:
-        """A node joining a running job: its workers enter at a step boundary and heal, or,
-        when spares already hold the first world size, they wait as spares."""
+        """A node entering a running job: its workers enter at a step boundary and heal, or,
+        when the members and the joiners on their way already hold the first world size,
+        they wait as spares."""
         rec = self.recovery
-        full = 1 + sum(n.in_attempt for n in self._alive()) >= self.spec.nnodes_max
-        if rec is None or not rec.uses_api or full:
-            why = "the job is full" if full else "the script does not use the ftrun API"
-            self.emit(Event.NOTICE, {"text": f"{node.label} waits for the next restart ({why})"})
-            return
+        assert rec is not None
         self.group_world_size += 1  # group ranks are never reused within an attempt
-        if len(rec.membership.members) >= len(self._members):
+        entering = len(rec.membership.members) + len(
+            rec.membership.with_role(WorkerRole.JOINING, WorkerRole.READY))
+        self.emit(Event.NOTICE, {"text": f"{node.label} enters the running job"})
+        if entering >= len(self._members):
             rec.add_spares(self._start_node(node, -1, self.group_world_size - 1, spare=True))
             return
-        self.world_size = len(rec.membership.members) + node.nproc
+        self.world_size = entering + node.nproc
         rec.add_joiners(self._start_node(node, -1, self.group_world_size - 1))
 
     def _on_remote_exit(self, msg: Exited) -> None:
@@ -282,7 +300,10 @@ class Coordinator(NodeTable):
         for node, _, _ in gone:  # all at once: the decisions see how many nodes are left
             node.alive = False
         decisions = [self._node_lost(node, why, seen) for node, why, seen in gone]
-        return next((d for d in decisions if d is not None), None)
+        decision = next((d for d in decisions if d is not None), None)
+        if decision is None:  # after the shrink: room for a waiting node grows the job back
+            self._admit_waiting()
+        return decision
 
     def suspect(self) -> None:
         """A worker saw a peer's connection break: ping every node of the attempt (a live
@@ -300,6 +321,7 @@ class Coordinator(NodeTable):
         node may be marked dead already (several lost at once)."""
         node.alive = False
         self.watch.forget(node.index)
+        self._waiting.forget(node.index)
         self.emit(Event.NOTICE, {"text": f"{node.label} is lost: {why}"})
         self._send(node, End(code=1, reason=f"the coordinator dropped this node ({why})",
                              lost=True))

@@ -1,0 +1,45 @@
+"""When a node that joined a running job may enter it, as a pure decision.
+
+A node that joins while the job holds `--nnodes` MAX nodes is not turned away: it waits in
+the coordinator's table, in join order, and enters (its workers as joiners, or as spares when
+the world size is whole) as soon as a node is lost and the job has room again. Nothing but
+the first in line is considered: nodes enter in the order they came.
+
+Owns: `why_wait` (None: admit now; else the one-line reason it waits) and `Waiting`, which
+says each reason once per node instead of at every pass of the coordinator's loop.
+Must not import: anything beyond the standard library.
+"""
+
+from __future__ import annotations
+
+
+def why_wait(nodes_in_job: int, nnodes_max: int, recovers_in_process: bool,
+             uses_api: bool) -> str | None:
+    """Why a waiting node cannot enter the running job now (`nodes_in_job` counts the
+    coordinator and every node whose workers belong to the attempt), or None: admit it."""
+    if nodes_in_job >= nnodes_max:
+        return (f"the job is full ({nodes_in_job} of --nnodes max {nnodes_max} nodes); it "
+                "enters when a node is lost")
+    if not recovers_in_process:
+        return "the job restarts its workers on a fault (--on-fault restart); it enters then"
+    if not uses_api:
+        return ("no worker has used the ftrun API (yet); it enters when one does, or at the "
+                "next restart")
+    return None
+
+
+class Waiting:
+    """The reason each waiting node was last given, so that a node hears each one once."""
+
+    def __init__(self) -> None:
+        self._told: dict[int, str] = {}
+
+    def news(self, node: int, why: str) -> bool:
+        """True when `why` is not what `node` was last told (then it is told now)."""
+        if self._told.get(node) == why:
+            return False
+        self._told[node] = why
+        return True
+
+    def forget(self, node: int) -> None:
+        self._told.pop(node, None)
