@@ -17,7 +17,7 @@ import socket
 import stat
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -78,6 +78,7 @@ class RunInfo:
     started_at: float
     socket: str
     log_dir: str | None
+    job: str | None = None  # what one multi-node job's agents share (its rendezvous)
 
     @property
     def alive(self) -> bool:
@@ -287,33 +288,65 @@ def _read_run(base: str, name: str) -> RunInfo | None:
     if not isinstance(doc, dict):
         return None
     run_id, pid, script = doc.get("run_id"), doc.get("pid"), doc.get("script")
-    started, log_dir = doc.get("started_at"), doc.get("log_dir")
+    started, log_dir, job = doc.get("started_at"), doc.get("log_dir"), doc.get("job")
     if (not isinstance(run_id, str) or not isinstance(script, str)
             or not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0
-            or not isinstance(started, (int, float)) or not isinstance(log_dir, (str, type(None)))):
+            or not isinstance(started, (int, float)) or not isinstance(log_dir, (str, type(None)))
+            or not isinstance(job, (str, type(None)))):
         return None
     sock = os.path.join(base, name[: -len(".json")] + ".sock")
-    return RunInfo(run_id, pid, script, float(started), sock, log_dir)
+    return RunInfo(run_id, pid, script, float(started), sock, log_dir, job)
 
 
-def find_run(run_id: str | None) -> RunInfo:
-    runs = list_runs()
+def jobs_of(runs: Sequence[RunInfo]) -> list[list[RunInfo]]:
+    """Runs grouped by job, oldest first: the agents of one multi-node job that share this
+    host (tests, loopback clusters) are one job, each serving the whole job's document."""
+    by_job: dict[str, list[RunInfo]] = {}
+    for r in runs:  # without --rdzv-id, each agent of a job has a run id of its own
+        by_job.setdefault(r.job or f"id:{r.run_id}", []).append(r)
+    return sorted(by_job.values(), key=lambda agents: agents[0].started_at)
+
+
+def find_run(run_id: str | None, node: int | None = None) -> RunInfo:
+    """The agent to ask about the job (`run_id`: a prefix; None: the only job): the job's
+    oldest agent on this host, or the one that runs node `node`."""
+    jobs = jobs_of(list_runs())
     if run_id:
-        matches = [r for r in runs if r.run_id.startswith(run_id)]
-        if len(matches) == 1:
-            return matches[0]
-        if not matches:
+        jobs = [agents for agents in jobs if any(a.run_id.startswith(run_id) for a in agents)]
+        if not jobs:
             raise FtrunError(f"no running ftrun job with id {run_id!r}",
                              hint="`ftrun status` lists your jobs")
-        raise FtrunError(f"{len(matches)} jobs match {run_id!r}", hint="give more of the id")
-    if not runs:
+        if len(jobs) > 1:
+            raise FtrunError(f"{len(jobs)} jobs match {run_id!r}", hint="give more of the id")
+    if not jobs:
         raise FtrunError("no ftrun job is running for this user",
                          hint="start one with `ftrun --nproc N script.py`")
-    if len(runs) > 1:
-        listing = ", ".join(f"{r.run_id[:8]} ({os.path.basename(r.script)})" for r in runs)
-        raise FtrunError(f"{len(runs)} jobs are running: {listing}",
+    if len(jobs) > 1:
+        listing = ", ".join(f"{a[0].run_id[:8]} ({os.path.basename(a[0].script)})" for a in jobs)
+        raise FtrunError(f"{len(jobs)} jobs are running: {listing}",
                          hint="pick one with --run-id")
-    return runs[0]
+    return jobs[0][0] if node is None else agent_of_node(jobs[0], node)
+
+
+def agent_of_node(agents: Sequence[RunInfo], node: int) -> RunInfo:
+    """The agent of `node` among one job's agents here, asked which node each runs: a
+    coordinator (or a single-node job's agent) runs node 0, a follower says so."""
+    here: dict[int, RunInfo] = {}
+    for info in agents:
+        try:
+            doc = request(info, {"op": "status"})
+        except FtrunError:
+            continue  # ending, or busy: not the one to show
+        served = doc.get("served_by")
+        if isinstance(served, dict) and isinstance(served.get("node"), int):
+            here.setdefault(served["node"], info)
+        elif "note" not in doc:  # a follower without the coordinator's view says nothing
+            here.setdefault(0, info)
+    if node in here:
+        return here[node]
+    nodes = ", ".join(map(str, sorted(here))) or "none that answered"
+    raise FtrunError(f"no agent of job {agents[0].run_id[:8]} on this host runs node {node} "
+                     f"(nodes here: {nodes})", hint="run `ftrun status` on that node's host")
 
 
 def request(info: RunInfo, doc: dict[str, Any],

@@ -34,7 +34,18 @@ from ftrun.core.faultkinds import AGENT_SIGNALS, GPU_KINDS, WORKER_ONLY, FaultKi
 from ftrun.core.membership import Membership
 from ftrun.core.policy import phase_text
 from ftrun.core.replica_groups import group_rows
+from ftrun.core.spec import RunSpec
 from ftrun.protocol.control_ops import InjectOp, StatusOp, check_request
+
+
+def job_of(spec: RunSpec) -> str | None:
+    """What every agent of a multi-node job shares, whatever its run id: its rendezvous.
+    `ftrun status` shows agents of one job on one host as one job."""
+    if spec.nnodes_max <= 1:
+        return None
+    where = (f"{spec.master_addr}:{spec.master_port}" if spec.rdzv_backend == "static"
+             else spec.rdzv_endpoint)
+    return f"{spec.rdzv_backend}://{where}/{spec.rdzv_id}"
 
 
 @dataclass(frozen=True)
@@ -59,7 +70,7 @@ class ControlPlane:
         self.drills: queue.SimpleQueue[Drill] = queue.SimpleQueue()
         sock = os.path.join(run_dir(), f"{port.control_name()}.sock")
         self.info = RunInfo(port.run_id, os.getpid(), port.spec.script, time.time(), sock,
-                            log_dir)
+                            log_dir, job_of(port.spec))
         self.timeline = Timeline(log_dir, sample_every_s(port.spec.nnodes_max))
         self.metrics_url: str | None = None  # where Prometheus scrapes this agent, if it does
         self.server = ControlServer(self.info, self.handle)  # serves from serve() on

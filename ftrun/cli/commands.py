@@ -34,14 +34,16 @@ DRILL_WAIT_S = 120.0  # how long inject-fault waits for the drill's recoveries
 @app.command()
 def status(run_id: Optional[str] = typer.Option(None, "--run-id", help="the job (a prefix is enough)"),  # noqa: UP045,E501
            as_json: bool = typer.Option(False, "--json", help="print a stable JSON document"),
-           watch: bool = typer.Option(False, "--watch", help="refresh in place")) -> None:
+           watch: bool = typer.Option(False, "--watch", help="refresh in place"),
+           node: Optional[int] = typer.Option(None, "--node", help="a multi-node job: ask the agent of this node (on this host)"),  # noqa: UP045,E501
+           ) -> None:
     """Show a running job: generation, workers, recent faults and their recovery phases."""
-    if run_id is None and not watch and not as_json:
-        runs = control.list_runs()
-        if len(runs) > 1:
-            render.print_runs(runs)
+    if run_id is None and node is None and not watch and not as_json:
+        jobs = control.jobs_of(control.list_runs())  # a job's agents on this host: one job
+        if len(jobs) > 1:
+            render.print_runs([agents[0] for agents in jobs])
             return
-    info = control.find_run(run_id)
+    info = control.find_run(run_id, node)
     if watch:
         render.watch_status(lambda: control.request(info, {"op": "status"}))
         return
