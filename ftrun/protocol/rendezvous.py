@@ -264,17 +264,3 @@ def send_request(store: Any, req: Request) -> None:
 def parse_request(raw: str | bytes) -> Request | str:
     """A worker request as the agent may act on it, or the one-line reason it is refused."""
     return decode(raw, REQUESTS)
-
-
-def heal_plan(committed: list[int]) -> dict[int, int]:
-    """Ranks behind the highest committed step -> the up-to-date rank each heals from.
-
-    Sources are spread round-robin over the up-to-date ranks so that several joiners do not
-    all pull from one peer. Pure and deterministic: every member computes the same plan.
-    """
-    if not committed:
-        return {}
-    best = max(committed)
-    sources = [r for r, s in enumerate(committed) if s == best]
-    behind = [r for r, s in enumerate(committed) if s < best]
-    return {dst: sources[i % len(sources)] for i, dst in enumerate(behind)}

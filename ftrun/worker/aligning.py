@@ -1,46 +1,94 @@
 """A rebuilt group's alignment: the members agree on the highest committed step, and each one
-behind it loads the state of an up-to-date peer (a live replica, never a disk checkpoint).
+behind it loads the state of up-to-date peers (live replicas, never a disk checkpoint).
 
-Owns: that agreement (one all-reduce of every member's committed step) and the transfers of
-the heal plan; `ftrun.worker.api` calls it after every rebuild, with what the script registered
-and the random streams that travel with it.
+Owns: that agreement (one all-reduce of every member's committed step), who heals whom from
+which sources (`heal_sources`, pure), and the `Healer` a worker keeps across generations:
+its settings, a heal cut off by a fault (resumed next time), the last heal's figures.
+`ftrun.worker.api` calls `align` after every rebuild, with what the script registered and
+the random streams that travel with it.
 Must not import: typer, rich, NVML, the agent, worker.api. Torch is imported when it runs.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any
 
 from ftrun.core.errors import WorkerApiError
-from ftrun.protocol.rendezvous import heal_plan
 from ftrun.worker.comm import Group, Interrupt
-from ftrun.worker.transfer import pack, recv_state, send_state, unpack
+from ftrun.worker.transfer import (
+    DEFAULT_CHUNK_MB,
+    HealProgress,
+    HealStats,
+    recv_heal,
+    send_heal,
+)
 
 STREAMS = "ftrun.random_streams"  # the random streams' name beside the registered objects
+DEFAULT_HEAL_SOURCES = 4
+
+
+@dataclass
+class Healer:
+    """A worker's side of healing, kept across generations."""
+
+    chunk_mb: float = DEFAULT_CHUNK_MB
+    max_sources: int = DEFAULT_HEAL_SOURCES
+    progress: HealProgress = field(default_factory=HealProgress)
+    last: tuple[str, HealStats] | None = None  # ("sent" or "received", figures) since taken
+
+    @property
+    def chunk_bytes(self) -> int:
+        return max(1, int(self.chunk_mb * (1 << 20)))
+
+    def take_last(self) -> tuple[str, HealStats] | None:
+        last, self.last = self.last, None
+        return last
+
+
+def heal_sources(committed: list[int], max_sources: int) -> dict[int, list[int]]:
+    """Ranks behind the highest committed step -> the up-to-date ranks each heals from, the
+    first of which (spread round-robin, so that several joiners do not share one) also sends
+    the skeleton. Pure and deterministic: every member computes the same plan."""
+    if not committed:
+        return {}
+    best = max(committed)
+    up = [r for r, s in enumerate(committed) if s == best]
+    behind = [r for r, s in enumerate(committed) if s < best]
+    count = max(1, min(max_sources, len(up)))
+    return {dst: [up[(i + j) % len(up)] for j in range(count)] for i, dst in enumerate(behind)}
 
 
 def align(group: Group, committed: int, registered: dict[str, Any], streams: Any,
-          interrupt: Interrupt, device: Any, mesh: Any = None) -> int:
+          interrupt: Interrupt, device: Any, mesh: Any = None,
+          healer: Healer | None = None) -> int:
     """The group's highest committed step, once every member is at it. `mesh`: where
     sharded state received is rebuilt (a replicate group heals shard k from shard k)."""
     import torch
 
     if group.size == 1:
         return committed
+    healer = healer if healer is not None else Healer()
     steps = torch.zeros(group.size, dtype=torch.int64, device=device)
-    steps[group.rank] = committed
+    # a member whose heal was cut off holds a mix of states: never a source
+    steps[group.rank] = -1 if healer.progress.dirty else committed
     group.allreduce(steps, interrupt)
     everyone = [int(s) for s in steps.tolist()]
-    plan = heal_plan(everyone)
+    best = max(everyone)
+    if best < 0:
+        raise WorkerApiError("no member holds a whole state: a heal was cut off and every "
+                             "member it healed from is gone",
+                             hint="resume from a snapshot (--snapshot-every, --resume)")
+    plan = heal_sources(everyone, healer.max_sources)
     if plan and not registered:
         raise WorkerApiError("a replica must heal but nothing is registered",
                              hint="call ft.register(model=..., optimizer=...) before steps()")
     objects = {**registered, STREAMS: streams}
-    payload: list[Any] | None = None
-    for dst, src in sorted(plan.items()):
-        if src == group.rank:
-            payload = payload if payload is not None else pack(objects, {})
-            send_state(group, dst, payload, interrupt, device)
+    for dst, sources in sorted(plan.items()):
+        if group.rank in sources:
+            healer.last = ("sent", send_heal(group, dst, sources, objects, interrupt, device,
+                                             healer.chunk_bytes))
         elif dst == group.rank:
-            unpack(recv_state(group, src, interrupt, device), objects, mesh)
-    return max(everyone)
+            healer.last = ("received", recv_heal(group, sources, objects, best,
+                                                 healer.progress, interrupt, device, mesh))
+    return best

@@ -1,10 +1,14 @@
-"""Healing: sending a live replica's state to the members that are behind.
+"""Healing: streaming a live replica's state into the members that are behind.
 
-Owns: flattening the registered objects' state (model, optimizer, anything with state_dict())
-into one buffer per dtype plus a small pickled skeleton (keys, shapes, the non-tensor values),
-moving them point-to-point over the generation's group, abandonably, and rebuilding the state
-on the receiver from views of the received buffers. No tensor is pickled: bitwise exact and
-without torch.save/torch.load's copies.
+Owns: describing the registered objects' state (model, optimizer, anything with state_dict())
+as a small pickled skeleton (keys, shapes, dtypes, the non-tensor values) plus the tensors'
+bytes, cut into chunks (`chunk_layout`); moving the chunks point-to-point over the
+generation's group, abandonably, each source sending a disjoint share (striped) of what the
+receiver asked for; and writing them into the receiver's own tensors. Extra memory is a few
+chunks on either side: a chunk that is one piece of one tensor travels straight from the
+source's tensor into the receiver's, the others through one staging buffer per peer. No
+tensor is pickled: bitwise exact. A heal cut off by a fault leaves a `HealProgress` that the
+next generation's heal resumes (only the missing chunks travel, from the sources left).
 Must not import: typer, rich, NVML, the agent. Torch is imported lazily.
 """
 
@@ -14,36 +18,102 @@ import ctypes
 import os
 import pickle
 import signal
-from collections.abc import Callable, Mapping
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from ftrun.core import timeouts
-from ftrun.worker.comm import Group, Interrupt
+from ftrun.worker.comm import CommError, Group, Interrupt
 
 DRILL_KILL_MID_TRANSFER = "FTRUN_DRILL_KILL_MID_TRANSFER"  # a worker id
-_MAX_PARTS = 16  # the skeleton plus one buffer per dtype
-_TAG_SIZES, _TAG_PARTS = 1, 2
+DEFAULT_CHUNK_MB = 64
+_TAG_HEADER, _TAG_META, _TAG_REQUEST, _TAG_CHUNK = 1, 2, 3, 16
+
+Segment = tuple[int, int, int]  # (leaf index, first byte, end byte)
+Chunk = tuple[Segment, ...]
 
 
+@dataclass(frozen=True)
 class _Ref:
-    """Where a tensor sits in the flat buffers: (dtype part, offset, shape). A DTensor's
-    local shard travels alone, with what the receiver rebuilds it from (`sharded`: its
-    placements, global shape and stride, and its mesh's shape)."""
+    """A tensor's place in the skeleton: its leaf index, dtype, local shape, where it lived
+    ('cpu' or 'cuda'), and for a DTensor's local shard what it is rebuilt from (`sharded`:
+    its placements, global shape and stride, and its mesh's shape)."""
 
-    def __init__(self, part: int, offset: int, shape: tuple[int, ...],
-                 sharded: tuple[Any, ...] | None = None) -> None:
-        self.part, self.offset, self.shape = part, offset, shape
-        self.sharded = sharded
+    index: int
+    dtype: str
+    shape: tuple[int, ...]
+    device_type: str
+    sharded: tuple[Any, ...] | None = None
 
 
-def pack(objects: Mapping[str, Any], extra: Mapping[str, Any]) -> list[Any]:
-    """[skeleton bytes as uint8, flat buffer per dtype...]"""
+@dataclass
+class HealStats:
+    """One heal, as either side saw it."""
+
+    bytes: int = 0
+    seconds: float = 0.0
+    sources: tuple[int, ...] = ()
+    chunks: int = 0
+    staged_bytes: int = 0  # the largest staging buffer held at once (0: none needed)
+
+    @property
+    def gb_per_s(self) -> float:
+        return self.bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+
+@dataclass
+class HealProgress:
+    """What a receiver got of a heal that a fault cut off. Its own tensors then hold a mix of
+    states: it reports no committed step (never a source) until a heal completes."""
+
+    step: int = -1  # the step being healed to
+    signature: tuple[Any, ...] = ()  # the layout's leaves: a resume needs the same ones
+    received: set[int] = field(default_factory=set)
+    targets: list[Any] = field(default_factory=list)  # where each leaf's bytes go
+    finals: list[Any] = field(default_factory=list)  # what each leaf becomes in the state
+
+    @property
+    def dirty(self) -> bool:
+        return self.step >= 0
+
+
+def chunk_layout(nbytes: Sequence[int], chunk_bytes: int) -> list[Chunk]:
+    """Pure and deterministic: every source and the receiver cut the same chunks. A tensor of
+    a chunk or more is cut into chunks of its own (each travels without a copy); smaller
+    ones are packed together up to the chunk size."""
+    chunks: list[Chunk] = []
+    packed: list[Segment] = []
+    used = 0
+    for index, size in enumerate(nbytes):
+        if size >= chunk_bytes:
+            if packed:
+                chunks.append(tuple(packed))
+                packed, used = [], 0
+            chunks += [((index, start, min(size, start + chunk_bytes)),)
+                       for start in range(0, size, chunk_bytes)]
+        elif size > 0:
+            if used + size > chunk_bytes:
+                chunks.append(tuple(packed))
+                packed, used = [], 0
+            packed.append((index, 0, size))
+            used += size
+    if packed:
+        chunks.append(tuple(packed))
+    return chunks
+
+
+def stripe(needed: Sequence[int], sources: Sequence[int]) -> dict[int, list[int]]:
+    """Each source's disjoint share of the chunks, round-robin (pure)."""
+    return {src: list(needed[i::len(sources)]) for i, src in enumerate(sources)}
+
+
+def describe(objects: Mapping[str, Any]) -> tuple[dict[str, Any], list[Any]]:
+    """(skeleton with _Ref leaves, the leaves' local tensors in order): the state as it is,
+    no copy (a non-contiguous tensor, rare in a state dict, is made contiguous)."""
     import torch
 
-    # one part per (dtype, device): optimizers keep some state on the CPU beside CUDA tensors
-    # (Adam's `step`), and a part is one torch.cat
-    parts: dict[Any, list[Any]] = {}  # (dtype, device) -> flattened tensors, in order
-    sizes: dict[Any, int] = {}
+    leaves: list[Any] = []
 
     def strip(t: Any) -> _Ref:
         sharded = None
@@ -51,44 +121,199 @@ def pack(objects: Mapping[str, Any], extra: Mapping[str, Any]) -> list[Any]:
             sharded = (tuple(t.placements), tuple(t.shape), tuple(t.stride()),
                        tuple(t.device_mesh.shape))
             t = t.to_local()
-        key = (t.dtype, t.device)
-        part = list(parts).index(key) if key in parts else len(parts)
-        parts.setdefault(key, []).append(t.detach().reshape(-1))
-        offset = sizes.get(key, 0)
-        sizes[key] = offset + t.numel()
-        return _Ref(part, offset, tuple(t.shape), sharded)
+        leaves.append(t.detach().contiguous())
+        return _Ref(len(leaves) - 1, str(t.dtype).removeprefix("torch."), tuple(t.shape),
+                    t.device.type, sharded)
 
     state = {k: o.state_dict() for k, o in objects.items()}
-    skeleton = _map_leaves(state, lambda v: isinstance(v, torch.Tensor), strip)
-    flats = [torch.cat(ts) for ts in parts.values()]
-    meta = pickle.dumps({"skeleton": skeleton, "extra": dict(extra),
-                         "dtypes": [str(d).removeprefix("torch.") for d, _ in parts]})
-    if len(flats) + 1 > _MAX_PARTS:
-        raise RuntimeError(f"state uses {len(flats)} dtype/device pairs; at most "
-                           f"{_MAX_PARTS - 1}")
-    return [torch.frombuffer(bytearray(meta), dtype=torch.uint8), *flats]
+    return map_leaves(state, lambda v: isinstance(v, torch.Tensor), strip), leaves
 
 
-def unpack(parts: list[Any], objects: Mapping[str, Any], mesh: Any = None) -> dict[str, Any]:
-    """`mesh`: the receiver's shard mesh, which a sender's DTensor shards are rebuilt on (the
-    sender's shard of the same index, so the local shapes agree)."""
-    meta = pickle.loads(_as_bytes(parts[0]))
-    flats = parts[1:]
+def send_heal(group: Group, dst: int, sources: Sequence[int], objects: Mapping[str, Any],
+              interrupt: Interrupt, device: Any, chunk_bytes: int) -> HealStats:
+    """This member's share of `dst`'s heal: the skeleton if it is the first source, then the
+    chunks `dst` asks of it."""
+    import torch
 
-    def fill(ref: _Ref) -> Any:
-        n = 1
-        for d in ref.shape:
-            n *= d
-        local = flats[ref.part][ref.offset:ref.offset + n].view(ref.shape)
-        return local if ref.sharded is None else _rebuild(local, ref.sharded, mesh)
+    started = time.monotonic()
+    skeleton, leaves = describe(objects)
+    views = [_bytes(t) for t in leaves]
+    layout = chunk_layout([v.numel() for v in views], chunk_bytes)
+    if group.rank == sources[0]:
+        meta = pickle.dumps({"skeleton": skeleton, "chunk_bytes": chunk_bytes,
+                             "sizes": [v.numel() for v in views]})
+        header = torch.tensor([len(meta), len(layout)], dtype=torch.int64)
+        _run(group, "send", header.to(device), dst, _TAG_HEADER, interrupt)
+        _run(group, "send", torch.frombuffer(bytearray(meta), dtype=torch.uint8).to(device),
+             dst, _TAG_META, interrupt)
+    request = torch.zeros(len(layout) + 1, dtype=torch.int64, device=device)
+    _run(group, "recv", request, dst, _TAG_REQUEST, interrupt)
+    wanted = [int(i) for i in request.cpu().tolist()[1:1 + int(request[0])]]
+    if os.environ.get(DRILL_KILL_MID_TRANSFER) == os.environ.get("FTRUN_WORKER_ID", "-"):
+        os.kill(os.getpid(), signal.SIGKILL)  # a fault drill: a source dies mid-heal
+    stats = HealStats(sources=tuple(sources))
+    staging: Any = None
+    for chunk_id in wanted:
+        chunk = layout[chunk_id]
+        direct = _direct(chunk, views, device)
+        if direct is None:
+            staging = staging if staging is not None else _staging(chunk_bytes, device)
+            stats.staged_bytes = chunk_bytes
+            direct = _gather(chunk, views, staging)
+        _run(group, "send", direct, dst, _TAG_CHUNK + chunk_id, interrupt)
+        stats.bytes += direct.numel()
+        stats.chunks += 1
+    stats.seconds = time.monotonic() - started
+    return stats
 
-    state = _map_leaves(meta["skeleton"], lambda v: isinstance(v, _Ref), fill)
+
+def recv_heal(group: Group, sources: Sequence[int], objects: Mapping[str, Any], step: int,
+              progress: HealProgress, interrupt: Interrupt, device: Any,
+              mesh: Any = None) -> HealStats:
+    """Receive a heal into the registered objects' own tensors, from `sources` (the first
+    sends the skeleton), resuming `progress` when it was cut off at the same step."""
+    import torch
+
+    started = time.monotonic()
+    header = torch.zeros(2, dtype=torch.int64, device=device)
+    _run(group, "recv", header, sources[0], _TAG_HEADER, interrupt)
+    meta_len, n_chunks = (int(x) for x in header.cpu().tolist())
+    raw = torch.empty(meta_len, dtype=torch.uint8, device=device)
+    _run(group, "recv", raw, sources[0], _TAG_META, interrupt)
+    meta = pickle.loads(_as_bytes(raw.cpu()))
+    skeleton, chunk_bytes = meta["skeleton"], meta["chunk_bytes"]
+    layout = chunk_layout(meta["sizes"], chunk_bytes)
+    if len(layout) != n_chunks:
+        raise CommError(f"the heal's layout differs: {len(layout)} chunks, source {n_chunks}")
+    signature = (tuple(meta["sizes"]), chunk_bytes)
+    if progress.step != step or progress.signature != signature:
+        progress.step, progress.signature, progress.received = step, signature, set()
+        progress.targets, progress.finals = _targets(skeleton, objects, device, mesh)
+    needed = [i for i in range(len(layout)) if i not in progress.received]
+    shares = stripe(needed, sources)
+    for src in sources:
+        request = torch.zeros(len(layout) + 1, dtype=torch.int64)
+        request[0] = len(shares[src])
+        request[1:1 + len(shares[src])] = torch.tensor(shares[src], dtype=torch.int64)
+        _run(group, "send", request.to(device), src, _TAG_REQUEST, interrupt)
+    views = [_bytes(t) for t in progress.targets]
+    stats = HealStats(sources=tuple(sources), staged_bytes=0)
+    stats.bytes, stats.chunks = _receive_chunks(group, shares, layout, views, progress,
+                                                interrupt, device, chunk_bytes, stats)
+    state = map_leaves(skeleton, lambda v: isinstance(v, _Ref),
+                       lambda ref: progress.finals[ref.index])
     missing = set(objects) - set(state)
     if missing:
         raise RuntimeError(f"the healing source registered no state for {sorted(missing)}")
     for name, obj in objects.items():
-        obj.load_state_dict(state[name])  # copies into the receiver's own tensors
-    return dict(meta["extra"])
+        obj.load_state_dict(state[name])  # its own tensors, filled in place: no copy to make
+    progress.step, progress.received = -1, set()
+    progress.targets, progress.finals = [], []
+    stats.seconds = time.monotonic() - started
+    return stats
+
+
+def _receive_chunks(group: Group, shares: dict[int, list[int]], layout: list[Chunk],
+                    views: list[Any], progress: HealProgress, interrupt: Interrupt,
+                    device: Any, chunk_bytes: int, stats: HealStats) -> tuple[int, int]:
+    """Every source's next chunk is posted at once (the sources send in parallel); each is
+    written into place as it completes, then that source's next one is posted."""
+    queues = {src: list(ids) for src, ids in shares.items() if ids}
+    staging: dict[int, Any] = {}
+    posted: dict[int, tuple[Any, int, Any]] = {}  # source -> (work, chunk id, buffer)
+
+    def post(src: int) -> None:
+        chunk_id = queues[src].pop(0)
+        buffer = _direct(layout[chunk_id], views, device)
+        if buffer is None:
+            staging.setdefault(src, _staging(chunk_bytes, device))
+            stats.staged_bytes = chunk_bytes * len(staging)
+            buffer = staging[src][:_chunk_size(layout[chunk_id])]
+        posted[src] = (_start(group, "recv", buffer, src, _TAG_CHUNK + chunk_id), chunk_id,
+                       buffer)
+
+    for src in queues:
+        post(src)
+    received = count = 0
+    while posted:
+        for src in list(posted):
+            work, chunk_id, buffer = posted.pop(src)
+            group.wait(work, interrupt, timeouts.STATE_TRANSFER_S)
+            if src in staging:
+                _scatter(layout[chunk_id], views, buffer)
+            progress.received.add(chunk_id)
+            received, count = received + buffer.numel(), count + 1
+            if queues[src]:
+                post(src)
+    return received, count
+
+
+def _targets(skeleton: Any, objects: Mapping[str, Any], device: Any, mesh: Any
+             ) -> tuple[list[Any], list[Any]]:
+    """Per leaf: the tensor its bytes are written into (the receiver's own when it has one
+    of that dtype and shape, else one allocated here, once) and what the state gets."""
+    import torch
+
+    own = dict(paths({k: o.state_dict() for k, o in objects.items()}))
+    refs = sorted((ref for _p, ref in paths(skeleton) if isinstance(ref, _Ref)),
+                  key=lambda r: r.index)
+    where = {ref.index: path for path, ref in paths(skeleton) if isinstance(ref, _Ref)}
+    targets: list[Any] = []
+    finals: list[Any] = []
+    for ref in refs:
+        mine: Any = own.get(where[ref.index])
+        local = mine.to_local() if hasattr(mine, "to_local") else mine
+        if (isinstance(local, torch.Tensor) and str(local.dtype).removeprefix("torch.")
+                == ref.dtype and tuple(local.shape) == ref.shape and local.is_contiguous()):
+            targets.append(local.detach())
+            finals.append(mine)
+            continue
+        on = device if ref.device_type != "cpu" else torch.device("cpu")
+        fresh = torch.empty(ref.shape, dtype=getattr(torch, ref.dtype), device=on)
+        targets.append(fresh)
+        finals.append(fresh if ref.sharded is None else _rebuild(fresh, ref.sharded, mesh))
+    return targets, finals
+
+
+def _direct(chunk: Chunk, views: list[Any], device: Any) -> Any:
+    """The chunk's bytes as one tensor on the group's device without a copy, or None."""
+    if len(chunk) != 1:
+        return None
+    index, start, end = chunk[0]
+    view = views[index][start:end]
+    return view if view.device == device else None
+
+
+def _gather(chunk: Chunk, views: list[Any], staging: Any) -> Any:
+    offset = 0
+    for index, start, end in chunk:
+        staging[offset:offset + end - start].copy_(views[index][start:end])
+        offset += end - start
+    return staging[:offset]
+
+
+def _scatter(chunk: Chunk, views: list[Any], buffer: Any) -> None:
+    offset = 0
+    for index, start, end in chunk:
+        views[index][start:end].copy_(buffer[offset:offset + end - start])
+        offset += end - start
+
+
+def _chunk_size(chunk: Chunk) -> int:
+    return sum(end - start for _i, start, end in chunk)
+
+
+def _staging(chunk_bytes: int, device: Any) -> Any:
+    """One chunk's buffer on the group's device, reused for every chunk of the heal."""
+    import torch
+
+    return torch.empty(chunk_bytes, dtype=torch.uint8, device=device)
+
+
+def _bytes(t: Any) -> Any:
+    import torch
+
+    return t.reshape(-1).view(torch.uint8)
 
 
 def _rebuild(local: Any, sharded: tuple[Any, ...], mesh: Any) -> Any:
@@ -109,52 +334,37 @@ def _as_bytes(t: Any) -> bytes:
     return ctypes.string_at(t.data_ptr(), t.numel())
 
 
-def _map_leaves(value: Any, is_leaf: Callable[[Any], bool], fn: Callable[[Any], Any]) -> Any:
+def map_leaves(value: Any, is_leaf: Callable[[Any], bool], fn: Callable[[Any], Any]) -> Any:
     """Rebuild a state-dict tree (dicts, lists, tuples, namedtuples) with `fn` at its leaves."""
     if is_leaf(value):
         return fn(value)
     if isinstance(value, dict):
-        return type(value)((k, _map_leaves(v, is_leaf, fn)) for k, v in value.items())
+        return type(value)((k, map_leaves(v, is_leaf, fn)) for k, v in value.items())
     if isinstance(value, tuple) and hasattr(value, "_fields"):  # a namedtuple
-        return type(value)(*(_map_leaves(v, is_leaf, fn) for v in value))
+        return type(value)(*(map_leaves(v, is_leaf, fn) for v in value))
     if isinstance(value, (list, tuple)):
-        return type(value)(_map_leaves(v, is_leaf, fn) for v in value)
+        return type(value)(map_leaves(v, is_leaf, fn) for v in value)
     return value
 
 
-def send_state(group: Group, dst: int, parts: list[Any], interrupt: Interrupt,
-               device: Any) -> None:
-    """`device`: where the group's tensors must live (cuda for nccl, cpu for gloo)."""
-    import torch
-
-    sizes = torch.zeros(_MAX_PARTS + 1, dtype=torch.int64)
-    sizes[0] = len(parts)
-    for i, p in enumerate(parts):
-        sizes[i + 1] = p.numel()
-    _p2p(group, "send", sizes.to(device), dst, _TAG_SIZES, interrupt)
-    if os.environ.get(DRILL_KILL_MID_TRANSFER) == os.environ.get("FTRUN_WORKER_ID", "-"):
-        os.kill(os.getpid(), signal.SIGKILL)  # a fault drill: the source dies mid-transfer
-    for i, p in enumerate(parts):
-        _p2p(group, "send", p.to(device), dst, _TAG_PARTS + i, interrupt)
+def paths(value: Any, prefix: tuple[Any, ...] = ()) -> Iterator[tuple[tuple[Any, ...], Any]]:
+    """(path, leaf) of a state-dict tree, in the order map_leaves visits them."""
+    if isinstance(value, dict):
+        for k, v in value.items():
+            yield from paths(v, (*prefix, k))
+    elif isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            yield from paths(v, (*prefix, i))
+    else:
+        yield prefix, value
 
 
-def recv_state(group: Group, src: int, interrupt: Interrupt, device: Any) -> list[Any]:
-    import torch
-
-    sizes = torch.zeros(_MAX_PARTS + 1, dtype=torch.int64, device=device)
-    _p2p(group, "recv", sizes, src, _TAG_SIZES, interrupt)
-    counts = [int(x) for x in sizes.cpu().tolist()]
-    meta = torch.empty(counts[1], dtype=torch.uint8, device=device)
-    _p2p(group, "recv", meta, src, _TAG_PARTS, interrupt)
-    dtypes = pickle.loads(_as_bytes(meta.cpu()))["dtypes"]
-    parts = [meta.cpu()]
-    for i, name in enumerate(dtypes):
-        buf = torch.empty(counts[i + 2], dtype=getattr(torch, name), device=device)
-        _p2p(group, "recv", buf, src, _TAG_PARTS + i + 1, interrupt)
-        parts.append(buf.cpu() if buf.device.type != "cpu" else buf)
-    return parts
+def _start(group: Group, op: str, tensor: Any, peer: int, tag: int) -> Any:
+    try:
+        return getattr(group.pg, op)([tensor], peer, tag)
+    except RuntimeError as exc:
+        raise CommError(str(exc).splitlines()[0][:200]) from None
 
 
-def _p2p(group: Group, op: str, tensor: Any, peer: int, tag: int, interrupt: Interrupt) -> None:
-    call = getattr(group.pg, op)
-    group.run(lambda: call([tensor], peer, tag), interrupt, timeouts.STATE_TRANSFER_S)
+def _run(group: Group, op: str, tensor: Any, peer: int, tag: int, interrupt: Interrupt) -> None:
+    group.wait(_start(group, op, tensor, peer, tag), interrupt, timeouts.STATE_TRANSFER_S)

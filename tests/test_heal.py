@@ -1,0 +1,61 @@
+"""Healing streams a replica's state in chunks into the receiver's own tensors: bitwise, from
+one source or striped over several, with chunks that divide no tensor, several dtypes, an
+optimizer state the receiver lacks and DTensors. (A source killed mid-heal, and the resume
+from the sources left: tests/test_fault_tolerance.py.)"""
+import json
+
+import pytest
+from conftest import FIXTURES, run_ftrun
+
+from ftrun.worker.aligning import heal_sources
+from ftrun.worker.transfer import chunk_layout, stripe
+
+
+def test_a_replica_heals_bitwise_from_one_source_and_striped_over_three(tmp_path) -> None:
+    r = run_ftrun("--nproc", "4", str(FIXTURES / "heal_ranks.py"), str(tmp_path), timeout=120)
+    assert r.returncode == 0, r.stderr
+    docs = {p.stem: json.loads(p.read_text()) for p in tmp_path.glob("heal_*.json")}
+    for scenario, sources in (("one", [0]), ("striped", [0, 2, 3])):
+        ranks = [docs[f"heal_{scenario}_{rank}"] for rank in range(4)]
+        source_digest = ranks[0]["digest"]
+        assert ranks[1]["before"] != source_digest  # the receiver started elsewhere
+        assert all(d["digest"] == source_digest and d["step"] == 5 for d in ranks)
+        received = ranks[1]
+        assert received["role"] == "received" and received["sources"] == sources
+        sent = [ranks[s] for s in sources]
+        assert all(d["role"] == "sent" and d["bytes"] > 0 for d in sent)
+        assert sum(d["bytes"] for d in sent) == received["bytes"]
+        assert sum(d["chunks"] for d in sent) == received["chunks"] > 7  # more than tensors
+        assert max(d["staged"] for d in ranks) <= 1000 * len(sources)  # a chunk per peer
+    assert [docs[f"heal_one_{rank}"]["role"] for rank in (2, 3)] == ["none", "none"]
+
+
+@pytest.mark.parametrize("nbytes, chunk, layout", [
+    ([10, 3, 4], 8, [((0, 0, 8),), ((0, 8, 10),), ((1, 0, 3), (2, 0, 4))]),
+    ([2, 0, 2, 5], 4, [((0, 0, 2), (2, 0, 2)), ((3, 0, 4),), ((3, 4, 5),)]),
+    ([3, 3, 3], 4, [((0, 0, 3),), ((1, 0, 3),), ((2, 0, 3),)]),
+    ([], 4, []),
+])
+def test_chunk_layout(nbytes, chunk, layout) -> None:
+    assert chunk_layout(nbytes, chunk) == layout
+    covered = sorted((i, a, b) for c in layout for i, a, b in c)
+    assert sum(b - a for _i, a, b in covered) == sum(nbytes)
+
+
+def test_stripes_are_disjoint_and_cover_every_chunk() -> None:
+    shares = stripe([0, 2, 3, 5, 6, 7, 9], [4, 1, 8])
+    assert shares == {4: [0, 5, 9], 1: [2, 6], 8: [3, 7]}
+    assert stripe([3], [0, 1]) == {0: [3], 1: []}
+
+
+@pytest.mark.parametrize("steps, most, plan", [
+    ([5, 5, 5], 4, {}),
+    ([5, 0, 5], 4, {1: [0, 2]}),
+    ([5, 0, 5], 1, {1: [0]}),
+    ([5, 0, 0, 5], 1, {1: [0], 2: [3]}),  # first sources spread round-robin
+    ([5, 0, 0, 5, 5], 2, {1: [0, 3], 2: [3, 4]}),
+    ([4, 5, -1], 4, {0: [1], 2: [1]}),  # -1: a member whose heal was cut off
+    ([], 4, {}),
+])
+def test_heal_sources(steps, most, plan) -> None:
+    assert heal_sources(steps, most) == plan
