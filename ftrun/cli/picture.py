@@ -1,7 +1,8 @@
 """`ftrun report`'s picture: the committed step of every rank over time, the world size as a
 band beneath it, each fault as a marker with its recovery phases shaded, restarts and
 snapshots marked. A self-contained HTML file (inline SVG, no script, no network) by default,
-or a PNG through matplotlib (the optional extra `ftrun[report]`).
+or a PNG through matplotlib (the optional extra `ftrun[report]`). A log may come from anyone:
+every text that reaches the page is escaped (`_e`), numbers are formatted as numbers.
 
 Owns: `Chart`, the one model both writers draw (so both show the same marks), and the two
 writers. Each returns how many fault markers it drew.
@@ -53,7 +54,8 @@ def chart_of(run: RunRecord) -> Chart:
         t = float(line["t"]) - t0
         steps = line.get("steps") or {}
         if not steps and line.get("step_max") is not None:
-            steps = {"max": line["step_max"], "min": line["step_min"]}
+            steps = {k: line[f"step_{k}"] for k in ("max", "min")
+                     if line.get(f"step_{k}") is not None}
         for rank, step in steps.items():
             series.setdefault(str(rank), []).append((t, int(step)))
         if not world or world[-1][1] != int(line.get("world_size", 0)):
@@ -104,27 +106,27 @@ def write_html(chart: Chart, path: str, title: str) -> int:
     for i, (rank, pts) in enumerate(sorted(chart.series.items(), key=_rank_key)):
         line = " ".join(f"{x(t):.1f},{y(s):.1f}" for t, s in _held(pts, chart.seconds))
         parts.append(f'<polyline class="rank" points="{line}" fill="none" stroke-width="1.5" '
-                     f'stroke="{RANK_COLOURS[i % len(RANK_COLOURS)]}"><title>rank {rank}'
+                     f'stroke="{RANK_COLOURS[i % len(RANK_COLOURS)]}"><title>rank {_e(rank)}'
                      '</title></polyline>')
     for t in chart.restarts:
         parts.append(f'<line class="restart" x1="{x(t):.1f}" x2="{x(t):.1f}" y1="{TOP}" '
                      f'y2="{TOP + PLOT_H}" stroke="#b07aa1" stroke-dasharray="6,3"/>')
     for t, step in chart.snapshots:
         parts.append(f'<path class="snapshot" d="M{x(t):.1f},{TOP + PLOT_H} l-4,8 h8 z" '
-                     f'fill="#76b7b2"><title>snapshot of step {step}</title></path>')
+                     f'fill="#76b7b2"><title>snapshot of step {_e(step)}</title></path>')
     for fault in chart.faults:
         colour = "#e15759" if fault.recovered else "#000"
         parts.append(f'<g class="fault"><line x1="{x(fault.t):.1f}" x2="{x(fault.t):.1f}" '
                      f'y1="{TOP}" y2="{TOP + PLOT_H}" stroke="{colour}"/><path d="M'
                      f'{x(fault.t):.1f},{TOP} l-6,-10 h12 z" fill="{colour}"/><title>'
-                     f'{html.escape(fault.label)}</title></g>')
+                     f'{_e(fault.label)}</title></g>')
     parts += _world_band(chart, x)
     parts.append(f'<text x="{LEFT}" y="{H - 4}">seconds (0 to {chart.seconds:.1f}); '
                  'shaded after each fault: ' + ", ".join(
                      f'<tspan fill="{c}">{n}</tspan>' for n, c in PHASE_COLOURS.items())
                  + "</text></svg>")
-    doc = (f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{html.escape(title)}"
-           f"</title></head><body><h3>{html.escape(title)}</h3>{''.join(parts)}"
+    doc = (f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{_e(title)}"
+           f"</title></head><body><h3>{_e(title)}</h3>{''.join(parts)}"
            f"{_fault_list(chart)}</body></html>\n")
     with open(path, "w") as f:
         f.write(doc)
@@ -139,14 +141,19 @@ def _world_band(chart: Chart, x: Callable[[float], float]) -> list[str]:
         h = BAND_H * size / top
         out.append(f'<rect class="world" x="{x(t):.1f}" y="{base - h:.1f}" '
                    f'width="{max(0.5, x(end) - x(t)):.1f}" height="{h:.1f}" fill="#bab0ac">'
-                   f'<title>world size {size}</title></rect>')
+                   f'<title>world size {_e(size)}</title></rect>')
     return out
 
 
 def _fault_list(chart: Chart) -> str:
-    rows = "".join(f"<li>+{f.t:.2f} s: {html.escape(f.label)} (" + ", ".join(
+    rows = "".join(f"<li>+{f.t:.2f} s: {_e(f.label)} (" + ", ".join(
         f"{n} {(b - a) * 1000:.0f} ms" for n, a, b in f.phases) + ")</li>" for f in chart.faults)
     return f"<ol>{rows}</ol>" if rows else "<p>no faults</p>"
+
+
+def _e(value: object) -> str:
+    """Any value as text that cannot close an element or an attribute of the page."""
+    return html.escape(str(value), quote=True)
 
 
 def _held(points: list[tuple[float, int]], end: float) -> list[tuple[float, int]]:

@@ -260,7 +260,10 @@ def print_report(rep: Mapping[str, Any], stream: TextIO | None = None) -> None:
     from rich.table import Table
 
     stream = stream or sys.stdout
-    console = Console(file=stream, force_terminal=stream.isatty(), width=120)
+    # the texts come from a log file that anyone may have written: no markup, no escapes
+    console = Console(file=stream, force_terminal=stream.isatty(), width=120, markup=False,
+                      highlight=False, emoji=False)
+    rep = _printable(rep)
     s = rep["summary"]
     kinds = ", ".join(f"{k} {n}" for k, n in rep["faults_by_kind"].items())
     console.print(f"run {rep['run_dir']}: {rep['seconds']:.1f} s, {rep['attempts']} "
@@ -285,6 +288,9 @@ def print_report(rep: Mapping[str, Any], stream: TextIO | None = None) -> None:
         console.print(f"GPU at +{g['t']:.1f} s: {g['uuid']} {g['health']} ({g['reason']})")
     for r in rep["restarts"]:
         console.print(f"restart {r['attempt']} at +{r['t']:.1f} s: {r['reason']}")
+    for name, bad in rep.get("skipped_lines", {}).items():
+        console.print(f"skipped {bad['count']} malformed line{'s' if bad['count'] != 1 else ''}"
+                      f" of {name} (the first, {bad['first']})")
     snap = rep["snapshots"]
     if snap["count"]:
         console.print(f"snapshots: {snap['count']}, the last of step {snap['last_step']}; "
@@ -294,3 +300,15 @@ def print_report(rep: Mapping[str, Any], stream: TextIO | None = None) -> None:
         console.print(f"snapshots that could not be written: {snap['failed']}")
     if rep.get("picture"):
         console.print(f"picture: {rep['picture']}")
+
+
+def _printable(value: Any) -> Any:
+    """`value` with every control character of its texts shown as '?' (a crafted log must
+    not move the cursor or retitle the terminal)."""
+    if isinstance(value, str):
+        return "".join(c if c.isprintable() else "?" for c in value)
+    if isinstance(value, Mapping):
+        return {_printable(k): _printable(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_printable(v) for v in value]
+    return value

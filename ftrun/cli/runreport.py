@@ -4,7 +4,8 @@ Owns: finding the run (a log directory, a --log-dir base, or the last run on thi
 reading it, and `build_report`: faults by kind, recovery percentiles per phase, time lost,
 goodput, stragglers, GPU events, restarts and snapshots. Fault records come from replaying
 the event log through the agent's own journal, so the report, `ftrun status` and the
-end-of-run summary agree by construction.
+end-of-run summary agree by construction. Only lines that `loglines` accepts are read: the
+rest are counted, per file, in the report.
 Must not import: torch, typer, rich, matplotlib, the running agent.
 """
 
@@ -22,6 +23,7 @@ from ftrun.adapters import history
 from ftrun.agent.journal import LOG_FILE as EVENTS_FILE
 from ftrun.agent.journal import FaultRecord, Journal, fault_docs, percentile, summarize
 from ftrun.agent.timeline import FILE as TIMELINE_FILE
+from ftrun.cli.loglines import Skipped, line_problem
 from ftrun.core.errors import FtrunError, UsageError
 
 PHASE_ORDER = ("detected", "published", "rebuilt", "healed", "first_commit", "restarted",
@@ -34,6 +36,7 @@ class RunRecord:
     events: list[dict[str, Any]]
     timeline: list[dict[str, Any]]
     faults: list[FaultRecord] = field(default_factory=list)
+    skipped: dict[str, Skipped] = field(default_factory=dict)  # file name -> lines left out
 
     @property
     def t0(self) -> float:
@@ -82,10 +85,39 @@ def _last_run_dir() -> str:
 
 
 def load_run(path: str) -> RunRecord:
-    events = read_jsonl(os.path.join(path, EVENTS_FILE))
-    timeline = read_jsonl(os.path.join(path, TIMELINE_FILE))
+    events, bad_events = read_checked(os.path.join(path, EVENTS_FILE), timeline=False)
+    timeline, bad_samples = read_checked(os.path.join(path, TIMELINE_FILE), timeline=True)
     faults = Journal.replay(events).faults
-    return RunRecord(path, events, timeline, faults)
+    skipped = {name: bad for name, bad in ((EVENTS_FILE, bad_events),
+                                           (TIMELINE_FILE, bad_samples)) if bad.count}
+    return RunRecord(path, events, timeline, faults, skipped)
+
+
+def read_checked(path: str, timeline: bool) -> tuple[list[dict[str, Any]], Skipped]:
+    """The lines of an event log (or a timeline) that `loglines` accepts, and those left
+    out: not JSON (a line cut off by a crash), nested past the parser's depth, or not what
+    the report reads. A file not written at all holds no line."""
+    out: list[dict[str, Any]] = []
+    skipped = Skipped()
+    try:
+        with open(path, errors="replace") as f:
+            for number, raw in enumerate(f, start=1):
+                try:
+                    line = json.loads(raw)
+                except (ValueError, RecursionError):
+                    skipped.add(number, "not a whole JSON line")
+                    continue
+                why = line_problem(line, timeline)
+                if why is None:
+                    out.append(line)
+                else:
+                    skipped.add(number, why)
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        raise FtrunError(f"cannot read {path} ({exc.strerror})",
+                         hint="check the file's permissions") from None
+    return out, skipped
 
 
 def read_jsonl(path: str) -> list[dict[str, Any]]:
@@ -97,7 +129,7 @@ def read_jsonl(path: str) -> list[dict[str, Any]]:
             for raw in f:
                 try:
                     out.append(json.loads(raw))
-                except ValueError:
+                except (ValueError, RecursionError):
                     continue
     except FileNotFoundError:
         return []
@@ -133,6 +165,8 @@ def build_report(run: RunRecord) -> dict[str, Any]:
                       "write_ms_median": _median(snapshots, "write_ms"),
                       "failed": len(run.of_kind("snapshot_failed"))},
         "faults": fault_docs(run.faults),
+        "skipped_lines": {name: {"count": bad.count, "first": bad.first}
+                          for name, bad in run.skipped.items()},
     }
 
 
