@@ -99,19 +99,21 @@ def wants_torch(script: str, module: bool, run_path: bool) -> bool:
 def memory_kb(pid: int) -> dict[str, int]:
     """A process's resident, proportional and shared (with the zygote and its other forks:
     copy-on-write pages never written) sizes, in kB; {} once it is gone."""
-    fields = {"Rss": "rss_kb", "Pss": "pss_kb", "Shared_Clean": "shared_kb",
-              "Shared_Dirty": "shared_kb"}
-    out: dict[str, int] = {}
+    import psutil  # here: the zygote loads it once it has imported, and forks share it
+
     try:
-        with open(f"/proc/{pid}/smaps_rollup") as f:
-            for line in f:
-                name, _, rest = line.partition(":")
-                if name in fields:
-                    key = fields[name]
-                    out[key] = out.get(key, 0) + int(rest.split()[0])
-    except (OSError, ValueError, IndexError):
+        mem = psutil.Process(pid).memory_full_info()
+    except psutil.Error:
         return {}
-    return out
+    return {"rss_kb": mem.rss // 1024, "pss_kb": getattr(mem, "pss", 0) // 1024,
+            "shared_kb": max(0, mem.rss - mem.uss) // 1024}
+
+
+def thread_count() -> int:
+    """This process's threads, native ones included (OpenMP's, a library's own)."""
+    import psutil
+
+    return int(psutil.Process().num_threads())
 
 
 def zygote_argv(python: str, fd: int, with_torch: bool, preload: Sequence[str]) -> list[str]:

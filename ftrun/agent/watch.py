@@ -17,6 +17,8 @@ import os
 import queue
 from dataclasses import dataclass
 
+import psutil
+
 from ftrun.adapters.slots import ProgressSlots
 from ftrun.agent.ports import AgentPort
 from ftrun.core.errors import FtrunError
@@ -78,7 +80,7 @@ class HealthWatch:
         self.monitor = GpuMonitor(backend, self._on_change) if backend else None
         self.stragglers: dict[int, str] = {}
         self._hits: dict[int, int] = {}
-        self._cpu: dict[int, tuple[int, float]] = {}  # pid -> (utime+stime ticks, changed at)
+        self._cpu: dict[int, tuple[float, float]] = {}  # pid -> (CPU seconds, changed at)
         self.timeout_s = 0.0  # the hang timeout in force (shown by `ftrun status`)
         self._rebuilt: tuple[int, int, float] | None = None  # (generation, step stuck at, when)
         self._kept: set[int] = set()  # replicas kept through failed rebuilds at _kept_step
@@ -191,10 +193,10 @@ class HealthWatch:
 
     def cpu_state(self, pid: int, now: float) -> str:
         """"busy" or "idle" (no CPU time for a second): shown, never used to decide."""
-        ticks = _cpu_ticks(pid)
+        used = _cpu_seconds(pid)
         last = self._cpu.get(pid)
-        if last is None or last[0] != ticks:
-            self._cpu[pid] = (ticks, now)
+        if last is None or last[0] != used:
+            self._cpu[pid] = (used, now)
             return "busy"
         return "idle" if now - last[1] > CPU_IDLE_S else "busy"
 
@@ -234,18 +236,19 @@ class HealthWatch:
         return [Kill(found[0], "straggler")] if evict else []
 
 
-def _cpu_ticks(pid: int) -> int:
+def _cpu_seconds(pid: int) -> float:
+    """The process's user + system CPU time; -1 once it is gone."""
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        return int(fields[11]) + int(fields[12])  # utime + stime
-    except (OSError, IndexError, ValueError):
-        return -1
+        times = psutil.Process(pid).cpu_times()
+    except psutil.Error:
+        return -1.0
+    return float(times.user + times.system)
 
 
 def _stopped(pid: int) -> bool:
+    """SIGSTOPped or stopped by a tracer (a frozen peer raises nothing on its peers)."""
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
-    except (OSError, IndexError):
+        return psutil.Process(pid).status() in (psutil.STATUS_STOPPED,
+                                                psutil.STATUS_TRACING_STOP)
+    except psutil.Error:
         return False

@@ -23,7 +23,7 @@ import socket
 import sys
 import time
 
-from ftrun.adapters.zygote import memory_kb
+from ftrun.adapters.zygote import memory_kb, thread_count
 from ftrun.core import timeouts
 from ftrun.protocol.zygote import (
     ChannelClosed,
@@ -91,7 +91,7 @@ def preload(modules: list[str], with_torch: bool, sock: socket.socket) -> Ready 
 def _unsafe_after(name: str) -> Refused | None:
     """Forking a process with threads can deadlock the child (a lock held mid-operation
     by a thread that does not exist there); CUDA does not survive fork at all."""
-    threads = len(os.listdir("/proc/self/task"))
+    threads = thread_count()
     if threads > 1:
         return Refused("threads", name, f"{threads - 1} thread(s) started at import")
     torch = sys.modules.get("torch")
