@@ -16,7 +16,7 @@ import pytest
 
 from ftrun.cluster.admission import Waiting, why_wait
 from ftrun.core import timeouts
-from tests.conftest import pid_alive, wait_for
+from tests.conftest import FIXTURES, pid_alive, wait_for
 from tests.test_multinode import Node, free_port, ft_job, nodes, wait_listening  # noqa: F401
 
 
@@ -113,3 +113,18 @@ def test_waiting_nodes_enter_when_a_node_is_lost_or_the_coordinator_pauses(
     assert "Traceback" not in everything
     assert "next restart" not in a.stderr
     assert "enters the running job" in a.stderr
+
+
+def test_a_node_of_another_rdzv_id_is_refused_and_the_job_goes_on(tmp_path: Path,
+                                                                  nodes) -> None:  # noqa: F811
+    port = free_port()
+    job = ["--nnodes", "1:2", "--nproc", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint",
+           f"127.0.0.1:{port}", str(FIXTURES / "behave.py"), "--sleep", "4"]
+    a = nodes("a", ["--rdzv-id", "ours", *job])
+    wait_listening(port, 30)
+    stranger = nodes("b", ["--rdzv-id", "theirs", *job])
+    assert stranger.wait(60) == 1
+    assert "the coordinator refused this node: this store serves --rdzv-id 'ours', not " \
+           "'theirs' (the job goes on without it)" in stranger.stderr, stranger.stderr
+    assert "ended the job" not in stranger.stderr
+    assert a.wait(60) == 0, a.stderr

@@ -36,7 +36,7 @@ COMMANDS = [
     cluster.Spawn(worker=10_002, rank=-1, local_rank=1, spare=False),
     cluster.Kill(worker=10_000),
     cluster.Stop(signal=15, grace=30.0),
-    cluster.End(code=1, reason="node index 1 is taken", lost=False),
+    cluster.End(code=1, reason="node index 1 is taken", lost=False, refused=True),
     cluster.Ping(seq=9),
     cluster.NetDown(duration=6.0),
 ]

@@ -102,7 +102,7 @@ class Coordinator(NodeTable):
                 reason = result.reason if result is not None else "the coordinator failed"
                 ending = self._alive()
                 for node in ending:
-                    self._send(node, End(code=code, reason=reason, lost=False))
+                    self._send(node, End(code=code, reason=reason, lost=False, refused=False))
                 self._await_byes({n.index for n in ending})
                 self._reader.close(self.rdzv.store)
             if self._net is not None:
@@ -222,11 +222,12 @@ class Coordinator(NodeTable):
         node = Node(msg.node, msg.host, msg.pid, msg.nproc, net_drill=msg.net_drill)
         if msg.rdzv_id != self.spec.rdzv_id:
             self._send(node, End(code=1, reason=f"this store serves --rdzv-id "
-                                 f"{self.spec.rdzv_id!r}, not {msg.rdzv_id!r}", lost=False))
+                                 f"{self.spec.rdzv_id!r}, not {msg.rdzv_id!r}", lost=False,
+                                 refused=True))
             return
         if node.index in self.nodes and self.nodes[node.index].alive:
             self._send(node, End(code=1, reason=f"node index {node.index} is taken",
-                                 lost=False))
+                                 lost=False, refused=True))
             return
         self.nodes[node.index] = node
         self.watch.watch(node.index)  # a node waiting to be used can die too
@@ -324,7 +325,7 @@ class Coordinator(NodeTable):
         self._waiting.forget(node.index)
         self.emit(Event.NOTICE, {"text": f"{node.label} is lost: {why}"})
         self._send(node, End(code=1, reason=f"the coordinator dropped this node ({why})",
-                             lost=True))
+                             lost=True, refused=False))
         gone = [w for w in self.remote.values() if w.node == node.index and w.alive]
         now = time.time()
         for w in gone:

@@ -344,7 +344,8 @@ class Follower(Rejoining):
         self._close_streams()
         code = cmd.code
         exits = tuple(w.exit for w in self._workers if w.exit is not None)
-        reason = f"the coordinator ended the job: {cmd.reason}"
+        reason = (f"the coordinator refused this node: {cmd.reason} (the job goes on "
+                  "without it)" if cmd.refused else f"the coordinator ended the job: {cmd.reason}")
         if code:
             self.emit(Event.FAILURE, {"reason": reason, "rank": None})
         return RunResult(code, reason,

@@ -63,12 +63,14 @@ class Stop:
 class End:
     """The job is over (or this node is out of it): stop and exit with `code`. `lost`: the
     coordinator dropped this node (a cut link seen from its side); the node fences, and may
-    come back as a new node."""
+    come back as a new node. `refused`: the coordinator turned this node away when it joined
+    (another job's --rdzv-id, a node index taken); the job goes on without it."""
 
     kind: ClassVar[str] = "end"
     code: int
     reason: str
     lost: bool
+    refused: bool
 
 
 @dataclass(frozen=True)
