@@ -80,6 +80,8 @@ class SnapshotKeeper:
         self.disk = node_dir(self.base, node)
         self.run = f"{run_id}/{uuid.uuid4().hex[:12]}"  # in each manifest: whose it is
         self._resumed_from: list[int] = []  # snapshot steps whole-group restarts resumed from
+        self._chosen: dict[int, int] = {}  # attempt -> the step its first workers resume from,
+        # fixed when the first of them starts (every worker of the attempt before is gone)
         self.shm = self.spill = ""
         self.last: dict[str, Any] | None = None  # the newest snapshot written to disk
         self.failed: list[str] = []  # why each failed write failed
@@ -131,7 +133,7 @@ class SnapshotKeeper:
                                   "snapshot_interval": self.spec.snapshot_interval}
         if worker_id % WORKER_ID_STRIDE >= self.spec.nproc:
             return fields  # a replacement or a spare heals from a live replica
-        chosen = self._resumed_from[-1] if attempt > 0 and self._resumed_from else -1
+        chosen = self._chosen.setdefault(attempt, self.newest_step()) if attempt > 0 else -1
         if chosen >= 0:
             fields.update(resume=True, resume_dir=self.disk, resume_run=self.run,
                           resume_step=chosen)

@@ -158,11 +158,12 @@ def replica_groups_text(groups: Sequence[Mapping[str, Any]]) -> str:
 
 def snapshot_text(s: Mapping[str, Any]) -> str:
     """`step 150, 4 s ago, 120.3 MB, blocking 31 ms, write 412 ms` or `none written yet`."""
+    failed = f"; {s['failed']} failed, the last: {s['last_error']}" if s.get("failed") else ""
     if "step" not in s:
         pending = f" (step {s['shm_step']} in shared memory)" if "shm_step" in s else ""
-        return f"none written yet{pending}; to {s['dir']}"
+        return f"none written yet{pending}; to {s['dir']}{failed}"
     return (f"step {s['step']}, {s['age_s']:.0f} s ago, {s['bytes'] / 1e6:.1f} MB, blocking "
-            f"{s['blocking_ms']:.0f} ms, write {s['write_ms']:.0f} ms; {s['path']}")
+            f"{s['blocking_ms']:.0f} ms, write {s['write_ms']:.0f} ms; {s['path']}{failed}")
 
 
 def _zygote_text(z: Mapping[str, Any]) -> str:
