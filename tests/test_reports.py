@@ -81,3 +81,45 @@ def test_a_drill_kill_is_not_blamed_on_the_oom_killer(private_run_dir) -> None:
     assert "exitcode  : -9 (SIGKILL)" in report
     assert "ftrun sent this signal itself (a 'kill' fault drill or detector)" in report
     assert "most often the kernel's OOM killer" not in report
+
+
+def test_the_root_cause_is_the_first_failure_observed_not_the_last() -> None:
+    from ftrun.adapters.report import WorkerExit, failure_block
+
+    first = WorkerExit(rank=1, local_rank=1, pid=11, returncode=3, detected_at=10.0,
+                       wall_time=1e9)
+    stopped = WorkerExit(rank=2, local_rank=2, pid=12, returncode=-15, detected_at=15.0,
+                         wall_time=1e9, killed_by_launcher=True)
+    last = WorkerExit(rank=0, local_rank=0, pid=10, returncode=-9, detected_at=20.0,
+                      wall_time=1e9)
+    lines = failure_block("t.py", last, (first, stopped, last), 0, 0, None)
+    root = lines.index("Root cause (first observed failure):")
+    assert lines[root + 3] == "  rank      : 1 (local_rank: 1)"
+    ended = lines.index("The job ended on:")
+    assert lines[ended + 1] == "  rank 0 (local_rank 0, pid 10): exit -9 (SIGKILL)"
+    assert lines[lines.index("Other workers:") + 1:-1] == [
+        "  rank 2 (local_rank 2, pid 12): terminated by launcher"]
+    alone = failure_block("t.py", last, (stopped, last), 0, 0, None)
+    assert "The job ended on:" not in alone and "  rank      : 0 (local_rank: 0)" in alone
+
+
+def test_a_run_that_ended_mid_recovery_is_not_summed_up_as_survived(capsys) -> None:
+    import time
+
+    from ftrun.cli.render import print_run_summary
+
+    now = time.time()
+    done = FaultRecord(id=1, kind="kill", worker=0, rank=0, at=now - 10, decision="replace",
+                       recovered=True, recovery_ms=100.0)
+    open_ = FaultRecord(id=2, kind="kill", worker=1, rank=1, at=now - 2, decision="replace")
+    print_run_summary([done, open_], 20.0, ended="failed")
+    out = capsys.readouterr().err
+    assert out.startswith("ftrun: recovered 1 of 2 faults; the job failed before fault #2 "
+                          "(kill, rank 1) recovered, 2.0 s after it;"), out
+    assert "survived" not in out and "goodput 1.00" not in out
+    assert "time lost 2.1 s; goodput 0.90" in out  # 0.1 s + 2 s since the open fault
+    print_run_summary([open_], 20.0, ended="was interrupted")
+    assert "recovered 0 of 1 faults; the job was interrupted before fault #2" in \
+        capsys.readouterr().err
+    print_run_summary([done], 20.0, ended="")
+    assert capsys.readouterr().err.startswith("ftrun: survived 1/1 faults")

@@ -1,8 +1,8 @@
 """What went wrong, in words: worker failures, the root cause, hints, the error-file contract.
 
 Owns: `WorkerExit` records, reading torch's `@record` error files, hints for common exit
-statuses, the plain-text failure block, and copying the root cause (the first failure the
-agent saw) to the launcher's own TORCHELASTIC_ERROR_FILE.
+statuses, the plain-text failure block, and which failure is the root cause (the first one
+the agent saw, `root_cause`), the one copied to the launcher's own TORCHELASTIC_ERROR_FILE.
 Must not import: torch, typer, rich, the agent.
 """
 
@@ -84,26 +84,41 @@ def hint_for(returncode: int, has_error_file: bool, sent_by_ftrun: str = "") -> 
     return ""
 
 
+def root_cause(ended_on: WorkerExit, others: Sequence[WorkerExit]) -> WorkerExit:
+    """The first failure the agent observed: the earliest failed exit of the attempt (a
+    fault survived before the one the job ended on counts), else `ended_on` itself."""
+    failed = [e for e in (ended_on, *others) if e.failed]
+    return min(failed, key=lambda e: e.detected_at, default=ended_on)  # a tie: `ended_on`
+
+
 def failure_block(title: str, cause: WorkerExit, others: Sequence[WorkerExit],
                   restarts_used: int, max_restarts: int, log_dir: str | None) -> list[str]:
-    """Plain lines, close to torchrun's ChildFailedError block, root cause first."""
-    info = read_error_file(cause.error_file)
+    """Plain lines, close to torchrun's ChildFailedError block, root cause first. `cause`:
+    the exit the job ended on; the root cause is the first failure observed, which may be an
+    earlier one."""
+    root = root_cause(cause, others)
+    info = read_error_file(root.error_file)
     lines = [f"{title} FAILED", "Root cause (first observed failure):"]
-    lines += _describe(cause, info)
-    hint = hint_for(cause.returncode, info is not None, cause.sent_by_ftrun)
+    lines += _describe(root, info)
+    hint = hint_for(root.returncode, info is not None, root.sent_by_ftrun)
     if hint:
         lines.append(f"  hint      : {hint}")
-    rest = [e for e in others if e is not cause]
+    if root is not cause:
+        lines += ["The job ended on:", _one_line(cause)]
+    rest = [e for e in others if e is not cause and e is not root]
     if rest:
         lines.append("Other workers:")
-    for e in sorted(rest, key=lambda e: e.rank):
-        what = ("terminated by launcher" if e.killed_by_launcher
-                else f"exit {describe_exit(e.returncode)}")
-        lines.append(f"  rank {e.rank} (local_rank {e.local_rank}, pid {e.pid}): {what}")
+    lines += [_one_line(e) for e in sorted(rest, key=lambda e: e.rank)]
     lines.append(f"Restarts used: {restarts_used}/{max_restarts}")
     if log_dir:
         lines.append(f"Logs: {log_dir}")
     return lines
+
+
+def _one_line(e: WorkerExit) -> str:
+    what = ("terminated by launcher" if e.killed_by_launcher
+            else f"exit {describe_exit(e.returncode)}")
+    return f"  rank {e.rank} (local_rank {e.local_rank}, pid {e.pid}): {what}"
 
 
 def _describe(e: WorkerExit, info: ErrorFileInfo | None) -> list[str]:

@@ -72,18 +72,20 @@ def _launch(args: list[str]) -> int:
     spec = parse_run_args(args, gpu_count=_cuda_device_count)
     _check_entrypoint(spec.script, spec.module, spec.no_python)
 
-    from ftrun.adapters.report import copy_to_parent_error_file
+    from ftrun.adapters.report import copy_to_parent_error_file, root_cause
     from ftrun.cli import render
 
     started = time.time()
     result = _agent_for(spec).run()
-    render.print_run_summary(result.faults, time.time() - started)
+    ended = ("" if result.exit_code == 0 else
+             "was interrupted" if result.signal_received else "failed")
+    render.print_run_summary(result.faults, time.time() - started, ended=ended)
     if result.cause is not None:
         render.print_failure(spec.entry_name, result.cause, result.exits, result.restarts_used,
                              spec.max_restarts, result.log_dir)
         parent = os.environ.get("TORCHELASTIC_ERROR_FILE")
         try:
-            copy_to_parent_error_file(result.cause, parent)
+            copy_to_parent_error_file(root_cause(result.cause, result.exits), parent)
         except OSError as exc:
             print(f"ftrun: could not write TORCHELASTIC_ERROR_FILE {parent}: {exc.strerror}",
                   file=sys.stderr)

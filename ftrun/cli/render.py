@@ -233,14 +233,21 @@ def print_drill(faults: Sequence[Mapping[str, Any]], stream: TextIO | None = Non
 
 
 def print_run_summary(faults: Sequence[Any], run_seconds: float,
-                      stream: TextIO | None = None) -> None:
-    """After a run that survived faults: how many, how fast, what it cost."""
+                      stream: TextIO | None = None, ended: str = "") -> None:
+    """After a run that survived faults: how many, how fast, what it cost. `ended`: how a
+    run that did not succeed ended ("failed", "was interrupted"); with a fault not recovered
+    by then, the summary says so, and counts the time since that fault as lost."""
     from ftrun.agent.journal import summarize
 
     stream = stream or sys.stderr
     if all(f.decision == "fail" for f in faults):
         return  # nothing was recovered or tried: the failure report says it all
     s = summarize(list(faults), run_seconds)
+    open_faults = [f for f in faults if not f.recovered]
+    if ended and open_faults:
+        print(_unfinished_summary(faults, open_faults, run_seconds, ended, s), file=stream,
+              flush=True)
+        return
     restarted = sum("restarted" in f.phases_ms and f.recovered for f in faults)
     resumed = sorted({f.resumed_step for f in faults if f.resumed_step is not None})
     how = f" ({restarted} by restarting every worker)" if restarted else ""
@@ -252,6 +259,28 @@ def print_run_summary(faults: Sequence[Any], run_seconds: float,
           f"{_fmt(s['p50_ms'], ' ms')}, p95 {_fmt(s['p95_ms'], ' ms')}, max "
           f"{_fmt(s['max_ms'], ' ms')}; time lost {s['time_lost_s']} s; goodput "
           f"{_fmt(s['goodput'])}", file=stream, flush=True)
+
+
+def _unfinished_summary(faults: Sequence[Any], open_faults: Sequence[Any],
+                        run_seconds: float, ended: str, s: Mapping[str, Any]) -> str:
+    """`recovered 1 of 2 faults; the job failed before fault #2 (kill, rank 1) recovered,
+    3.2 s after it; ...`: an unrecovered fault's time is lost up to the end of the run."""
+    import dataclasses
+    import time
+
+    from ftrun.agent.journal import summarize
+
+    now = time.time()
+    first = min(open_faults, key=lambda f: f.at)
+    to_the_end = [f if f.recovered else dataclasses.replace(
+        f, recovery_ms=round(max(0.0, now - f.at) * 1000, 1)) for f in faults]
+    lost = summarize(to_the_end, run_seconds)
+    when = ("on" if first.decision == "fail" else "before") + f" fault #{first.id} " \
+        f"({first.kind}, rank {first.rank})" + (" recovered" if first.decision != "fail" else "")
+    return (f"ftrun: recovered {s['recovered']} of {s['faults']} faults; the job {ended} "
+            f"{when}, {max(0.0, now - first.at):.1f} s after it; recovery p50 "
+            f"{_fmt(s['p50_ms'], ' ms')}, max {_fmt(s['max_ms'], ' ms')} (of those "
+            f"recovered); time lost {lost['time_lost_s']} s; goodput {_fmt(lost['goodput'])}")
 
 
 # ------------------------------------------------------------------ ftrun report
