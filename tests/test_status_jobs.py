@@ -1,5 +1,6 @@
 """`ftrun status` counts jobs, not agents: two agents of one multi-node job on one host (a
-loopback cluster, as in tests) are one job, and `--node K` asks the agent of node K."""
+loopback cluster, as in tests) are one job, `--node K` asks the agent of node K, and
+`ftrun inject-fault --rank R` reaches the agent that runs rank R."""
 import json
 import os
 import signal
@@ -82,6 +83,14 @@ def test_two_agents_of_one_job_on_one_host_are_one_job(tmp_path: Path,
         r = ftrun_out("status", "--node", "5")
         assert r.returncode != 0 and r.stderr.count("\n") == 1, r.stderr
         assert "runs node 5 (nodes here: 0, 1)" in r.stderr
+
+        # a rank's drill goes to the agent that runs it, not to the job's first agent here
+        # (which refuses: "no rank R on this node"); a plain job then fails as torchrun's does
+        other = 1 if control.find_job(None)[0].pid == a.pid else 0
+        r = ftrun_out("inject-fault", "--rank", str(other), "--kind", "kill")
+        assert r.returncode == 0, r.stderr
+        assert f"injected kill into rank {other}" in r.stdout
+        assert a.wait(60) != 0 and b.wait(60) != 0
     finally:
         for p in agents:
             if p.poll() is None:

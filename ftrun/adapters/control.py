@@ -310,6 +310,13 @@ def jobs_of(runs: Sequence[RunInfo]) -> list[list[RunInfo]]:
 def find_run(run_id: str | None, node: int | None = None) -> RunInfo:
     """The agent to ask about the job (`run_id`: a prefix; None: the only job): the job's
     oldest agent on this host, or the one that runs node `node`."""
+    agents = find_job(run_id)
+    return agents[0] if node is None else agent_of_node(agents, node)
+
+
+def find_job(run_id: str | None) -> list[RunInfo]:
+    """The agents on this host of the job `run_id` names (a prefix; None: the only job),
+    oldest first, or a one-line FtrunError."""
     jobs = jobs_of(list_runs())
     if run_id:
         jobs = [agents for agents in jobs if any(a.run_id.startswith(run_id) for a in agents)]
@@ -325,7 +332,7 @@ def find_run(run_id: str | None, node: int | None = None) -> RunInfo:
         listing = ", ".join(f"{a[0].run_id[:8]} ({os.path.basename(a[0].script)})" for a in jobs)
         raise FtrunError(f"{len(jobs)} jobs are running: {listing}",
                          hint="pick one with --run-id")
-    return jobs[0][0] if node is None else agent_of_node(jobs[0], node)
+    return jobs[0]
 
 
 def agent_of_node(agents: Sequence[RunInfo], node: int) -> RunInfo:

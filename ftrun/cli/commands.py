@@ -112,8 +112,7 @@ def inject_fault(
                                "duration": duration})
     except FtrunError as exc:
         raise UsageError(exc.message, hint=exc.hint) from None
-    info = control.find_run(run_id)
-    first = control.request(info, {"op": "status"})
+    info, first = _agent_for_drill(control.find_job(run_id), rank)
     before = len(first["faults"])
     for i in range(count):
         if i:
@@ -152,6 +151,21 @@ def inject_fault(
         raise control.JobGone(f"job {info.run_id[:8]} ended before the drill completed "
                               f"({settled}/{count} faults settled)",
                               hint="see its log directory for why")
+
+
+def _agent_for_drill(agents: list[control.RunInfo], rank: int | None
+                     ) -> tuple[control.RunInfo, dict[str, Any]]:
+    """The agent to send the drill to, and the job's document: a rank's drill goes to the
+    agent of the node that runs the rank when several agents of the job share this host."""
+    info = agents[0]
+    doc = control.request(info, {"op": "status"})
+    if rank is None or len(agents) == 1:
+        return info, doc
+    nodes = {w.get("node", 0) for w in doc["workers"] if w.get("rank") == rank}
+    if len(nodes) != 1:
+        return info, doc  # not running now: the job's agent says so
+    info = control.agent_of_node(agents, nodes.pop())
+    return info, control.request(info, {"op": "status"})
 
 
 def _wait_for_recoveries(info: control.RunInfo, before: int,
