@@ -96,6 +96,26 @@ def test_two_runs_sharing_an_id_and_a_directory_never_load_or_destroy_each_other
     assert "holds another run's snapshot: not overwritten" in b.stderr
 
 
+def test_the_agent_tells_a_restart_the_exact_step_and_run_it_chose(tmp_path) -> None:
+    spec = RunSpec(script="x.py", nproc=2, snapshot_every=4, snapshot_dir=str(tmp_path / "s"))
+    keeper = SnapshotKeeper(spec, "unit", 0, lambda kind, f: None)
+    try:
+        data, record = snap.slot_paths(keeper.shm, 0)
+        writer = snapshot_io.Slot(data)
+        try:
+            rec = writer.write({"m": {"w": torch.ones(3)}, STEP: 4}, 4, worker=0, generation=0)
+        finally:
+            writer.close()
+        Path(record).write_text(rec.to_json())
+        assert "resume" not in keeper.worker_fields(0, attempt=0)  # a fresh start
+        told = keeper.worker_fields(1, attempt=1)  # no restarting() call: as on a follower
+        assert (told["resume"], told["resume_step"], told["resume_run"], told["resume_dir"]) \
+            == (True, 4, keeper.run, keeper.disk)
+        assert keeper.run.startswith("unit/") and "resume" not in keeper.worker_fields(2, 1)
+    finally:
+        keeper.close()
+
+
 # ---------------------------------------------------------------- 2: --resume that cannot load
 @pytest.mark.slow
 def test_a_resume_that_cannot_load_is_one_error_and_leaves_the_directory_unchanged(tmp_path

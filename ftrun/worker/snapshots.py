@@ -124,7 +124,10 @@ class Snapshots:
         that runs out of pages kills the process that touches one (SIGBUS), and each
         replacement would die the same way."""
         held = sum(_size(slot_paths(self.shm_dir, i)[0]) for i in range(SLOTS))
-        free = snapshot_io.shm_free(self.shm_dir) + held
+        try:
+            free = snapshot_io.shm_free(self.shm_dir) + held
+        except OSError:
+            free = 0  # no shared memory to speak of: the disk, if there is a place on it
         if free >= SLOTS * size or not self.spill_dir:
             return self.shm_dir
         _say(f"/dev/shm has {free >> 20} MiB free, snapshots need {SLOTS} x {size >> 20} MiB: "
