@@ -84,8 +84,8 @@ def test_the_metrics_say_what_the_status_document_says() -> None:
     got = samples(scrape_text(DOC))
     assert got[("ftrun_generation", ())] == 3 and got[("ftrun_world_size", ())] == 2
     assert got[("ftrun_restarts_total", ())] == 1
-    assert got[("ftrun_committed_step", (("node", "0"), ("rank", "1"), ("worker", "3")))] == 40
-    assert got[("ftrun_step_seconds", (("node", "0"), ("rank", "0"), ("worker", "0")))] == 0.05
+    assert got[("ftrun_committed_step", (("rank", "1"),))] == 40
+    assert got[("ftrun_step_seconds", (("rank", "0"),))] == 0.05
     assert not any(k[0] == "ftrun_committed_step" and ("rank", "-1") in k[1] for k in got)
     assert got[("ftrun_faults_total", (("kind", "kill"),))] == 2
     assert got[("ftrun_faults_total", (("kind", "gpu"),))] == 1  # a label of few values
@@ -272,7 +272,7 @@ def test_a_drill_run_is_scraped_as_its_status_says_and_reported_after(tmp_path: 
         assert got[("ftrun_generation", ())] == before["generation"] == after["generation"]
         assert got[("ftrun_world_size", ())] == 3
         assert got[("ftrun_gpu_healthy", (("gpu", before["gpus"][0]["gpu"]), ("index", "0")))] == 0
-        ranks = {k[1][1][1] for k in got if k[0] == "ftrun_committed_step"}
+        ranks = {dict(k[1])["rank"] for k in got if k[0] == "ftrun_committed_step"}
         assert ranks == {"0", "1", "2"} and before["metrics"] == f"http://127.0.0.1:{port}/metrics"
     finally:
         os.killpg(agent.pid, signal.SIGTERM)

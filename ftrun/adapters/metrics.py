@@ -18,12 +18,28 @@ from ftrun.core import timeouts
 from ftrun.core.errors import UsageError
 
 StatusFn = Callable[[], Mapping[str, Any]]
+METRICS_PORT_ENV = "FTRUN_METRICS_PORT"
+ALL_INTERFACES = ("0.0.0.0", "::")
 RECOVERY_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 PHASES = ("detected", "published", "rebuilt", "healed", "first_commit", "restarted", "resumed")
 
 
+def port_source(raw: str, env: Mapping[str, str]) -> str:
+    """What set the metrics port, as the user wrote it: FTRUN_METRICS_PORT when the value is
+    the variable's (the option's default), else --metrics-port."""
+    from_env = env.get(METRICS_PORT_ENV)
+    return METRICS_PORT_ENV if from_env is not None and from_env.strip() == raw.strip() \
+        else "--metrics-port"
+
+
+def host_port(addr: str, port: int) -> str:
+    """`addr:port`, an IPv6 address in brackets (`[::1]:9400`), as a URL writes it."""
+    return f"[{addr}]:{port}" if ":" in addr else f"{addr}:{port}"
+
+
 class MetricsServer:
-    def __init__(self, addr: str, port: int) -> None:
+    def __init__(self, addr: str, port: int, env: Mapping[str, str] | None = None) -> None:
+        """`env`: the environment the port may have come from (an error names the source)."""
         from prometheus_client import start_http_server
         from prometheus_client.registry import CollectorRegistry
 
@@ -35,10 +51,16 @@ class MetricsServer:
         except OSError as exc:
             what = ("is in use" if exc.errno == errno.EADDRINUSE
                     else f"cannot be bound ({exc.strerror})")
-            raise UsageError(f"--metrics-port {port}: {addr}:{port} {what}",
+            raise UsageError(f"{port_source(str(port), env or {})} {port}: "
+                             f"{host_port(addr, port)} {what}",
                              hint="pick another port, or 0 for any free one") from None
         self.port = int(self._httpd.server_address[1])
-        self.url = f"http://{addr}:{self.port}/metrics"
+        self.url = f"http://{host_port(addr, self.port)}/metrics"
+        self.notice = f"Prometheus metrics at {self.url}"
+        if addr in ALL_INTERFACES:  # the endpoint has no authentication
+            self.notice += (f"; warning: bound to every interface ({addr}), so anyone who can "
+                            "reach this host can read the job's metrics (--metrics-addr "
+                            "127.0.0.1 keeps them on this host)")
 
     def serve(self, status: StatusFn) -> None:
         """From now on scrapes describe the job through `status`."""
@@ -109,14 +131,20 @@ def job_families(doc: Mapping[str, Any]) -> Iterator[Any]:
 def worker_families(workers: Sequence[Mapping[str, Any]]) -> Iterator[Any]:
     from prometheus_client.core import GaugeMetricFamily
 
-    labels = ["rank", "worker", "node"]
+    # labelled by rank alone: a worker id (or a node index) is new after every replacement
+    # and every rejoin, so a series per id would grow with the faults
+    labels = ["rank"]
     step = GaugeMetricFamily("ftrun_committed_step", "the last step the rank committed",
                              labels=labels)
     secs = GaugeMetricFamily("ftrun_step_seconds", "the rank's last step time", labels=labels)
+    seen: set[str] = set()
     for w in workers:
         if w.get("rank") is None or int(w["rank"]) < 0 or w.get("committed_step") is None:
             continue
-        key = [str(w["rank"]), str(w["worker_id"]), str(w.get("node", 0))]
+        key = [str(w["rank"])]
+        if key[0] in seen:  # a rank held twice for a moment (a replacement's first step)
+            continue
+        seen.add(key[0])
         step.add_metric(key, float(w["committed_step"]))
         if w.get("step_time_ms") is not None:
             secs.add_metric(key, float(w["step_time_ms"]) / 1000)

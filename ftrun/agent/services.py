@@ -48,7 +48,8 @@ class RunServices:
     def _open_metrics(self) -> None:
         self.metrics = None
         if self.spec.metrics_port is not None:  # bound before any worker starts
-            self.metrics = MetricsServer(self.spec.metrics_addr, self.spec.metrics_port)
+            self.metrics = MetricsServer(self.spec.metrics_addr, self.spec.metrics_port,
+                                         os.environ)
 
     def _open_services(self, guardian: Guardian, port: AgentPort) -> None:
         """`port`: the agent itself, as its helpers reach it."""
@@ -70,7 +71,7 @@ class RunServices:
         if self.metrics is not None:
             self.control_plane.metrics_url = self.metrics.url
             self.metrics.serve(self.control_plane.status)
-            self.emit(Event.NOTICE, {"text": f"Prometheus metrics at {self.metrics.url}"})
+            self.emit(Event.NOTICE, {"text": self.metrics.notice})
         self.control_plane.serve()  # last: a request may come at once, from another thread
 
     def _finish(self, result: RunResult) -> RunResult:

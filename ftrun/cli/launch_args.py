@@ -227,7 +227,7 @@ def parse_run_args(
         preload=_parse_preload(ns.preload),
         **snapshots,
         **sharding,
-        **metrics_fields(ns),
+        **metrics_fields(ns, env),
     )
 
 
