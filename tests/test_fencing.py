@@ -112,8 +112,8 @@ def test_after_a_broken_connection_a_silent_node_is_lost_at_once() -> None:
     assert find_lost_nodes({1: 0.4}, 1.0, frozenset({1}), 1.3) == []  # a blink: not yet
 
 
-def test_net_down_is_refused_for_a_job_on_one_node(tmp_path) -> None:
-    env = {**os.environ, "FTRUN_RUN_DIR": str(tmp_path / "run")}
+def test_net_down_is_refused_for_a_job_on_one_node(private_run_dir) -> None:
+    env = dict(os.environ)  # FTRUN_RUN_DIR: a short path (a socket path holds 107 bytes)
     job = subprocess.Popen(ftrun_cmd("--nproc", "1", str(FIXTURES / "behave.py"), "--sleep",
                                      "30"), env=env, stdout=subprocess.DEVNULL,
                            stderr=subprocess.DEVNULL, start_new_session=True)
