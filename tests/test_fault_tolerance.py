@@ -93,7 +93,10 @@ def test_fault_during_recovery_the_replacement_dies_before_joining(reference, tm
 
 
 def test_healing_source_killed_mid_transfer(reference, tmp_path) -> None:
-    r = run(tmp_path / "o", script_args=("--die", "1:10"),
+    """The replacement heals from ranks 0 and 2 in 256-byte chunks; 0 dies once asked for its
+    share: the heal resumes from rank 2, asking only for the chunks it does not have."""
+    r = run(tmp_path / "o", "--heal-chunk-mb", str(256 / (1 << 20)), "--log-dir",
+            str(tmp_path / "logs"), script_args=("--die", "1:10"),
             env={"FTRUN_DRILL_KILL_MID_TRANSFER": "0"})
     assert r.returncode == 0, r.stderr
     assert "worker 0 (rank 0) exited with -9 (SIGKILL)" in r.stderr
@@ -101,6 +104,13 @@ def test_healing_source_killed_mid_transfer(reference, tmp_path) -> None:
     assert len(ps) == 3 and 0 not in ps and 2 in ps
     assert all(bitwise_equal(p, reference) for p in ps.values())
     check_survivors_kept_their_pids(tmp_path / "o", [2])
+    lines = next((tmp_path / "logs").glob("*/events.jsonl")).read_text().splitlines()
+    events = [e for e in map(json.loads, lines) if e["event"] in ("healed", "state_size")]
+    state = max(e["nbytes"] for e in events if e["event"] == "state_size")
+    healed = {e["worker"]: e for e in events if e["event"] == "healed"}
+    assert healed[3]["source_ranks"] == "2" and healed[3]["nbytes"] < state  # resumed
+    assert healed[4]["nbytes"] == state  # rank 0's replacement, healed whole
+    assert re.search(r"worker 3 healed [0-9.]+ MB from 1 source\(s\) \(ranks 2\)", r.stderr)
 
 
 def test_shrink_then_grow(tmp_path) -> None:

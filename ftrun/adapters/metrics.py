@@ -85,6 +85,7 @@ class _Collector:
         yield from fault_families(doc.get("faults", []), doc.get("summary", {}))
         yield from node_families(doc)
         yield from replica_families(doc.get("replica_groups"))
+        yield from heal_families(doc.get("heal"))
 
 
 def replica_families(groups: Sequence[Mapping[str, Any]] | None) -> Iterator[Any]:
@@ -188,6 +189,25 @@ def fault_families(faults: Sequence[Mapping[str, Any]], summary: Mapping[str, An
     if summary.get("goodput") is not None:
         yield GaugeMetricFamily("ftrun_goodput_ratio", "share of the run not lost to faults",
                                 value=float(summary["goodput"]))
+
+
+def heal_families(heal: Mapping[str, Any] | None) -> Iterator[Any]:
+    """ftrun_heal_bytes_total, the ftrun_heal_seconds histogram, the state a heal moves."""
+    if not heal:
+        return
+    from prometheus_client.core import (
+        CounterMetricFamily,
+        GaugeMetricFamily,
+        HistogramMetricFamily,
+    )
+
+    seconds = [float(s) for s in heal.get("seconds", [])]
+    yield CounterMetricFamily("ftrun_heal_bytes", "bytes received by healing members",
+                              value=float(heal.get("bytes_total", 0)))
+    yield HistogramMetricFamily("ftrun_heal_seconds", "one member's heal, first byte to last",
+                                buckets=histogram_buckets(seconds), sum_value=sum(seconds))
+    yield GaugeMetricFamily("ftrun_state_bytes", "a replica's registered state (what a heal "
+                            "moves)", value=float(heal.get("state_bytes", 0)))
 
 
 def node_families(doc: Mapping[str, Any]) -> Iterator[Any]:

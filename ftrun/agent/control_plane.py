@@ -193,6 +193,7 @@ class ControlPlane:
             "ft_api": bool(ms and ms.uses_api), "workers": self.worker_rows(now),
             "hang_timeout_s": round(self.health.timeout_s, 2) or None,
             "faults": fault_docs(faults), "summary": summarize(faults, now - self.info.started_at),
+            "heal": self.journal.heals.describe(),
             "steps_per_s": self.timeline.steps_per_s(), "gpus": self.health.gpu_table(),
             "metrics": self.metrics_url,
             "replica_groups": group_rows(ms, port.spec.shard_size)

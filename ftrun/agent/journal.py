@@ -17,6 +17,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import IO, Any
 
+from ftrun.agent.heals import HealLedger
 from ftrun.core.events import Event, EventSink
 from ftrun.core.faultkinds import GROUP_DRILLS  # the rebuild answering them names no worker (-1)
 
@@ -51,6 +52,7 @@ class Journal:
         self._sink = sink
         self._file: IO[str] | None = open(log_path, "a") if log_path else None  # noqa: SIM115
         self.faults: list[FaultRecord] = []
+        self.heals = HealLedger()
         self._drills: dict[int, tuple[str, float]] = {}  # worker -> (kind, injected at)
         self.started_at = time.time()
         self._attempt_started_at = self.started_at
@@ -61,6 +63,8 @@ class Journal:
                        Event.GENERATION: self._on_generation,
                        Event.RECOVERED: self._on_recovered,
                        Event.RESUMED: self._on_resumed,
+                       Event.HEALED: self._on_healed,
+                       Event.STATE_SIZE: self.heals.on_state_size,
                        Event.INJECTED: self._on_injected}  # what fault records are made of
         self._now = self.started_at  # the time of the event being folded
 
@@ -167,6 +171,9 @@ class Journal:
                 rec.lost_from = self._attempt_started_at
         self._restarted, self._restarting = self._restarting, []
         self._attempt_started_at = now
+
+    def _on_healed(self, f: Mapping[str, object]) -> None:
+        self.heals.on_healed(f, self._now)
 
     def _on_resumed(self, f: Mapping[str, object]) -> None:
         """The restarted workers resumed from a snapshot (the first one to say so counts): only

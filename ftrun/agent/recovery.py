@@ -42,11 +42,13 @@ from ftrun.protocol.rendezvous import (
     REQUEST_QUEUE,
     CommFailed,
     Generation,
+    Healed,
     Hello,
     Recovered,
     Request,
     Resumed,
     Stage,
+    StateSize,
     Suspect,
     node_of,
     parse_request,
@@ -368,6 +370,11 @@ class Recovery(GroupRecovery):
                 self.port.suspect()
             case Resumed():
                 self.port.emit(Event.RESUMED, to_fields(req))
+            case Healed():
+                rate = req.nbytes / req.seconds / 1e9 if req.seconds > 0 else 0.0
+                self.port.emit(Event.HEALED, {**to_fields(req), "gb_per_s": round(rate, 3)})
+            case StateSize():
+                self.port.emit(Event.STATE_SIZE, to_fields(req))
             case Recovered():
                 self._committed_first(req.worker)
                 if req.generation not in self._reported:

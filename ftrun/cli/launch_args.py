@@ -15,6 +15,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NoReturn
 
 from ftrun.cli.cluster_env import slurm_defaults
+from ftrun.cli.heal_args import DEFAULT_CHUNK_MB, DEFAULT_SOURCES, heal_fields
 from ftrun.cli.metrics_args import METRICS_PORT_ENV, metrics_fields
 from ftrun.cli.shard_args import shard_fields
 from ftrun.cli.snapshot_args import snapshot_fields
@@ -118,6 +119,10 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
     opt("shard-size", default="1", help="ranks per replica group: the script shards its model "
         "inside a group (FSDP2 over ft.shard_mesh), ftrun averages across groups and drops a "
         "broken group until it heals (HSDP; default 1: plain data parallel)")
+    opt("heal-chunk-mb", default=DEFAULT_CHUNK_MB, help="a heal moves the state in chunks of "
+        "this many MB (each side holds a few beside the state)")
+    opt("heal-sources", default=DEFAULT_SOURCES, help="the most live replicas one healing "
+        "member pulls from at once, each sending a share of the chunks")
     opt("max-faults", default="100", help="faults recovered in-process before giving up")
     opt("comm", default="auto", choices=["auto", "native", "fresh"],
         help="how survivors re-form their communicator: torch's native reconfigure of the "
@@ -227,6 +232,7 @@ def parse_run_args(
         preload=_parse_preload(ns.preload),
         **snapshots,
         **sharding,
+        **heal_fields(ns),
         **metrics_fields(ns, env),
     )
 

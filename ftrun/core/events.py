@@ -30,6 +30,8 @@ class Event(TextEnum):
     SNAPSHOT = "snapshot"  # a snapshot written to disk (step, size, blocking and write ms)
     SNAPSHOT_FAILED = "snapshot_failed"  # a snapshot that could not be written (step, error)
     RESUMED = "resumed"  # a worker with no live replica loaded a snapshot
+    HEALED = "healed"  # a member received a live replica's state (bytes, seconds, sources)
+    STATE_SIZE = "state_size"  # the bytes a heal moves: a replica's registered state
     NOTICE = "notice"  # one line for the operator
 
 

@@ -93,6 +93,8 @@ class RunSpec:
     metrics_port: int | None = None  # serve Prometheus metrics here (0: any free port)
     metrics_addr: str = "127.0.0.1"  # ...bound to this address
     shard_size: int = 1  # ranks per replica group (HSDP: FSDP inside, ftrun across); 1: DP
+    heal_chunk_mb: float = 64.0  # a heal moves the state in chunks of this many MB
+    heal_sources: int = 4  # the most live replicas one healing member pulls from at once
 
     @property
     def snapshots(self) -> bool:
@@ -145,11 +147,14 @@ _ENV_NAMES: dict[str, str] = {
     "resume_step": "FTRUN_RESUME_STEP",
     "shard_size": "FTRUN_SHARD_SIZE",
     "relay": "FTRUN_RELAY",
+    "heal_chunk_mb": "FTRUN_HEAL_CHUNK_MB",
+    "heal_sources": "FTRUN_HEAL_SOURCES",
 }
 
 _OMITTED_AT_DEFAULT = frozenset(
     {"snapshot_shm", "snapshot_every", "snapshot_interval", "resume", "resume_dir",
-     "snapshot_spill", "resume_run", "resume_step", "shard_size", "relay"})
+     "snapshot_spill", "resume_run", "resume_step", "shard_size", "relay", "heal_chunk_mb",
+     "heal_sources"})
 
 
 @dataclass(frozen=True)
@@ -189,6 +194,8 @@ class WorkerEnv:
     resume_step: int = -1  # the snapshot step the agent chose: nothing newer is loaded
     shard_size: int = 1  # ranks per replica group (--shard-size); 1: plain data parallel
     relay: str = ""  # HOST:PORT of the node agent's generation relay ("": watch the store)
+    heal_chunk_mb: float = 64.0  # --heal-chunk-mb
+    heal_sources: int = 4  # --heal-sources
 
     def to_env(self) -> dict[str, str]:
         # Snapshot variables appear only when snapshots are on, so a job without

@@ -46,6 +46,7 @@ GENERATION_WAIT_S = 120.0  # a worker waiting for the agent to publish the next 
 PG_INIT_S = 60.0  # building one process group
 RECONFIGURE_CONNECT_S = 10.0  # native reconfigure, once every member's handle is published
 STATE_TRANSFER_S = 300.0  # one healing transfer
+HEAL_SALVAGE_S = 1.0  # a heal broke: a live source's chunk already on its way, kept
 SPARE_ASSIGNMENT_S = 24 * 3600.0  # a hot spare waiting to be used
 SCRIPT_END_S = 24 * 3600.0  # a member whose script ended, waiting for its peers' to end (it
 # heals a replacement of a rank lost after its last step meanwhile)

@@ -249,10 +249,36 @@ class Stage:
     stage: str
 
 
+@dataclass(frozen=True)
+class Healed:
+    """A member received a heal: `nbytes` from `sources` up-to-date members (their ranks,
+    comma-separated) in `seconds`, in chunks of `chunk_mb`."""
+
+    kind: ClassVar[str] = "healed"
+    worker: int
+    generation: int
+    step: int
+    nbytes: int
+    seconds: float
+    sources: int
+    source_ranks: str
+    chunk_mb: float
+
+
+@dataclass(frozen=True)
+class StateSize:
+    """The bytes of a member's registered state (what a heal of it moves), once it is whole
+    (after its first commit)."""
+
+    kind: ClassVar[str] = "state_size"
+    worker: int
+    nbytes: int
+
+
 STAGES = ("trained", "training", "ended")
-Request = Hello | CommFailed | Suspect | Recovered | Resumed | Stage
+Request = Hello | CommFailed | Suspect | Recovered | Resumed | Stage | Healed | StateSize
 REQUESTS: dict[str, type[Request]] = {c.kind: c for c in (Hello, CommFailed, Suspect, Recovered,
-                                                          Resumed, Stage)}
+                                                          Resumed, Stage, Healed, StateSize)}
 
 
 def send_request(store: Any, req: Request) -> None:

@@ -11,15 +11,19 @@ Must not import: typer, rich, NVML, the agent, worker.api. Torch is imported whe
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from ftrun.core.errors import WorkerApiError
+from ftrun.core.spec import WorkerEnv
+from ftrun.protocol.rendezvous import Healed, Request, StateSize
 from ftrun.worker.comm import Group, Interrupt
 from ftrun.worker.transfer import (
     DEFAULT_CHUNK_MB,
     HealProgress,
     HealStats,
+    describe,
     recv_heal,
     send_heal,
 )
@@ -36,10 +40,35 @@ class Healer:
     max_sources: int = DEFAULT_HEAL_SOURCES
     progress: HealProgress = field(default_factory=HealProgress)
     last: tuple[str, HealStats] | None = None  # ("sent" or "received", figures) since taken
+    worker: int = -1
+    post: Callable[[Request], None] | None = None  # to the agent (None: not run by ftrun)
+    sized: bool = False  # the state's size was reported
+
+    @classmethod
+    def of(cls, wenv: WorkerEnv | None, post: Callable[[Request], None]) -> Healer:
+        if wenv is None:
+            return cls()
+        return cls(wenv.heal_chunk_mb, wenv.heal_sources, worker=wenv.worker_id, post=post)
 
     @property
     def chunk_bytes(self) -> int:
         return max(1, int(self.chunk_mb * (1 << 20)))
+
+    def committed(self, objects: dict[str, Any]) -> None:
+        """After a commit: the first time, tell the agent what a heal of this state moves
+        (the optimizer's state exists from the first step on)."""
+        if self.sized or self.post is None:
+            return
+        self.sized = True
+        leaves = describe(objects)[1]
+        self.post(StateSize(self.worker, sum(t.numel() * t.element_size() for t in leaves)))
+
+    def received(self, stats: HealStats, generation: int, step: int) -> None:
+        self.last = ("received", stats)
+        if self.post is not None:
+            self.post(Healed(self.worker, generation, step, stats.bytes,
+                             round(stats.seconds, 6), len(stats.sources),
+                             ",".join(map(str, stats.sources)), self.chunk_mb))
 
     def take_last(self) -> tuple[str, HealStats] | None:
         last, self.last = self.last, None
@@ -89,6 +118,6 @@ def align(group: Group, committed: int, registered: dict[str, Any], streams: Any
             healer.last = ("sent", send_heal(group, dst, sources, objects, interrupt, device,
                                              healer.chunk_bytes))
         elif dst == group.rank:
-            healer.last = ("received", recv_heal(group, sources, objects, best,
-                                                 healer.progress, interrupt, device, mesh))
+            healer.received(recv_heal(group, sources, objects, best, healer.progress,
+                                      interrupt, device, mesh), group.gen.number, best)
     return best

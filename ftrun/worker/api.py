@@ -40,7 +40,7 @@ from ftrun.protocol.rendezvous import (
     send_request,
 )
 from ftrun.worker import errorfile
-from ftrun.worker.aligning import STREAMS, align
+from ftrun.worker.aligning import STREAMS, Healer, align
 from ftrun.worker.buckets import GradSync
 from ftrun.worker.comm import Abandoned, CommError, GenerationWatcher, Group, Interrupt, build_group
 from ftrun.worker.drills import Drills
@@ -110,6 +110,9 @@ class FaultTolerant(ShardedView):
             # torchrun's default (1) kills the process on a NCCL error; in-process recovery
             # needs the communicator aborted and the error raised (2, CleanUpOnly)
             os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "2"
+            # the NCCL watchdog's monitor kills a process whose watchdog seems stuck, whatever
+            # the above says (pytorch#155916): a long in-process recovery must not be killed
+            os.environ.setdefault("TORCH_NCCL_ENABLE_MONITORING", "0")
         self.device = torch.device("cuda", self.local_rank) if cuda else torch.device("cpu")
         if cuda:
             torch.cuda.set_device(self.device)
@@ -118,6 +121,7 @@ class FaultTolerant(ShardedView):
             self.device, self._wants_switch, self._bucket_starting, self._in_collective)
         self._drills = Drills(None, -1, self._comm_fault)
         self._snapshots = Snapshots(wenv) if wenv is not None else None
+        self._healer = Healer.of(wenv, self._post)
         if wenv is None:
             self._group = plain_group(backend)
             self._rank = self._group.rank
@@ -299,6 +303,7 @@ class FaultTolerant(ShardedView):
             opt.step()
         self.committed += 1
         self._state = StepState.COMMITTED
+        self._healer.committed(self._state_objects)
         if self._progress is not None:
             self._progress.committed(self.committed, self.rank, self.generation, time.time())
         if self._report_first_commit is not None:
@@ -432,7 +437,7 @@ class FaultTolerant(ShardedView):
                 self._post(resumed)
         mesh = self._sharding.group().mesh if self._sharding is not None else None
         self.committed = align(self._group, self.committed, self._objects, self._streams,
-                               self._interrupt, self.device, mesh)
+                               self._interrupt, self.device, mesh, self._healer)
 
     def _finished(self) -> bool:
         """Every member reached the end: one last collective so no one leaves a peer behind."""

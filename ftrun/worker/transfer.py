@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ftrun.core import timeouts
-from ftrun.worker.comm import CommError, Group, Interrupt
+from ftrun.worker.comm import Abandoned, CommError, Group, Interrupt
 
 DRILL_KILL_MID_TRANSFER = "FTRUN_DRILL_KILL_MID_TRANSFER"  # a worker id
 DEFAULT_CHUNK_MB = 64
@@ -197,9 +197,8 @@ def recv_heal(group: Group, sources: Sequence[int], objects: Mapping[str, Any], 
         request[1:1 + len(shares[src])] = torch.tensor(shares[src], dtype=torch.int64)
         _run(group, "send", request.to(device), src, _TAG_REQUEST, interrupt)
     views = [_bytes(t) for t in progress.targets]
-    stats = HealStats(sources=tuple(sources), staged_bytes=0)
-    stats.bytes, stats.chunks = _receive_chunks(group, shares, layout, views, progress,
-                                                interrupt, device, chunk_bytes, stats)
+    stats = HealStats(sources=tuple(sources))
+    _Receiver(group, shares, layout, views, progress, device, chunk_bytes, stats).run(interrupt)
     state = map_leaves(skeleton, lambda v: isinstance(v, _Ref),
                        lambda ref: progress.finals[ref.index])
     missing = set(objects) - set(state)
@@ -213,39 +212,64 @@ def recv_heal(group: Group, sources: Sequence[int], objects: Mapping[str, Any], 
     return stats
 
 
-def _receive_chunks(group: Group, shares: dict[int, list[int]], layout: list[Chunk],
-                    views: list[Any], progress: HealProgress, interrupt: Interrupt,
-                    device: Any, chunk_bytes: int, stats: HealStats) -> tuple[int, int]:
+class _Receiver:
     """Every source's next chunk is posted at once (the sources send in parallel); each is
-    written into place as it completes, then that source's next one is posted."""
-    queues = {src: list(ids) for src, ids in shares.items() if ids}
-    staging: dict[int, Any] = {}
-    posted: dict[int, tuple[Any, int, Any]] = {}  # source -> (work, chunk id, buffer)
+    written into place as it completes, then that source's next one is posted. When a source
+    fails (or a new generation cuts the heal off), what the others had already sent is kept
+    in the progress before the error goes on: the next heal asks only for the rest."""
 
-    def post(src: int) -> None:
-        chunk_id = queues[src].pop(0)
-        buffer = _direct(layout[chunk_id], views, device)
+    def __init__(self, group: Group, shares: dict[int, list[int]], layout: list[Chunk],
+                 views: list[Any], progress: HealProgress, device: Any, chunk_bytes: int,
+                 stats: HealStats) -> None:
+        self.group, self.layout, self.views, self.progress = group, layout, views, progress
+        self.device, self.chunk_bytes, self.stats = device, chunk_bytes, stats
+        self.queues = {src: list(ids) for src, ids in shares.items() if ids}
+        self.staging: dict[int, Any] = {}
+        self.posted: dict[int, tuple[Any, int, Any]] = {}  # source -> (work, chunk, buffer)
+
+    def run(self, interrupt: Interrupt) -> None:
+        for src in self.queues:
+            self._post(src)
+        failed = -1
+        try:
+            while self.posted:
+                for src in list(self.posted):
+                    failed = src
+                    self.group.wait(self.posted[src][0], interrupt, timeouts.STATE_TRANSFER_S)
+                    self._done(src, then_next=True)
+        except (CommError, Abandoned):
+            self._salvage(skip=failed)
+            raise
+
+    def _post(self, src: int) -> None:
+        chunk_id = self.queues[src].pop(0)
+        buffer = _direct(self.layout[chunk_id], self.views, self.device)
         if buffer is None:
-            staging.setdefault(src, _staging(chunk_bytes, device))
-            stats.staged_bytes = chunk_bytes * len(staging)
-            buffer = staging[src][:_chunk_size(layout[chunk_id])]
-        posted[src] = (_start(group, "recv", buffer, src, _TAG_CHUNK + chunk_id), chunk_id,
-                       buffer)
+            self.staging.setdefault(src, _staging(self.chunk_bytes, self.device))
+            self.stats.staged_bytes = self.chunk_bytes * len(self.staging)
+            buffer = self.staging[src][:_chunk_size(self.layout[chunk_id])]
+        self.posted[src] = (_start(self.group, "recv", buffer, src, _TAG_CHUNK + chunk_id),
+                            chunk_id, buffer)
 
-    for src in queues:
-        post(src)
-    received = count = 0
-    while posted:
-        for src in list(posted):
-            work, chunk_id, buffer = posted.pop(src)
-            group.wait(work, interrupt, timeouts.STATE_TRANSFER_S)
-            if src in staging:
-                _scatter(layout[chunk_id], views, buffer)
-            progress.received.add(chunk_id)
-            received, count = received + buffer.numel(), count + 1
-            if queues[src]:
-                post(src)
-    return received, count
+    def _done(self, src: int, then_next: bool) -> None:
+        _work, chunk_id, buffer = self.posted.pop(src)
+        if src in self.staging:
+            _scatter(self.layout[chunk_id], self.views, buffer)
+        self.progress.received.add(chunk_id)
+        self.stats.bytes += buffer.numel()
+        self.stats.chunks += 1
+        if then_next and self.queues[src]:
+            self._post(src)
+
+    def _salvage(self, skip: int) -> None:
+        """The chunks the live sources had sent when the heal broke (the failed op of `skip`
+        belongs to the reaper now: a gloo op is waited on once)."""
+        for src in [s for s in self.posted if s != skip]:
+            try:
+                self.group.wait(self.posted[src][0], Interrupt(), timeouts.HEAL_SALVAGE_S)
+            except CommError:
+                continue
+            self._done(src, then_next=False)
 
 
 def _targets(skeleton: Any, objects: Mapping[str, Any], device: Any, mesh: Any
