@@ -9,7 +9,9 @@ torch. classify: live samples. nccl-inprocess: one process, world size 1, ftrun'
 fresh groups for generations 1 and 2 (comm._new_pg, as build_group builds them), the native
 reconfigure path where torch has it, transfer.pack/unpack (bitwise), whether Group.wait waits
 for the GPU, whether a group whose peer never comes is abandoned. snapshot: a CUDA model and
-optimizer into a shared-memory slot and back, bitwise, the blocking copy timed. hsdp
+optimizer into a shared-memory slot and back, bitwise, the blocking copy timed. heal
+(gpu_check_heal.py): the streamed heal over CUDA tensors, both ends in one process, bitwise,
+its extra device memory bounded. hsdp
 (gpu_check_hsdp.py): FSDP2 state healed as DTensor shards on one GPU, bitwise. cuda-hang: a
 CUDA kernel that spins for good on one rank is detected by progress alone and recovered
 (gpu_check_hang.py: one rank and a whole-group restart; two ranks on one GPU, replaced
@@ -53,14 +55,15 @@ from gpu_check_common import (
     where,
 )
 from gpu_check_hang import sec_cuda_hang
+from gpu_check_heal import sec_heal
 from gpu_check_hsdp import sec_hsdp
 from gpu_check_nccl import sec_nccl_2gpu, sec_nccl_inprocess, sec_nccl_job
 from gpu_check_overlap import sec_overlap
 from gpu_check_snapshot import sec_snapshot
 
 LIMITS = {"env": 60, "nvml": 40, "map": 60, "classify": 40, "nccl-inprocess": 60,
-          "snapshot": 60, "hsdp": 60, "cuda-hang": 150, "nccl-job": 200, "nccl-2gpu": 120,
-          "overlap": 320}  # seconds per section
+          "snapshot": 60, "hsdp": 60, "heal": 60, "cuda-hang": 150, "nccl-job": 200,
+          "nccl-2gpu": 120, "overlap": 320}  # seconds per section
 
 
 # ------------------------------------------------------------------ versions and GPU health
@@ -210,6 +213,7 @@ def sec_classify(a: argparse.Namespace) -> None:
 SECTIONS: dict[str, Callable[[argparse.Namespace], None]] = {
     "env": sec_env, "nvml": sec_nvml, "map": sec_map, "classify": sec_classify,
     "nccl-inprocess": sec_nccl_inprocess, "snapshot": sec_snapshot, "hsdp": sec_hsdp,
+    "heal": sec_heal,
     "cuda-hang": sec_cuda_hang,
     "nccl-job": sec_nccl_job,
     "nccl-2gpu": sec_nccl_2gpu, "overlap": sec_overlap}

@@ -6,8 +6,9 @@ out, a fresh one healed shard by shard) is tested on CPU only. Here, on cuda:0 (
 in the dry run): whether this torch can make the rank identity `--shard-size` needs (torch >=
 2.15's reconfigurable default group; older torch refuses with one line, which is printed), then
 a world of one: a model sharded with FSDP2 per layer over a 1-D mesh, one AdamW step, its
-model and optimizer state packed the way a healing source sends it (DTensor local shards) and
-unpacked into a fresh sharded model and optimizer on the receiver's mesh, bitwise; and the
+model and optimizer state streamed the way a heal moves it (DTensor local shards, through
+gpu_check_heal.loopback_heal) into a fresh sharded model and optimizer on the receiver's mesh,
+bitwise; and the
 replicate-dimension average (`replica_sync._flatten`/`_scatter_back`) leaving a 1-group gradient
 as it was.
 """
@@ -19,6 +20,7 @@ import socket
 from datetime import timedelta
 
 from gpu_check_common import check, say
+from gpu_check_heal import loopback_heal
 
 
 def _sharded(device: str, mesh: object, width: int) -> tuple:
@@ -40,7 +42,6 @@ def sec_hsdp(a: argparse.Namespace) -> None:
 
     from ftrun.core.errors import WorkerApiError
     from ftrun.worker import replica_sync, sharded
-    from ftrun.worker.transfer import pack, unpack
 
     device, backend = ("cpu", "gloo") if a.cpu_dry_run else ("cuda", "nccl")
     if device == "cuda":
@@ -68,10 +69,10 @@ def sec_hsdp(a: argparse.Namespace) -> None:
                                                                 strict=True)),
           "averaging over one group changed a gradient")
     opt.step()
-    parts = pack({"model": model, "optimizer": opt}, {})
     fresh, fresh_opt = _sharded(device, mesh, width)
-    unpack([p.cpu() if p.device.type != "cpu" else p for p in parts],
-           {"model": fresh, "optimizer": fresh_opt}, mesh)
+    _sent, received = loopback_heal({"model": model, "optimizer": opt},
+                                    {"model": fresh, "optimizer": fresh_opt},
+                                    torch.device(device), mesh=mesh)
     same = all(torch.equal(p.to_local().cpu(), q.to_local().cpu())
                for p, q in zip(model.parameters(), fresh.parameters(), strict=True))
     check(same, "the healed model's shards differ from the source's")
@@ -79,9 +80,9 @@ def sec_hsdp(a: argparse.Namespace) -> None:
     check(all(torch.equal(_local(st_a[i][k]).cpu(), _local(st_b[i][k]).cpu())
               for i in st_a for k in st_a[i]), "the healed optimizer state differs")
     kinds = {type(v).__name__ for s in st_b.values() for v in s.values()}
-    say(f"FSDP2 over a 1-D {device} mesh: state packed as DTensor local shards and rebuilt on "
-        f"the receiver's mesh, bitwise ({sum(p.numel() for p in parts[1:]) / 1e6:.1f} M "
-        f"values; optimizer state types {sorted(kinds)})")
+    say(f"FSDP2 over a 1-D {device} mesh: state streamed as DTensor local shards into the "
+        f"receiver's on its mesh, bitwise ({received.bytes / 1e6:.1f} MB; optimizer state "
+        f"types {sorted(kinds)})")
     say("not checked here: a shard group of 2 and the replicate all-reduce need 2 GPUs")
     dist.destroy_process_group()
 

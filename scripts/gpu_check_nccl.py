@@ -30,6 +30,7 @@ from gpu_check_common import (
     parts,
     say,
 )
+from gpu_check_heal import loopback_heal
 
 
 # ------------------------------------------------------------------ in-process communicators
@@ -43,7 +44,6 @@ def sec_nccl_inprocess(a: argparse.Namespace) -> None:
     from ftrun.protocol.rendezvous import Generation as Gen
     from ftrun.worker import comm, joining
     from ftrun.worker.joining import connect
-    from ftrun.worker.transfer import pack, unpack
 
     backend, dev = "gloo", torch.device("cpu")
     if not a.cpu_dry_run:
@@ -129,21 +129,18 @@ def sec_nccl_inprocess(a: argparse.Namespace) -> None:
         src, dst = build(1), build(2)
         sync()
         t = time.monotonic()
-        packed = pack(src, {"step": 5})
-        sync()
-        pack_ms, size = ms_since(t), sum(p.numel() * p.element_size() for p in packed) / 2**20
-        wire = [packed[0]] + [p.to(dev).cpu() for p in packed[1:]]  # what recv_state returns
-        t = time.monotonic()
-        extra = unpack(wire, dst)
+        sent, received = loopback_heal(src, dst, dev)
         sync()
         diff = [k for o in src for k in bitwise_diff(src[o].state_dict(), dst[o].state_dict(), o)]
-        say(f"transfer: pack {pack_ms:.1f} ms, unpack {ms_since(t):.1f} ms, {size:.1f} MiB in "
-            f"{len(packed)} parts: {'bitwise equal' if not diff else f'DIFFERS at {diff[:5]}'}")
-        check(extra == {"step": 5} and not diff, "the unpacked state differs from the packed")
+        verdict = "bitwise equal" if not diff else f"DIFFERS at {diff[:5]}"
+        say(f"transfer: streamed heal {ms_since(t):.1f} ms, {received.bytes / 2**20:.1f} MiB in "
+            f"{received.chunks} chunks: {verdict}")
+        check(sent.bytes == received.bytes and not diff, "the healed state differs")
 
     def transfer_adam() -> None:
-        pack(build(3, adam=True), {})  # AdamW keeps 'step' on the CPU next to CUDA moments
-        say("transfer: pack of a model with AdamW state: OK")
+        src, dst = build(3, adam=True), build(4, adam=True)
+        loopback_heal(src, dst, dev)  # AdamW keeps 'step' on the CPU next to CUDA moments
+        say("transfer: heal of a model with AdamW state: OK")
 
     def wait_semantics() -> None:
         if dev.type != "cuda" or not hasattr(torch.cuda, "_sleep"):
