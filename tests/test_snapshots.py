@@ -279,6 +279,7 @@ def test_a_kill_during_a_snapshot_write_resumes_from_the_one_before(reference, t
     assert bitwise_equal(ps[0], reference) and bitwise_equal(ps[1], reference)
 
 
+@pytest.mark.timeout(330)  # two runs of ftrun: over the default 120 s on a busy host
 @pytest.mark.slow
 def test_a_relaunch_resumes_skipping_a_corrupt_snapshot_and_dcp_loads_one(reference,
                                                                            tmp_path) -> None:

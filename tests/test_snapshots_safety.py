@@ -74,6 +74,7 @@ def namespace(*mounts: str) -> list[str]:
 
 
 # ---------------------------------------------------------------- 1: runs never cross
+@pytest.mark.timeout(330)  # two runs of ftrun (one in the /dev/shm case) on a busy host
 @pytest.mark.slow
 def test_two_runs_sharing_an_id_and_a_directory_never_load_or_destroy_each_other(tmp_path
                                                                                    ) -> None:
@@ -117,6 +118,7 @@ def test_the_agent_tells_a_restart_the_exact_step_and_run_it_chose(tmp_path) -> 
 
 
 # ---------------------------------------------------------------- 2: --resume that cannot load
+@pytest.mark.timeout(330)  # two runs of ftrun (one in the /dev/shm case) on a busy host
 @pytest.mark.slow
 def test_a_resume_that_cannot_load_is_one_error_and_leaves_the_directory_unchanged(tmp_path
                                                                                     ) -> None:
@@ -138,6 +140,7 @@ def test_a_resume_that_cannot_load_is_one_error_and_leaves_the_directory_unchang
 
 # ---------------------------------------------------------------- 3: a small /dev/shm
 @needs_mounts
+@pytest.mark.timeout(330)  # two runs of ftrun (one in the /dev/shm case) on a busy host
 @pytest.mark.slow
 def test_a_small_dev_shm_snapshots_to_disk_instead_of_crashing(tmp_path) -> None:
     r = run(tmp_path / "o", "--snapshot-every", "4", "--snapshot-dir", str(tmp_path / "s"),
@@ -230,6 +233,7 @@ def _plant(stage: Path, marker: str) -> None:
         p.chmod(0o755 if p.is_dir() else 0o644)
 
 
+@pytest.mark.timeout(330)  # two runs of ftrun (one in the /dev/shm case) on a busy host
 @pytest.mark.slow
 @pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("setpriv"),
                     reason="needs root and setpriv for a second uid")
