@@ -4,6 +4,7 @@ the fallbacks (--no-zygote, a failing or threaded --preload, the zygote killed m
 The launcher runs plain-Python fixtures (no torch): the zygote then preloads no torch."""
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -249,11 +250,28 @@ def test_what_a_preload_starts_ends_with_the_job_and_its_prints_are_shown(tmp_pa
 
 
 def test_a_stalled_preload_is_named_and_its_exit_status_reported(tmp_path) -> None:
-    r = run_ftrun("--nproc", "1", "--preload", "stalling_mod", PROBE, str(tmp_path), timeout=60,
-                  env={"PYTHONPATH": str(FIXTURES)})
-    assert r.returncode == 0, r.stderr  # the workers start as new processes
-    assert "the zygote is still importing stalling_mod after 10 s (--preload stalling_mod" \
-        in r.stderr
+    release = tmp_path / "release"
+    proc = subprocess.Popen(ftrun_cmd("--nproc", "1", "--preload", "stalling_mod", PROBE,
+                                      str(tmp_path)),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1", "STALL_UNTIL": str(release),
+                                 "PYTHONPATH": str(FIXTURES)})
+    try:
+        assert proc.stderr is not None
+        seen = []
+        for line in proc.stderr:  # the notice comes ~10 s after the zygote started
+            seen.append(line)
+            if "the zygote is still importing" in line:
+                break
+        release.touch()  # the import ends now, with os._exit(3)
+        _, rest = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    err = "".join(seen) + rest
+    assert proc.returncode == 0, err  # the workers start as new processes
+    # 10 s after the zygote started, or later when the agent's own start-up took longer
+    assert re.search(r"the zygote is still importing stalling_mod after 1\d s \(--preload "
+                     r"stalling_mod", err), err
     assert "the zygote exited with 3 while importing stalling_mod; starting workers as new " \
-        "processes" in r.stderr
+        "processes" in err
     assert [p["zygote"] for p in probes(tmp_path).values()] == [0]
