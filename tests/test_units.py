@@ -124,3 +124,23 @@ def test_worker_env_round_trip() -> None:
     env = w.to_env()
     assert env["TORCHELASTIC_USE_AGENT_STORE"] == "True" and env["FTRUN_SPARE"] == "True"
     assert WorkerEnv.from_env(env) == w
+
+
+def test_an_error_is_cut_to_its_first_line_even_without_a_message() -> None:
+    from ftrun.core.errors import first_line
+
+    assert first_line(RuntimeError("")) == "RuntimeError"  # IndexError before
+    assert first_line(RuntimeError("\n\n  peer gone\nTraceback ...")) == "peer gone"
+    assert first_line(ValueError("x" * 300), 120) == "x" * 120
+    assert first_line("") == "" and first_line("one\ntwo") == "one"
+
+
+def test_a_collective_that_fails_without_a_message_is_a_comm_error() -> None:
+    from ftrun.protocol.rendezvous import Generation
+    from ftrun.worker.comm import CommError, Group, Interrupt
+
+    def fails() -> None:
+        raise RuntimeError("")
+
+    with pytest.raises(CommError, match="^RuntimeError$"):
+        Group(Generation(1, (0, 1)), 0, object()).run(fails, Interrupt())

@@ -25,7 +25,7 @@ from typing import Any
 from ftrun.adapters.store import HostedStore, client
 from ftrun.cluster.messages import Command, Report
 from ftrun.core import timeouts
-from ftrun.core.errors import FtrunError, StoreError
+from ftrun.core.errors import FtrunError, StoreError, first_line
 from ftrun.core.spec import RunSpec
 from ftrun.protocol.rendezvous import WORKER_ID_STRIDE, encode
 
@@ -147,7 +147,7 @@ def connect(ep: Endpoint, timeout_s: float) -> Any:
         return client(ep.host, ep.port, max(0.1, timeout_s - (time.monotonic() - start)))
     except Exception as exc:
         raise FtrunError(f"cannot reach the rendezvous store at {ep} within {timeout_s:g} s "
-                         f"({str(exc).splitlines()[0][:120]})",
+                         f"({first_line(exc, 120)})",
                          hint="start the agent of the endpoint host (node rank 0) first, or "
                               "check --rdzv-endpoint / --master-addr and the firewall") from None
 
@@ -213,7 +213,7 @@ class Heartbeat:
                 client.add(heartbeat_key(self._node), 1)
             except Exception as exc:
                 if not self._stop.is_set():
-                    self._on_lost(str(exc).splitlines()[0][:200])
+                    self._on_lost(first_line(exc))
                 return
             self._last_ok = time.monotonic()
             self._stop.wait(self._interval)
@@ -245,11 +245,11 @@ class Outbox:
             client = connect(self._ep, self._timeout)
             client.set_timeout(timedelta(seconds=self._timeout))
         except Exception as exc:
-            self._on_lost(str(exc).splitlines()[0][:200])
+            self._on_lost(first_line(exc))
             return
         while (item := self._items.get()) is not None:
             try:
                 client.queue_push(self._key, item)
             except Exception as exc:
-                self._on_lost(str(exc).splitlines()[0][:200])
+                self._on_lost(first_line(exc))
                 return

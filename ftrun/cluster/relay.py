@@ -17,6 +17,7 @@ from typing import Any
 
 from ftrun.adapters.store import LOOPBACK, HostedStore, QueueReader
 from ftrun.core import timeouts
+from ftrun.core.errors import first_line
 from ftrun.protocol.rendezvous import LATEST_KEY, gen_key, relay_queue
 
 
@@ -45,7 +46,7 @@ class GenerationRelay:
         try:
             self._copy_up_to(number)
         except Exception as exc:  # the coordinator's store is gone: the heartbeat says so
-            self._on_lost(str(exc).splitlines()[0][:200] if str(exc) else "lost")
+            self._on_lost(first_line(exc))
 
     def _copy_up_to(self, number: int, first: bool = False) -> None:
         """Copy every record after the last copied up to `number` (a node admitted late

@@ -1,6 +1,7 @@
 """One root error type for everything ftrun reports to a user.
 
-Owns: `FtrunError` (message + hint + exit code) and its few subclasses.
+Owns: `FtrunError` (message + hint + exit code) and its few subclasses, and `first_line`:
+how any error is cut to one line.
 Must not import: anything else in ftrun, torch, typer, rich.
 """
 
@@ -39,3 +40,13 @@ class StoreError(FtrunError):
 
 class WorkerApiError(FtrunError):
     """The worker library was used in a way it cannot honour."""
+
+
+def first_line(error: BaseException | str, limit: int = 200) -> str:
+    """An error's first non-empty line, at most `limit` characters; an exception without a
+    message is named by its type (str(exc).splitlines()[0] raised IndexError there)."""
+    text = error if isinstance(error, str) else str(error)
+    for line in text.splitlines():
+        if line.strip():
+            return line.strip()[:limit]
+    return type(error).__name__ if isinstance(error, BaseException) else ""

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ftrun.core import timeouts
-from ftrun.core.errors import WorkerApiError
+from ftrun.core.errors import WorkerApiError, first_line
 from ftrun.worker.comm import REAPER, CommError, Group, Interrupt
 
 
@@ -145,7 +145,7 @@ class GradSync:
         try:
             bucket.work = self.group.pg.allreduce([bucket.flat])
         except RuntimeError as exc:  # the group broke: sync() reports it
-            bucket.work = _Failed(str(exc).splitlines()[0][:200])
+            bucket.work = _Failed(first_line(exc))
 
     # ---------------------------------------------------------------- the step's end
     def finish(self, group: Group, interrupt: Interrupt) -> bool:

@@ -23,6 +23,7 @@ from typing import Any, Protocol
 
 from ftrun.adapters.store import is_timeout
 from ftrun.core import timeouts
+from ftrun.core.errors import first_line
 from ftrun.protocol.rendezvous import Generation, Store, gen_key
 
 REAP_POLL_S = 0.5  # how often the reaper looks at abandoned ops that are still pending
@@ -220,14 +221,14 @@ class Group:
             elif errors:
                 raise errors[0]
         except RuntimeError as exc:  # gloo/nccl report peer failures as RuntimeError
-            raise CommError(str(exc).splitlines()[0][:200]) from None
+            raise CommError(first_line(exc)) from None
 
     def run(self, make_work: Callable[[], Any], interrupt: Interrupt,
             timeout_s: float = timeouts.COLLECTIVE_S) -> None:
         try:
             work = make_work()
         except RuntimeError as exc:
-            raise CommError(str(exc).splitlines()[0][:200]) from None
+            raise CommError(first_line(exc)) from None
         self.wait(work, interrupt, timeout_s)
 
     def allreduce(self, tensor: Any, interrupt: Interrupt) -> None:
@@ -393,5 +394,5 @@ class GenerationWatcher:
 
     def _lost(self, exc: Exception) -> None:
         if not self._stop.is_set():
-            self._interrupt.store_lost = str(exc).splitlines()[0][:200] if str(exc) else "lost"
+            self._interrupt.store_lost = first_line(exc)
             self._interrupt.wake.set()

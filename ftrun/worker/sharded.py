@@ -22,7 +22,7 @@ from datetime import timedelta
 from typing import Any
 
 from ftrun.core import timeouts
-from ftrun.core.errors import WorkerApiError
+from ftrun.core.errors import WorkerApiError, first_line
 from ftrun.core.replica_groups import replica_groups
 from ftrun.protocol.rendezvous import PREFIX, Generation, Store, spare_group_key
 from ftrun.worker.comm import CommError, Group, Interrupt
@@ -142,7 +142,7 @@ class ShardGroup:
             self.pg.allreduce([votes]).wait(timedelta(seconds=timeouts.COLLECTIVE_S))
         except RuntimeError as exc:
             raise CommError(f"the replica group's step vote failed: "
-                            f"{str(exc).splitlines()[0][:160]}") from None
+                            f"{first_line(exc, 160)}") from None
         failed, switches = votes.tolist()
         return failed == 0, switches > 0
 

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ftrun.core import timeouts
+from ftrun.core.errors import first_line
 from ftrun.worker.comm import Abandoned, CommError, Group, Interrupt
 
 DRILL_KILL_MID_TRANSFER = "FTRUN_DRILL_KILL_MID_TRANSFER"  # a worker id
@@ -387,7 +388,7 @@ def _start(group: Group, op: str, tensor: Any, peer: int, tag: int) -> Any:
     try:
         return getattr(group.pg, op)([tensor], peer, tag)
     except RuntimeError as exc:
-        raise CommError(str(exc).splitlines()[0][:200]) from None
+        raise CommError(first_line(exc)) from None
 
 
 def _run(group: Group, op: str, tensor: Any, peer: int, tag: int, interrupt: Interrupt) -> None:
