@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import pathlib
 import subprocess
 import sys
 import tempfile
@@ -51,6 +52,7 @@ def sec_nccl_inprocess(a: argparse.Namespace) -> None:
         backend, dev = "nccl", torch.device("cuda", 0)
         torch.cuda.set_device(dev)
         os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "2"  # what ftrun's worker sets
+        os.environ.setdefault("TORCH_NCCL_ENABLE_MONITORING", "0")  # ...and this (#35)
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     t = time.monotonic()
     hosted = HostedStore(0)
@@ -191,9 +193,20 @@ def sec_nccl_inprocess(a: argparse.Namespace) -> None:
             f"{ms_since(t):.0f} ms after the urgent generation")
         check("Abandoned" in res["end"], "not abandoned by the urgent generation")
 
+    def monitor_threads() -> None:
+        """torch's NCCL heartbeat monitor kills a process whose watchdog seems stuck whatever
+        the error handling says (pytorch#155916): with TORCH_NCCL_ENABLE_MONITORING=0, as an
+        FT worker runs, none may run beside the communicators built above."""
+        tasks = pathlib.Path("/proc/self/task")
+        names = sorted({(t / "comm").read_text().strip() for t in tasks.iterdir()})
+        say(f"threads after the groups above (monitoring "
+            f"{os.environ.get('TORCH_NCCL_ENABLE_MONITORING')}): {names}")
+        check(not any("heartb" in n or "monitor" in n.lower() for n in names),
+              "an NCCL heartbeat monitor runs although monitoring is off")
+
     parts(("fresh path", fresh), ("native path", native), ("transfer", transfer),
           ("transfer AdamW", transfer_adam), ("wait semantics", wait_semantics),
-          ("abandon", abandon_probe))
+          ("abandon", abandon_probe), ("monitor", monitor_threads))
 
 
 def bitwise_diff(x: Any, y: Any, path: str) -> list[str]:
