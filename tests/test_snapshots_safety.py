@@ -108,11 +108,12 @@ def test_the_agent_tells_a_restart_the_exact_step_and_run_it_chose(tmp_path) -> 
         finally:
             writer.close()
         Path(record).write_text(rec.to_json())
-        assert "resume" not in keeper.worker_fields(0, attempt=0)  # a fresh start
+        assert not keeper.worker_fields(0, attempt=0).get("resume")  # a fresh start
         told = keeper.worker_fields(1, attempt=1)  # no restarting() call: as on a follower
-        assert (told["resume"], told["resume_step"], told["resume_run"], told["resume_dir"]) \
-            == (True, 4, keeper.run, keeper.disk)
-        assert keeper.run.startswith("unit/") and "resume" not in keeper.worker_fields(2, 1)
+        assert told.get("resume_dir") == keeper.disk  # this node's, not every node's and run's
+        assert (told["resume"], told.get("resume_step"), told.get("resume_run")) \
+            == (True, 4, keeper.run)
+        assert keeper.run.startswith("unit/") and not keeper.worker_fields(2, 1).get("resume")
     finally:
         keeper.close()
 
@@ -136,6 +137,29 @@ def test_a_resume_that_cannot_load_is_one_error_and_leaves_the_directory_unchang
     assert "Traceback" not in again.stderr and "skipping" not in again.stderr
     assert not list((tmp_path / "b").glob("log_*.json"))  # no step was trained
     assert tree(snaps) == before  # nothing pruned, overwritten or added
+
+
+def test_a_snapshot_whose_optimizer_does_not_fit_loads_nothing(tmp_path, capsys) -> None:
+    """All or none: the model must not keep the snapshot's weights when the optimizer's
+    state cannot be loaded (the worker would otherwise train from them at step 0)."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)  # two parameters in its group
+    d = Path(snap.step_dir(str(tmp_path / "node0"), 4))
+    d.mkdir(parents=True, mode=0o700)
+    snapshot_io.save_disk({"model": model.state_dict(), "optimizer": opt.state_dict(),
+                           STEP: 4}, str(d))
+    snap.write_manifest(str(d), 4, 0.0, {"run": "r"})
+    fresh = torch.nn.Linear(4, 2)
+    before = fresh.weight.detach().clone()
+    objects = {"model": fresh, "optimizer": torch.optim.SGD([fresh.weight], lr=0.1)}
+    with pytest.raises(SystemExit) as ended:
+        Snapshots(_worker_env(resume=True, resume_dir=str(tmp_path))).resume(objects)
+    assert torch.equal(fresh.weight, before)  # nothing loaded
+    assert ended.value.code == snap.EXIT_CANNOT_RESUME
+    assert capsys.readouterr().err.splitlines() == [
+        f"ftrun: error: cannot resume from --resume {tmp_path}: no snapshot fits (the newest, "
+        f"{d}: optimizer.param_groups.0.params has 2 entries in the snapshot, 1 here)"]
 
 
 # ---------------------------------------------------------------- 3: a small /dev/shm
