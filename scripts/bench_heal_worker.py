@@ -57,7 +57,7 @@ class Peak:
 def build(params: int, fresh: bool) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(0)
     width = 4096
-    layers = max(1, params // (width * width))
+    layers = max(1, math.ceil(params / (width * width)))  # at least the state asked for
     model = torch.nn.Sequential(*(torch.nn.Linear(width, width, bias=False)
                                   for _ in range(layers)))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)

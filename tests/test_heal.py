@@ -32,8 +32,9 @@ def test_a_replica_heals_bitwise_from_one_source_and_striped_over_three(tmp_path
 
 @pytest.mark.parametrize("nbytes, chunk, layout", [
     ([10, 3, 4], 8, [((0, 0, 8),), ((0, 8, 10),), ((1, 0, 3), (2, 0, 4))]),
-    ([2, 0, 2, 5], 4, [((0, 0, 2), (2, 0, 2)), ((3, 0, 4),), ((3, 4, 5),)]),
+    ([2, 0, 2, 5], 4, [((3, 0, 4),), ((3, 4, 5),), ((0, 0, 2), (2, 0, 2))]),
     ([3, 3, 3], 4, [((0, 0, 3),), ((1, 0, 3),), ((2, 0, 3),)]),
+    ([1, 8, 1, 8, 1], 8, [((1, 0, 8),), ((3, 0, 8),), ((0, 0, 1), (2, 0, 1), (4, 0, 1))]),
     ([], 4, []),
 ])
 def test_chunk_layout(nbytes, chunk, layout) -> None:
@@ -42,10 +43,12 @@ def test_chunk_layout(nbytes, chunk, layout) -> None:
     assert sum(b - a for _i, a, b in covered) == sum(nbytes)
 
 
-def test_stripes_are_disjoint_and_cover_every_chunk() -> None:
-    shares = stripe([0, 2, 3, 5, 6, 7, 9], [4, 1, 8])
-    assert shares == {4: [0, 5, 9], 1: [2, 6], 8: [3, 7]}
-    assert stripe([3], [0, 1]) == {0: [3], 1: []}
+def test_stripes_are_disjoint_cover_every_chunk_and_balance_bytes() -> None:
+    sizes = [8, 8, 8, 8, 1, 1, 1, 8, 8, 1]
+    shares = stripe([0, 1, 2, 3, 4, 5, 6, 7, 8, 9], [4, 1, 8], sizes)
+    assert shares == {4: [0, 3, 9], 1: [1, 4, 6, 8], 8: [2, 5, 7]}  # 17, 18, 17 bytes
+    assert sorted(c for s in shares.values() for c in s) == list(range(10))
+    assert stripe([3], [0, 1], [5, 5, 5, 5]) == {0: [3], 1: []}
 
 
 @pytest.mark.parametrize("steps, most, plan", [

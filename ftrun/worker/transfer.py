@@ -81,19 +81,18 @@ class HealProgress:
 
 def chunk_layout(nbytes: Sequence[int], chunk_bytes: int) -> list[Chunk]:
     """Pure and deterministic: every source and the receiver cut the same chunks. A tensor of
-    a chunk or more is cut into chunks of its own (each travels without a copy); smaller
-    ones are packed together up to the chunk size."""
+    a chunk or more is cut into chunks of its own (each travels without a copy), in order;
+    the smaller ones follow, packed together up to the chunk size wherever they stand (an
+    optimizer's small `step` tensors between its moments make no chunks of a few bytes)."""
     chunks: list[Chunk] = []
     packed: list[Segment] = []
     used = 0
     for index, size in enumerate(nbytes):
         if size >= chunk_bytes:
-            if packed:
-                chunks.append(tuple(packed))
-                packed, used = [], 0
             chunks += [((index, start, min(size, start + chunk_bytes)),)
                        for start in range(0, size, chunk_bytes)]
-        elif size > 0:
+    for index, size in enumerate(nbytes):
+        if 0 < size < chunk_bytes:
             if used + size > chunk_bytes:
                 chunks.append(tuple(packed))
                 packed, used = [], 0
@@ -104,9 +103,18 @@ def chunk_layout(nbytes: Sequence[int], chunk_bytes: int) -> list[Chunk]:
     return chunks
 
 
-def stripe(needed: Sequence[int], sources: Sequence[int]) -> dict[int, list[int]]:
-    """Each source's disjoint share of the chunks, round-robin (pure)."""
-    return {src: list(needed[i::len(sources)]) for i, src in enumerate(sources)}
+def stripe(needed: Sequence[int], sources: Sequence[int], sizes: Sequence[int]
+           ) -> dict[int, list[int]]:
+    """Each source's disjoint share of the `needed` chunks (`sizes`: every chunk's bytes),
+    balanced by bytes: each chunk to the source with the fewest so far, the first on a tie.
+    Pure; each share in increasing order, as the sources send them."""
+    shares: dict[int, list[int]] = {src: [] for src in sources}
+    load = dict.fromkeys(sources, 0)
+    for chunk_id in needed:
+        src = min(sources, key=lambda s: load[s])  # min keeps the first of equals
+        shares[src].append(chunk_id)
+        load[src] += sizes[chunk_id]
+    return shares
 
 
 def describe(objects: Mapping[str, Any]) -> tuple[dict[str, Any], list[Any]]:
@@ -191,7 +199,7 @@ def recv_heal(group: Group, sources: Sequence[int], objects: Mapping[str, Any], 
         progress.step, progress.signature, progress.received = step, signature, set()
         progress.targets, progress.finals = _targets(skeleton, objects, device, mesh)
     needed = [i for i in range(len(layout)) if i not in progress.received]
-    shares = stripe(needed, sources)
+    shares = stripe(needed, sources, [_chunk_size(c) for c in layout])
     for src in sources:
         request = torch.zeros(len(layout) + 1, dtype=torch.int64)
         request[0] = len(shares[src])
