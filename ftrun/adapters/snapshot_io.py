@@ -22,6 +22,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from ftrun.core import timeouts
+from ftrun.core.errors import first_line
 from ftrun.protocol.snapshots import SKELETON, SlotRecord, not_mine, try_lock, unsafe
 
 _ALIGN = 64
@@ -281,7 +282,7 @@ def _first_cause(exc: Any) -> str:
         cause = failure[0] if isinstance(failure, tuple) else failure
         if isinstance(cause, BaseException):
             return f"{type(cause).__name__}: {cause}"
-    return str(exc).splitlines()[0]
+    return first_line(exc, 1000)
 
 
 def shm_free(path: str) -> int:

@@ -30,7 +30,7 @@ from typing import Any
 
 from ftrun.adapters import snapshot_io
 from ftrun.core import timeouts
-from ftrun.core.errors import FtrunError
+from ftrun.core.errors import FtrunError, first_line
 from ftrun.core.events import Event, EventSink
 from ftrun.core.spec import RunSpec
 from ftrun.protocol.rendezvous import WORKER_ID_STRIDE
@@ -252,7 +252,7 @@ class SnapshotKeeper:
         except Exception as exc:  # reported, never fatal: training goes on, the next is tried
             shutil.rmtree(tmp, ignore_errors=True)  # a full disk is not kept full by it
             self._written_step = rec.step  # not retried: the next snapshot comes soon
-            why = f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
+            why = first_line(f"{type(exc).__name__}: {exc}")
             why += _room(self.disk, rec.total_bytes)
             self.failed.append(why)
             self._results.put((Event.SNAPSHOT_FAILED, {"step": rec.step, "dir": self.disk,

@@ -21,6 +21,7 @@ from typing import Any
 
 from ftrun.adapters import snapshot_io
 from ftrun.core import timeouts
+from ftrun.core.errors import first_line
 from ftrun.core.spec import WorkerEnv
 from ftrun.protocol.rendezvous import Generation, Resumed
 from ftrun.protocol.snapshots import (
@@ -158,7 +159,7 @@ class Snapshots:
             except (Broken, snapshot_io.Unreadable) as exc:
                 skipped.append(f"{where}: {exc}")
             except Exception as exc:  # a snapshot that cannot be loaded is skipped, said once
-                skipped.append(f"{where}: {type(exc).__name__}: {exc}".splitlines()[0][:300])
+                skipped.append(first_line(f"{where}: {type(exc).__name__}: {exc}", 300))
         what = f"--resume {self.resume_dir}" if not self.resume_run else \
             f"the snapshot of step {self.resume_step}"
         why = f"no snapshot fits (the newest, {skipped[0]})" if skipped else "none is left"
