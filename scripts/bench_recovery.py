@@ -26,6 +26,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "bench_recovery_worker.py")
 
 
+OMP_THREADS = ["1"]  # --omp-threads: each worker's OMP_NUM_THREADS
+
+
 def launch(kind: str, nproc: int, flags: list[str], steps: int, kill: int, out: str) -> None:
     if kind == "ftrun":
         cmd = [sys.executable, "-m", "ftrun", "--nproc", str(nproc), *flags]
@@ -34,7 +37,7 @@ def launch(kind: str, nproc: int, flags: list[str], steps: int, kill: int, out: 
                "--max-restarts", "1"]
     cmd += [WORKER, "--mode", "ftrun" if kind == "ftrun" else "ddp", "--out", out,
             "--steps", str(steps), "--kill-step", str(kill)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "LOGLEVEL": "ERROR",
+    env = {**os.environ, "OMP_NUM_THREADS": OMP_THREADS[0], "LOGLEVEL": "ERROR",
            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
     subprocess.run(cmd, env=env, timeout=900, check=True, capture_output=True)
 
@@ -66,7 +69,10 @@ def main() -> None:
     ap.add_argument("--nproc", type=int, default=4)
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--kill-step", type=int, default=35)
+    ap.add_argument("--omp-threads", type=int, default=1,
+                    help="each worker's OMP_NUM_THREADS (the zygote imports with 1 whatever it is)")
     a = ap.parse_args()
+    OMP_THREADS[0] = str(a.omp_threads)
     n, s, k = a.nproc, a.steps, a.kill_step
     steady_ft = measure("ftrun", n, [], s, -1)["step_s"]
     steady_tr = measure("torchrun", n, [], s, -1)["step_s"]
@@ -77,7 +83,8 @@ def main() -> None:
         "replace, no spare": measure("ftrun", n, [], s, k),
         "ditto, --no-zygote": measure("ftrun", n, ["--no-zygote"], s, k),
     }
-    print(f"{n} workers, gloo on CPU, {s} steps, SIGKILL of rank 1 at step {k}; "
+    print(f"{n} workers (OMP_NUM_THREADS={a.omp_threads}), gloo on CPU, {s} steps, SIGKILL of "
+          f"rank 1 at step {k}; "
           f"torchrun: DDP, checkpoint every 10 steps, whole-group restart")
     print(f"steady-state step: ftrun {steady_ft * 1000:.1f} ms, torchrun+DDP "
           f"{steady_tr * 1000:.1f} ms, ratio {steady_ft / steady_tr:.3f}")
