@@ -6,8 +6,10 @@ Owns: what `Recovery` does when `replica_groups` decides on a member of a sharde
 a ready spare group in or start a fresh group), starting spare groups (S workers whose group
 is named in the store, under `spare_group_key`, before they need it, so they shard their
 model while they wait) and replacing one whose member died, and the back-in-service notice.
-A mixin of `agent.recovery.Recovery`: it uses that class's membership, port, store and
-publishing.
+Past training (a group lost in its post-training code) no commit will come to call the
+replacement in: it enters as soon as it is ready, owing the lost group's post-training work
+(`ScriptEnds`). A mixin of `agent.recovery.Recovery`: it uses that class's membership, port,
+store, publishing and script ends.
 Must not import: typer, rich, the CLI, the worker library, the agent's node.
 """
 
@@ -16,6 +18,7 @@ from __future__ import annotations
 from typing import Any
 
 from ftrun.agent.ports import AgentPort
+from ftrun.agent.script_ends import ScriptEnds
 from ftrun.core.events import Event
 from ftrun.core.membership import Membership, WorkerRole
 from ftrun.core.policy import FaultDecision, Snapshot
@@ -33,6 +36,7 @@ class GroupRecovery:
     port: AgentPort
     store: Any
     membership: Membership
+    ends: ScriptEnds
     _joiners_to_start: list[tuple[int, int]]
 
     def _publish(self, members: tuple[int, ...], reason: str, urgent: bool,
@@ -43,6 +47,10 @@ class GroupRecovery:
         raise NotImplementedError  # Recovery's
 
     def _grow(self, wids: tuple[int, ...]) -> None:
+        raise NotImplementedError  # Recovery's
+
+    def _spawn(self, node: int, local_rank: int, role: WorkerRole | None = None,
+               rank: int = -1) -> int:
         raise NotImplementedError  # Recovery's
 
     def _init_groups(self) -> None:
@@ -72,6 +80,22 @@ class GroupRecovery:
             self._joiners_to_start += [self._place_of(m) for m in (lost, *d.evicted)]
         for m in d.evicted:  # its group cannot step without it: stop them now
             self.port.kill_worker(m)
+
+    def _group_lost_late(self, d: FaultDecision, lost: int, live: tuple[int, ...],
+                         why: str) -> None:
+        """A group lost after its last step: no commit will come, so its replacement (a
+        ready spare group, or a fresh one) enters as soon as it is ready."""
+        group = [(m, live.index(m)) for m in (lost, *d.evicted)]
+        what = f"replica group of worker {lost}, which {why} after its last step"
+        regrow = bool(self._calling_in) or bool(self._joiners_to_start)
+        self.ends.after_late_group_fault(group, what, regrow)
+        while self._calling_in:
+            spares = self._calling_in.pop(0)
+            if self._all_ready(spares):
+                self._grow(spares)
+        while self._joiners_to_start:
+            node, local_rank = self._joiners_to_start.pop(0)
+            self._spawn(node, local_rank, R.JOINING)
 
     def _after_first_commit(self) -> None:
         """The groups left went on: spare groups called in now enter at a step boundary

@@ -148,6 +148,9 @@ class Recovery(GroupRecovery):
             what = f"joining worker {wid} exited with {describe_exit(code)} before joining"
             if self._respawn_allowed(("join", node), what, "replacements"):
                 self._spawn(node, w.local_rank, R.JOINING)
+            elif self.ends.training_over(self.membership.members):
+                self.ends.no_group_coming()
+                self._release_if_ended()
             self._grow_if_ready(node)
             return None
         if role in (R.SPARE, R.STARTING_SPARE):
@@ -235,7 +238,8 @@ class Recovery(GroupRecovery):
         fault_at = w.exit.wall_time
         late = self.ends.training_over(self.membership.members)
         if self.spec.shard_size > 1:
-            d = self._decide_group_fault(snap, w.worker_id, why, loop)
+            d = self._decide_group_fault(snap, w.worker_id,
+                                         f"{why} after its last step" if late else why, loop)
         elif late:
             d = decide_late_fault(snap, w.worker_id, why, new_id, crash_loop=loop)
             self.ends.after_late_fault(w.worker_id, live.index(w.worker_id), why, d)
@@ -246,6 +250,8 @@ class Recovery(GroupRecovery):
                           "detected_at": w.exit.wall_time})
         if self.spec.shard_size > 1 and d.action is FaultAction.SHRINK:
             self._act_on_group_fault(d, w.worker_id, fault_at)
+            if late:
+                self._group_lost_late(d, w.worker_id, live, why)
             return None
         if d.action is FaultAction.REPLACE:
             # published first: the survivors re-form while the replacement starts
@@ -286,6 +292,8 @@ class Recovery(GroupRecovery):
     # ------------------------------------------------------------ growing back
     def _grow(self, wids: tuple[int, ...]) -> None:
         members = self.membership.live() + wids
+        if self.ends.training_over(self.membership.members):  # they may owe a lost replica
+            members = self.ends.place(self.membership.live(), wids)  # group's work: its ranks
         ranks = ", ".join(str(members.index(w)) for w in wids)
         who = f"worker {wids[0]}" if len(wids) == 1 else f"workers {', '.join(map(str, wids))}"
         self._publish(members, f"{who} join{'s' if len(wids) == 1 else ''} as rank"

@@ -22,6 +22,7 @@ class ScriptEnds:
         self._stages: dict[int, str] = {}  # worker -> "trained" | "ended"
         self._owed: dict[int, tuple[int, str]] = {}  # replacement -> (rank, what happened)
         self._lost: list[tuple[int, str]] = []  # ranks whose post-training work is lost
+        self._unassigned: list[tuple[int, str]] = []  # a replica group's, until it is back
         self.released = False
 
     def on_stage(self, req: Stage) -> str | None:
@@ -54,14 +55,43 @@ class ScriptEnds:
         else:
             self._lost.append(what)
 
+    def after_late_group_fault(self, group: list[tuple[int, int]], what: str,
+                               regrow: bool) -> None:
+        """A replica group (worker, rank) is out: its post-training work waits for the group
+        that replaces it (`assign`), or is lost when none will come."""
+        entries = [self._owed.pop(w, (r, f"rank {r} ({what})")) for w, r in group]
+        (self._unassigned if regrow else self._lost).extend(entries)
+
+    def place(self, live: tuple[int, ...], joiners: tuple[int, ...]) -> tuple[int, ...]:
+        """The members once `joiners` enter past training: each that owes a lost replica
+        group's work takes that rank (a per-rank save is named by it), the others follow."""
+        owing = []
+        for j in joiners:
+            if self._unassigned:
+                self._owed[j] = self._unassigned.pop(0)
+                owing.append((self._owed[j][0], j))
+        members = list(live)
+        for rank, j in sorted(owing):
+            members.insert(min(rank, len(members)), j)
+        return (*members, *(j for j in joiners if j not in members))
+
     def may_release(self, live: tuple[int, ...]) -> bool:
-        """Every live member's script ended: none is needed to heal a replacement."""
-        return not self.released and bool(live) and all(self.ended(m) for m in live)
+        """Every live member's script ended, and no replica group is still to come back:
+        none is needed to heal a replacement."""
+        return (not self.released and bool(live) and not self._unassigned
+                and all(self.ended(m) for m in live))
+
+    def no_group_coming(self) -> None:
+        """The replica groups still owed will not come (their joiners kept dying)."""
+        self._lost += self._unassigned
+        self._unassigned = []
 
     def verdict(self) -> Decision:
         """Every member finished: success only if no rank's post-training work was lost."""
         lost = [*self._lost, *((rank, f"{what}, whose replacement {w} did not end its script")
-                               for w, (rank, what) in self._owed.items())]
+                               for w, (rank, what) in self._owed.items()),
+                *((rank, f"{what}, whose replica group never came back")
+                  for rank, what in self._unassigned)]
         if not lost:
             return Decision(Action.SUCCEED, "every member finished")
         return Decision(Action.FAIL, f"{'; '.join(what for _, what in lost)}: lost after its "
