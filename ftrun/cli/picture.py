@@ -177,12 +177,13 @@ def _rank_key(item: tuple[str, Any]) -> tuple[int, str]:
 def write_png(chart: Chart, path: str, title: str) -> int:
     try:
         import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        from matplotlib.patches import Patch
     except ImportError:
         raise UsageError("a PNG picture needs matplotlib",
                          hint="pip install 'ftrun[report]', or use --out FILE.html") from None
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
     fig, (ax, band) = plt.subplots(2, 1, sharex=True, figsize=(11, 5.5),
                                    gridspec_kw={"height_ratios": [5, 1]})
@@ -204,8 +205,6 @@ def write_png(chart: Chart, path: str, title: str) -> int:
         ax.axvline(fault.t, color="#e15759" if fault.recovered else "black", lw=0.8)
         ax.plot([fault.t], [chart.top_step], "v", color="#e15759", ms=7)
         drawn += 1
-    from matplotlib.patches import Patch
-
     ax.set_ylabel("committed step")
     ax.set_title(title)
     ax.set_xlim(0, chart.seconds)
