@@ -103,8 +103,9 @@ def failure_block(title: str, cause: WorkerExit, others: Sequence[WorkerExit],
     hint = hint_for(root.returncode, info is not None, root.sent_by_ftrun)
     if hint:
         lines.append(f"  hint      : {hint}")
-    if root is not cause:
-        lines += ["The job ended on:", _one_line(cause)]
+    if root is not cause:  # with its traceback: a crash loop's why is the last failure's
+        lines += ["The job ended on:", _one_line(cause),
+                  *_traceback_lines(read_error_file(cause.error_file))]
     rest = [e for e in others if e is not cause and e is not root]
     if rest:
         lines.append("Other workers:")
@@ -131,11 +132,16 @@ def _describe(e: WorkerExit, info: ErrorFileInfo | None) -> list[str]:
         f"  error_file: {e.error_file if info else '<none written>'}",
     ]
     if info is not None and info.traceback:
-        lines.append("  traceback :")
-        lines += ["    " + ln for ln in info.traceback.rstrip().splitlines()]
+        lines += _traceback_lines(info)
     elif e.returncode < 0:
         lines.append(f"  traceback : killed by {describe_exit(e.returncode)}")
     return lines
+
+
+def _traceback_lines(info: ErrorFileInfo | None) -> list[str]:
+    if info is None or not info.traceback:
+        return []
+    return ["  traceback :", *("    " + ln for ln in info.traceback.rstrip().splitlines())]
 
 
 def copy_to_parent_error_file(cause: WorkerExit, parent_path: str | None) -> None:
