@@ -147,10 +147,10 @@ def send_heal(group: Group, dst: int, sources: Sequence[int], objects: Mapping[s
     started = time.monotonic()
     skeleton, leaves = describe(objects)
     views = [_bytes(t) for t in leaves]
-    layout = chunk_layout([v.numel() for v in views], chunk_bytes)
+    sizes = [v.numel() for v in views]
+    layout = chunk_layout(sizes, chunk_bytes)
     if group.rank == sources[0]:
-        meta = pickle.dumps({"skeleton": skeleton, "chunk_bytes": chunk_bytes,
-                             "sizes": [v.numel() for v in views]})
+        meta = pickle.dumps({"skeleton": skeleton, "chunk_bytes": chunk_bytes, "sizes": sizes})
         header = torch.tensor([len(meta), len(layout)], dtype=torch.int64)
         _run(group, "send", header.to(device), dst, _TAG_HEADER, interrupt)
         _run(group, "send", torch.frombuffer(bytearray(meta), dtype=torch.uint8).to(device),
@@ -234,7 +234,8 @@ class _Receiver:
         self.device, self.chunk_bytes, self.stats = device, chunk_bytes, stats
         self.queues = {src: list(ids) for src, ids in shares.items() if ids}
         self.staging: dict[int, Any] = {}
-        self.posted: dict[int, tuple[Any, int, Any]] = {}  # source -> (work, chunk, buffer)
+        # source -> (work, chunk id, buffer, whether the buffer is staging to scatter from)
+        self.posted: dict[int, tuple[Any, int, Any, bool]] = {}
 
     def run(self, interrupt: Interrupt) -> None:
         for src in self.queues:
@@ -253,16 +254,17 @@ class _Receiver:
     def _post(self, src: int) -> None:
         chunk_id = self.queues[src].pop(0)
         buffer = _direct(self.layout[chunk_id], self.views, self.device)
-        if buffer is None:
+        staged = buffer is None
+        if staged:
             self.staging.setdefault(src, _staging(self.chunk_bytes, self.device))
             self.stats.staged_bytes = self.chunk_bytes * len(self.staging)
             buffer = self.staging[src][:_chunk_size(self.layout[chunk_id])]
         self.posted[src] = (_start(self.group, "recv", buffer, src, _TAG_CHUNK + chunk_id),
-                            chunk_id, buffer)
+                            chunk_id, buffer, staged)
 
     def _done(self, src: int, then_next: bool) -> None:
-        _work, chunk_id, buffer = self.posted.pop(src)
-        if src in self.staging:
+        _work, chunk_id, buffer, staged = self.posted.pop(src)
+        if staged:  # a direct chunk landed in place already
             _scatter(self.layout[chunk_id], self.views, buffer)
         self.progress.received.add(chunk_id)
         self.stats.bytes += buffer.numel()
@@ -288,13 +290,12 @@ def _targets(skeleton: Any, objects: Mapping[str, Any], device: Any, mesh: Any
     import torch
 
     own = dict(paths({k: o.state_dict() for k, o in objects.items()}))
-    refs = sorted((ref for _p, ref in paths(skeleton) if isinstance(ref, _Ref)),
-                  key=lambda r: r.index)
-    where = {ref.index: path for path, ref in paths(skeleton) if isinstance(ref, _Ref)}
+    # paths() visits the leaves in describe()'s order: the refs come in index order
+    refs = [(path, ref) for path, ref in paths(skeleton) if isinstance(ref, _Ref)]
     targets: list[Any] = []
     finals: list[Any] = []
-    for ref in refs:
-        mine: Any = own.get(where[ref.index])
+    for path, ref in refs:
+        mine: Any = own.get(path)
         local = mine.to_local() if hasattr(mine, "to_local") else mine
         if (isinstance(local, torch.Tensor) and str(local.dtype).removeprefix("torch.")
                 == ref.dtype and tuple(local.shape) == ref.shape and local.is_contiguous()):
