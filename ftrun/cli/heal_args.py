@@ -12,9 +12,10 @@ from typing import Any
 
 from ftrun.cli.values import float_value, int_value
 from ftrun.core.errors import UsageError
+from ftrun.core.spec import HEAL_CHUNK_MB, HEAL_SOURCES
 
-DEFAULT_CHUNK_MB = "64"  # as ftrun.worker.transfer.DEFAULT_CHUNK_MB
-DEFAULT_SOURCES = "4"  # as ftrun.worker.aligning.DEFAULT_HEAL_SOURCES
+DEFAULT_CHUNK_MB = f"{HEAL_CHUNK_MB:g}"
+DEFAULT_SOURCES = str(HEAL_SOURCES)
 MAX_CHUNK_MB = 4096.0  # one staging buffer per peer is this big
 
 

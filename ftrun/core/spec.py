@@ -44,6 +44,10 @@ class StdMask:
         return dict(self.per_rank).get(local_rank, self.default)
 
 
+HEAL_CHUNK_MB = 64.0  # a heal moves the state in chunks of this many MB (--heal-chunk-mb)
+HEAL_SOURCES = 4  # the most live replicas one healing member pulls from (--heal-sources)
+
+
 @dataclass(frozen=True)
 class RunSpec:
     """A single launch, as the user asked for it, after validation."""
@@ -93,8 +97,8 @@ class RunSpec:
     metrics_port: int | None = None  # serve Prometheus metrics here (0: any free port)
     metrics_addr: str = "127.0.0.1"  # ...bound to this address
     shard_size: int = 1  # ranks per replica group (HSDP: FSDP inside, ftrun across); 1: DP
-    heal_chunk_mb: float = 64.0  # a heal moves the state in chunks of this many MB
-    heal_sources: int = 4  # the most live replicas one healing member pulls from at once
+    heal_chunk_mb: float = HEAL_CHUNK_MB
+    heal_sources: int = HEAL_SOURCES
 
     @property
     def snapshots(self) -> bool:
@@ -194,8 +198,8 @@ class WorkerEnv:
     resume_step: int = -1  # the snapshot step the agent chose: nothing newer is loaded
     shard_size: int = 1  # ranks per replica group (--shard-size); 1: plain data parallel
     relay: str = ""  # HOST:PORT of the node agent's generation relay ("": watch the store)
-    heal_chunk_mb: float = 64.0  # --heal-chunk-mb
-    heal_sources: int = 4  # --heal-sources
+    heal_chunk_mb: float = HEAL_CHUNK_MB  # --heal-chunk-mb
+    heal_sources: int = HEAL_SOURCES  # --heal-sources
 
     def to_env(self) -> dict[str, str]:
         # Snapshot variables appear only when snapshots are on, so a job without

@@ -16,11 +16,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ftrun.core.errors import WorkerApiError
-from ftrun.core.spec import WorkerEnv
+from ftrun.core.spec import HEAL_CHUNK_MB, HEAL_SOURCES, WorkerEnv
 from ftrun.protocol.rendezvous import Healed, Request, StateSize
 from ftrun.worker.comm import Group, Interrupt
 from ftrun.worker.transfer import (
-    DEFAULT_CHUNK_MB,
     HealProgress,
     HealStats,
     describe,
@@ -29,15 +28,14 @@ from ftrun.worker.transfer import (
 )
 
 STREAMS = "ftrun.random_streams"  # the random streams' name beside the registered objects
-DEFAULT_HEAL_SOURCES = 4
 
 
 @dataclass
 class Healer:
     """A worker's side of healing, kept across generations."""
 
-    chunk_mb: float = DEFAULT_CHUNK_MB
-    max_sources: int = DEFAULT_HEAL_SOURCES
+    chunk_mb: float = HEAL_CHUNK_MB
+    max_sources: int = HEAL_SOURCES
     progress: HealProgress = field(default_factory=HealProgress)
     last: tuple[str, HealStats] | None = None  # ("sent" or "received", figures) since taken
     worker: int = -1

@@ -28,7 +28,6 @@ from ftrun.core.errors import first_line
 from ftrun.worker.comm import Abandoned, CommError, Group, Interrupt
 
 DRILL_KILL_MID_TRANSFER = "FTRUN_DRILL_KILL_MID_TRANSFER"  # a worker id
-DEFAULT_CHUNK_MB = 64
 _TAG_HEADER, _TAG_META, _TAG_REQUEST, _TAG_CHUNK = 1, 2, 3, 16
 
 Segment = tuple[int, int, int]  # (leaf index, first byte, end byte)
