@@ -57,10 +57,6 @@ class HealStats:
     chunks: int = 0
     staged_bytes: int = 0  # the largest staging buffer held at once (0: none needed)
 
-    @property
-    def gb_per_s(self) -> float:
-        return self.bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
-
 
 @dataclass
 class HealProgress:
