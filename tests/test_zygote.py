@@ -161,7 +161,7 @@ def test_ctrl_c_while_the_zygote_still_imports_stops_the_run_at_once(tmp_path) -
                             env={**os.environ, "OMP_NUM_THREADS": "1",
                                  "PYTHONPATH": str(FIXTURES)})
     try:
-        time.sleep(2)  # the agent waits for the zygote's 30 s import
+        time.sleep(6)  # past the agent's own start-up: it waits for the zygote's 30 s import
         proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=15)  # not the zygote's 30 s, nor its 180 s limit
     finally:

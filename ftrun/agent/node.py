@@ -164,7 +164,8 @@ class Agent(NodeHooks, RunServices):
     # ----------------------------------------------------------------- workers
     def _start_group(self, restarts: int, hosted: HostedStore) -> None:
         self._workers, self._next_id = [], self.spec.nproc  # ids restart with every attempt
-        if self._wakeup.signals:  # stopped while the zygote imported: start nothing, then stop
+        self.starter.wait_for_zygote()  # its imports; a signal meanwhile ends the wait
+        if self._wakeup.signals:  # stopped before the workers started: start none, then stop
             return
         for local_rank in range(self.spec.nproc):
             self.spawn_worker(local_rank, rank=local_rank, local_rank=local_rank)

@@ -77,6 +77,11 @@ class WorkerStarter:
                               f"{_NEW} from now on")
         return spawn(argv, env, stdout, stderr)
 
+    def wait_for_zygote(self) -> None:
+        """Until the zygote is ready (or not to be used), or a signal reaches the agent: the
+        agent then starts no worker, where start() would start them as new processes."""
+        self._usable()
+
     def _usable(self) -> Zygote | None:
         zygote = self.zygote
         if zygote is None:
