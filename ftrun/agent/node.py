@@ -137,7 +137,7 @@ class Agent(NodeHooks, RunServices):
         if self.recovery is None:
             return
         self._requests.close(hosted.store)
-        self.recovery.store = None
+        self.recovery.detach()
         self.recovery = None
         self.control_plane.membership = None
 

@@ -1,9 +1,11 @@
-"""The narrow port through which the agent's helpers reach the node they run on.
+"""The narrow ports through which the agent's helpers reach the node they run on.
 
-Owns: `AgentPort`, the members an agent (single-node, coordinator or follower) offers to
-`Recovery`, `HealthWatch` and the `ControlPlane`. The helpers type against this port, never
-against the agent, so each can be built and tested with a fake; they get the journal and the
-progress slots explicitly, and they return findings that the agent acts on.
+Owns: one port per kind of helper, each with only the members that helper uses:
+`WatchPort` (the health watch), `RecoveryPort` (in-process recovery and replica groups),
+`ControlPort` (the control plane), and `AgentPort`, all three together, which the agent
+offers. The helpers type against their port, never against the agent, so each can be built
+and tested with a fake; they get the journal and the progress slots explicitly, and they
+return findings that the agent acts on.
 Must not import: the agent, its helpers, torch, typer, rich.
 """
 
@@ -18,37 +20,58 @@ from ftrun.core.policy import Liveness
 from ftrun.core.spec import RunSpec
 
 
-class AgentPort(Protocol):
+class Notifying(Protocol):
     spec: RunSpec
-    run_id: str
-    restarts: int
 
     def emit(self, kind: Event, fields: Mapping[str, object]) -> None: ...
 
     def wake(self) -> None:
         """Interrupt the main loop from another thread."""
 
-    # workers: ids, placement, liveness
+
+class WatchPort(Notifying, Protocol):
+    """What the health watch reads: this node's workers, the other nodes' liveness."""
+
+    def workers_snapshot(self) -> list[Worker]: ...
+    def live_members(self) -> list[Worker]: ...
+    def remote_liveness(self) -> list[Liveness]: ...
+
+
+class RecoveryPort(Notifying, Protocol):
+    """What in-process recovery does to the job: ids, placement on any node, kills."""
+
+    restarts: int
+
     def allocate_id(self, node: int) -> int: ...
     def peek_id(self, node: int) -> int: ...
     def place(self, worker_id: int, rank: int, local_rank: int, spare: bool) -> None: ...
     def live_nodes(self) -> list[int]: ...
     def initial_members(self) -> tuple[int, ...]: ...
     def all_workers(self) -> list[Worker | RemoteWorker]: ...
-    def workers_snapshot(self) -> list[Worker]: ...
-    def live_members(self) -> list[Worker]: ...
-    def worker_by_id(self, worker_id: int) -> Worker | None: ...
     def committed_step(self, worker_id: int) -> int: ...
     def kill_worker(self, worker_id: int) -> bool:
         """SIGKILL a live worker of this job, on whichever node it runs; False: not alive."""
-    def remote_liveness(self) -> list[Liveness]: ...
     def resumable(self) -> tuple[int, int]:
         """(newest snapshot step or -1, whole-group restarts that already resumed from it)"""
-    def net_down(self, node: int, duration: float) -> dict[str, Any]:
-        """A net-down drill on `node` (control thread), or a one-line FtrunError."""
+    def suspect(self) -> None:
+        """A worker saw a peer's connection break (several nodes: check them now)."""
 
-    # what a worker said, and what the job shows
-    def suspect(self) -> None: ...
+
+class ControlPort(Notifying, Protocol):
+    """What `ftrun status`, drills and the metrics endpoint read or ask of the node."""
+
+    run_id: str
+    restarts: int
+
+    def workers_snapshot(self) -> list[Worker]: ...
+    def live_members(self) -> list[Worker]: ...
+    def worker_by_id(self, worker_id: int) -> Worker | None: ...
     def uses_api(self) -> bool: ...
     def control_name(self) -> str: ...
     def decorate_status(self, doc: dict[str, Any]) -> dict[str, Any]: ...
+    def net_down(self, node: int, duration: float) -> dict[str, Any]:
+        """A net-down drill on `node` (control thread), or a one-line FtrunError."""
+
+
+class AgentPort(WatchPort, RecoveryPort, ControlPort, Protocol):
+    """Every port at once: what an agent offers its helpers."""

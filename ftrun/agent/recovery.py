@@ -6,7 +6,7 @@ doing what `policy` decides on a member's fault, a node's loss or a stuck commun
 (replace with a spare or a new process, shrink then grow, rebuild), the crash-loop counters
 the policy reads, and keeping the spare pool full.
 Must not import: typer, rich, the CLI, the worker library, the agent (it reaches the node
-through `ports.AgentPort`).
+through `ports.RecoveryPort`).
 """
 
 from __future__ import annotations
@@ -16,8 +16,9 @@ import time
 from dataclasses import replace
 from typing import Any
 
-from ftrun.agent.group_recovery import GroupRecovery
-from ftrun.agent.ports import AgentPort
+from ftrun.agent.generations import Generations, Respawns
+from ftrun.agent.ports import RecoveryPort
+from ftrun.agent.replica_groups import ReplicaGroups
 from ftrun.agent.roster import RemoteWorker, Worker
 from ftrun.agent.script_ends import ScriptEnds
 from ftrun.core import timeouts
@@ -35,7 +36,6 @@ from ftrun.core.policy import (
     decide_late_fault,
     decide_node_loss,
     decide_rebuild,
-    decide_respawn,
 )
 from ftrun.protocol.rendezvous import (
     RELEASE_KEY,
@@ -61,8 +61,8 @@ AnyWorker = Worker | RemoteWorker
 R = WorkerRole
 
 
-class Recovery(GroupRecovery):
-    def __init__(self, port: AgentPort, store: Any) -> None:
+class Recovery:
+    def __init__(self, port: RecoveryPort, store: Any) -> None:
         self.port = port
         self.spec = port.spec
         self.store = store
@@ -72,13 +72,17 @@ class Recovery(GroupRecovery):
         self._reported: set[int] = set()  # generations whose recovery was announced
         self._refills: list[tuple[int, int]] = []  # (node, local rank): spares to start
         self._joiners_to_start: list[tuple[int, int]] = []  # shrink mode: replacements
-        self._init_groups()
-        # failures in a row before a first commit, per ("rank", r), ("join", node) and
-        # ("spare", node): the policy stops replacing at CRASH_LOOP_LIMIT
-        self._early_failures: dict[tuple[str, int], int] = {}
         self.ends = ScriptEnds()  # past training: scripts ended, post-training work owed
+        self.gens = Generations(port, store, self.membership, self.ends)
+        self.respawns = Respawns(port, self._snapshot)
+        self.groups = ReplicaGroups(self.spec, port, store, self.membership, self.ends,
+                                    self.gens, self.respawns)
         publish(store, Generation(0, self.membership.members, reason="start",
-                                  published_at=time.time()), self._relays())
+                                  published_at=time.time()), self.gens.relays())
+
+    def detach(self) -> None:
+        """The attempt is over: its store goes; nothing is published any more."""
+        self.store = self.gens.store = self.groups.store = None
 
     @property
     def uses_api(self) -> bool:
@@ -98,38 +102,12 @@ class Recovery(GroupRecovery):
             on_fault=self.spec.on_fault, min_nproc=self.spec.min_nproc,
             min_nodes=self.spec.nnodes_min, **extra)
 
-    # ------------------------------------------------------------ generations
-    def _publish(self, members: tuple[int, ...], reason: str, urgent: bool,
-                 fault_at: float = 0.0, joiners: tuple[int, ...] = ()) -> None:
-        self.membership.publish(members, joiners)
-        number = self.membership.generation
-        gen = Generation(number, members, reason, urgent, time.time(), fault_at, joiners)
-        publish(self.store, gen, self._relays())
-        self.port.emit(Event.GENERATION, {"generation": number, "world_size": len(members),
-                                      "reason": reason, "urgent": urgent,
-                                      "published_at": gen.published_at})
-
-    def _relays(self) -> list[int]:
-        """The other nodes: their agents relay each generation to their workers."""
-        return [n for n in self.port.live_nodes() if n != 0]
-
-    def _spawn(self, node: int, local_rank: int, role: WorkerRole | None = None,
-               rank: int = -1) -> int:
-        """Start a worker on `node`; `local_rank` is the preferred device (the node's agent
-        moves it off an excluded GPU). A replacement takes its role when it is published."""
-        wid = self.port.allocate_id(node)
-        self.port.place(wid, rank=rank, local_rank=local_rank,
-                        spare=role is R.STARTING_SPARE)
-        if role is not None:
-            self.membership.move(wid, role)
-        return wid
-
     def _start_spares(self, node: int) -> None:
         for i in range(self.spec.spares):
             if self.spec.shard_size > 1:  # --spares counts groups
-                self._start_spare_group(node, i)
+                self.groups.start_spare_group(node, i)
             else:
-                self._spawn(node, self.spec.nproc + i, R.STARTING_SPARE)
+                self.gens.spawn(node, self.spec.nproc + i, R.STARTING_SPARE)
 
     # ------------------------------------------------------------ worker exits
     def owns(self, w: AnyWorker) -> bool:
@@ -146,8 +124,8 @@ class Recovery(GroupRecovery):
             self.membership.leave([wid])
             self.faults += 1
             what = f"joining worker {wid} exited with {describe_exit(code)} before joining"
-            if self._respawn_allowed(("join", node), what, "replacements"):
-                self._spawn(node, w.local_rank, R.JOINING)
+            if self.respawns.allowed(("join", node), what, "replacements"):
+                self.gens.spawn(node, w.local_rank, R.JOINING)
             elif self.ends.training_over(self.membership.members):
                 self.ends.no_group_coming()
                 self._release_if_ended()
@@ -159,9 +137,9 @@ class Recovery(GroupRecovery):
                 self.faults += 1
                 what = f"spare worker {wid} exited with {describe_exit(code)}"
                 if self.spec.shard_size > 1:
-                    self._on_spare_group_exit(wid, what)
-                elif self._respawn_allowed(("spare", node), what, "spares"):
-                    self._spawn(node, w.local_rank, R.STARTING_SPARE)
+                    self.groups.on_spare_exit(wid, what)
+                elif self.respawns.allowed(("spare", node), what, "spares"):
+                    self.gens.spawn(node, w.local_rank, R.STARTING_SPARE)
             return None
         if wid not in self.membership.members:
             return None  # replaced or evicted earlier; its end is expected
@@ -216,30 +194,21 @@ class Recovery(GroupRecovery):
             self.port.emit(Event.NOTICE, {"text": d.reason})
         return d
 
-    def _respawn_allowed(self, key: tuple[str, int], what: str, kind: str) -> bool:
-        count = self._early_failures[key] = self._early_failures.get(key, 0) + 1
-        r = decide_respawn(self._snapshot(), what, kind, key[1], count,
-                           key[1] in self.port.live_nodes())
-        self.port.emit(Event.NOTICE, {"text": r.reason})
-        return r.allowed
-
     def _on_member_fault(self, w: AnyWorker, why: str) -> Decision | None:
         assert w.exit is not None
         live = self.membership.live()
         node = node_of(w.worker_id)
         new_id = self.port.peek_id(node)  # allocated only if a new worker is started
         snap = self._snapshot()
-        rank_key = ("rank", live.index(w.worker_id))
-        healing = self.membership.role(w.worker_id) is R.HEALING
-        loop = self._early_failures.get(rank_key, 0) + 1 if healing else 0
-        self._early_failures[rank_key] = loop
+        loop = self.respawns.rank_loop(live.index(w.worker_id),
+                                       self.membership.role(w.worker_id) is R.HEALING)
         snap = replace(snap, spares=_near(snap.spares, node),
                        starting_spares=_near(snap.starting_spares, node))
         fault_at = w.exit.wall_time
         late = self.ends.training_over(self.membership.members)
         if self.spec.shard_size > 1:
-            d = self._decide_group_fault(snap, w.worker_id,
-                                         f"{why} after its last step" if late else why, loop)
+            d = self.groups.decide(snap, w.worker_id,
+                                   f"{why} after its last step" if late else why, loop)
         elif late:
             d = decide_late_fault(snap, w.worker_id, why, new_id, crash_loop=loop)
             self.ends.after_late_fault(w.worker_id, live.index(w.worker_id), why, d)
@@ -249,20 +218,20 @@ class Recovery(GroupRecovery):
                           "decision": d.action.value, "reason": d.reason,
                           "detected_at": w.exit.wall_time})
         if self.spec.shard_size > 1 and d.action is FaultAction.SHRINK:
-            self._act_on_group_fault(d, w.worker_id, fault_at)
+            self.groups.act_on_fault(d, w.worker_id, fault_at)
             if late:
-                self._group_lost_late(d, w.worker_id, live, why)
+                self.groups.lost_late(d, w.worker_id, live, why)
             return None
         if d.action is FaultAction.REPLACE:
             # published first: the survivors re-form while the replacement starts
-            self._publish(d.members, d.reason, True, fault_at, d.joiners)
+            self.gens.publish(d.members, d.reason, True, fault_at, d.joiners)
             if d.spare_used is not None:  # ready or still starting: the pool is one short
                 self._refills.append((node, w.local_rank))  # the lost device goes to a spare
             else:
-                self._spawn(node, w.local_rank, rank=d.members.index(d.joiners[0]))
+                self.gens.spawn(node, w.local_rank, rank=d.members.index(d.joiners[0]))
             return None
         if d.action in (FaultAction.SHRINK, FaultAction.FAIL_AT_END):
-            self._publish(d.members, d.reason, True, fault_at)
+            self.gens.publish(d.members, d.reason, True, fault_at)
             self._release_if_ended()
             if d.regrow:
                 self._joiners_to_start.append((node, w.local_rank))  # after the first commit
@@ -286,19 +255,10 @@ class Recovery(GroupRecovery):
             return False
         self._emit_fault({"worker": -1, "rank": -1, "why": "comm", "decision": d.action.value,
                           "reason": d.reason, "detected_at": time.time()})
-        self._publish(d.members, d.reason, True, time.time())
+        self.gens.publish(d.members, d.reason, True, time.time())
         return True
 
     # ------------------------------------------------------------ growing back
-    def _grow(self, wids: tuple[int, ...]) -> None:
-        members = self.membership.live() + wids
-        if self.ends.training_over(self.membership.members):  # they may owe a lost replica
-            members = self.ends.place(self.membership.live(), wids)  # group's work: its ranks
-        ranks = ", ".join(str(members.index(w)) for w in wids)
-        who = f"worker {wids[0]}" if len(wids) == 1 else f"workers {', '.join(map(str, wids))}"
-        self._publish(members, f"{who} join{'s' if len(wids) == 1 else ''} as rank"
-                      f"{'s' if len(wids) > 1 else ''} {ranks}", False, joiners=wids)
-
     def add_joiners(self, wids: list[int]) -> None:
         """A node joined a running job: its workers enter together once each said hello."""
         for wid in wids:
@@ -314,7 +274,7 @@ class Recovery(GroupRecovery):
             return  # the rest of its node is still starting
         batch = tuple(w for w in self.membership.with_role(R.READY) if node_of(w) == node)
         if batch:
-            self._grow(batch)
+            self.gens.grow(batch)
 
     def on_node_lost(self, node: int, label: str, lost: list[AnyWorker], nodes_left: int,
                      last_seen: float) -> Decision | None:
@@ -324,6 +284,8 @@ class Recovery(GroupRecovery):
         self.membership.leave(ids - set(live))  # its spares and joiners
         self._refills = [r for r in self._refills if r[0] != node]
         self._joiners_to_start = [r for r in self._joiners_to_start if r[0] != node]
+        self.groups.joiners_to_start = [r for r in self.groups.joiners_to_start
+                                        if r[0] != node]
         lost_members = tuple(m for m in live if m in ids)
         if not lost_members:
             return None
@@ -337,9 +299,9 @@ class Recovery(GroupRecovery):
         if d.action in (FaultAction.SHRINK, FaultAction.REPLACE):
             # spares that take a rank leave the pool for good: the lost node's devices are
             # gone, so there is none to start a new spare on
-            self._publish(d.members, d.reason, True, min(last_seen, now), d.joiners)
-            if self.spec.shard_size > 1 and self._out_since is None:  # its groups went too
-                self._out_since = min(last_seen, now)
+            self.gens.publish(d.members, d.reason, True, min(last_seen, now), d.joiners)
+            if self.spec.shard_size > 1 and self.groups.out_since is None:  # its groups too
+                self.groups.out_since = min(last_seen, now)
             return None
         return _stop(d, None)
 
@@ -388,7 +350,7 @@ class Recovery(GroupRecovery):
                 if req.generation not in self._reported:
                     self._reported.add(req.generation)  # the first member to commit
                     self.port.emit(Event.RECOVERED, to_fields(req))
-                    self._back_in_service(req)
+                    self.groups.back_in_service(req)
                     if not self.ends.training_over(self.membership.members):
                         self._refill()  # past training, a new spare would serve nothing
             case Stage():
@@ -417,7 +379,7 @@ class Recovery(GroupRecovery):
                           "detected_at": time.time()})
         if d.action is not FaultAction.REBUILD:
             return _stop(d, None)
-        self._publish(d.members, d.reason, True, time.time())
+        self.gens.publish(d.members, d.reason, True, time.time())
         return None
 
     def _committed_first(self, wid: int) -> None:
@@ -426,10 +388,8 @@ class Recovery(GroupRecovery):
         if self.membership.role(wid) is not R.HEALING:
             return
         self.membership.move(wid, R.MEMBER)
-        for key in (("join", node_of(wid)), ("spare", node_of(wid))):
-            self._early_failures.pop(key, None)
-        if wid in self.membership.members:
-            self._early_failures.pop(("rank", self.membership.members.index(wid)), None)
+        members = self.membership.members
+        self.respawns.committed(node_of(wid), members.index(wid) if wid in members else None)
 
     def _refill(self) -> None:
         """New spares and shrink-mode replacements start once the job has recovered:
@@ -437,11 +397,12 @@ class Recovery(GroupRecovery):
         have to share."""
         while self._refills:
             node, local_rank = self._refills.pop(0)
-            self._spawn(node, local_rank, R.STARTING_SPARE)
-        self._after_first_commit()
-        while self._joiners_to_start:
-            node, local_rank = self._joiners_to_start.pop(0)
-            self._spawn(node, local_rank, R.JOINING)
+            self.gens.spawn(node, local_rank, R.STARTING_SPARE)
+        self.groups.after_first_commit()
+        for joiners in (self._joiners_to_start, self.groups.joiners_to_start):
+            while joiners:
+                node, local_rank = joiners.pop(0)
+                self.gens.spawn(node, local_rank, R.JOINING)
 
     def catch_up(self, timeout_s: float = timeouts.REQUEST_CATCH_UP_S) -> None:
         """Before judging an exit: let the reader take what is already queued (a worker that

@@ -8,7 +8,7 @@ Hangs are judged by progress (the workers' slots), never by CPU use: a rank spin
 loop is as hung as a stopped one. A rebuild of a stuck communicator is followed up: if no step
 is committed within another timeout, the ranks are replaced.
 Must not import: torch, typer, rich, the CLI, the agent (it reaches the node through
-`ports.AgentPort`).
+`ports.WatchPort`).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import psutil
 
 from ftrun.adapters.slots import ProgressSlots
-from ftrun.agent.ports import AgentPort
+from ftrun.agent.ports import WatchPort
 from ftrun.core.errors import FtrunError
 from ftrun.core.events import Event
 from ftrun.core.membership import Membership
@@ -61,7 +61,7 @@ CPU_IDLE_S = 1.0  # `ftrun status` calls a worker idle after this long without C
 
 
 class HealthWatch:
-    def __init__(self, port: AgentPort, slots: ProgressSlots) -> None:
+    def __init__(self, port: WatchPort, slots: ProgressSlots) -> None:
         self.port = port
         self.slots = slots
         spec = port.spec

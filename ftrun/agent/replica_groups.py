@@ -1,15 +1,15 @@
 """The agent's side of replica groups (--shard-size): a fault that takes a whole group out,
 hot spare groups, and the groups' return.
 
-Owns: what `Recovery` does when `replica_groups` decides on a member of a sharded job
-(publish without the lost group, stop the rest of it, and after the others' first commit call
-a ready spare group in or start a fresh group), starting spare groups (S workers whose group
-is named in the store, under `spare_group_key`, before they need it, so they shard their
-model while they wait) and replacing one whose member died, and the back-in-service notice.
-Past training (a group lost in its post-training code) no commit will come to call the
-replacement in: it enters as soon as it is ready, owing the lost group's post-training work
-(`ScriptEnds`). A mixin of `agent.recovery.Recovery`: it uses that class's membership, port,
-store, publishing and script ends.
+Owns: `ReplicaGroups`, held by `Recovery`: what it does when `core.replica_groups` decides on
+a member of a sharded job (publish without the lost group, stop the rest of it, and after the
+others' first commit call a ready spare group in or start a fresh group), starting spare
+groups (S workers whose group is named in the store, under `spare_group_key`, before they
+need it, so they shard their model while they wait) and replacing one whose member died, and
+the back-in-service notice. Past training (a group lost in its post-training code) no commit
+will come to call the replacement in: it enters as soon as it is ready, owing the lost
+group's post-training work (`ScriptEnds`). It publishes and starts workers through the
+`Generations` and `Respawns` it is handed, the same ones `Recovery` uses.
 Must not import: typer, rich, the CLI, the worker library, the agent's node.
 """
 
@@ -17,7 +17,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from ftrun.agent.ports import AgentPort
+from ftrun.agent.generations import Generations, Respawns
+from ftrun.agent.ports import RecoveryPort
 from ftrun.agent.script_ends import ScriptEnds
 from ftrun.core.events import Event
 from ftrun.core.membership import Membership, WorkerRole
@@ -29,86 +30,75 @@ from ftrun.protocol.rendezvous import Recovered, node_of, spare_group_key
 R = WorkerRole
 
 
-class GroupRecovery:
-    """Replica-group behaviour for `Recovery` (used when spec.shard_size > 1)."""
+class ReplicaGroups:
+    """Replica-group behaviour of in-process recovery (used when spec.shard_size > 1)."""
 
-    spec: RunSpec
-    port: AgentPort
-    store: Any
-    membership: Membership
-    ends: ScriptEnds
-    _joiners_to_start: list[tuple[int, int]]
-
-    def _publish(self, members: tuple[int, ...], reason: str, urgent: bool,
-                 fault_at: float = 0.0, joiners: tuple[int, ...] = ()) -> None:
-        raise NotImplementedError  # Recovery's
-
-    def _respawn_allowed(self, key: tuple[str, int], what: str, kind: str) -> bool:
-        raise NotImplementedError  # Recovery's
-
-    def _grow(self, wids: tuple[int, ...]) -> None:
-        raise NotImplementedError  # Recovery's
-
-    def _spawn(self, node: int, local_rank: int, role: WorkerRole | None = None,
-               rank: int = -1) -> int:
-        raise NotImplementedError  # Recovery's
-
-    def _init_groups(self) -> None:
-        self._out_since: float | None = None  # the fault that took a replica group out
-        self._spare_groups: list[tuple[int, ...]] = []  # started, oldest first
-        self._group_refills: list[int] = []  # nodes owed a spare group after a recovery
+    def __init__(self, spec: RunSpec, port: RecoveryPort, store: Any, membership: Membership,
+                 ends: ScriptEnds, gens: Generations, respawns: Respawns) -> None:
+        self.spec = spec
+        self.port = port
+        self.store = store  # None once the attempt is over
+        self.membership = membership
+        self.ends = ends
+        self.gens = gens
+        self.respawns = respawns
+        self.out_since: float | None = None  # the fault that took a replica group out
+        self.spares: list[tuple[int, ...]] = []  # spare groups started, oldest first
+        self._refills: list[int] = []  # nodes owed a spare group after a recovery
         self._calling_in: list[tuple[int, ...]] = []  # spare groups to enter after a commit
+        # (node, local rank) of a lost group's members, restarted after the others' commit
+        self.joiners_to_start: list[tuple[int, int]] = []
 
     # ------------------------------------------------------------ a member lost
-    def _decide_group_fault(self, snap: Snapshot, lost: int, why: str, loop: int
+    def decide(self, snap: Snapshot, lost: int, why: str, loop: int
                             ) -> FaultDecision:
         return decide_group_fault(snap, lost, why, self.spec.shard_size, loop,
                                   self._ready_spare_group(node_of(lost)))
 
-    def _act_on_group_fault(self, d: FaultDecision, lost: int, fault_at: float) -> None:
+    def act_on_fault(self, d: FaultDecision, lost: int, fault_at: float) -> None:
         """SHRINK: publish without the lost group, stop its other ranks; after the others'
-        first commit, call a spare group in or start a fresh one (`_after_first_commit`)."""
-        self._publish(d.members, d.reason, True, fault_at)
-        if self._out_since is None:
-            self._out_since = fault_at
-        group = next((g for g in self._spare_groups if g[0] == d.spare_used), ())
+        first commit, call a spare group in or start a fresh one (`after_first_commit`)."""
+        self.gens.publish(d.members, d.reason, True, fault_at)
+        if self.out_since is None:
+            self.out_since = fault_at
+        group = next((g for g in self.spares if g[0] == d.spare_used), ())
         if group:
-            self._spare_groups.remove(group)
+            self.spares.remove(group)
             self._calling_in.append(group)
-            self._group_refills.append(node_of(lost))
+            self._refills.append(node_of(lost))
         elif d.regrow:  # a replica group comes back whole
-            self._joiners_to_start += [self._place_of(m) for m in (lost, *d.evicted)]
+            self.joiners_to_start += [self._place_of(m) for m in (lost, *d.evicted)]
         for m in d.evicted:  # its group cannot step without it: stop them now
             self.port.kill_worker(m)
 
-    def _group_lost_late(self, d: FaultDecision, lost: int, live: tuple[int, ...],
+    def lost_late(self, d: FaultDecision, lost: int, live: tuple[int, ...],
                          why: str) -> None:
         """A group lost after its last step: no commit will come, so its replacement (a
         ready spare group, or a fresh one) enters as soon as it is ready."""
         group = [(m, live.index(m)) for m in (lost, *d.evicted)]
         what = f"replica group of worker {lost}, which {why} after its last step"
-        regrow = bool(self._calling_in) or bool(self._joiners_to_start)
+        regrow = bool(self._calling_in) or bool(self.joiners_to_start)
         self.ends.after_late_group_fault(group, what, regrow)
         while self._calling_in:
             spares = self._calling_in.pop(0)
             if self._all_ready(spares):
-                self._grow(spares)
-        while self._joiners_to_start:
-            node, local_rank = self._joiners_to_start.pop(0)
-            self._spawn(node, local_rank, R.JOINING)
+                self.gens.grow(spares)
+        while self.joiners_to_start:
+            node, local_rank = self.joiners_to_start.pop(0)
+            self.gens.spawn(node, local_rank, R.JOINING)
 
-    def _after_first_commit(self) -> None:
+    def after_first_commit(self) -> None:
         """The groups left went on: spare groups called in now enter at a step boundary
         (those that died meanwhile are dropped), new spare groups start."""
         while self._calling_in:
             group = self._calling_in.pop(0)
             if self._all_ready(group):
-                self._grow(group)
-        self._refill_groups()
+                self.gens.grow(group)
+        self._refill()
 
     def _ready_spare_group(self, node: int) -> tuple[int, ...]:
         """The oldest spare group whose every member is ready, on `node` first."""
-        ready = [g for g in self._spare_groups if self._all_ready(g)]
+        ready = [g for g in self.spares if self._all_ready(g)]
         ready.sort(key=lambda g: node_of(g[0]) != node)
         return ready[0] if ready else ()
 
@@ -123,7 +113,7 @@ class GroupRecovery:
         raise KeyError(worker_id)
 
     # ------------------------------------------------------------ spare groups
-    def _start_spare_group(self, node: int, index: int) -> None:
+    def start_spare_group(self, node: int, index: int) -> None:
         """`shard_size` spares whose group is written to the store before any of them
         reads it (their devices follow the node's workers: nproc + index * size + k)."""
         size = self.spec.shard_size
@@ -134,43 +124,43 @@ class GroupRecovery:
             self.port.place(wid, rank=-1, local_rank=self.spec.nproc + index * size + k,
                             spare=True)
             self.membership.move(wid, R.STARTING_SPARE)
-        self._spare_groups.append(tuple(ids))
+        self.spares.append(tuple(ids))
 
-    def _on_spare_group_exit(self, wid: int, what: str) -> None:
+    def on_spare_exit(self, wid: int, what: str) -> None:
         """A spare of a group ended: the group is no use without it. Its other members are
         stopped and, unless spares keep dying (a crash loop), a new group is started."""
-        group = next((g for g in self._spare_groups if wid in g), ())
+        group = next((g for g in self.spares if wid in g), ())
         if not group:
             return
-        self._spare_groups.remove(group)
+        self.spares.remove(group)
         others = [m for m in group if m != wid]
         self.membership.leave(others)
         for m in others:
             self.port.kill_worker(m)
         node = node_of(wid)
-        if self._respawn_allowed(("spare", node), what, "spare groups"):
-            self._start_spare_group(node, self._free_spare_index(node))
+        if self.respawns.allowed(("spare", node), what, "spare groups"):
+            self.start_spare_group(node, self._free_spare_index(node))
 
     def _free_spare_index(self, node: int) -> int:
         taken = {(self._place_of(g[0])[1] - self.spec.nproc) // self.spec.shard_size
-                 for g in self._spare_groups if node_of(g[0]) == node}
+                 for g in self.spares if node_of(g[0]) == node}
         return min(i for i in range(len(taken) + 1) if i not in taken)
 
-    def _refill_groups(self) -> None:
-        while self._group_refills:
-            node = self._group_refills.pop(0)
+    def _refill(self) -> None:
+        while self._refills:
+            node = self._refills.pop(0)
             if node in self.port.live_nodes():
-                self._start_spare_group(node, self._free_spare_index(node))
+                self.start_spare_group(node, self._free_spare_index(node))
 
     # ------------------------------------------------------------ the groups' return
-    def _back_in_service(self, req: Recovered) -> None:
+    def back_in_service(self, req: Recovered) -> None:
         """Replica groups out since a fault are all back: the job's first commit at full
         strength, timed from that fault."""
         full = len(self.membership.live()) >= self.spec.nproc * self.spec.nnodes_min
-        if self._out_since is None or not full or req.fault_at:
+        if self.out_since is None or not full or req.fault_at:
             return
-        ms = (req.first_commit - self._out_since) * 1000
+        ms = (req.first_commit - self.out_since) * 1000
         self.port.emit(Event.NOTICE, {"text": f"replica groups back in service: generation "
                                               f"{req.generation} committed step {req.step} at "
                                               f"full size, {ms:.0f} ms after the fault"})
-        self._out_since = None
+        self.out_since = None

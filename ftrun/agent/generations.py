@@ -1,0 +1,100 @@
+"""What in-process recovery does to the job: publish generations, start workers, count the
+failures that come before a first commit.
+
+Owns: `Generations` (publishing a generation record to the attempt's store and to every other
+node's relay, starting a worker in a role, letting ready workers join the members) and
+`Respawns` (failures in a row before a first commit, per ("rank", r), ("join", node) and
+("spare", node); the policy stops replacing at its crash-loop limit). `Recovery` and
+`ReplicaGroups` both hold the same two objects; neither calls the other.
+Must not import: typer, rich, the CLI, the worker library, the agent.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+from ftrun.agent.ports import RecoveryPort
+from ftrun.agent.script_ends import ScriptEnds
+from ftrun.core.events import Event
+from ftrun.core.membership import Membership, WorkerRole
+from ftrun.core.policy import Snapshot, decide_respawn
+from ftrun.protocol.rendezvous import Generation, publish
+
+R = WorkerRole
+
+
+class Generations:
+    def __init__(self, port: RecoveryPort, store: Any, membership: Membership,
+                 ends: ScriptEnds) -> None:
+        self.port = port
+        self.store = store  # None once the attempt is over
+        self.membership = membership
+        self.ends = ends
+
+    def publish(self, members: tuple[int, ...], reason: str, urgent: bool,
+                fault_at: float = 0.0, joiners: tuple[int, ...] = ()) -> None:
+        self.membership.publish(members, joiners)
+        number = self.membership.generation
+        gen = Generation(number, members, reason, urgent, time.time(), fault_at, joiners)
+        publish(self.store, gen, self.relays())
+        self.port.emit(Event.GENERATION, {"generation": number, "world_size": len(members),
+                                          "reason": reason, "urgent": urgent,
+                                          "published_at": gen.published_at})
+
+    def relays(self) -> list[int]:
+        """The other nodes: their agents relay each generation to their workers."""
+        return [n for n in self.port.live_nodes() if n != 0]
+
+    def spawn(self, node: int, local_rank: int, role: WorkerRole | None = None,
+              rank: int = -1) -> int:
+        """Start a worker on `node`; `local_rank` is the preferred device (the node's agent
+        moves it off an excluded GPU). A replacement takes its role when it is published."""
+        wid = self.port.allocate_id(node)
+        self.port.place(wid, rank=rank, local_rank=local_rank,
+                        spare=role is R.STARTING_SPARE)
+        if role is not None:
+            self.membership.move(wid, role)
+        return wid
+
+    def grow(self, wids: tuple[int, ...]) -> None:
+        """Ready workers join the members (past training, in the ranks a lost replica group
+        left: they may owe its post-training work)."""
+        members = self.membership.live() + wids
+        if self.ends.training_over(self.membership.members):
+            members = self.ends.place(self.membership.live(), wids)
+        ranks = ", ".join(str(members.index(w)) for w in wids)
+        who = f"worker {wids[0]}" if len(wids) == 1 else f"workers {', '.join(map(str, wids))}"
+        self.publish(members, f"{who} join{'s' if len(wids) == 1 else ''} as rank"
+                     f"{'s' if len(wids) > 1 else ''} {ranks}", False, joiners=wids)
+
+
+class Respawns:
+    def __init__(self, port: RecoveryPort, snapshot: Callable[[], Snapshot]) -> None:
+        self.port = port
+        self.snapshot = snapshot
+        self.early_failures: dict[tuple[str, int], int] = {}
+
+    def allowed(self, key: tuple[str, int], what: str, kind: str) -> bool:
+        """One more failure under `key`: may its replacement start? The reason is told."""
+        count = self.early_failures[key] = self.early_failures.get(key, 0) + 1
+        r = decide_respawn(self.snapshot(), what, kind, key[1], count,
+                           key[1] in self.port.live_nodes())
+        self.port.emit(Event.NOTICE, {"text": r.reason})
+        return r.allowed
+
+    def rank_loop(self, rank: int, healing: bool) -> int:
+        """A member of `rank` failed: failures in a row of that rank's replacements (0 when
+        the member had committed: the count starts over)."""
+        key = ("rank", rank)
+        loop = self.early_failures.get(key, 0) + 1 if healing else 0
+        self.early_failures[key] = loop
+        return loop
+
+    def committed(self, node: int, rank: int | None) -> None:
+        """A joiner on `node` holds committed state: the counts behind it start over."""
+        for key in (("join", node), ("spare", node)):
+            self.early_failures.pop(key, None)
+        if rank is not None:
+            self.early_failures.pop(("rank", rank), None)
