@@ -1,5 +1,5 @@
 """Every worker environment variable, compared with what the real torchrun sets for the same
-flags, in the same test. Only documented differences are allowed (see README)."""
+flags, in the same test. Only documented differences are allowed (docs/torchrun-compat.md)."""
 import json
 import os
 import re

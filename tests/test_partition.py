@@ -1,7 +1,7 @@
 """A node whose network fails while its processes live on: real partitions, one network
 namespace per node (tests/netlab.py), agents and gloo workers as on separate hosts.
 
-The rule under test (README, Many nodes): the coordinator's side is the job. A follower cut
+The rule under test (docs/many-nodes.md): the coordinator's side is the job. A follower cut
 off is dropped by the coordinator about a second after the cut, stops its own workers
 (fencing) a few seconds after it, and comes back as a new node when its link does; a link
 that flaps for less than the detection time costs nothing; a one-way loss is a lost node; a
