@@ -90,10 +90,22 @@ def test_every_relative_link_and_anchor_resolves() -> None:
     assert not {k: v for k, v in bad.items() if v}
 
 
-def test_the_readme_links_every_docs_page() -> None:
-    linked = {Path(t.partition("#")[0]).name for t in links(README)}
-    pages = {p.name for p in (ROOT / "docs").glob("*.md")}
-    assert pages <= linked, sorted(pages - linked)
+def reachable(start: Path) -> set[Path]:
+    seen, todo = {start.resolve()}, [start]
+    while todo:
+        page = todo.pop()
+        for target in links(page):
+            dest = (page.parent / target.partition("#")[0]).resolve()
+            if dest.suffix == ".md" and dest.exists() and dest not in seen:
+                seen.add(dest)
+                todo.append(dest)
+    return seen
+
+
+def test_every_docs_page_is_reached_from_the_readme() -> None:
+    unlinked = {p.resolve() for p in (ROOT / "docs").glob("*.md")} - reachable(README)
+    assert not unlinked, (f"no link from the README (or a page it links) reaches "
+                          f"{sorted(p.name for p in unlinked)}: add one to 'Where to read more'")
 
 
 def test_the_readme_is_short_and_keeps_the_set_up_lines() -> None:
@@ -119,4 +131,4 @@ def test_the_readme_names_every_flag_of_the_command_line() -> None:
         missing += [f"{name} {p.opts[0]}" for p in command.params
                     if p.opts[0].startswith("-") and p.name != "help"
                     and not any(named(o, text) for o in p.opts)]
-    assert not missing
+    assert not missing, f"the README does not name {missing}"
