@@ -12,6 +12,7 @@ import time
 
 import pytest
 from conftest import FIXTURES, ftrun_cmd, run_ftrun, wait_for
+from statusdocs import document, worker
 
 from ftrun.adapters import control
 from ftrun.cli.main import main
@@ -99,8 +100,8 @@ def test_server_answers_junk_with_one_line_and_keeps_serving(private_run_dir) ->
 
 
 def test_a_reply_over_100_kb_is_read_in_full(private_run_dir) -> None:
-    workers = [{"rank": i, "state": "running", "note": "w" * 200} for i in range(2000)]
-    server = serve(private_run_dir, lambda req: {"ok": True, "workers": workers})
+    workers = [worker(rank=i, worker_id=i, phase="w" * 200) for i in range(2000)]
+    server = serve(private_run_dir, lambda req: {"ok": True, **document(workers=workers)})
     try:
         assert len(json.dumps(workers)) > 400_000
         assert control.request(server.info, {"op": "status"})["workers"] == workers

@@ -71,17 +71,19 @@ def test_the_status_document_and_metrics_carry_each_heal_and_the_next_ones_estim
     from ftrun.adapters.metrics import heal_families
     from ftrun.agent.heals import HealLedger
     from ftrun.cli.render import heal_text
+    from ftrun.protocol.status import Heal
 
     ledger = HealLedger()
-    assert ledger.describe()["estimate_s"] is None  # nothing measured yet
+    assert ledger.describe().estimate_s is None  # nothing measured yet
     ledger.on_state_size({"worker": 0, "nbytes": 2_000_000_000})
     for worker, nbytes, seconds in ((3, 1_000_000_000, 1.0), (4, 2_000_000_000, 0.5)):
         ledger.on_healed({"worker": worker, "generation": 2, "step": 9, "nbytes": nbytes,
                           "seconds": seconds, "sources": 2, "source_ranks": "0,2"}, 100.0)
     doc = ledger.describe()
-    assert doc["count"] == 2 and doc["bytes_total"] == 3_000_000_000
-    assert doc["gb_per_s"] == 2.5 and doc["estimate_s"] == 0.8  # median of 1 and 4 GB/s
-    assert doc["last"]["worker"] == 4 and doc["last"]["source_ranks"] == "0,2"
+    assert doc.count == 2 and doc.bytes_total == 3_000_000_000
+    assert doc.gb_per_s == 2.5 and doc.estimate_s == 0.8  # median of 1 and 4 GB/s
+    assert doc.last is not None and doc.last.worker == 4 and doc.last.source_ranks == "0,2"
+    assert Heal.from_json(doc.to_json()) == doc  # what `ftrun status --json` carries
     assert heal_text(doc) == ("state 2000.0 MB per replica; next heal ~0.80 s at 2.50 GB/s; "
                               "2 heals so far")
 

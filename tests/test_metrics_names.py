@@ -7,15 +7,18 @@ import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import CollectorRegistry
+from statusdocs import document, worker
 
 from ftrun.adapters import metrics
 from ftrun.cli.launch_args import parse_run_args
 from ftrun.core.errors import UsageError
+from ftrun.protocol.status import Status
 
 
 def series(doc: dict) -> set[tuple[str, tuple[tuple[str, str], ...]]]:
+    status = Status.from_json(doc)
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(metrics._Collector(lambda: doc))
+    registry.register(metrics._Collector(lambda: status))
     text = generate_latest(registry).decode()
     return {(s.name, tuple(sorted(s.labels.items())))
             for fam in text_string_to_metric_families(text) for s in fam.samples
@@ -23,7 +26,8 @@ def series(doc: dict) -> set[tuple[str, tuple[tuple[str, str], ...]]]:
 
 
 def doc_with(workers: list[dict]) -> dict:
-    return {"generation": 1, "world_size": 2, "uptime_s": 1.0, "workers": workers}
+    return document(generation=1, world_size=2, workers=[
+        worker(**w, host=f"h{w['node']}") for w in workers])
 
 
 def test_a_replacement_keeps_its_ranks_series() -> None:

@@ -2,6 +2,7 @@
 from dataclasses import replace
 
 import pytest
+from statusdocs import status
 
 from ftrun.cli.cluster_env import first_host
 from ftrun.cli.launch_args import parse_run_args
@@ -162,9 +163,9 @@ def test_the_job_status_pairs_a_generation_with_its_own_members() -> None:
     from ftrun.core.membership import Membership
 
     ms = Membership((0, 1, 2, 3, 4, 5))
-    doc = {"generation": ms.generation, "world_size": len(ms.members), "workers": []}
+    doc = status(generation=ms.generation, world_size=len(ms.members))
     ms.publish((0, 1, 2, 3))  # the lost node's members leave while the payloads are read
-    merged = merge_job_status(doc, [], {}, ms, 6, "127.0.0.1:1")
-    assert (merged["generation"], merged["world_size"]) == (1, 4)
-    plain = merge_job_status({**doc, "generation": 0}, [], {}, None, 6, "127.0.0.1:1")
-    assert (plain["generation"], plain["world_size"]) == (0, 6)
+    merged = merge_job_status(doc, [], {}, ms, 6, "127.0.0.1:1", 7)
+    assert (merged.generation, merged.world_size) == (1, 4)
+    plain = merge_job_status(status(generation=0), [], {}, None, 6, "127.0.0.1:1", 7)
+    assert (plain.generation, plain.world_size) == (0, 6)

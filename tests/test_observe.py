@@ -16,6 +16,7 @@ import pytest
 from conftest import FIXTURES, ftrun_cmd, wait_for
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import CollectorRegistry
+from statusdocs import document, worker
 
 from ftrun.adapters import history, metrics
 from ftrun.agent.journal import Journal
@@ -30,6 +31,7 @@ from ftrun.cli import picture, runreport
 from ftrun.cli.launch_args import parse_run_args
 from ftrun.cli.main import main
 from ftrun.core.errors import UsageError
+from ftrun.protocol.status import Status
 
 
 @pytest.fixture(autouse=True)
@@ -43,11 +45,13 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def scrape_text(doc: dict) -> str:
+def scrape_text(doc: dict | None) -> str:
+    """What /metrics serves for the status document `doc` (None: before the agent serves)."""
     from prometheus_client import generate_latest
 
+    status = None if doc is None else Status.from_json(doc)
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(metrics._Collector(lambda: doc))
+    registry.register(metrics._Collector(lambda: status))
     return generate_latest(registry).decode()
 
 
@@ -58,25 +62,32 @@ def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
 
 def fault(i: int, kind: str, ms: float | None, phases: dict) -> dict:
     return {"id": i, "kind": kind, "rank": 0, "worker": 0, "at": 100.0 + i, "decision": "replace",
-            "reason": "r", "recovered": ms is not None, "recovery_ms": ms, "phases_ms": phases}
+            "reason": "r", "injected": False, "generation": i, "recovered": ms is not None,
+            "recovery_ms": ms, "phases_ms": phases, "lost_steps": 0, "committed_before": -1,
+            "lost_from": None, "resumed_step": None}
 
 
-DOC = {
-    "generation": 3, "world_size": 2, "uptime_s": 12.5, "attempt": 1, "steps_per_s": 4.0,
-    "workers": [
-        {"rank": 0, "worker_id": 0, "committed_step": 41, "step_time_ms": 50.0, "role": "member",
-         "straggler": None},
-        {"rank": 1, "worker_id": 3, "committed_step": 40, "step_time_ms": 75.0, "role": "member",
-         "straggler": "1.9x the median"},
-        {"rank": -1, "worker_id": 4, "committed_step": None, "role": "spare", "straggler": None}],
-    "faults": [fault(1, "kill", 120.0, {"detected": 5.0, "first_commit": 120.0}),
-               fault(2, "gpu: GPU is lost", 3000.0, {"detected": 2000.0, "first_commit": 3000.0}),
-               fault(3, "kill", None, {"detected": 7.0})],
-    "summary": {"lost_steps": 2, "time_lost_s": 3.1, "goodput": 0.75},
-    "gpus": [{"index": 0, "gpu": "GPU-a", "health": "failed", "excluded": True},
-             {"index": 1, "gpu": "GPU-b", "health": "healthy", "excluded": False}],
-    "nodes": [{"node": 0, "host": "h0", "alive": True}, {"node": 1, "host": "h1", "alive": False}],
-}
+def node(index: int, host: str, alive: bool) -> dict:
+    return {"node": index, "host": host, "pid": 10 + index, "alive": alive,
+            "role": "worker node", "snapshot": None}
+
+
+DOC = document(
+    generation=3, world_size=2, uptime_s=12.5, attempt=1, steps_per_s=4.0,
+    workers=[
+        worker(rank=0, worker_id=0, committed_step=41, step_time_ms=50.0),
+        worker(rank=1, worker_id=3, committed_step=40, step_time_ms=75.0,
+               straggler="1.9x the median"),
+        worker(rank=-1, worker_id=4, role="spare")],
+    faults=[fault(1, "kill", 120.0, {"detected": 5.0, "first_commit": 120.0}),
+            fault(2, "gpu: GPU is lost", 3000.0, {"detected": 2000.0, "first_commit": 3000.0}),
+            fault(3, "kill", None, {"detected": 7.0})],
+    summary={"faults": 3, "recovered": 2, "p50_ms": 1560.0, "p95_ms": 2856.0,
+             "max_ms": 3000.0, "lost_steps": 2, "time_lost_s": 3.1, "goodput": 0.75},
+    gpus=[{"index": 0, "gpu": "GPU-a", "health": "failed", "excluded": True},
+          {"index": 1, "gpu": "GPU-b", "health": "healthy", "excluded": False}],
+    nodes=[node(0, "h0", True), node(1, "h1", False)],
+)
 
 
 # ---------------------------------------------------------------- metrics, no processes
@@ -100,7 +111,7 @@ def test_the_metrics_say_what_the_status_document_says() -> None:
     assert got[("ftrun_gpu_healthy", (("gpu", "GPU-a"), ("index", "0")))] == 0
     assert got[("ftrun_gpu_healthy", (("gpu", "GPU-b"), ("index", "1")))] == 1
     assert got[("ftrun_node_up", (("host", "h1"), ("node", "1")))] == 0
-    assert scrape_text({}) == ""  # before the agent serves a document: no samples
+    assert scrape_text(None) == ""  # before the agent serves a document: no samples
 
 
 def test_metrics_options() -> None:
@@ -131,21 +142,23 @@ def test_a_metrics_port_in_use_is_one_line_and_starts_nothing(tmp_path: Path) ->
 
 # ---------------------------------------------------------------- timeline and report units
 def test_the_timeline_writes_changes_keeps_alive_and_knows_the_rate(tmp_path: Path) -> None:
+    def doc(first: int) -> Status:
+        return Status.from_json(document(generation=1, world_size=2, workers=[
+            worker(rank=0, committed_step=first), worker(rank=1, worker_id=1, committed_step=9)]))
+
     tl = Timeline(str(tmp_path))
-    doc = {"generation": 1, "world_size": 2, "workers": [
-        {"rank": 0, "committed_step": 10}, {"rank": 1, "committed_step": 9}]}
-    tl.sample(doc, 1000.0)
-    tl.sample(doc, 1000.5)  # unchanged: not written
-    doc["workers"][0]["committed_step"] = 30
-    tl.sample(doc, 1010.0)
-    tl.sample(doc, 1010.0 + KEEPALIVE_S)  # unchanged for long: written
+    tl.sample(doc(10), 1000.0)
+    tl.sample(doc(10), 1000.5)  # unchanged: not written
+    tl.sample(doc(30), 1010.0)
+    tl.sample(doc(30), 1010.0 + KEEPALIVE_S)  # unchanged for long: written
     tl.close()
     lines = runreport.read_jsonl(str(tmp_path / "timeline.jsonl"))
     assert [x["t"] for x in lines] == [1000.0, 1010.0, 1010.0 + KEEPALIVE_S]
     assert lines[0]["steps"] == {"0": 10, "1": 9} and lines[1]["step_max"] == 30
     assert tl.steps_per_s() == pytest.approx(20 / (20.0))  # 10 -> 30 over the last 20 s
     assert sample_every_s(1) == sample_every_s(16) == 0.5 and sample_every_s(512) == 16.0
-    big = line_of({"workers": [{"rank": r, "committed_step": r} for r in range(PER_RANK_MAX + 1)]})
+    big = line_of(Status.from_json(document(workers=[
+        worker(rank=r, worker_id=r, committed_step=r) for r in range(PER_RANK_MAX + 1)])))
     assert "steps" not in big and (big["step_min"], big["step_max"]) == (0, PER_RANK_MAX)
 
 
@@ -317,6 +330,7 @@ def test_a_live_jobs_scrape_is_its_status_document(tmp_path: Path) -> None:
             d["workers"]) == 2 and d, 60, "the job running again after its restart")
         got = scrape(port)
         after = status()
+        assert Status.from_json(after).to_json() == after  # the records hold all of it
         assert after["faults"] == doc["faults"] and after["attempt"] == 1  # settled
         want = samples(scrape_text(doc))
         assert {k: v for k, v in got.items() if k[0] not in VOLATILE} == {

@@ -1,6 +1,7 @@
 """Replica groups (--shard-size), without processes: the option's checks, the pure decision on
 a lost member, the status rows, and where a rank sits."""
 import pytest
+from statusdocs import status
 
 from ftrun.cli.launch_args import parse_run_args
 from ftrun.core.errors import UsageError
@@ -90,13 +91,14 @@ def test_a_rank_heals_and_averages_with_the_same_shard_of_the_other_groups() -> 
 def test_status_text_names_the_groups_and_their_policy() -> None:
     from ftrun.cli.render import policy_text, replica_groups_text
 
-    assert policy_text({"shard_size": 2, "spares": 1, "policy": "replace"}) == \
+    assert policy_text(status(shard_size=2, spares=1, policy="replace")) == \
         "a lost group out, then rejoined (groups of 2, spare groups 1)"
-    assert policy_text({"spares": 0, "policy": "shrink"}) == "shrink (spares 0)"
+    assert policy_text(status(spares=0, policy="shrink")) == "shrink (spares 0)"
 
     rows = [{"group": 0, "ranks": [0, 1], "workers": [0, 1], "state": "training"},
             {"group": None, "ranks": [], "workers": [4, 5], "state": "starting"}]
-    assert replica_groups_text(rows) == "0 training (ranks 0-1); starting: workers 4, 5"
+    assert replica_groups_text(status(replica_groups=rows).replica_groups or ()) == \
+        "0 training (ranks 0-1); starting: workers 4, 5"
 
 
 def test_the_metrics_count_groups_by_state() -> None:
@@ -105,17 +107,18 @@ def test_the_metrics_count_groups_by_state() -> None:
 
     from ftrun.adapters import metrics
 
-    doc = {"generation": 2, "world_size": 4, "uptime_s": 1.0, "workers": [], "faults": [],
-           "summary": {}, "replica_groups": [
-               {"group": 0, "ranks": [0, 1], "workers": [0, 1], "state": "training"},
-               {"group": 1, "ranks": [2, 3], "workers": [4, 5], "state": "healing"}]}
+    doc = status(generation=2, world_size=4, replica_groups=[
+        {"group": 0, "ranks": [0, 1], "workers": [0, 1], "state": "training"},
+        {"group": 1, "ranks": [2, 3], "workers": [4, 5], "state": "healing"}])
+    collector = metrics._Collector(lambda: doc)
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(metrics._Collector(lambda: doc))
+    registry.register(collector)
     got = {(s.name, tuple(s.labels.items())): s.value for fam in text_string_to_metric_families(
         generate_latest(registry).decode()) for s in fam.samples}
     assert got[("ftrun_replica_groups", (("state", "training"),))] == 1
     assert got[("ftrun_replica_groups", (("state", "healing"),))] == 1
-    doc["replica_groups"] = None  # a data-parallel job has no such family
+    plain = status(generation=2, world_size=4)  # a data-parallel job has no such family
+    collector.status = lambda: plain
     assert "ftrun_replica_groups" not in generate_latest(registry).decode()
 
 

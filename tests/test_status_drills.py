@@ -8,6 +8,7 @@ import time
 
 import pytest
 from conftest import FIXTURES, ftrun_cmd, wait_for
+from statusdocs import fault, status, worker
 
 from ftrun.agent.journal import FaultRecord, Journal, summarize
 from ftrun.cli.main import main
@@ -82,17 +83,15 @@ def test_summary_percentiles() -> None:
 def test_status_rendering_of_a_document(capsys) -> None:
     from ftrun.cli.render import print_status
 
-    print_status({"run_id": "abc", "script": "t.py", "uptime_s": 3.0, "generation": 2,
-                  "world_size": 2, "policy": "shrink", "spares": 0,
-                  "workers": [{"rank": 0, "local_rank": 0, "worker_id": 0, "pid": 11,
-                               "state": "running", "role": "member", "step": 5,
-                               "committed_step": 4, "step_time_ms": 20.0,
-                               "since_progress_s": 0.01, "gpu": None}],
-                  "faults": [{"id": 1, "kind": "kill", "rank": 1, "decision": "shrink",
-                              "recovered": True, "recovery_ms": 42.0, "reason": "gone",
-                              "phases_ms": {"detected": 1.0, "first_commit": 42.0}}],
-                  "zygote": {"state": "ready", "pid": 77, "rss_kb": 693248, "forks": 5},
-                  "steps_per_s": 12.5, "metrics": "http://127.0.0.1:9400/metrics"})
+    print_status(status(
+        run_id="abc", script="t.py", uptime_s=3.0, generation=2, world_size=2, policy="shrink",
+        workers=[worker(pid=11, step=5, committed_step=4, step_time_ms=20.0,
+                        since_progress_s=0.01)],
+        faults=[fault(rank=1, decision="shrink", recovery_ms=42.0, reason="gone",
+                      phases_ms={"detected": 1.0, "first_commit": 42.0})],
+        zygote={"state": "ready", "pid": 77, "rss_kb": 693248, "forks": 5, "preloaded": [],
+                "preload_s": 2.0, "workers": []},
+        steps_per_s=12.5, metrics="http://127.0.0.1:9400/metrics"))
     out = capsys.readouterr().out
     assert "shrink" in out and "42" in out and "#1: gone" in out and "running" in out
     assert "ready, pid 77, 677 MB, 5 forks" in out

@@ -3,8 +3,8 @@
 Owns: the per-user run directory (`$XDG_RUNTIME_DIR/ftrun` or `/tmp/ftrun-<uid>`, mode 0700,
 never a symlink nor someone else's) holding `<name>.sock` (mode 0600) and `<name>.json` (who
 and what), the server thread that answers one JSON request per connection (a malformed one
-gets a one-line error, never the thread), and the torch-free client used by `ftrun status`
-and `ftrun inject-fault`.
+gets a one-line error, never the thread), and the torch-free client of `ftrun status` and
+`ftrun inject-fault` (`status()`: the job's document as its `protocol.status` record).
 Must not import: torch, typer, rich, the agent (the server gets a handler function).
 """
 
@@ -23,6 +23,8 @@ from typing import Any
 
 from ftrun.core import timeouts
 from ftrun.core.errors import FtrunError
+from ftrun.protocol.control_ops import StatusOp
+from ftrun.protocol.status import Status
 
 Handler = Callable[[dict[str, Any]], dict[str, Any]]
 MAX_REQUEST = 1 << 16  # a request is one small object; the server reads no more
@@ -255,9 +257,7 @@ def list_runs() -> list[RunInfo]:
     base = run_dir()
     runs = []
     for name in sorted(os.listdir(base)):
-        if not name.endswith(".json"):
-            continue
-        info = _read_run(base, name)
+        info = _read_run(base, name) if name.endswith(".json") else None
         if info is None:
             continue
         if info.alive:
@@ -341,19 +341,23 @@ def agent_of_node(agents: Sequence[RunInfo], node: int) -> RunInfo:
     here: dict[int, RunInfo] = {}
     for info in agents:
         try:
-            doc = request(info, {"op": "status"})
+            doc = status(info)
         except FtrunError:
-            continue  # ending, or busy: not the one to show
-        served = doc.get("served_by")
-        if isinstance(served, dict) and isinstance(served.get("node"), int):
-            here.setdefault(served["node"], info)
-        elif "note" not in doc:  # a follower without the coordinator's view says nothing
+            continue  # ending, busy, or another version: not the one to show
+        if doc.served_by:
+            here.setdefault(doc.served_by.node, info)
+        elif doc.note is None:  # a follower without the coordinator's view says nothing
             here.setdefault(0, info)
     if node in here:
         return here[node]
     nodes = ", ".join(map(str, sorted(here))) or "none that answered"
     raise FtrunError(f"no agent of job {agents[0].run_id[:8]} on this host runs node {node} "
                      f"(nodes here: {nodes})", hint="run `ftrun status` on that node's host")
+
+
+def status(info: RunInfo) -> Status:
+    """The job's status document, read strictly (a one-line FtrunError if it is not one)."""
+    return Status.from_json(request(info, StatusOp().to_wire()))
 
 
 def request(info: RunInfo, doc: dict[str, Any],
@@ -386,7 +390,7 @@ def request(info: RunInfo, doc: dict[str, Any],
     try:
         reply = json.loads(raw)
     except (ValueError, RecursionError):
-        raise FtrunError(f"job {name} sent a malformed reply", hint="try again") from None
+        reply = None
     if not isinstance(reply, dict):
         raise FtrunError(f"job {name} sent a malformed reply", hint="try again")
     if not reply.get("ok", False):

@@ -1,8 +1,9 @@
 """Prometheus metrics of a run, served by the agent with the official prometheus_client.
 
 Owns: `MetricsServer` (binds before any worker starts: a port in use is a one-line usage
-error) and the collector that turns the status document, the one `ftrun status --json`
-prints, into metric families at each scrape, so the two never disagree. Names follow the
+error) and the collector that turns the status document (its `protocol.status` record, the
+one `ftrun status --json` prints) into metric families at each scrape, so the two never
+disagree. Names follow the
 Prometheus conventions: base units in the name, counters end in `_total`.
 Must not import: torch, typer, rich, the agent, the worker library.
 """
@@ -16,8 +17,9 @@ from typing import Any
 
 from ftrun.core import timeouts
 from ftrun.core.errors import UsageError
+from ftrun.protocol.status import Fault, Heal, ReplicaGroup, Status, Summary, WorkerRow
 
-StatusFn = Callable[[], Mapping[str, Any]]
+StatusFn = Callable[[], Status | None]
 METRICS_PORT_ENV = "FTRUN_METRICS_PORT"
 ALL_INTERFACES = ("0.0.0.0", "::")
 RECOVERY_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
@@ -43,7 +45,7 @@ class MetricsServer:
         from prometheus_client import start_http_server
         from prometheus_client.registry import CollectorRegistry
 
-        self._collector = _Collector(dict)  # no samples until the agent serves its status
+        self._collector = _Collector(lambda: None)  # no samples until the agent serves
         registry = CollectorRegistry(auto_describe=False)
         registry.register(self._collector)
         try:
@@ -78,17 +80,17 @@ class _Collector:
 
     def collect(self) -> Iterator[Any]:
         doc = self.status()
-        if not doc:
+        if doc is None:
             return
         yield from job_families(doc)
-        yield from worker_families(doc.get("workers", []))
-        yield from fault_families(doc.get("faults", []), doc.get("summary", {}))
+        yield from worker_families(doc.workers)
+        yield from fault_families(doc.faults, doc.summary)
         yield from node_families(doc)
-        yield from replica_families(doc.get("replica_groups"))
-        yield from heal_families(doc.get("heal"))
+        yield from replica_families(doc.replica_groups)
+        yield from heal_families(doc.heal)
 
 
-def replica_families(groups: Sequence[Mapping[str, Any]] | None) -> Iterator[Any]:
+def replica_families(groups: Sequence[ReplicaGroup] | None) -> Iterator[Any]:
     """--shard-size: live replica groups by state (training, or healing: a fresh group that
     holds no committed state yet). A group out of the job is in neither."""
     from prometheus_client.core import GaugeMetricFamily
@@ -98,38 +100,38 @@ def replica_families(groups: Sequence[Mapping[str, Any]] | None) -> Iterator[Any
     family = GaugeMetricFamily("ftrun_replica_groups", "replica groups by state",
                                labels=["state"])
     for state in ("training", "healing"):
-        family.add_metric([state], float(sum(g["state"] == state for g in groups)))
+        family.add_metric([state], float(sum(g.state == state for g in groups)))
     yield family
 
 
-def job_families(doc: Mapping[str, Any]) -> Iterator[Any]:
+def job_families(doc: Status) -> Iterator[Any]:
     from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-    def gauge(name: str, text: str, value: object) -> Any:
-        return GaugeMetricFamily(name, text, value=float(str(value)))
+    def gauge(name: str, text: str, value: float) -> Any:
+        return GaugeMetricFamily(name, text, value=float(value))
 
-    yield gauge("ftrun_generation", "the membership generation now", doc["generation"])
-    yield gauge("ftrun_world_size", "ranks in the current generation", doc["world_size"])
-    yield gauge("ftrun_uptime_seconds", "seconds since the agent started", doc["uptime_s"])
+    yield gauge("ftrun_generation", "the membership generation now", doc.generation)
+    yield gauge("ftrun_world_size", "ranks in the current generation", doc.world_size)
+    yield gauge("ftrun_uptime_seconds", "seconds since the agent started", doc.uptime_s)
     yield CounterMetricFamily("ftrun_restarts", "whole-group restarts so far",
-                              value=float(doc.get("attempt", 0)))
-    if doc.get("steps_per_s") is not None:
+                              value=float(doc.attempt))
+    if doc.steps_per_s is not None:
         yield gauge("ftrun_steps_per_second", "committed steps per second, last minute",
-                    doc["steps_per_s"])
-    snap = doc.get("snapshot") or {}
-    if "step" in snap:
-        yield gauge("ftrun_snapshot_step", "the step of the newest snapshot on disk",
-                    snap["step"])
-        yield gauge("ftrun_snapshot_age_seconds", "seconds since it was taken", snap["age_s"])
+                    doc.steps_per_s)
+    snap = doc.snapshot
+    if snap is not None and snap.step is not None:
+        yield gauge("ftrun_snapshot_step", "the step of the newest snapshot on disk", snap.step)
+        yield gauge("ftrun_snapshot_age_seconds", "seconds since it was taken",
+                    snap.age_s or 0.0)
     gpus = GaugeMetricFamily("ftrun_gpu_healthy", "1 if the GPU is healthy, else 0",
                              labels=["gpu", "index"])
-    for g in doc.get("gpus", []):
-        gpus.add_metric([str(g["gpu"]), str(g["index"])],
-                        1.0 if g["health"] == "healthy" and not g.get("excluded") else 0.0)
+    for g in doc.gpus:
+        gpus.add_metric([g.gpu, str(g.index)],
+                        1.0 if g.health == "healthy" and not g.excluded else 0.0)
     yield gpus
 
 
-def worker_families(workers: Sequence[Mapping[str, Any]]) -> Iterator[Any]:
+def worker_families(workers: Sequence[WorkerRow]) -> Iterator[Any]:
     from prometheus_client.core import GaugeMetricFamily
 
     # labelled by rank alone: a worker id (or a node index) is new after every replacement
@@ -140,25 +142,24 @@ def worker_families(workers: Sequence[Mapping[str, Any]]) -> Iterator[Any]:
     secs = GaugeMetricFamily("ftrun_step_seconds", "the rank's last step time", labels=labels)
     seen: set[str] = set()
     for w in workers:
-        if w.get("rank") is None or int(w["rank"]) < 0 or w.get("committed_step") is None:
+        if w.rank < 0 or w.committed_step is None:
             continue
-        key = [str(w["rank"])]
+        key = [str(w.rank)]
         if key[0] in seen:  # a rank held twice for a moment (a replacement's first step)
             continue
         seen.add(key[0])
-        step.add_metric(key, float(w["committed_step"]))
-        if w.get("step_time_ms") is not None:
-            secs.add_metric(key, float(w["step_time_ms"]) / 1000)
+        step.add_metric(key, float(w.committed_step))
+        if w.step_time_ms is not None:
+            secs.add_metric(key, w.step_time_ms / 1000)
     yield step
     yield secs
     yield GaugeMetricFamily("ftrun_spares_ready", "hot spares ready to take a rank",
-                            value=float(sum(w.get("role") == "spare" for w in workers)))
+                            value=float(sum(w.role == "spare" for w in workers)))
     yield GaugeMetricFamily("ftrun_stragglers", "ranks flagged as stragglers now",
-                            value=float(sum(bool(w.get("straggler")) for w in workers)))
+                            value=float(sum(bool(w.straggler) for w in workers)))
 
 
-def fault_families(faults: Sequence[Mapping[str, Any]], summary: Mapping[str, Any]
-                   ) -> Iterator[Any]:
+def fault_families(faults: Sequence[Fault], summary: Summary) -> Iterator[Any]:
     from prometheus_client.core import (
         CounterMetricFamily,
         GaugeMetricFamily,
@@ -166,64 +167,60 @@ def fault_families(faults: Sequence[Mapping[str, Any]], summary: Mapping[str, An
     )
 
     by_kind = CounterMetricFamily("ftrun_faults", "faults by kind", labels=["kind"])
-    for kind, n in sorted(Counter(kind_label(str(f["kind"])) for f in faults).items()):
+    for kind, n in sorted(Counter(kind_label(f.kind) for f in faults).items()):
         by_kind.add_metric([kind], float(n))
     yield by_kind
     yield CounterMetricFamily("ftrun_faults_recovered", "faults recovered",
-                              value=float(sum(bool(f["recovered"]) for f in faults)))
-    times = [float(f["recovery_ms"]) / 1000 for f in faults if f.get("recovery_ms") is not None]
+                              value=float(sum(f.recovered for f in faults)))
+    times = [f.recovery_ms / 1000 for f in faults if f.recovery_ms is not None]
     yield HistogramMetricFamily("ftrun_recovery_seconds", "fault to the first commit after it",
                                 buckets=histogram_buckets(times), sum_value=sum(times))
     phases = HistogramMetricFamily("ftrun_recovery_phase_seconds",
                                    "fault to the end of each recovery phase", labels=["phase"])
     for phase in PHASES:
-        ends = [float(f["phases_ms"][phase]) / 1000 for f in faults
-                if f.get("phases_ms", {}).get(phase) is not None]
+        ends = [f.phases_ms[phase] / 1000 for f in faults if f.phases_ms.get(phase) is not None]
         if ends:
             phases.add_metric([phase], histogram_buckets(ends), sum(ends))
     yield phases
     yield CounterMetricFamily("ftrun_lost_steps", "committed steps lost to faults",
-                              value=float(summary.get("lost_steps", 0)))
+                              value=float(summary.lost_steps))
     yield CounterMetricFamily("ftrun_time_lost_seconds", "run time lost to faults",
-                              value=float(summary.get("time_lost_s", 0.0)))
-    if summary.get("goodput") is not None:
+                              value=float(summary.time_lost_s))
+    if summary.goodput is not None:
         yield GaugeMetricFamily("ftrun_goodput_ratio", "share of the run not lost to faults",
-                                value=float(summary["goodput"]))
+                                value=float(summary.goodput))
 
 
-def heal_families(heal: Mapping[str, Any] | None) -> Iterator[Any]:
+def heal_families(heal: Heal) -> Iterator[Any]:
     """ftrun_heal_bytes_total, the ftrun_heal_seconds histogram, the state a heal moves."""
-    if not heal:
-        return
     from prometheus_client.core import (
         CounterMetricFamily,
         GaugeMetricFamily,
         HistogramMetricFamily,
     )
 
-    seconds = [float(s) for s in heal.get("seconds", [])]
+    seconds = list(heal.seconds)
     yield CounterMetricFamily("ftrun_heal_bytes", "bytes received by healing members",
-                              value=float(heal.get("bytes_total", 0)))
+                              value=float(heal.bytes_total))
     yield HistogramMetricFamily("ftrun_heal_seconds", "one member's heal, first byte to last",
                                 buckets=histogram_buckets(seconds), sum_value=sum(seconds))
     yield GaugeMetricFamily("ftrun_state_bytes", "a replica's registered state (what a heal "
-                            "moves)", value=float(heal.get("state_bytes", 0)))
+                            "moves)", value=float(heal.state_bytes))
 
 
-def node_families(doc: Mapping[str, Any]) -> Iterator[Any]:
+def node_families(doc: Status) -> Iterator[Any]:
     """Multi-node: the coordinator's view of every node (a follower has no `nodes`)."""
     from prometheus_client.core import GaugeMetricFamily
 
-    nodes = doc.get("nodes")
-    if not nodes:
+    if not doc.nodes:
         return
     up = GaugeMetricFamily("ftrun_node_up", "1 while the node is part of the job",
                            labels=["node", "host"])
     count = GaugeMetricFamily("ftrun_node_workers", "the node's live workers", labels=["node"])
-    per_node = Counter(int(w.get("node", 0)) for w in doc.get("workers", []))
-    for n in nodes:
-        up.add_metric([str(n["node"]), str(n["host"])], 1.0 if n["alive"] else 0.0)
-        count.add_metric([str(n["node"])], float(per_node.get(int(n["node"]), 0)))
+    per_node = Counter(w.node or 0 for w in doc.workers)
+    for n in doc.nodes:
+        up.add_metric([str(n.node), n.host], 1.0 if n.alive else 0.0)
+        count.add_metric([str(n.node)], float(per_node.get(n.node, 0)))
     yield up
     yield count
 

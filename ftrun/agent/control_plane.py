@@ -1,18 +1,19 @@
 """The agent's window to the outside: `ftrun status` answers and `ftrun inject-fault` drills.
 
 Owns: the run's control server (serving from `serve()`, once the agent is whole), building the
-status document (from the port, the progress slots, the journal, the health watch and the
-attempt's membership), checking every request where it enters with
+status document as `protocol.status` records (from the port, the progress slots, the journal,
+the health watch and the attempt's membership), checking every request where it enters with
 `protocol.control_ops.check_request` (one-line errors; nothing malformed reaches the main loop),
 refusing a drill this job cannot take, and applying drills from the agent's main loop: signals
 the agent sends itself, or drill slots a worker acts on at a step.
 Must not import: torch, typer, rich, the CLI, the agent (it reaches the node through
-`ports.AgentPort`).
+`ports.ControlPort`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import queue
 import time
@@ -24,7 +25,7 @@ from ftrun.adapters.control import ControlServer, RunInfo, run_dir
 from ftrun.adapters.slots import ProgressSlots
 from ftrun.agent.jobview import role_of
 from ftrun.agent.journal import Journal, fault_docs, summarize
-from ftrun.agent.ports import AgentPort
+from ftrun.agent.ports import ControlPort
 from ftrun.agent.roster import Worker
 from ftrun.agent.timeline import Timeline, sample_every_s
 from ftrun.agent.watch import HealthWatch
@@ -35,7 +36,9 @@ from ftrun.core.membership import Membership
 from ftrun.core.policy import phase_text
 from ftrun.core.replica_groups import group_rows
 from ftrun.core.spec import RunSpec
+from ftrun.protocol.control import GpuInjected, Injected, NetDowned, read_reply, reply
 from ftrun.protocol.control_ops import InjectOp, StatusOp, check_request
+from ftrun.protocol.status import Fault, Gpu, ReplicaGroup, Status, Summary, WorkerRow
 
 
 def job_of(spec: RunSpec) -> str | None:
@@ -59,7 +62,7 @@ class Drill:
 
 
 class ControlPlane:
-    def __init__(self, port: AgentPort, slots: ProgressSlots, journal: Journal,
+    def __init__(self, port: ControlPort, slots: ProgressSlots, journal: Journal,
                  health: HealthWatch, log_dir: str | None) -> None:
         self.port = port
         self.slots = slots
@@ -96,7 +99,7 @@ class ControlPlane:
         try:
             doc = self.status() if whole_job else self.local_status()
             if gone:
-                doc = {**doc, "workers": [*doc["workers"], *self.worker_rows(now, gone)]}
+                doc = dataclasses.replace(doc, workers=(*doc.workers, *self.rows(now, gone)))
             self.timeline.sample(doc, now)
         except Exception as exc:  # the history must never stop the job: said once, skipped
             if self.timeline.failed(now):
@@ -106,17 +109,15 @@ class ControlPlane:
     def handle(self, req: dict[str, Any]) -> dict[str, Any]:
         op = check_request(req)
         if isinstance(op, StatusOp):
-            return {"ok": True, **self.status()}
+            return reply(self.status())
         if op.gpu is not None:
-            uuid = self.health.inject(op.gpu, op.kind, op.xid)
-            return {"ok": True, "gpu": op.gpu, "uuid": uuid}
-        if op.node is not None:
-            return {"ok": True, **self.port.net_down(op.node, op.duration)}
+            return reply(GpuInjected(op.gpu, self.health.inject(op.gpu, op.kind, op.xid)))
+        if op.node is not None:  # the node's hook answers a JSON object: checked here
+            return reply(read_reply(NetDowned, self.port.net_down(op.node, op.duration)))
         target = self._validate(op)
         self.drills.put(Drill(target.worker_id, op.kind, op.at_step, op.arg))
         self.port.wake()
-        return {"ok": True, "worker": target.worker_id, "pid": target.spawned.pid,
-                "rank": target.rank}
+        return reply(Injected(target.worker_id, target.spawned.pid, target.rank))
 
     def _validate(self, op: InjectOp) -> Worker:
         """What a checked request asks of this job: a worker-API drill of a plain script, or a
@@ -174,34 +175,38 @@ class ControlPlane:
                                      "kind": kind, "at_step": at_step})
 
     # ------------------------------------------------------------ status
-    def status(self) -> dict[str, Any]:
-        """The job as `ftrun status` shows it (a multi-node agent adds the other nodes)."""
-        return self.port.decorate_status(self.local_status())
+    def status(self) -> Status:
+        """The job as `ftrun status` shows it (a multi-node agent adds the other nodes; the
+        node's `decorate_status` hook takes and returns the JSON object)."""
+        return Status.from_json(self.port.decorate_status(self.local_status().to_json()))
 
-    def local_status(self) -> dict[str, Any]:
+    def local_status(self) -> Status:
         port, now, ms = self.port, time.time(), self.membership
         view = ms.view if ms is not None else None  # one read: generation and members agree
-        faults = self.journal.faults
-        return {
-            "run_id": port.run_id, "script": port.spec.script, "pid": os.getpid(),
-            "started_at": self.info.started_at, "uptime_s": round(now - self.info.started_at, 1),
-            "generation": view.generation if view else 0,
-            "world_size": len(view.members) if view else port.spec.nproc,
-            "policy": port.spec.on_fault, "spares": port.spec.spares,
-            "shard_size": port.spec.shard_size,
-            "attempt": port.restarts, "log_dir": self.info.log_dir,
-            "ft_api": bool(ms and ms.uses_api), "workers": self.worker_rows(now),
-            "hang_timeout_s": round(self.health.timeout_s, 2) or None,
-            "faults": fault_docs(faults), "summary": summarize(faults, now - self.info.started_at),
-            "heal": self.journal.heals.describe(),
-            "steps_per_s": self.timeline.steps_per_s(), "gpus": self.health.gpu_table(),
-            "metrics": self.metrics_url,
-            "replica_groups": group_rows(ms, port.spec.shard_size)
-            if ms is not None and port.spec.shard_size > 1 else None,
-        }
+        faults, spec = self.journal.faults, port.spec
+        groups = group_rows(ms, spec.shard_size) if ms is not None and spec.shard_size > 1 \
+            else None
+        return Status(
+            run_id=port.run_id, script=spec.script, pid=os.getpid(),
+            started_at=self.info.started_at, uptime_s=round(now - self.info.started_at, 1),
+            generation=view.generation if view else 0,
+            world_size=len(view.members) if view else spec.nproc,
+            policy=spec.on_fault, spares=spec.spares, shard_size=spec.shard_size,
+            attempt=port.restarts, log_dir=self.info.log_dir, ft_api=bool(ms and ms.uses_api),
+            workers=self.rows(now), hang_timeout_s=round(self.health.timeout_s, 2) or None,
+            faults=tuple(Fault.from_json(f) for f in fault_docs(faults)),
+            summary=Summary.from_json(summarize(faults, now - self.info.started_at)),
+            heal=self.journal.heals.describe(), steps_per_s=self.timeline.steps_per_s(),
+            gpus=tuple(Gpu.from_json(g) for g in self.health.gpu_table()),
+            metrics=self.metrics_url,
+            replica_groups=None if groups is None else tuple(
+                ReplicaGroup.from_json(g) for g in groups))
 
-    def worker_rows(self, now: float, workers: Sequence[Worker] | None = None
-                    ) -> list[dict[str, Any]]:
+    def worker_rows(self, now: float) -> list[dict[str, Any]]:
+        """This node's rows as JSON objects (what a follower's heartbeat payload carries)."""
+        return [row.to_json() for row in self.rows(now)]
+
+    def rows(self, now: float, workers: Sequence[Worker] | None = None) -> tuple[WorkerRow, ...]:
         """One row per live worker of this node (or per one of `workers`), from its progress
         slot."""
         rows = []
@@ -209,18 +214,16 @@ class ControlPlane:
             p = self.slots.progress(w.worker_id)
             has = p.generation >= 0
             gpu, health = self.health.gpu_of(w.local_rank)
-            rows.append({
-                "worker_id": w.worker_id, "rank": p.rank if has else w.rank,
-                "local_rank": w.local_rank, "pid": w.spawned.pid, "state": w.state.value,
-                "role": role_of(self.membership, w.worker_id),
-                "step": p.step if has else None,
-                "committed_step": p.step - 1 if has else None,
-                "step_time_ms": round(p.step_time * 1000, 1) if has else None,
-                "since_progress_s": round(now - p.phase_started, 2)
+            rows.append(WorkerRow(
+                worker_id=w.worker_id, rank=p.rank if has else w.rank,
+                local_rank=w.local_rank, pid=w.spawned.pid, state=w.state.value,
+                role=role_of(self.membership, w.worker_id),
+                step=p.step if has else None,
+                committed_step=p.step - 1 if has else None,
+                step_time_ms=round(p.step_time * 1000, 1) if has else None,
+                since_progress_s=round(now - p.phase_started, 2)
                 if has and p.phase_started else None,
-                "phase": phase_text(p.phase, p.step, p.collective, p.label) if has else None,
-                "cpu": self.health.cpu_state(w.spawned.pid, now),
-                "gpu": gpu, "health": health,
-                "straggler": self.health.stragglers.get(w.worker_id),
-            })
-        return rows
+                phase=phase_text(p.phase, p.step, p.collective, p.label) if has else None,
+                cpu=self.health.cpu_state(w.spawned.pid, now),
+                gpu=gpu, health=health, straggler=self.health.stragglers.get(w.worker_id)))
+        return tuple(rows)

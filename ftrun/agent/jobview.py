@@ -8,13 +8,15 @@ Must not import: torch, typer, rich, the agents.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Protocol
 
 from ftrun.core.membership import Membership
+from ftrun.protocol.status import NodeRow, Snapshot, Status, WorkerRow
 
 
 @dataclass
@@ -32,6 +34,15 @@ class Node:
         return f"node {self.index} ({self.host})"
 
 
+class NodeReport(Protocol):
+    """What a node last said of itself (its heartbeat payload, `cluster.messages.Payload`)."""
+
+    @property
+    def workers(self) -> tuple[WorkerRow, ...]: ...
+    @property
+    def snapshot(self) -> Snapshot | None: ...
+
+
 def role_of(membership: Membership | None, worker_id: int) -> str:
     """Without in-process recovery every worker is a member; with it, its role's name."""
     if membership is None:
@@ -40,24 +51,26 @@ def role_of(membership: Membership | None, worker_id: int) -> str:
     return role.shown if role is not None else "gone"
 
 
-def merge_job_status(doc: dict[str, Any], nodes: Sequence[Node],
-                     payloads: Mapping[int, Mapping[str, Any]], membership: Membership | None,
-                     world_size: int, endpoint: str) -> dict[str, Any]:
+def merge_job_status(doc: Status, nodes: Sequence[Node], payloads: Mapping[int, NodeReport],
+                     membership: Membership | None, world_size: int, endpoint: str,
+                     store_ops: int | None) -> Status:
     """The coordinator's status (node 0) plus every live node's workers from its payload."""
     host = socket.gethostname()
-    workers = [{"node": 0, "host": host, **w} for w in doc["workers"]]
+    workers = [dataclasses.replace(w, node=0, host=host) for w in doc.workers]
     by_index = {n.index: n for n in nodes}
     for index, payload in sorted(payloads.items()):
-        for w in payload.get("workers", []):
-            role = (role_of(membership, int(w["worker_id"])) if membership is not None
-                    else w.get("role"))
-            workers.append({**w, "role": role, "node": index, "host": by_index[index].host})
-    listing = [{"node": 0, "host": host, "pid": os.getpid(), "alive": True,
-                "role": "coordinator (serves the store)", "snapshot": doc.get("snapshot")}]
-    listing += [{"node": n.index, "host": n.host, "pid": n.pid, "alive": n.alive,
-                 "role": "worker node", "snapshot": payloads.get(n.index, {}).get("snapshot")}
+        for w in payload.workers:
+            role = role_of(membership, w.worker_id) if membership is not None else w.role
+            workers.append(dataclasses.replace(w, role=role, node=index,
+                                               host=by_index[index].host))
+    listing = [NodeRow(node=0, host=host, pid=os.getpid(), alive=True,
+                       role="coordinator (serves the store)", snapshot=doc.snapshot)]
+    listing += [NodeRow(node=n.index, host=n.host, pid=n.pid, alive=n.alive, role="worker node",
+                        snapshot=p.snapshot if (p := payloads.get(n.index)) else None)
                 for n in nodes]
     view = membership.view if membership is not None else None  # one read: a consistent pair
-    return {**doc, "workers": workers, "nodes": listing, "endpoint": endpoint,
-            "generation": view.generation if view is not None else doc["generation"],
-            "world_size": len(view.members) if view is not None else world_size}
+    return dataclasses.replace(
+        doc, workers=tuple(workers), nodes=tuple(listing), endpoint=endpoint,
+        generation=view.generation if view is not None else doc.generation,
+        world_size=len(view.members) if view is not None else world_size,
+        rdzv_store_ops=store_ops)

@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import collections
 import json
-from collections.abc import Mapping
 from typing import IO, Any
+
+from ftrun.protocol.status import Status
 
 EVERY_S = 0.5  # how often the agent samples its status document...
 NODES_PER_EVERY = 16  # ...and past this many nodes, proportionally less often (the
@@ -24,15 +25,13 @@ PER_RANK_MAX = 64  # above this many ranks a line keeps the min and max step onl
 FILE = "timeline.jsonl"
 
 
-def line_of(doc: Mapping[str, Any]) -> dict[str, Any]:
+def line_of(doc: Status) -> dict[str, Any]:
     """What one sample keeps of a status document (without its time)."""
-    steps = {int(w["rank"]): int(w["committed_step"]) for w in doc.get("workers", [])
-             if w.get("rank") is not None and int(w["rank"]) >= 0
-             and w.get("committed_step") is not None and w.get("role") != "spare"}
+    steps = {w.rank: w.committed_step for w in doc.workers
+             if w.rank >= 0 and w.committed_step is not None and w.role != "spare"}
     line: dict[str, Any] = {
-        "attempt": doc.get("attempt", 0), "generation": doc.get("generation", 0),
-        "world_size": doc.get("world_size", 0),
-        "spares": sum(1 for w in doc.get("workers", []) if w.get("role") == "spare"),
+        "attempt": doc.attempt, "generation": doc.generation, "world_size": doc.world_size,
+        "spares": sum(1 for w in doc.workers if w.role == "spare"),
         "step_min": min(steps.values(), default=None),
         "step_max": max(steps.values(), default=None),
     }
@@ -61,7 +60,7 @@ class Timeline:
     def due(self, now: float) -> bool:
         return now >= self._next
 
-    def sample(self, doc: Mapping[str, Any], now: float) -> None:
+    def sample(self, doc: Status, now: float) -> None:
         """Record a status document taken at `now` (wall clock)."""
         self._next = now + self.every_s
         line = line_of(doc)

@@ -14,7 +14,7 @@ import json
 import math
 import os
 import time
-from typing import Any, Optional
+from typing import Optional
 
 import typer
 
@@ -24,7 +24,9 @@ from ftrun.core.errors import FtrunError, UsageError
 from ftrun.core.faultkinds import ALL_KINDS, FaultKind
 from ftrun.gpu.verdicts import GpuSample as _Sample
 from ftrun.gpu.verdicts import Health, classify
+from ftrun.protocol.control import GpuInjected, Injected, NetDowned, read_reply
 from ftrun.protocol.control_ops import check_request
+from ftrun.protocol.status import Fault, Status
 
 app = typer.Typer(add_completion=False, no_args_is_help=False, pretty_exceptions_enable=False,
                   help="ftrun: see what a job is doing, and rehearse its failures.")
@@ -45,12 +47,11 @@ def status(run_id: Optional[str] = typer.Option(None, "--run-id", help="the job 
             return
     info = control.find_run(run_id, node)
     if watch:
-        render.watch_status(lambda: control.request(info, {"op": "status"}))
+        render.watch_status(lambda: control.status(info))
         return
-    doc = control.request(info, {"op": "status"})
+    doc = control.status(info)
     if as_json:
-        doc.pop("ok", None)
-        print(json.dumps(doc, indent=2, sort_keys=True))
+        print(json.dumps(doc.to_json(), indent=2, sort_keys=True))
     else:
         render.print_status(doc)
 
@@ -113,7 +114,7 @@ def inject_fault(
     except FtrunError as exc:
         raise UsageError(exc.message, hint=exc.hint) from None
     info, first = _agent_for_drill(control.find_job(run_id), rank)
-    before = len(first["faults"])
+    before = len(first.faults)
     for i in range(count):
         if i:
             time.sleep(every)
@@ -124,15 +125,17 @@ def inject_fault(
                                   f"({i}/{count} faults injected)",
                                   hint="see its log directory") from None
         if node is not None:
-            where = reply.get("device") or reply.get("host")
-            print(f"ftrun: node {node} ({where}) takes its link down for {duration:g} s",
-                  flush=True)
+            cut = read_reply(NetDowned, reply)
+            print(f"ftrun: node {node} ({cut.device or cut.host}) takes its link down for "
+                  f"{duration:g} s", flush=True)
         elif gpu is not None:
-            print(f"ftrun: injected {kind} {xid or ''} into GPU {gpu} ({reply['uuid']})",
+            broken = read_reply(GpuInjected, reply)
+            print(f"ftrun: injected {kind} {xid or ''} into GPU {gpu} ({broken.uuid})",
                   flush=True)
         else:
-            print(f"ftrun: injected {kind} into rank {reply['rank']} (worker "
-                  f"{reply['worker']}, pid {reply['pid']})", flush=True)
+            hit = read_reply(Injected, reply)
+            print(f"ftrun: injected {kind} into rank {hit.rank} (worker {hit.worker}, pid "
+                  f"{hit.pid})", flush=True)
     benign_xid = kind == FaultKind.XID and xid_is_benign(xid)
     if kind in (FaultKind.SLOW, FaultKind.THERMAL) or benign_xid:
         return
@@ -140,7 +143,7 @@ def inject_fault(
         print("ftrun: see the node dropped, fenced and rejoining with `ftrun status` on the "
               "coordinator (node 0)")
         return
-    if not first.get("ft_api"):  # a plain script: torchrun semantics, no in-process record
+    if not first.ft_api:  # a plain script: torchrun semantics, no in-process record
         print("ftrun: the job does not use the ftrun worker API: it restarts or stops as "
               "torchrun would; see `ftrun status`")
         return
@@ -154,29 +157,29 @@ def inject_fault(
 
 
 def _agent_for_drill(agents: list[control.RunInfo], rank: int | None
-                     ) -> tuple[control.RunInfo, dict[str, Any]]:
+                     ) -> tuple[control.RunInfo, Status]:
     """The agent to send the drill to, and the job's document: a rank's drill goes to the
     agent of the node that runs the rank when several agents of the job share this host."""
     info = agents[0]
-    doc = control.request(info, {"op": "status"})
+    doc = control.status(info)
     if rank is None or len(agents) == 1:
         return info, doc
-    nodes = {w.get("node", 0) for w in doc["workers"] if w.get("rank") == rank}
+    nodes = {w.node or 0 for w in doc.workers if w.rank == rank}
     if len(nodes) != 1:
         return info, doc  # not running now: the job's agent says so
     info = control.agent_of_node(agents, nodes.pop())
-    return info, control.request(info, {"op": "status"})
+    return info, control.status(info)
 
 
 def _wait_for_recoveries(info: control.RunInfo, before: int,
-                         count: int) -> tuple[list[dict[str, Any]], bool]:
+                         count: int) -> tuple[list[Fault], bool]:
     """The drill's faults once each is recovered or decided (or DRILL_WAIT_S passed), and
     whether the job ended before that."""
     deadline = time.monotonic() + DRILL_WAIT_S
-    faults: list[dict[str, Any]] = []
+    faults: list[Fault] = []
     while time.monotonic() < deadline:
         try:
-            faults = control.request(info, {"op": "status"})["faults"][before:]
+            faults = list(control.status(info).faults[before:])
         except control.JobGone:
             return faults, True
         except FtrunError:
@@ -188,9 +191,9 @@ def _wait_for_recoveries(info: control.RunInfo, before: int,
     return faults, False
 
 
-def _settled(fault: dict[str, Any]) -> bool:
+def _settled(fault: Fault) -> bool:
     """Recovered, or decided in a way that ends the job (a drill can: that is the report)."""
-    return bool(fault["recovered"]) or fault["decision"] in ("fail", "restart-group")
+    return fault.recovered or fault.decision in ("fail", "restart-group")
 
 
 def xid_is_benign(xid: int | None) -> bool:

@@ -1,8 +1,8 @@
 """Turning results into text for people: rich on a terminal, plain when piped.
 
-Owns: printing agent notices, the end-of-run failure report and fault summary, and the
-`ftrun status` / drill tables.
-Must not import: torch, the agent internals (it receives plain data).
+Owns: printing agent notices (from the events' typed fields), the end-of-run failure report
+and fault summary, and the `ftrun status` / drill tables (from the `protocol.status` records).
+Must not import: torch, the agent internals (it receives plain data and records).
 """
 
 from __future__ import annotations
@@ -12,9 +12,18 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TextIO
 
 from ftrun.adapters.report import WorkerExit, failure_block
-
-_PHASES = (("published", "published_at"), ("noticed", "noticed"), ("rebuilt", "rebuilt"),
-           ("healed", "healed"), ("committed", "first_commit"))
+from ftrun.core import events as ev
+from ftrun.core.errors import FtrunError
+from ftrun.protocol.status import (
+    Fault,
+    Heal,
+    ReplicaGroup,
+    Snapshot,
+    Status,
+    Summary,
+    Zygote,
+    ZygoteUp,
+)
 
 
 def use_rich(stream: TextIO) -> bool:
@@ -23,46 +32,60 @@ def use_rich(stream: TextIO) -> bool:
 
 def notice(kind: str, fields: Mapping[str, object], stream: TextIO | None = None) -> None:
     stream = stream or sys.stderr
-    text = _notice_text(kind, fields)
+    if kind not in _SHOWN:
+        return
+    try:
+        text = _notice_text(ev.fields_of(ev.Event(kind), fields))
+    except FtrunError as exc:  # the console must never stop the job
+        text = f"{kind} {dict(fields)} (unreadable: {exc.message})"
     if text:
         print(f"ftrun: {text}", file=stream, flush=True)
 
 
-def _notice_text(kind: str, f: Mapping[str, object]) -> str | None:
-    if kind == "notice":
-        return str(f["text"])
-    if kind == "failure":
-        return str(f["reason"])
-    if kind == "fault":
-        return str(f["reason"])
-    if kind == "generation":
-        return f"generation {f['generation']}: {f['world_size']} workers ({f['reason']})"
-    if kind == "recovered" and f.get("fault_at"):
-        # a survivor's collective can fail before the agent reaps the dead peer: the fault
-        # began no later than the first sign of it, so no phase comes out negative
-        t0 = min(float(str(f[key])) for _, key in _PHASES if f.get(key))
-        t0 = min(t0, float(str(f["fault_at"])))
-        phases = ", ".join(f"{name} +{(float(str(f[key])) - t0) * 1000:.0f}"
-                           for name, key in _PHASES if f.get(key))
-        return (f"generation {f['generation']} committed step {f['step']} "
-                f"(ms after the fault: {phases})")
-    if kind == "restart":
-        return f"restart {f['attempt']} starting"
-    if kind == "snapshot_failed":
-        return f"snapshot of step {f['step']} could not be written to {f['dir']}: {f['error']}"
-    if kind == "healed":
-        return (f"worker {f['worker']} healed {int(str(f['nbytes'])) / 1e6:.1f} MB from "
-                f"{f['sources']} source(s) (ranks {f['source_ranks']}) in "
-                f"{float(str(f['seconds'])):.2f} s ({f['gb_per_s']} GB/s)")
-    if kind == "resumed":
-        return (f"worker {f['worker']} resumed from step {f['step']} ({f['source']}, "
-                f"{float(str(f['load_ms'])):.0f} ms)")
-    if kind == "signal":
-        if f["workers"]:
-            return (f"received {f['signal']}; forwarded to {f['workers']} workers, "
-                    f"SIGKILL in {f['grace_s']}s (send it again to kill now)")
-        return f"received {f['signal']} again; killing the workers now"
+_SHOWN = {ev.Event.NOTICE, ev.Event.FAILURE, ev.Event.FAULT, ev.Event.GENERATION,
+          ev.Event.RECOVERED, ev.Event.RESTART, ev.Event.SNAPSHOT_FAILED, ev.Event.HEALED,
+          ev.Event.RESUMED, ev.Event.SIGNAL}  # the kinds the console says something of
+
+
+def _notice_text(f: ev.Fields) -> str | None:
+    match f:
+        case ev.NoticeFields():
+            return f.text
+        case ev.FailureFields() | ev.FaultFields():
+            return f.reason
+        case ev.GenerationFields():
+            return f"generation {f.generation}: {f.world_size} workers ({f.reason})"
+        case ev.RecoveredFields() if f.fault_at:
+            return _recovered_text(f)
+        case ev.RestartFields():
+            return f"restart {f.attempt} starting"
+        case ev.SnapshotFailedFields():
+            return f"snapshot of step {f.step} could not be written to {f.dir}: {f.error}"
+        case ev.HealedFields():
+            return (f"worker {f.worker} healed {f.nbytes / 1e6:.1f} MB from {f.sources} "
+                    f"source(s) (ranks {f.source_ranks}) in {f.seconds:.2f} s ({f.gb_per_s} "
+                    f"GB/s)")
+        case ev.ResumedFields():
+            return (f"worker {f.worker} resumed from step {f.step} ({f.source}, "
+                    f"{f.load_ms:.0f} ms)")
+        case ev.SignalFields() if f.workers:
+            return (f"received {f.signal}; forwarded to {f.workers} workers, SIGKILL in "
+                    f"{f.grace_s}s (send it again to kill now)")
+        case ev.SignalFields():
+            return f"received {f.signal} again; killing the workers now"
     return None
+
+
+def _recovered_text(f: ev.RecoveredFields) -> str:
+    # a survivor's collective can fail before the agent reaps the dead peer: the fault began
+    # no later than the first sign of it, so no phase comes out negative
+    phases = [(name, at) for name, at in (("published", f.published_at),
+                                          ("noticed", f.noticed), ("rebuilt", f.rebuilt),
+                                          ("healed", f.healed),
+                                          ("committed", f.first_commit)) if at]
+    t0 = min([f.fault_at, *(at for _, at in phases)])
+    shown = ", ".join(f"{name} +{(at - t0) * 1000:.0f}" for name, at in phases)
+    return f"generation {f.generation} committed step {f.step} (ms after the fault: {shown})"
 
 
 def print_failure(title: str, cause: WorkerExit, exits: tuple[WorkerExit, ...],
@@ -99,96 +122,91 @@ def print_runs(runs: Sequence[Any], stream: TextIO | None = None) -> None:
         print(f"  {r.run_id}  pid {r.pid}  {r.script}", file=stream)
 
 
-def status_tables(doc: Mapping[str, Any]) -> list[Any]:
+def status_tables(doc: Status) -> list[Any]:
     from rich.table import Table
 
     head = Table.grid(padding=(0, 2))
-    head.add_row("run", str(doc["run_id"]), "script", str(doc["script"]))
-    head.add_row("uptime", f"{doc['uptime_s']:.0f}s", "generation", str(doc["generation"]))
-    head.add_row("world size", str(doc["world_size"]), "policy", policy_text(doc))
-    rate = doc.get("steps_per_s")
+    head.add_row("run", doc.run_id, "script", doc.script)
+    head.add_row("uptime", f"{doc.uptime_s:.0f}s", "generation", str(doc.generation))
+    head.add_row("world size", str(doc.world_size), "policy", policy_text(doc))
+    rate = doc.steps_per_s
     head.add_row("steps/s", f"{rate:.2f} (last minute)" if rate is not None else "-",
-                 "metrics", str(doc.get("metrics") or "off (--metrics-port)"))
-    zygote = doc.get("zygote")
-    if zygote:
-        head.add_row("zygote", _zygote_text(zygote), "", "")
-    snapshot = doc.get("snapshot")
-    if snapshot:
-        head.add_row("snapshot", snapshot_text(snapshot), "", "")
-    heal = doc.get("heal")
-    if heal and heal.get("state_bytes"):
-        head.add_row("heal", heal_text(heal), "", "")
-    groups = doc.get("replica_groups")
-    if groups:
-        head.add_row("replica groups", replica_groups_text(groups), "", "")
-    nodes = doc.get("nodes")
-    if nodes:
-        served = doc.get("served_by")
-        head.add_row("nodes", str(sum(n["alive"] for n in nodes)), "store",
-                     str(doc.get("endpoint", "")) + (f" (this is node {served['node']})"
-                                                     if served else " (this node)"))
+                 "metrics", doc.metrics or "off (--metrics-port)")
+    if doc.zygote:
+        head.add_row("zygote", _zygote_text(doc.zygote), "", "")
+    if doc.snapshot:
+        head.add_row("snapshot", snapshot_text(doc.snapshot), "", "")
+    if doc.heal.state_bytes:
+        head.add_row("heal", heal_text(doc.heal), "", "")
+    if doc.replica_groups:
+        head.add_row("replica groups", replica_groups_text(doc.replica_groups), "", "")
+    if doc.nodes:
+        served = doc.served_by
+        head.add_row("nodes", str(sum(n.alive for n in doc.nodes)), "store",
+                     (doc.endpoint or "") + (f" (this is node {served.node})" if served
+                                             else " (this node)"))
     workers = Table(title="workers", title_justify="left")
     keys: tuple[str, ...] = ("rank", "local_rank", "worker_id", "pid", "state", "role", "step",
                              "committed_step", "step_time_ms", "since_progress_s", "phase",
                              "gpu")
     cols = ["rank", "local", "worker", "pid", "state", "role", "step", "committed", "step ms",
             "idle s", "phase", "gpu"]
-    if nodes:
+    if doc.nodes:
         keys, cols = ("node", "host", *keys), ["node", "host", *cols]
     for col in cols:
         workers.add_column(col)
-    for w in sorted(doc["workers"], key=lambda w: (w["rank"] < 0, w["rank"])):
-        workers.add_row(*(_fmt(w.get(k)) for k in keys))
+    for w in sorted(doc.workers, key=lambda w: (w.rank < 0, w.rank)):
+        workers.add_row(*(_fmt(getattr(w, k)) for k in keys))
     out: list[Any] = [head, workers]
-    if doc["faults"]:
-        out.append(fault_table("faults", doc["faults"][-10:]))
-        out += [f"  #{f['id']}: {f['reason']}" for f in doc["faults"][-5:]]
+    if doc.faults:
+        out.append(fault_table("faults", doc.faults[-10:]))
+        out += [f"  #{f.id}: {f.reason}" for f in doc.faults[-5:]]
     return out
 
 
-def policy_text(doc: Mapping[str, Any]) -> str:
+def policy_text(doc: Status) -> str:
     """`replace (spares 1)`, or under --shard-size `a lost group out, then rejoined (groups of
     2, spare groups 1)`."""
-    size = doc.get("shard_size") or 1
-    if size > 1:
-        return f"a lost group out, then rejoined (groups of {size}, spare groups {doc['spares']})"
-    return f"{doc['policy']} (spares {doc['spares']})"
+    if doc.shard_size > 1:
+        return (f"a lost group out, then rejoined (groups of {doc.shard_size}, spare groups "
+                f"{doc.spares})")
+    return f"{doc.policy} (spares {doc.spares})"
 
 
-def replica_groups_text(groups: Sequence[Mapping[str, Any]]) -> str:
+def replica_groups_text(groups: Sequence[ReplicaGroup]) -> str:
     """`0 training (ranks 0-1), 1 healing (ranks 2-3); starting: workers 6, 7`."""
-    live = [f"{g['group']} {g['state']} (ranks {g['ranks'][0]}-{g['ranks'][-1]})"
-            for g in groups if g["group"] is not None]
-    starting = [", ".join(map(str, g["workers"])) for g in groups if g["group"] is None]
+    live = [f"{g.group} {g.state} (ranks {g.ranks[0]}-{g.ranks[-1]})"
+            for g in groups if g.group is not None]
+    starting = [", ".join(map(str, g.workers)) for g in groups if g.group is None]
     return "; ".join([", ".join(live)] + [f"starting: workers {w}" for w in starting])
 
 
-def snapshot_text(s: Mapping[str, Any]) -> str:
+def snapshot_text(s: Snapshot) -> str:
     """`step 150, 4 s ago, 120.3 MB, blocking 31 ms, write 412 ms` or `none written yet`."""
-    failed = f"; {s['failed']} failed, the last: {s['last_error']}" if s.get("failed") else ""
-    if "step" not in s:
-        pending = f" (step {s['shm_step']} in shared memory)" if "shm_step" in s else ""
-        return f"none written yet{pending}; to {s['dir']}{failed}"
-    return (f"step {s['step']}, {s['age_s']:.0f} s ago, {s['bytes'] / 1e6:.1f} MB, blocking "
-            f"{s['blocking_ms']:.0f} ms, write {s['write_ms']:.0f} ms; {s['path']}{failed}")
+    failed = f"; {s.failed} failed, the last: {s.last_error}" if s.failed else ""
+    if s.step is None:
+        pending = f" (step {s.shm_step} in shared memory)" if s.shm_step is not None else ""
+        return f"none written yet{pending}; to {s.dir}{failed}"
+    return (f"step {s.step}, {s.age_s or 0:.0f} s ago, {(s.bytes or 0) / 1e6:.1f} MB, "
+            f"blocking {s.blocking_ms or 0:.0f} ms, write {s.write_ms or 0:.0f} ms; "
+            f"{s.path}{failed}")
 
 
-def heal_text(h: Mapping[str, Any]) -> str:
+def heal_text(h: Heal) -> str:
     """`state 1502.1 MB per replica; next heal ~0.80 s at 1.88 GB/s; 2 heals so far`."""
-    est = (f"next heal ~{h['estimate_s']:.2f} s at {h['gb_per_s']:.2f} GB/s"
-           if h.get("estimate_s") is not None else "no heal measured yet")
-    return f"state {h['state_bytes'] / 1e6:.1f} MB per replica; {est}; {h['count']} heals so far"
+    est = (f"next heal ~{h.estimate_s:.2f} s at {h.gb_per_s or 0:.2f} GB/s"
+           if h.estimate_s is not None else "no heal measured yet")
+    return f"state {h.state_bytes / 1e6:.1f} MB per replica; {est}; {h.count} heals so far"
 
 
-def _zygote_text(z: Mapping[str, Any]) -> str:
+def _zygote_text(z: Zygote) -> str:
     """`ready, pid 41, 677 MB, 5 forks` or `off (--no-zygote)`."""
-    if "pid" not in z:
-        return f"{z.get('state', 'off')} ({z.get('why_not') or 'no zygote'})"
-    return (f"{z['state']}, pid {z['pid']}, {z.get('rss_kb', 0) / 1024:.0f} MB, "
-            f"{z.get('forks', 0)} forks")
+    if not isinstance(z, ZygoteUp):
+        return f"{z.state} ({z.why_not or 'no zygote'})"
+    return f"{z.state}, pid {z.pid}, {z.rss_kb / 1024:.0f} MB, {z.forks} forks"
 
 
-def fault_table(title: str, faults: Sequence[Mapping[str, Any]]) -> Any:
+def fault_table(title: str, faults: Sequence[Fault]) -> Any:
     """One row per fault: what, where, the decision, and the recovery phases in ms."""
     from rich.table import Table
 
@@ -196,9 +214,9 @@ def fault_table(title: str, faults: Sequence[Mapping[str, Any]]) -> Any:
     for col in ("#", "kind", "rank", "decision", "recovered", "ms", *PHASE_COLUMNS):
         table.add_column(col)
     for f in faults:
-        table.add_row(str(f["id"]), f["kind"], str(f["rank"]), f["decision"],
-                      "yes" if f["recovered"] else "no", _fmt(f["recovery_ms"]),
-                      *(_fmt(f["phases_ms"].get(p)) for p in PHASE_KEYS))
+        table.add_row(str(f.id), f.kind, str(f.rank), f.decision,
+                      "yes" if f.recovered else "no", _fmt(f.recovery_ms),
+                      *(_fmt(f.phases_ms.get(p)) for p in PHASE_KEYS))
     return table
 
 
@@ -206,7 +224,7 @@ PHASE_KEYS = ("detected", "published", "rebuilt", "healed", "first_commit")
 PHASE_COLUMNS = ("detected", "published", "comm rebuilt", "healed", "1st commit")
 
 
-def print_status(doc: Mapping[str, Any], stream: TextIO | None = None) -> None:
+def print_status(doc: Status, stream: TextIO | None = None) -> None:
     stream = stream or sys.stdout
     from rich.console import Console
 
@@ -215,7 +233,7 @@ def print_status(doc: Mapping[str, Any], stream: TextIO | None = None) -> None:
         console.print(part)
 
 
-def watch_status(fetch: Callable[[], Mapping[str, Any]], period_s: float = 1.0) -> None:
+def watch_status(fetch: Callable[[], Status], period_s: float = 1.0) -> None:
     import time
 
     from rich.console import Group
@@ -230,7 +248,7 @@ def watch_status(fetch: Callable[[], Mapping[str, Any]], period_s: float = 1.0) 
             return
 
 
-def print_drill(faults: Sequence[Mapping[str, Any]], stream: TextIO | None = None) -> None:
+def print_drill(faults: Sequence[Fault], stream: TextIO | None = None) -> None:
     stream = stream or sys.stdout
     from ftrun.agent.journal import FaultRecord, summarize
 
@@ -241,9 +259,9 @@ def print_drill(faults: Sequence[Mapping[str, Any]], stream: TextIO | None = Non
 
     console = Console(file=stream, force_terminal=stream.isatty(), width=140)
     console.print(fault_table("drill", faults))
-    s = summarize([FaultRecord(**dict(f)) for f in faults], 0.0)
-    console.print(f"recovery p50 {_fmt(s['p50_ms'], ' ms')}, p95 {_fmt(s['p95_ms'], ' ms')}, "
-                  f"max {_fmt(s['max_ms'], ' ms')}; committed steps lost: {s['lost_steps']}")
+    s = Summary.from_json(summarize([FaultRecord(**f.to_json()) for f in faults], 0.0))
+    console.print(f"recovery p50 {_fmt(s.p50_ms, ' ms')}, p95 {_fmt(s.p95_ms, ' ms')}, "
+                  f"max {_fmt(s.max_ms, ' ms')}; committed steps lost: {s.lost_steps}")
 
 
 def print_run_summary(faults: Sequence[Any], run_seconds: float,
@@ -256,7 +274,7 @@ def print_run_summary(faults: Sequence[Any], run_seconds: float,
     stream = stream or sys.stderr
     if all(f.decision == "fail" for f in faults):
         return  # nothing was recovered or tried: the failure report says it all
-    s = summarize(list(faults), run_seconds)
+    s = Summary.from_json(summarize(list(faults), run_seconds))
     open_faults = [f for f in faults if not f.recovered]
     if ended and open_faults:
         print(_unfinished_summary(faults, open_faults, run_seconds, ended, s), file=stream,
@@ -268,15 +286,15 @@ def print_run_summary(faults: Sequence[Any], run_seconds: float,
     if resumed:
         how = (f" ({restarted} by restarting every worker, from the snapshot of step"
                f"{'s' if len(resumed) > 1 else ''} {', '.join(map(str, resumed))}; "
-               f"{s['lost_steps']} committed steps recomputed)")
-    print(f"ftrun: survived {s['recovered']}/{s['faults']} faults{how}; recovery p50 "
-          f"{_fmt(s['p50_ms'], ' ms')}, p95 {_fmt(s['p95_ms'], ' ms')}, max "
-          f"{_fmt(s['max_ms'], ' ms')}; time lost {s['time_lost_s']} s; goodput "
-          f"{_fmt(s['goodput'])}", file=stream, flush=True)
+               f"{s.lost_steps} committed steps recomputed)")
+    print(f"ftrun: survived {s.recovered}/{s.faults} faults{how}; recovery p50 "
+          f"{_fmt(s.p50_ms, ' ms')}, p95 {_fmt(s.p95_ms, ' ms')}, max "
+          f"{_fmt(s.max_ms, ' ms')}; time lost {s.time_lost_s} s; goodput "
+          f"{_fmt(s.goodput)}", file=stream, flush=True)
 
 
 def _unfinished_summary(faults: Sequence[Any], open_faults: Sequence[Any],
-                        run_seconds: float, ended: str, s: Mapping[str, Any]) -> str:
+                        run_seconds: float, ended: str, s: Summary) -> str:
     """`recovered 1 of 2 faults; the job failed before fault #2 (kill, rank 1) recovered,
     3.2 s after it; ...`: an unrecovered fault's time is lost up to the end of the run."""
     import dataclasses
@@ -288,13 +306,13 @@ def _unfinished_summary(faults: Sequence[Any], open_faults: Sequence[Any],
     first = min(open_faults, key=lambda f: f.at)
     to_the_end = [f if f.recovered else dataclasses.replace(
         f, recovery_ms=round(max(0.0, now - f.at) * 1000, 1)) for f in faults]
-    lost = summarize(to_the_end, run_seconds)
+    lost = Summary.from_json(summarize(to_the_end, run_seconds))
     when = ("on" if first.decision == "fail" else "before") + f" fault #{first.id} " \
         f"({first.kind}, rank {first.rank})" + (" recovered" if first.decision != "fail" else "")
-    return (f"ftrun: recovered {s['recovered']} of {s['faults']} faults; the job {ended} "
+    return (f"ftrun: recovered {s.recovered} of {s.faults} faults; the job {ended} "
             f"{when}, {max(0.0, now - first.at):.1f} s after it; recovery p50 "
-            f"{_fmt(s['p50_ms'], ' ms')}, max {_fmt(s['max_ms'], ' ms')} (of those "
-            f"recovered); time lost {lost['time_lost_s']} s; goodput {_fmt(lost['goodput'])}")
+            f"{_fmt(s.p50_ms, ' ms')}, max {_fmt(s.max_ms, ' ms')} (of those "
+            f"recovered); time lost {lost.time_lost_s} s; goodput {_fmt(lost.goodput)}")
 
 
 # ------------------------------------------------------------------ ftrun report

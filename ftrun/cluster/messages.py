@@ -1,17 +1,24 @@
 """The typed messages between the agents of a multi-node job, as they travel on the store.
 
 Owns: the commands a coordinator sends one node (start, spawn, kill, stop, end, ping, a
-net-down drill) and the reports a node sends the coordinator (join, a worker's exit, ...),
-each checked field by field where it enters (`parse_command`, `parse_report`).
+net-down drill), the reports a node sends the coordinator (join, a worker's exit, ...),
+each checked field by field where it enters (`parse_command`, `parse_report`), and the
+`Payload` a node's heartbeat carries (its workers, their liveness, its snapshots), read as
+strictly (`parse_payload`).
 Must not import: typer, rich, the CLI, the agent or the worker library.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from ftrun.core import records
+from ftrun.core.errors import FtrunError
+from ftrun.core.policy import Liveness
 from ftrun.protocol.rendezvous import decode, encode
+from ftrun.protocol.status import Snapshot, WorkerRow
 
 
 # ------------------------------------------------------ coordinator -> follower: commands
@@ -177,3 +184,27 @@ def parse_command(raw: str | bytes) -> Command | str:
 def parse_report(raw: str | bytes) -> Report | str:
     """A follower's report as the coordinator may act on it, or why it is refused."""
     return decode(raw, REPORTS)
+
+
+# ------------------------------------------------------ follower -> coordinator: heartbeat
+@dataclass(frozen=True)
+class Payload:
+    """What a node's heartbeat carries (the newest under its payload key): its workers as its
+    agent sees them, for `ftrun status`; their liveness, so that the coordinator judges hangs
+    and stragglers over the whole job; its snapshots. A node that has not beaten yet shows
+    the empty payload."""
+
+    workers: tuple[WorkerRow, ...] = ()
+    liveness: tuple[Liveness, ...] = ()
+    snapshot: Snapshot | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return records.to_json(self)
+
+
+def parse_payload(doc: Mapping[str, Any]) -> Payload | str:
+    """A node's payload as the coordinator may show and judge it, or why it is refused."""
+    try:
+        return records.from_json(Payload, doc, "heartbeat payload")
+    except FtrunError as exc:
+        return exc.message

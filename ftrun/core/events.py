@@ -1,15 +1,22 @@
 """The agent's event vocabulary: what goes to the console, to `<run dir>/events.jsonl` and
 into the journal's fault records.
 
-Owns: `Event`, every kind the agent emits, and `EventSink`, the callable that takes one. A
-kind is a member, never a bare string: a misspelt one is a type error, not a lost event.
+Owns: `Event`, every kind the agent emits, `EventSink`, the callable that takes one, and the
+typed fields of each kind (`FaultFields`, ...; `fields_of` reads an event's fields into its
+record, strictly, and `to_fields` writes one). A kind is a member, never a bare string: a
+misspelt one is a type error, not a lost event. A field that an event of an older version
+may lack has a default.
 Must not import: anything outside the standard library and `ftrun.core`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar, TypeVar
 
+from ftrun.core import records
+from ftrun.core.records import absent
 from ftrun.core.states import TextEnum
 
 
@@ -36,3 +43,218 @@ class Event(TextEnum):
 
 
 EventSink = Callable[[Event, Mapping[str, object]], None]
+
+
+F = TypeVar("F", bound="Fields")
+
+
+class Fields:
+    """The fields of one kind of event (`event`), as a record."""
+
+    event: ClassVar[Event]
+
+    def to_fields(self) -> dict[str, Any]:
+        """What `emit(kind, ...)` takes (and the event log holds)."""
+        return records.to_json(self)
+
+    @classmethod
+    def of(cls: type[F], fields: Mapping[str, object]) -> F:
+        """This kind's fields, checked (a one-line FtrunError if they are not)."""
+        return records.from_json(cls, fields, f"a {cls.event} event",
+                                 hint="an event log of another ftrun version, or edited")
+
+
+@dataclass(frozen=True)
+class StartedFields(Fields):
+    event = Event.STARTED
+    attempt: int
+    world_size: int
+    pids: tuple[int, ...] = ()
+    master: str = ""
+    node: int | None = absent()  # a follower's
+
+
+@dataclass(frozen=True)
+class SpawnedFields(Fields):
+    event = Event.SPAWNED
+    worker: int
+    rank: int
+    local_rank: int
+    pid: int
+    via: str  # zygote | exec
+    spare: bool
+    zygote: int  # the zygote's pid; 0: started as a new process
+
+
+@dataclass(frozen=True)
+class ExitFields(Fields):
+    event = Event.EXIT
+    rank: int
+    pid: int
+    returncode: int
+    by_launcher: bool
+
+
+@dataclass(frozen=True)
+class FailureFields(Fields):
+    event = Event.FAILURE
+    reason: str
+    rank: int | None = None
+
+
+@dataclass(frozen=True)
+class RestartFields(Fields):
+    event = Event.RESTART
+    reason: str
+    attempt: int
+
+
+@dataclass(frozen=True)
+class SignalFields(Fields):
+    event = Event.SIGNAL
+    signal: str
+    workers: int  # forwarded to this many (0: the second signal, killing now)
+    grace_s: float
+
+
+@dataclass(frozen=True)
+class FaultFields(Fields):
+    event = Event.FAULT
+    worker: int  # -1: a rebuild, no one to blame
+    rank: int
+    decision: str
+    reason: str
+    why: str = "fault"  # how it was detected
+    detected_at: float | None = absent()
+    committed_before: int = -1
+    node: int | None = absent()  # a lost node's
+
+
+@dataclass(frozen=True)
+class GenerationFields(Fields):
+    event = Event.GENERATION
+    generation: int
+    world_size: int
+    reason: str
+    published_at: float
+    urgent: bool = False
+
+
+@dataclass(frozen=True)
+class RecoveredFields(Fields):
+    """A generation's first commit and its phases (wall clock; 0: a phase that did not
+    happen)."""
+
+    event = Event.RECOVERED
+    generation: int
+    worker: int = -1
+    fault_at: float = 0.0
+    published_at: float = 0.0
+    noticed: float = 0.0
+    rebuilt: float = 0.0
+    healed: float = 0.0
+    step: int | None = None
+    first_commit: float = 0.0
+
+
+@dataclass(frozen=True)
+class DrillFields(Fields):
+    event = Event.DRILL
+    worker: int
+    rank: int
+    kind: str
+    at_step: int
+
+
+@dataclass(frozen=True)
+class InjectedFields(Fields):
+    event = Event.INJECTED
+    worker: int
+    kind: str  # the drill, or the agent's own kill (hang, straggler)
+    at: float
+
+
+@dataclass(frozen=True)
+class GpuFields(Fields):
+    event = Event.GPU
+    uuid: str
+    health: str
+    reason: str
+    local_ranks: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class StragglerFields(Fields):
+    event = Event.STRAGGLER
+    worker: int
+    reason: str
+    evicted: bool
+
+
+@dataclass(frozen=True)
+class SnapshotFields(Fields):
+    event = Event.SNAPSHOT
+    step: int
+    taken_at: float
+    bytes: int
+    blocking_ms: float
+    write_ms: float
+    path: str
+
+
+@dataclass(frozen=True)
+class SnapshotFailedFields(Fields):
+    event = Event.SNAPSHOT_FAILED
+    step: int
+    dir: str
+    error: str
+
+
+@dataclass(frozen=True)
+class ResumedFields(Fields):
+    event = Event.RESUMED
+    worker: int
+    step: int
+    source: str
+    taken_at: float
+    loaded_at: float
+    load_ms: float
+
+
+@dataclass(frozen=True)
+class HealedFields(Fields):
+    event = Event.HEALED
+    worker: int
+    generation: int
+    step: int
+    nbytes: int
+    seconds: float
+    sources: int
+    source_ranks: str  # comma-separated
+    chunk_mb: float | None = absent()
+    gb_per_s: float | None = absent()
+
+
+@dataclass(frozen=True)
+class StateSizeFields(Fields):
+    event = Event.STATE_SIZE
+    worker: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class NoticeFields(Fields):
+    event = Event.NOTICE
+    text: str
+
+
+FIELDS: dict[Event, type[Fields]] = {c.event: c for c in (
+    StartedFields, SpawnedFields, ExitFields, FailureFields, RestartFields, SignalFields,
+    FaultFields, GenerationFields, RecoveredFields, DrillFields, InjectedFields, GpuFields,
+    StragglerFields, SnapshotFields, SnapshotFailedFields, ResumedFields, HealedFields,
+    StateSizeFields, NoticeFields)}
+
+
+def fields_of(kind: Event, fields: Mapping[str, object]) -> Fields:
+    """The typed fields of a `kind` event, or a one-line FtrunError."""
+    return FIELDS[Event(kind)].of(fields)
