@@ -99,6 +99,7 @@ class RunSpec:
     shard_size: int = 1  # ranks per replica group (HSDP: FSDP inside, ftrun across); 1: DP
     heal_chunk_mb: float = HEAL_CHUNK_MB
     heal_sources: int = HEAL_SOURCES
+    rdzv_endpoints: tuple[str, ...] = ()  # etcd: every member, HOST:PORT or [IPV6]:PORT
 
     @property
     def snapshots(self) -> bool:

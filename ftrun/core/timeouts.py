@@ -40,6 +40,24 @@ STATUS_EVERY_S = 1.0  # the coordinator publishing the whole job's status
 CONNECT_TRY_S = 2.0  # one try of a follower reaching the store (Ctrl-C is checked between)
 STORE_LOST_S = 10.0  # a follower's store round trip longer than this: the coordinator is gone
 
+# etcd control plane (--rdzv-backend etcd; each overridable with --rdzv-conf request_timeout=,
+# lease_ttl=)
+ETCD_REQUEST_S = 3.0  # one etcd operation, every member tried within it: a leader election
+# inside etcd (~1-2 s) is ridden out, a lost majority fails the operation by then
+ETCD_TRY_S = 1.0  # one try on one member: a member whose etcd leader died holds a request
+# until its own 5-7 s timeout, while a new leader is elected in ~1-3 s: the retry gets through
+ETCD_TRY_FLOOR_S = 0.2  # ...and at least this, when a short operation shares its time out
+ETCD_CONNECT_S = 1.0  # TCP (and TLS) connect to one member: a host that is gone
+ETCD_LEASE_TTL_S = 2  # an agent's lease (whole seconds, etcd's unit) outlives its last
+# keep-alive by this: etcd's floor with its default 1 s election timeout
+ETCD_STATUS_S = 1.0  # one member's status (up, leader, raft term) for `ftrun status`
+ETCD_PREFLIGHT_S = 5.0  # the launch checking that the cluster answers, before any worker
+ETCD_CAMPAIGN_S = 5.0  # one call waiting to become the leader (the caller calls again)
+ETCD_WATCH_IDLE_S = 5.0  # a watch stream silent this long is re-opened (a frozen member sends
+# no FIN), from the revision after the last event, so nothing is missed
+ETCD_RETRY_S = 0.1  # every member refused at once (or a watch stream broke): the pause before
+# the next round of tries
+
 # Worker library
 COLLECTIVE_S = 300.0  # one collective, before the step is given up
 GENERATION_WAIT_S = 120.0  # a worker waiting for the agent to publish the next generation

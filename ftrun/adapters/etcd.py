@@ -1,0 +1,328 @@
+"""The thin, typed layer between ftrun's control plane and an etcd cluster (v3 API).
+
+Owns: loading the client (a missing one is a one-line error naming `ftrun[etcd]`), an
+`EtcdClient` over one or more members that fails over between them within one deadline per
+operation, key-value reads, writes and transactions, leases held alive by a keep-alive
+thread that know when they lapsed, each member's health, and the launch's preflight.
+Leases are in `etcd_lease`, elections and fenced writes in `etcd_election`, watches in
+`etcd_watch` (each built on this module, never the other way round).
+
+The client is etcd3gw (OpenStack's, maintained, typed): it speaks etcd's own gRPC gateway
+(JSON over HTTP at /v3/, served by every etcd since 3.4) through `requests`, with no grpcio
+and no protobuf. That keeps gRPC's threads out of an agent that forks workers and a zygote,
+avoids a protobuf runtime pin next to torch's, and is a 30 kB pure-Python wheel. The gRPC
+clients were older (etcd3, last released 2020, breaks on protobuf >= 4) or forks of it;
+aetcd and etcd-client-py are asyncio-only. Each request is sent through the etcd3gw
+client's session and URL (TLS set up there) with this layer's own per-try deadline, which
+the client's one fixed timeout cannot give; a watch is one streamed request per member.
+Must not import: torch, typer, rich, the agent; the client only inside functions.
+"""
+
+from __future__ import annotations
+
+import base64
+import concurrent.futures
+import threading
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from ftrun.adapters.etcd_conf import EtcdConf, EtcdTls, split_hostport
+from ftrun.core import timeouts
+from ftrun.core.errors import FtrunError, first_line
+
+if TYPE_CHECKING:
+    import requests
+
+CLIENT = "etcd3gw"
+INSTALL_HINT = "pip install 'ftrun[etcd]'"
+API_PATH = "/v3/"
+
+
+class EtcdError(FtrunError):
+    """The etcd cluster did not do what was asked (unreachable, no quorum, refused)."""
+
+
+def load_client() -> Any:
+    """The etcd3gw module, or the one-line error that says how to install it."""
+    try:
+        import etcd3gw
+    except ImportError as exc:
+        raise FtrunError(f"the etcd backend needs the {CLIENT} client ({first_line(exc)})",
+                         hint=INSTALL_HINT) from None
+    return etcd3gw
+
+
+def b64(text: str | bytes) -> str:
+    raw = text.encode() if isinstance(text, str) else text
+    return base64.b64encode(raw).decode()
+
+
+def unb64(text: str) -> bytes:
+    return base64.b64decode(text)
+
+
+def prefix_end(prefix: str) -> str:
+    """The range end that covers every key starting with `prefix` (ASCII prefixes)."""
+    return prefix[:-1] + chr(ord(prefix[-1]) + 1)
+
+
+@dataclass(frozen=True)
+class KeyValue:
+    key: str
+    value: bytes
+    create_revision: int
+    mod_revision: int
+    lease: int
+
+    @classmethod
+    def from_json(cls, kv: dict[str, Any]) -> KeyValue:
+        return cls(unb64(kv["key"]).decode(), unb64(kv.get("value", "")),
+                   int(kv.get("create_revision", 0)), int(kv.get("mod_revision", 0)),
+                   int(kv.get("lease", 0)))
+
+
+class Member:
+    """One etcd member, reached through its own etcd3gw client (session, TLS, URL)."""
+
+    def __init__(self, endpoint: str, tls: EtcdTls, module: Any) -> None:
+        host, port = split_hostport(endpoint)
+        self.endpoint = endpoint
+        self.client = module.Etcd3Client(
+            host=host, port=port, protocol=tls.protocol, ca_cert=tls.cacert,
+            cert_key=tls.key, cert_cert=tls.cert, api_path=API_PATH)
+
+    def post(self, path: str, body: dict[str, Any], timeout: float,
+             stream: bool = False, read_timeout: float | None = None) -> requests.Response:
+        connect = min(timeout, timeouts.ETCD_CONNECT_S)
+        read = timeout if read_timeout is None else read_timeout
+        return self.client.session.post(self.client.get_url(path), json=body, stream=stream,
+                                        timeout=(connect, read))
+
+
+def gateway_error(resp: requests.Response) -> str:
+    try:
+        return str(resp.json().get("message") or resp.text).strip()
+    except ValueError:
+        return f"HTTP {resp.status_code}: {resp.text.strip()[:120]}"
+
+
+class EtcdClient:
+    """Requests to whichever member answers: the last good one first, then the others."""
+
+    def __init__(self, conf: EtcdConf) -> None:
+        module = load_client()
+        if not conf.endpoints:
+            raise EtcdError("no etcd endpoint given", hint="--rdzv-endpoint HOST:PORT,...")
+        self.conf = conf
+        self.timeout = conf.request_timeout
+        self.members = [Member(ep, conf.tls, module) for ep in conf.endpoints]
+        self._preferred = 0
+        self._lock = threading.Lock()
+
+    def in_order(self) -> list[Member]:
+        with self._lock:
+            first = self._preferred
+        return self.members[first:] + self.members[:first]
+
+    def prefer(self, member: Member) -> None:
+        with self._lock:
+            self._preferred = self.members.index(member)
+
+    def request(self, path: str, body: dict[str, Any], timeout: float | None = None) -> Any:
+        """POST `path` to a member; fail over on a connection error, a timeout or a 5xx
+        (no leader, leader changed), round after round, until `timeout` is spent. A request
+        may so reach etcd twice: ftrun's writes are idempotent or compared (a lease granted
+        twice: the spare one expires)."""
+        budget = self.timeout if timeout is None else timeout
+        deadline = time.monotonic() + budget
+        why: dict[str, str] = {}
+        while True:
+            order = self.in_order()
+            for k, member in enumerate(order):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                share = max(left / (len(order) - k), timeouts.ETCD_TRY_FLOOR_S)
+                answer = self._try(member, path, body, min(left, share, timeouts.ETCD_TRY_S),
+                                   why)
+                if answer is not None:
+                    return answer
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise EtcdError(f"etcd did not answer within {budget:.3g} s ("
+                                + "; ".join(f"{ep}: {w}" for ep, w in why.items()) + ")",
+                                hint="is the majority of its members up and reachable?")
+            time.sleep(min(left, timeouts.ETCD_RETRY_S))
+
+    def _try(self, member: Member, path: str, body: dict[str, Any], timeout: float,
+             why: dict[str, str]) -> Any:
+        import requests
+
+        try:
+            resp = member.post(path, body, timeout)
+        except requests.RequestException as exc:
+            why[member.endpoint] = describe(exc)
+            return None
+        if resp.status_code == 200:
+            self.prefer(member)
+            return resp.json()
+        if resp.status_code >= 500:  # unavailable, no leader, timed out inside etcd
+            why[member.endpoint] = gateway_error(resp)
+            return None
+        raise EtcdError(f"etcd refused {path}: {gateway_error(resp)}",
+                        hint="a bug in ftrun's use of etcd: please report it")
+
+    # -- keys -----------------------------------------------------------------------------
+    def get(self, key: str, timeout: float | None = None) -> KeyValue | None:
+        found = self.request("kv/range", {"key": b64(key)}, timeout).get("kvs", [])
+        return KeyValue.from_json(found[0]) if found else None
+
+    def get_prefix(self, prefix: str, timeout: float | None = None) -> list[KeyValue]:
+        body = {"key": b64(prefix), "range_end": b64(prefix_end(prefix)),
+                "sort_order": "ASCEND", "sort_target": "KEY"}
+        return [KeyValue.from_json(kv)
+                for kv in self.request("kv/range", body, timeout).get("kvs", [])]
+
+    def put(self, key: str, value: str | bytes, lease: int = 0,
+            timeout: float | None = None) -> int:
+        """Write unconditionally; returns the revision of the write."""
+        body: dict[str, Any] = {"key": b64(key), "value": b64(value)}
+        if lease:
+            body["lease"] = lease
+        return header_revision(self.request("kv/put", body, timeout))
+
+    def delete(self, key: str, prefix: bool = False, timeout: float | None = None) -> int:
+        """Delete a key (or every key under a prefix); returns how many were deleted."""
+        body = {"key": b64(key)}
+        if prefix:
+            body["range_end"] = b64(prefix_end(key))
+        return int(self.request("kv/deleterange", body, timeout).get("deleted", 0))
+
+    def txn(self, compare: Sequence[dict[str, Any]], success: Sequence[dict[str, Any]],
+            failure: Sequence[dict[str, Any]] = (), timeout: float | None = None) -> Any:
+        """One transaction (build its parts with `compare_*` and `*_op`); the reply has
+        `succeeded` (absent: false) and the header's revision."""
+        body = {"compare": list(compare), "success": list(success), "failure": list(failure)}
+        return self.request("kv/txn", body, timeout)
+
+    # -- health --------------------------------------------------------------------------
+    def health(self, timeout: float = timeouts.ETCD_STATUS_S) -> tuple[MemberHealth, ...]:
+        """Every member's status, asked of all at once (a dead one costs `timeout`)."""
+        with concurrent.futures.ThreadPoolExecutor(len(self.members)) as pool:
+            return tuple(pool.map(lambda m: member_status(m, timeout), self.members))
+
+    def close(self) -> None:
+        for member in self.members:
+            member.client.session.close()
+
+
+def header_revision(reply: dict[str, Any]) -> int:
+    return int(reply.get("header", {}).get("revision", 0))
+
+
+def compare_create(key: str, revision: int) -> dict[str, Any]:
+    """True while `key` exists with this create revision (0: while it does not exist)."""
+    return {"key": b64(key), "target": "CREATE", "result": "EQUAL",
+            "create_revision": revision}
+
+
+def put_op(key: str, value: str | bytes, lease: int = 0) -> dict[str, Any]:
+    put: dict[str, Any] = {"key": b64(key), "value": b64(value)}
+    if lease:
+        put["lease"] = lease
+    return {"request_put": put}
+
+
+def delete_op(key: str, prefix: bool = False) -> dict[str, Any]:
+    rng = {"key": b64(key)}
+    if prefix:
+        rng["range_end"] = b64(prefix_end(key))
+    return {"request_delete_range": rng}
+
+
+def range_op(key: str, prefix: bool = False, **extra: Any) -> dict[str, Any]:
+    rng: dict[str, Any] = {"key": b64(key), **extra}
+    if prefix:
+        rng["range_end"] = b64(prefix_end(key))
+    return {"request_range": rng}
+
+
+def describe(exc: BaseException) -> str:
+    """A requests error in a few words: refused, timed out, reset, or its first line."""
+    text = str(exc).lower()
+    for needle, short in (("refused", "connection refused"), ("timed out", "timed out"),
+                          ("reset", "connection reset"), ("ended prematurely", "stream cut"),
+                          ("name or service not known", "unknown host"),
+                          ("certificate", "TLS certificate rejected")):
+        if needle in text:
+            return short
+    return first_line(exc, 120)
+
+
+@dataclass(frozen=True)
+class MemberHealth:
+    """One member as `ftrun status` shows it."""
+
+    endpoint: str
+    up: bool
+    member_id: str = ""  # hex, as etcdctl prints it
+    leader_id: str = ""  # the raft leader this member follows ("": it knows none)
+    raft_term: int = 0
+    version: str = ""
+    error: str = ""
+
+    @property
+    def is_leader(self) -> bool:
+        return self.up and bool(self.member_id) and self.member_id == self.leader_id
+
+
+def member_status(member: Member, timeout: float) -> MemberHealth:
+    import requests
+
+    try:
+        resp = member.post("maintenance/status", {}, timeout)
+    except requests.RequestException as exc:
+        return MemberHealth(member.endpoint, up=False, error=describe(exc))
+    if resp.status_code != 200:
+        return MemberHealth(member.endpoint, up=False, error=gateway_error(resp))
+    reply = resp.json()
+    hexid = lambda raw: f"{int(raw):x}" if raw and int(raw) else ""  # noqa: E731
+    return MemberHealth(member.endpoint, up=True,
+                        member_id=hexid(reply.get("header", {}).get("member_id")),
+                        leader_id=hexid(reply.get("leader")),
+                        raft_term=int(reply.get("raftTerm", 0)),
+                        version=str(reply.get("version", "")),
+                        error="; ".join(reply.get("errors", [])))
+
+
+def connect(endpoints: str | Iterable[str], tls: EtcdTls | None = None,
+            timeout: float = timeouts.ETCD_REQUEST_S) -> EtcdClient:
+    """A client over these members (`a:2379,b:2379` or a list); nothing is sent yet."""
+    eps = tuple(e.strip() for e in (endpoints.split(",") if isinstance(endpoints, str)
+                                     else endpoints) if e.strip())
+    return EtcdClient(EtcdConf(eps, tls or EtcdTls(), request_timeout=timeout))
+
+
+def preflight(conf: EtcdConf, timeout: float = timeouts.ETCD_PREFLIGHT_S
+              ) -> tuple[MemberHealth, ...]:
+    """Before any worker starts: the client is installed, a member answers, the cluster has
+    a leader and serves a linearizable read (its majority is up). One-line errors."""
+    deadline = time.monotonic() + timeout
+    client = EtcdClient(conf)
+    try:
+        health = client.health(min(timeout, timeouts.ETCD_STATUS_S))
+        up = [h for h in health if h.up]
+        if not up:
+            raise EtcdError(f"etcd is unreachable at {conf.where} ({health[0].error})",
+                            hint="start etcd there, or fix --rdzv-endpoint")
+        if not any(h.leader_id for h in up):
+            raise EtcdError(f"etcd at {conf.where} has no leader ({len(up)} of "
+                            f"{len(health)} members answer)",
+                            hint="its majority is down: start enough members")
+        client.get(conf.prefix + "preflight", timeout=max(deadline - time.monotonic(),
+                                                          timeouts.ETCD_TRY_S))
+        return health
+    finally:
+        client.close()

