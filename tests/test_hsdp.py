@@ -19,6 +19,8 @@ import pytest
 import torch
 from conftest import FIXTURES, ftrun_cmd, run_ftrun, wait_for
 
+from ftrun.protocol.status import Status
+
 SCRIPT = str(FIXTURES / "hsdp_plain.py")
 FT_SCRIPT = str(FIXTURES / "hsdp_ft.py")
 
@@ -160,6 +162,7 @@ def test_drills_on_a_sharded_job_recover_and_status_shows_its_groups(
         stderr=subprocess.PIPE, text=True)
     try:
         doc = wait_for(lambda: _groups_at(3), 90, "a running sharded job")
+        assert Status.from_json(doc).to_json() == doc  # groups and spares: as the records say
         assert [(g["group"], g["ranks"]) for g in doc["replica_groups"]] == [(0, [0, 1]),
                                                                              (1, [2, 3])]
         assert "replica groups  0 training (ranks 0-1), 1 training" in _ftrun_out(

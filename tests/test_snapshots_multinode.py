@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 
 import tests.test_multinode as multinode
+from ftrun.protocol.status import Status
 from tests.conftest import pid_alive, wait_for
 from tests.replicas import bitwise_equal, params
 from tests.test_multinode import (
@@ -117,6 +118,8 @@ def first_run(nodes, port: int, rdzv_id: str, snaps: dict[str, Path],
              f"{kept} complete snapshot(s) from step {FIRST} on on both nodes")
     assert visible(snaps["a"]) == [snaps["a"] / "node0"]  # the coordinator's
     wait_for(lambda: shows_snapshots(b), 30, "ftrun status showing both nodes' snapshots")
+    doc = b.status()  # written snapshots, node by node: as the records say
+    assert doc is not None and Status.from_json(doc).to_json() == doc
     assert visible(snaps["b"]) == [snaps["b"] / "node1"]
 
     a.kill()  # the store host and its workers, as a host failure would take them

@@ -12,6 +12,7 @@ from statusdocs import fault, status, worker
 
 from ftrun.agent.journal import FaultRecord, Journal, summarize
 from ftrun.cli.main import main
+from ftrun.protocol.status import Status
 
 
 @pytest.fixture(autouse=True)
@@ -136,6 +137,7 @@ def test_status_and_drills_on_a_running_job(tmp_path, private_run_dir) -> None:
         assert r.returncode == 1 and "only be injected into simulated GPUs" in r.stderr
 
         doc = json.loads(ftrun_out("status", "--json").stdout)
+        assert Status.from_json(doc).to_json() == doc  # the records hold all of it, as it is
         faults = doc["faults"]
         assert [f["kind"] for f in faults] == ["kill", "comm", "exception", "segv", "exit"]
         for f in faults:

@@ -12,6 +12,7 @@ from conftest import FIXTURES, ftrun_cmd, wait_for
 
 from ftrun.adapters import control
 from ftrun.core.errors import FtrunError
+from ftrun.protocol.status import Status
 
 
 def free_port() -> int:
@@ -77,6 +78,9 @@ def test_two_agents_of_one_job_on_one_host_are_one_job(tmp_path: Path,
         assert (status_json() or {}).get("run_id") in (one["run_id"], zero["run_id"])
         whole = json.loads(ftrun_out("status", "--json", "--node", "1").stdout)
         assert whole["served_by"]["node"] == 1 and len(whole["workers"]) == 2
+        coordinator = {k: v for k, v in zero.items() if k != "ok"}  # "ok": the reply's
+        for doc in (whole, coordinator):  # the records hold all of a job's document, as is
+            assert Status.from_json(doc).to_json() == doc
         by_prefix = status_json(one["run_id"][:8])
         assert by_prefix is not None and by_prefix["run_id"] == one["run_id"]
 
