@@ -135,10 +135,64 @@ def test_no_import_cycle_anywhere_type_only_imports_included() -> None:
 
 def test_no_helper_of_the_agent_holds_an_agent() -> None:
     graph = _graph()
-    agents = {"ftrun.agent.node", "ftrun.agent.nodehooks", "ftrun.cluster.coordinator",
-              "ftrun.cluster.follower"}
-    for helper in ("recovery", "watch", "control_plane", "ports", "jobview", "journal"):
+    agents = {"ftrun.agent.node", "ftrun.cluster.coordinating", "ftrun.cluster.following"}
+    for helper in ("recovery", "replica_groups", "generations", "watch", "control_plane",
+                   "ports", "jobview", "journal", "cluster", "workers", "services"):
         assert not graph[f"ftrun.agent.{helper}"] & agents, helper
+    for helper in ("host", "jobnodes", "rejoin", "coordinating", "following"):
+        assert "ftrun.agent.node" not in graph[f"ftrun.cluster.{helper}"], helper
+
+
+def _classes() -> list[tuple[str, ast.ClassDef]]:
+    return [(name, node) for name, path in modules().items()
+            for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.ClassDef)]
+
+
+def _base_names(cls: ast.ClassDef) -> set[str]:
+    return {b.id if isinstance(b, ast.Name) else b.attr for b in cls.bases
+            if isinstance(b, ast.Name | ast.Attribute)}
+
+
+def subclasses_of_the_agent(classes: list[tuple[str, ast.ClassDef]]) -> list[str]:
+    """Classes whose bases include the agent, or a class that does (transitively)."""
+    agentish = {"Agent"}
+    grew = True
+    while grew:
+        found = {c.name for _, c in classes if _base_names(c) & agentish}
+        grew = not found <= agentish
+        agentish |= found
+    return sorted(f"{m}.{c.name}" for m, c in classes if _base_names(c) & agentish)
+
+
+def stubbed_mixins(classes: list[tuple[str, ast.ClassDef]]) -> list[str]:
+    """Classes with a method whose body raises NotImplementedError (a Protocol's `...` is
+    not one): a mixin that leans on its host class's methods."""
+    out = []
+    for module, cls in classes:
+        for fn in cls.body:
+            if isinstance(fn, ast.FunctionDef) and any(
+                    isinstance(n, ast.Raise) and "NotImplementedError" in ast.unparse(n)
+                    for n in ast.walk(fn)):
+                out.append(f"{module}.{cls.name}.{fn.name}")
+    return out
+
+
+def test_nothing_subclasses_the_agent_and_no_mixin_carries_stubs() -> None:
+    classes = _classes()
+    assert subclasses_of_the_agent(classes) == []
+    assert stubbed_mixins(classes) == []
+    # both checks can fail
+    fake = ast.parse("class NodeTable(Agent): pass\nclass Coordinator(NodeTable): pass\n"
+                     "class Hooks:\n    def spawn(self):\n        raise NotImplementedError\n")
+    fakes = [("x", c) for c in fake.body if isinstance(c, ast.ClassDef)]
+    assert subclasses_of_the_agent(fakes) == ["x.Coordinator", "x.NodeTable"]
+    assert stubbed_mixins(fakes) == ["x.Hooks.spawn"]
+
+
+def test_the_cli_face_does_not_load_the_worker_library() -> None:
+    mods = _modules_after("import ftrun.cli.main")
+    assert not {m for m in mods if m.startswith("ftrun.worker")}, \
+        sorted(m for m in mods if m.startswith("ftrun.worker"))
 
 
 def test_worker_side_never_imports_launcher_or_ui() -> None:

@@ -1,85 +1,105 @@
 """The per-node agent: start the workers, watch them, decide, act, report.
 
-Owns: one run from start to end: the guardian, signal handling, the store per attempt,
-spawning workers with their environment, an event loop that sees a worker's exit the moment
-it happens (pidfd), torchrun's whole-group restart, graceful then forced shutdown.
+Owns: one run from start to end: the guardian, signal handling, the store per attempt, the
+workers' environment, an event loop that sees a worker's exit the moment it happens,
+torchrun's whole-group restart, graceful then forced shutdown, and the answers the agent's
+helpers get through their ports (`ports`), this node's from its `NodeWorkers` and the other
+nodes' from its `Cluster`. What differs between one node, the coordinator of several and a
+follower is the `Cluster` object it is given (`agent.cluster.Local`, `cluster.coordinating`,
+`cluster.following`); nothing subclasses the agent.
 Must not import: typer, rich, the CLI or the worker library. Torch only through `store`.
 """
 
 from __future__ import annotations
 
 import os
-import selectors
 import signal
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import replace
+from typing import Any
 
-from ftrun.adapters.procs import Guardian, signal_group
-from ftrun.adapters.report import WorkerExit
+from ftrun.adapters.procs import Guardian
 from ftrun.adapters.store import LOOPBACK, HostedStore, QueueReader, advertised_addr, client
 from ftrun.adapters.wakeup import Wakeup
-from ftrun.adapters.workerspec import spawn_error, worker_argv, worker_env
-from ftrun.agent.nodehooks import NodeHooks
+from ftrun.adapters.workerspec import worker_env
+from ftrun.agent.cluster import Cluster, Local
 from ftrun.agent.recovery import Recovery
 from ftrun.agent.roster import Outcome, RemoteWorker, RunResult, Worker
 from ftrun.agent.services import RunServices
 from ftrun.agent.starter import WorkerStarter
 from ftrun.agent.timeline import EVERY_S as TIMELINE_EVERY_S
-from ftrun.agent.watch import CHECK_EVERY_S
+from ftrun.agent.watch import CHECK_EVERY_S, Finding, Kill, Rebuild
+from ftrun.agent.workers import NodeWorkers
 from ftrun.core import timeouts
 from ftrun.core.events import Event, EventSink
 from ftrun.core.exits import signal_name
-from ftrun.core.policy import Action, Decision, decide_group
+from ftrun.core.policy import Action, Decision, Liveness, decide_group
 from ftrun.core.spec import RunSpec
-from ftrun.core.states import WorkerState
-from ftrun.protocol.rendezvous import REQUEST_QUEUE
+from ftrun.protocol.rendezvous import REQUEST_QUEUE, node_of
 
 
 def _ignore(kind: str, fields: Mapping[str, object]) -> None:
     pass
 
 
-class Agent(NodeHooks, RunServices):
-    def __init__(self, spec: RunSpec, env: Mapping[str, str] | None = None,
-                 emit: EventSink = _ignore) -> None:
+def _alone(agent: Agent) -> Cluster:
+    return Local()
+
+
+class Agent:
+    def __init__(self, spec: RunSpec, cluster: Callable[[Agent], Cluster] = _alone,
+                 env: Mapping[str, str] | None = None, emit: EventSink = _ignore) -> None:
+        """`cluster`: makes the rest of the job as this agent sees it, given the agent."""
         self.spec = spec
         self.base_env = dict(os.environ if env is None else env)
-        self._sink = emit
-        self.emit: EventSink = emit  # replaced by the journal's once the run has a log dir
+        self.emit: EventSink = emit  # the journal's once the services exist
         self.run_id = spec.rdzv_id if spec.rdzv_id != "none" or self._static_port() else ""
         self.run_id = self.run_id or str(uuid.uuid4())
-        self._wakeup = Wakeup()
-        self._workers: list[Worker] = []
         self.restarts = 0
         self.recovery: Recovery | None = None  # this attempt's, when recovery is in-process
-        self._sel: selectors.BaseSelector | None = None
-        self.worker_port = 0  # where workers reach this attempt's store
-        self._next_id = spec.nproc
-        self._killed: set[tuple[int, int]] = set()
+        self._requests: QueueReader | None = None  # the recovery's request reader
+        self.master_addr = ""  # where workers reach this attempt's store
+        self.worker_port = 0
         self.group_rank, self.group_world_size, self.world_size = 0, 1, spec.nproc
         self.relay_addr = ""  # a follower's generation relay, which its workers watch
+        self._killed: set[tuple[int, int]] = set()  # (attempt, worker) the watch had killed
+        self.guardian = Guardian()  # before any thread or socket of the run exists
+        try:
+            self.wakeup = Wakeup()
+            self.starter = WorkerStarter(spec, lambda kind, fields: self.emit(kind, fields),
+                                         self.wakeup, self.guardian.watch)
+            self.services = RunServices(spec, self.run_id, emit, self, self.guardian)
+            self.emit = self.services.journal.emit
+            self.workers = NodeWorkers(spec, self.base_env, self.starter, self.guardian,
+                                       self.wakeup, self.services, self._env_for, self.emit)
+            self.cluster = cluster(self)
+        except BaseException:
+            self.guardian.close()
+            raise
+        self.workers.on_exit = self.cluster.on_local_exit
 
     # ----------------------------------------------------------------- top level
     def run(self) -> RunResult:
-        guardian = Guardian()  # before any thread or socket exists
-        self._guardian = guardian
-        self._wakeup.install(self.spec.signals_to_handle)
-        self.starter = WorkerStarter(self.spec, lambda kind, fields: self.emit(kind, fields),
-                                     self._wakeup, guardian.watch)
+        self.wakeup.install(self.spec.signals_to_handle)
+        result: RunResult | None = None
         try:
-            self._open_metrics()
             self._prepare_env()
+            self.cluster.prepare()
             self.starter.open(self.base_env)  # the zygote imports torch meanwhile
-            self._open_services(guardian, self)
-            return self._finish(self._run_attempts())
+            self.services.serve(self.cluster.remembered)
+            result = self.services.finish(self.cluster.drive(self._run_attempts))
+            return result
         finally:
-            self._kill_all(signal.SIGKILL)
-            self._close_services()
-            self.starter.close()
-            guardian.close()
-            self._wakeup.close()
+            try:
+                self.cluster.close(result)
+            finally:
+                self.workers.kill_all(signal.SIGKILL)
+                self.services.close()
+                self.starter.close()
+                self.guardian.close()
+                self.wakeup.close()
 
     def _run_attempts(self) -> RunResult:
         restarts = 0
@@ -102,44 +122,46 @@ class Agent(NodeHooks, RunServices):
                 decision = outcome.decision
                 if decision.action is Action.SUCCEED:
                     self._stop_workers(signal.SIGKILL, 0.0)  # idle spares hold no state
-                    self._close_streams()
+                    self.workers.close_streams()
                     return RunResult(0, decision.reason, exits=tuple(outcome.exits),
-                                     restarts_used=restarts, log_dir=self.logs.run_dir)
+                                     restarts_used=restarts, log_dir=self.services.logs.run_dir)
                 if not self.uses_api():  # in-process faults were announced already
                     self.emit(Event.FAILURE, {"reason": decision.reason, "rank": decision.culprit})
                 stop_sig = self._stop_workers(signal.SIGTERM, self.spec.shutdown_timeout)
-                self._close_streams()
+                self.workers.close_streams()
                 if stop_sig is not None:
-                    return self._signal_result(stop_sig, restarts)
+                    return self.signal_result(stop_sig, restarts)
                 if decision.action is Action.RESTART_GROUP:
-                    self.snapshots.restarting()
+                    self.services.snapshots.restarting()
                     restarts += 1
                     self.emit(Event.RESTART, {"reason": decision.reason, "attempt": restarts})
                     continue
-                exits = tuple(w.exit for w in self._workers if w.exit is not None)
+                exits = self.workers.exits()
                 return RunResult(1, decision.reason, cause=outcome.cause, exits=exits,
-                                 restarts_used=restarts, log_dir=self.logs.run_dir)
+                                 restarts_used=restarts, log_dir=self.services.logs.run_dir)
             finally:
                 self._end_recovery(hosted)
                 hosted.close()
 
     def _start_recovery(self, hosted: HostedStore) -> None:
-        self.recovery = Recovery(self, hosted.store)
-        self.control_plane.membership = self.recovery.membership
+        self.recovery = recovery = Recovery(self, hosted.store)
+        self.services.control_plane.membership = recovery.membership
         port = hosted.port
         self._requests = QueueReader(
             lambda: client(LOOPBACK, port, timeouts.WATCH_POLL_S), REQUEST_QUEUE,
-            self.recovery.deliver, lambda why: None, "ftrun-requests")
+            recovery.deliver, lambda why: None, "ftrun-requests")
 
     def _end_recovery(self, hosted: HostedStore) -> None:
         """The attempt is over: its request reader is woken and joined before the store
         goes (a thread left inside a C++ call aborts the interpreter's exit)."""
         if self.recovery is None:
             return
-        self._requests.close(hosted.store)
+        if self._requests is not None:
+            self._requests.close(hosted.store)
+            self._requests = None
         self.recovery.detach()
         self.recovery = None
-        self.control_plane.membership = None
+        self.services.control_plane.membership = None
 
     # ----------------------------------------------------------------- environment
     def _static_port(self) -> int | None:
@@ -155,98 +177,89 @@ class Agent(NodeHooks, RunServices):
         if "OMP_NUM_THREADS" not in env and self.spec.nproc > 1:
             env["OMP_NUM_THREADS"] = "1"
             self.emit(Event.NOTICE, {"text": "setting OMP_NUM_THREADS=1 for each worker (it was "
-                                         "unset); export it yourself to tune"})
+                                             "unset); export it yourself to tune"})
         env["TORCHELASTIC_SIGNALS_TO_HANDLE"] = ",".join(self.spec.signals_to_handle)
         static = self._static_port() is not None
-        local = advertised_addr(self.spec.local_addr)
-        self.master_addr = self.spec.master_addr if static else local
+        self.master_addr = (self.spec.master_addr if static
+                            else advertised_addr(self.spec.local_addr))
 
-    # ----------------------------------------------------------------- workers
-    def _start_group(self, restarts: int, hosted: HostedStore) -> None:
-        self._workers, self._next_id = [], self.spec.nproc  # ids restart with every attempt
-        self.starter.wait_for_zygote()  # its imports; a signal meanwhile ends the wait
-        if self._wakeup.signals:  # stopped before the workers started: start none, then stop
-            return
-        for local_rank in range(self.spec.nproc):
-            self.spawn_worker(local_rank, rank=local_rank, local_rank=local_rank)
-        self.emit(Event.STARTED, {"attempt": restarts, "world_size": self.world_size,
-                              "pids": [w.spawned.pid for w in self._workers],
-                              "master": f"{self.master_addr}:{hosted.port}"})
-
-    def spawn_worker(self, worker_id: int, rank: int, local_rank: int,
-                     spare: bool = False) -> Worker:
-        """Start one worker of the current attempt (a first member, a replacement, a spare)."""
-        streams = self.logs.streams_for(self.restarts, local_rank, rank=rank,
-                                        worker_id=worker_id if worker_id >= self.spec.nproc
-                                        else None)
+    def _env_for(self, worker_id: int, rank: int, local_rank: int, spare: bool,
+                 error_file: str) -> dict[str, str]:
+        svc = self.services
         wenv = worker_env(self.spec, self.base_env, rank=rank, local_rank=local_rank,
                           worker_id=worker_id, restarts=self.restarts, run_id=self.run_id,
                           master_addr=self.master_addr, port=self.worker_port,
-                          error_file=streams.error_file, spare=spare,
-                          progress_dir=self.progress_dir, world_size=self.world_size,
-                          group_rank=self.group_rank, group_world_size=self.group_world_size,
-                          relay=self.relay_addr)
-        wenv = replace(wenv, **self.snapshots.worker_fields(worker_id, self.restarts))
-        env = {**self.base_env, **wenv.to_env()}
-        self.slots.reset(worker_id)  # no progress of an earlier attempt's worker
-        try:
-            spawned = self.starter.start(worker_argv(self.spec, self.base_env, local_rank), env,
-                                         streams.stdout, streams.stderr)
-        except OSError as exc:
-            streams.close()
-            raise spawn_error(self.spec, exc) from exc
-        streams.after_spawn()
-        self._guardian.watch(spawned.pid)
-        worker = Worker(rank, local_rank, worker_id, spawned, streams)
-        self._workers.append(worker)
-        if self._sel is not None and spawned.pidfd is not None:
-            self._sel.register(spawned.pidfd, selectors.EVENT_READ, worker)
-        self.emit(Event.SPAWNED, {"worker": worker_id, "rank": rank, "local_rank": local_rank,
-                                  "pid": spawned.pid, "via": spawned.via, "spare": spare,
-                                  "zygote": self.starter.zygote_pid(spawned)})
-        return worker
+                          error_file=error_file, spare=spare, progress_dir=svc.progress_dir,
+                          world_size=self.world_size, group_rank=self.group_rank,
+                          group_world_size=self.group_world_size, relay=self.relay_addr)
+        wenv = replace(wenv, **svc.snapshots.worker_fields(worker_id, self.restarts))
+        return {**self.base_env, **wenv.to_env()}
 
-    def live_members(self) -> list[Worker]:
-        """Workers of the current generation in rank order (all live workers without FT)."""
-        if self.recovery is None or not self.recovery.uses_api:
-            return sorted((w for w in self._workers if w.alive), key=lambda w: w.rank)
-        by_id = {w.worker_id: w for w in self._workers}
-        members = self.recovery.membership.members
-        return [by_id[m] for m in members if m in by_id and by_id[m].alive]
+    # ----------------------------------------------------------------- workers
+    def _start_group(self, restarts: int, hosted: HostedStore) -> None:
+        self.workers.new_attempt(restarts, self.spec.nproc)
+        self.cluster.start_group(restarts, hosted, lambda: self._start_local(restarts, hosted))
 
-    def workers_snapshot(self) -> list[Worker]:
-        return [w for w in list(self._workers) if w.alive]
-
-    def wake(self) -> None:
-        """Interrupt the event loop from another thread (the request reader)."""
-        self._wakeup.wake()
+    def _start_local(self, restarts: int, hosted: HostedStore) -> None:
+        self.starter.wait_for_zygote()  # its imports; a signal meanwhile ends the wait
+        if self.wakeup.signals:  # stopped before the workers started: start none, then stop
+            return
+        for local_rank in range(self.spec.nproc):
+            self.workers.spawn(local_rank, rank=local_rank, local_rank=local_rank)
+        self.emit(Event.STARTED, {"attempt": restarts, "world_size": self.world_size,
+                                  "pids": [w.spawned.pid for w in self.workers.all],
+                                  "master": f"{self.master_addr}:{hosted.port}"})
 
     def _supervise(self) -> Outcome:
         outcome = Outcome()
-        with self._selector() as sel:
-            self._sel = sel
-            try:
-                while outcome.decision is None:
-                    outcome.signum = self._wakeup.pop_signal()
-                    if outcome.signum is not None:
-                        return outcome
-                    ended: list[Worker | RemoteWorker] = [
-                        *self._reap_ready(sel, self._idle_wait()), *self._remote_exits()]
-                    outcome.decision = self._tick()
-                    if self.recovery is not None:
-                        outcome.decision = outcome.decision or self.recovery.handle_requests()
-                    self.control_plane.sample(time.time(), ended)  # before slots retire
-                    self.control_plane.apply_drills()
-                    for worker in ended:
-                        self._on_exit(worker, outcome)
-                    if outcome.decision is None:
-                        outcome.decision = self._group_decision(outcome)
-            finally:
-                self._sel = None
+        control = self.services.control_plane
+        with self.workers.watching() as sel:
+            while outcome.decision is None:
+                outcome.signum = self.wakeup.pop_signal()
+                if outcome.signum is not None:
+                    return outcome
+                ended: list[Worker | RemoteWorker] = [
+                    *self.workers.reap_ready(sel, self._idle_wait()),
+                    *self.cluster.remote_exits()]
+                outcome.decision = self._tick()
+                if self.recovery is not None:
+                    outcome.decision = outcome.decision or self.recovery.handle_requests()
+                control.sample(time.time(), ended)  # before slots retire
+                control.apply_drills()
+                for worker in ended:
+                    self._on_exit(worker, outcome)
+                if outcome.decision is None:
+                    outcome.decision = self._group_decision(outcome)
         return outcome
 
     def _idle_wait(self) -> float | None:
-        return CHECK_EVERY_S if self.recovery else TIMELINE_EVERY_S
+        return self.cluster.idle_wait(CHECK_EVERY_S if self.recovery else TIMELINE_EVERY_S)
+
+    def _tick(self) -> Decision | None:
+        membership = self.recovery.membership if self.recovery is not None else None
+        self.act(self.services.health.tick(membership, time.time()))
+        self.services.snapshots.drain()
+        return self.cluster.tick()
+
+    def act(self, findings: list[Finding]) -> None:
+        """Do what the health watch found: kill a member once per attempt (on whichever node
+        it runs), rebuild a stuck communicator and have the watch follow it up."""
+        for f in findings:
+            if isinstance(f, Kill):
+                key = (self.restarts, f.worker)
+                if key in self._killed or not self.kill_worker(f.worker):
+                    continue
+                self._killed.add(key)
+                self.services.journal.drill_injected(f.worker, f.why, time.time())
+                if f.notice:
+                    self.emit(Event.NOTICE, {"text": f.notice})
+            elif (isinstance(f, Rebuild) and self.recovery is not None
+                  and self.recovery.rebuild(f.reason)):
+                self.services.health.rebuilt(self.recovery.membership.generation, f.stuck_at,
+                                             time.time())
+
+    def _stop_workers(self, sig: int, grace: float) -> int | None:
+        return self.cluster.stop_workers(sig, grace, self.workers.stop)
 
     def _on_exit(self, worker: Worker | RemoteWorker, outcome: Outcome) -> None:
         assert worker.exit is not None
@@ -283,103 +296,107 @@ class Agent(NodeHooks, RunServices):
                                 self.spec.max_restarts)
         return None if decision.action is Action.WAIT else decision
 
-    def _selector(self) -> selectors.DefaultSelector:
-        sel = selectors.DefaultSelector()
-        sel.register(self._wakeup.reader, selectors.EVENT_READ, None)
-        for w in self._workers:
-            if w.alive and w.spawned.pidfd is not None:
-                sel.register(w.spawned.pidfd, selectors.EVENT_READ, w)
-        return sel
-
-    def _reap_ready(self, sel: selectors.BaseSelector, timeout: float | None) -> list[Worker]:
-        """Block until a worker exits, a signal arrives, or `timeout`; return the exited."""
-        polling = any(w.alive and w.spawned.pidfd is None for w in self._workers)
-        wait = 0.05 if polling and (timeout is None or timeout > 0.05) else timeout
-        ready: list[Worker] = []  # pidfds in the order the kernel saw the exits
-        for key, _ in sel.select(wait):
-            if key.data is None:
-                self._wakeup.drain()
-            else:
-                ready.append(key.data)
-        ended = []
-        for w in [*ready, *(w for w in self._workers if w not in ready)]:
-            if w.alive and w.spawned.process.poll() is not None:
-                if w.spawned.pidfd is not None:
-                    sel.unregister(w.spawned.pidfd)  # before close(): the fd number is reused
-                self._record_exit(w)
-                ended.append(w)
-        self.starter.reap_strays([w.spawned.pid for w in self._workers if w.alive],
-                                 self._guardian.pid)
-        return ended
-
-    def _record_exit(self, w: Worker) -> None:
-        code = w.spawned.process.returncode
-        assert code is not None  # poll() saw the exit
-        by_launcher = w.state is WorkerState.STOPPING
-        drill = self.journal.pending_drill(w.worker_id)
-        w.exit = WorkerExit(rank=w.rank, local_rank=w.local_rank, pid=w.spawned.pid,
-                            returncode=code, detected_at=time.monotonic(), wall_time=time.time(),
-                            error_file=w.streams.error_file, killed_by_launcher=by_launcher,
-                            sent_by_ftrun=drill or "")
-        if by_launcher:
-            w.move(WorkerState.TERMINATED)
-        else:
-            w.move(WorkerState.SUCCEEDED if code == 0 else WorkerState.FAILED)
-        w.spawned.close()
-        signal_group(w.spawned.pid, signal.SIGKILL)  # what it left in its group goes too
-        self._guardian.forget(w.spawned.pid)
-        self.emit(Event.EXIT, {"rank": w.rank, "pid": w.spawned.pid, "returncode": code,
-                           "by_launcher": by_launcher})
-
-    def _stop_workers(self, sig: int, grace: float) -> int | None:
-        """Signal every live worker group, wait `grace`, then SIGKILL. Returns a signal the
-        agent received meanwhile (a second Ctrl-C skips the grace), or None."""
-        received: int | None = None
-        for w in self._workers:
-            if w.alive:
-                w.move(WorkerState.STOPPING)
-                signal_group(w.spawned.pid, sig)
-        deadline = time.monotonic() + grace
-        with self._selector() as sel:
-            while any(w.alive for w in self._workers):
-                left = deadline - time.monotonic()
-                received = self._wakeup.pop_signal()
-                if left <= 0 or received is not None:
-                    break
-                self._reap_ready(sel, timeout=left)
-            if any(w.alive for w in self._workers):
-                self._kill_all(signal.SIGKILL)
-                kill_deadline = time.monotonic() + timeouts.KILL_REAP_S
-                while any(w.alive for w in self._workers) and time.monotonic() < kill_deadline:
-                    self._reap_ready(sel, timeout=kill_deadline - time.monotonic())
-        return received
-
-    def _kill_all(self, sig: int) -> None:
-        for w in self._workers:
-            if w.alive:
-                if w.state is not WorkerState.STOPPING:
-                    w.move(WorkerState.STOPPING)
-                signal_group(w.spawned.pid, sig)
-
-    def _close_streams(self) -> None:
-        for w in self._workers:
-            w.streams.close()
-
     def _shutdown_on_signal(self, outcome: Outcome, restarts: int) -> RunResult:
         assert outcome.signum is not None
         sig = outcome.signum
-        alive = sum(w.alive for w in self._workers)
+        alive = len(self.workers.alive())
         self.emit(Event.SIGNAL, {"signal": signal_name(sig), "workers": alive,
                              "grace_s": self.spec.shutdown_timeout})
         again = self._stop_workers(sig, self.spec.shutdown_timeout)
         if again is not None:
             self.emit(Event.SIGNAL, {"signal": signal_name(again), "workers": 0, "grace_s": 0})
-        self._close_streams()
-        return self._signal_result(sig, restarts)
+        self.workers.close_streams()
+        return self.signal_result(sig, restarts)
 
-    def _signal_result(self, sig: int, restarts: int) -> RunResult:
-        exits = tuple(w.exit for w in self._workers if w.exit is not None)
+    def signal_result(self, sig: int, restarts: int) -> RunResult:
+        exits = self.workers.exits()
         return RunResult(1, f"received {signal_name(sig)}; workers stopped", exits=exits,
-                         restarts_used=restarts, log_dir=self.logs.run_dir,
+                         restarts_used=restarts, log_dir=self.services.logs.run_dir,
                          signal_received=signal_name(sig))
 
+
+    # ----------------------------------------------------------------- the helpers' ports
+    def wake(self) -> None:
+        """Interrupt the event loop from another thread (the request reader)."""
+        self.wakeup.wake()
+
+    def _here(self, worker_id: int) -> bool:
+        return node_of(worker_id) == self.cluster.index
+
+    def allocate_id(self, node: int) -> int:
+        if node == self.cluster.index:
+            return self.workers.allocate_id()
+        return self.cluster.allocate_id(node)
+
+    def peek_id(self, node: int) -> int:  # what allocate_id(node) returns next
+        return self.workers.next_id if node == self.cluster.index else self.cluster.peek_id(node)
+
+    def place(self, worker_id: int, rank: int, local_rank: int, spare: bool) -> None:
+        """Start a worker of the current attempt on its node."""
+        if self._here(worker_id):
+            self.workers.spawn(worker_id, rank,
+                               self.services.health.pick_local_rank(local_rank), spare)
+        else:
+            self.cluster.place(worker_id, rank, local_rank, spare)
+
+    def live_nodes(self) -> list[int]:
+        return [self.cluster.index, *self.cluster.other_nodes()]
+
+    def initial_members(self) -> tuple[int, ...]:
+        return self.cluster.initial_members() or tuple(range(self.spec.nproc))
+
+    def all_workers(self) -> list[Worker | RemoteWorker]:
+        return [*self.workers.all, *self.cluster.remote_workers()]
+
+    def workers_snapshot(self) -> list[Worker]:
+        return self.workers.alive()
+
+    def worker_by_id(self, worker_id: int) -> Worker | None:
+        return self.workers.by_id(worker_id)
+
+    def live_members(self) -> list[Worker]:
+        """Workers of the current generation in rank order (all live workers without FT)."""
+        if self.recovery is None or not self.recovery.uses_api:
+            return sorted(self.workers.alive(), key=lambda w: w.rank)
+        by_id = {w.worker_id: w for w in self.workers.all}
+        members = self.recovery.membership.members
+        return [by_id[m] for m in members if m in by_id and by_id[m].alive]
+
+    def committed_step(self, worker_id: int) -> int:
+        if self._here(worker_id):
+            return self.services.slots.committed_step(worker_id)
+        return self.cluster.committed_step(worker_id)
+
+    def kill_worker(self, worker_id: int) -> bool:
+        """SIGKILL a live worker of this job, on whichever node it runs; False: not alive."""
+        if self.workers.by_id(worker_id) is not None:
+            return self.workers.kill(worker_id)
+        return self.cluster.kill_remote(worker_id)
+
+    def remote_liveness(self) -> list[Liveness]:
+        return self.cluster.remote_liveness()
+
+    def resumable(self) -> tuple[int, int]:
+        return self.services.snapshots.resumable()
+
+    def suspect(self) -> None:
+        """A worker saw a peer's connection break (several nodes: check them now)."""
+        self.cluster.suspect()
+
+    def net_down(self, node: int, duration: float) -> dict[str, Any]:
+        return self.cluster.net_down(node, duration)
+
+    def uses_api(self) -> bool:
+        return self.cluster.uses_api(self.recovery is not None and self.recovery.uses_api)
+
+    def control_name(self) -> str:
+        if self.spec.nnodes_max > 1:  # several agents of one job may share a host
+            return f"{self.run_id[:16]}.{os.getpid()}"
+        return self.run_id if self.run_id != "none" else f"none-{os.getpid()}"
+
+    def decorate_status(self, doc: dict[str, Any]) -> dict[str, Any]:
+        forked = [w.spawned.pid for w in self.workers.alive() if w.spawned.via == "zygote"]
+        svc = self.services
+        return self.cluster.decorate_status(
+            {**doc, "zygote": self.starter.describe(forked),
+             "snapshot": svc.snapshots.describe(time.time())})

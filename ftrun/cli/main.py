@@ -93,7 +93,8 @@ def _launch(args: list[str]) -> int:
 
 
 def _agent_for(spec: RunSpec) -> Agent:
-    """One node: the agent. Many: the coordinator where the store is served, else a follower."""
+    """One node: the agent alone. Many: the agent coordinating where the store is served,
+    else following."""
     from ftrun.agent.node import Agent
     from ftrun.cli import render
     from ftrun.cluster.link import endpoint_of, is_multinode, try_host
@@ -105,13 +106,13 @@ def _agent_for(spec: RunSpec) -> Agent:
         ep = endpoint_of(spec)
         hosted = try_host(spec, ep)
         if hosted is not None:
-            from ftrun.cluster.coordinator import Coordinator
+            from ftrun.cluster.coordinating import Coordinating
 
-            agent = Coordinator(spec, hosted, ep, emit=render.notice)
+            agent = Agent(spec, lambda host: Coordinating(host, hosted, ep), emit=render.notice)
         else:
-            from ftrun.cluster.follower import Follower
+            from ftrun.cluster.following import Following
 
-            agent = Follower(spec, ep, emit=render.notice)
+            agent = Agent(spec, lambda host: Following(host, ep), emit=render.notice)
     # the agent's store outlives its clients by design (a killed worker, a vanished peer);
     # that is reported in one line, not as c10d's C++ warning with a stack. Set after the
     # agent took its copy of the environment: workers keep the user's setting

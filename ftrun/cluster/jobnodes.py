@@ -4,7 +4,8 @@ Owns: the node table's reads (live nodes, their heartbeat payloads, read at most
 beat), the whole job's status (`ftrun status` on any node: published in the store every
 second), a remote worker's last committed step and liveness for the health watch, and the
 net-down drill: node 0's acted out here, another node's checked against what it said when
-it joined, then sent to it.
+it joined, then sent to it. `NodeTable` is an object the coordinating cluster holds; it
+shares that object's node dict and node watch.
 Must not import: typer, rich, the CLI or the worker library.
 """
 
@@ -17,9 +18,9 @@ from typing import Any
 
 from ftrun.adapters.store import HostedStore
 from ftrun.agent.jobview import Node, merge_job_status
-from ftrun.agent.node import Agent
+from ftrun.cluster.host import NodeHost
 from ftrun.cluster.link import STATUS_KEY, Endpoint, command_queue, read_payloads
-from ftrun.cluster.messages import Command, NetDown, send
+from ftrun.cluster.messages import Command, NetDown, Payload, parse_payload, send
 from ftrun.cluster.netdrill import NetDrills, check_duration, refuse
 from ftrun.cluster.nodewatch import NodeWatch
 from ftrun.core import timeouts
@@ -27,37 +28,42 @@ from ftrun.core.errors import FtrunError
 from ftrun.core.events import Event
 from ftrun.core.policy import Liveness
 from ftrun.protocol.rendezvous import node_of
+from ftrun.protocol.status import Status
 
 
-class NodeTable(Agent):
-    rdzv: HostedStore
-    ep: Endpoint
-    nodes: dict[int, Node]
-    beat_s: float
-    watch: NodeWatch
-    _payloads: dict[int, tuple[float, dict[str, Any]]]
-    _next_status: float
-    _net: NetDrills | None
-    _net_drills: queue.SimpleQueue[tuple[int, float]]
+class NodeTable:
+    def __init__(self, host: NodeHost, rdzv: HostedStore, ep: Endpoint, nodes: dict[int, Node],
+                 watch: NodeWatch, beat_s: float) -> None:
+        self.host = host
+        self.rdzv = rdzv
+        self.ep = ep
+        self.nodes = nodes  # the coordinating cluster's: it adds, this reads
+        self.watch = watch
+        self.beat_s = beat_s
+        self._payloads: dict[int, tuple[float, Payload]] = {}
+        self._next_status = 0.0
+        self._net: NetDrills | None = None  # this node's link drills, made at the first
+        self._net_drills: queue.SimpleQueue[tuple[int, float]] = queue.SimpleQueue()
+
+    def close(self) -> None:
+        if self._net is not None:
+            self._net.close()
 
     def _send(self, node: Node, cmd: Command) -> None:
         send(self.rdzv.store, command_queue(node.index), cmd)  # our own store
 
-    def _alive(self) -> list[Node]:
+    def alive(self) -> list[Node]:
         return [n for n in list(self.nodes.values()) if n.alive]  # the control thread too
 
     def committed_step(self, worker_id: int) -> int:
         node = node_of(worker_id)
-        if node == 0:
-            return super().committed_step(worker_id)
-        doc = self._payload(node)
-        step = next((w.get("step") for w in doc.get("workers", [])
-                     if w.get("worker_id") == worker_id), None)
-        return -1 if step is None else int(step)
+        step = next((w.step for w in self._payload(node).workers if w.worker_id == worker_id),
+                    None)
+        return -1 if step is None else step
 
     def remote_liveness(self) -> list[Liveness]:
-        nodes = [n for n in self._alive() if n.in_attempt]
-        return [Liveness(**d) for n in nodes for d in self._payload(n.index).get("liveness", [])]
+        nodes = [n for n in self.alive() if n.in_attempt]
+        return [m for n in nodes for m in self._payload(n.index).liveness]
 
     def net_down(self, node: int, duration: float) -> dict[str, Any]:
         """Control thread: node 0's drill here; another node's is checked, then sent to it
@@ -65,20 +71,20 @@ class NodeTable(Agent):
         check_duration(duration)
         if node == 0:
             if self._net is None:
-                self._net = NetDrills(self.ep.host, self.emit)
+                self._net = NetDrills(self.ep.host, self.host.emit)
             return self._net.start(0, duration)
         target = self.nodes.get(node)
         if target is None or not target.alive:
-            live = ", ".join(str(n.index) for n in self._alive())
+            live = ", ".join(str(n.index) for n in self.alive())
             raise FtrunError(f"no live node {node} in this job (nodes: 0{', ' if live else ''}"
                              f"{live})", hint="see the nodes with `ftrun status`")
         if target.net_drill:
             raise refuse(node, target.net_drill)
         self._net_drills.put((node, duration))
-        self.wake()
+        self.host.wake()
         return {"node": node, "host": target.host, "duration": duration}
 
-    def _send_net_drills(self) -> None:
+    def send_net_drills(self) -> None:
         while True:
             try:
                 node, duration = self._net_drills.get_nowait()
@@ -91,38 +97,46 @@ class NodeTable(Agent):
 
     # ----------------------------------------------------------------- status
     def decorate_status(self, doc: dict[str, Any]) -> dict[str, Any]:
+        """The whole job's, from this node's `doc` (the hook's dict contract, typed inside:
+        the merge reads and builds `protocol.status` records)."""
         nodes = list(self.nodes.values())  # the control thread reads while the loop adds
         payloads = {n.index: self._payload(n.index) for n in nodes if n.alive}
-        membership = self.recovery.membership if self.recovery is not None else None
-        doc = super().decorate_status(doc)  # this node's zygote and snapshots
-        doc = merge_job_status(doc, nodes, payloads, membership, self.world_size, str(self.ep))
-        return {**doc, "rdzv_store_ops": getattr(self.rdzv.store, "calls", None)}
+        rec = self.host.recovery
+        membership = rec.membership if rec is not None else None
+        mine = Status.from_json(doc)  # this node's, its zygote and snapshots included
+        job = merge_job_status(mine, nodes, payloads, membership, self.host.world_size,
+                               str(self.ep), getattr(self.rdzv.store, "calls", None))
+        return job.to_json()
 
-    def _payload(self, node: int) -> dict[str, Any]:
+    def _payload(self, node: int) -> Payload:
         """Every node's payload is read at once, at most once per heartbeat period: a fault,
         the health watch or a status asks for every member's."""
         now = time.monotonic()
-        seen_at, doc = self._payloads.get(node, (-1.0, {}))
+        seen_at, payload = self._payloads.get(node, (-1.0, Payload()))
         if now - seen_at >= self.beat_s:
             self._read_payloads(now)
-            doc = self._payloads.get(node, (now, {}))[1]
-        return doc
+            payload = self._payloads.get(node, (now, Payload()))[1]
+        return payload
 
     def _read_payloads(self, now: float) -> None:
         """One request for every live node that has beaten (a payload is set before the
-        first beat); one that has not shows nothing yet."""
-        live = {n.index for n in self._alive()}
+        first beat); one that has not, or whose payload is not one, shows nothing yet (the
+        control thread reads here too: nothing is emitted)."""
+        live = {n.index for n in self.alive()}
         nodes = [n for n in self.watch.beats.beaten() if n in live]
-        self._payloads = {n: (now, {}) for n in live}
+        self._payloads = {n: (now, Payload()) for n in live}
         for node, doc in zip(nodes, read_payloads(self.rdzv.store, nodes), strict=True):
-            self._payloads[node] = (now, doc)
+            payload = parse_payload(doc)
+            if not isinstance(payload, str):
+                self._payloads[node] = (now, payload)
 
-    def _publish_status(self) -> None:
+    def publish_status(self) -> None:
         now = time.monotonic()
         if now < self._next_status:
             return
         self._next_status = now + timeouts.STATUS_EVERY_S
         try:
-            self.rdzv.store.set(STATUS_KEY, json.dumps(self.control_plane.status()))
+            doc = self.host.services.control_plane.status().to_json()
+            self.rdzv.store.set(STATUS_KEY, json.dumps(doc))
         except Exception as exc:  # a status snapshot must never stop the job
-            self.emit(Event.NOTICE, {"text": f"could not publish the job status: {exc}"})
+            self.host.emit(Event.NOTICE, {"text": f"could not publish the job status: {exc}"})

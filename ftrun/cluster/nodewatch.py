@@ -16,10 +16,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ftrun.cluster.link import heartbeat_key
+from ftrun.cluster.link import conf_float, heartbeat_key
 from ftrun.core import timeouts
 from ftrun.core.fencing import quiet_nodes
 from ftrun.core.policy import find_lost_nodes
+from ftrun.core.spec import RunSpec
 
 
 class Probe:
@@ -105,6 +106,16 @@ class NodeWatch:
         self._probe = Probe()
         self._suspect_until = 0.0
         self._unanswered: set[int] = set()  # asked in a finished round, silent since
+
+    @classmethod
+    def from_conf(cls, spec: RunSpec, beat_s: float, lost_after_s: float) -> NodeWatch:
+        """After a broken connection: silent this long means gone (a busy host's agent may
+        miss a few beats; killing a healthy node costs far more than a second); quiet this
+        long, every node is pinged (a cut link breaks no connection: the beats just stop)."""
+        return cls(lost_after_s,
+                   conf_float(spec, "suspect_timeout", max(10 * beat_s, timeouts.NODE_SUSPECT_S)),
+                   conf_float(spec, "quiet_timeout", max(5 * beat_s, timeouts.NODE_QUIET_S)),
+                   conf_float(spec, "cut_timeout", max(10 * beat_s, timeouts.NODE_CUT_S)))
 
     def watch(self, node: int, now: float | None = None) -> None:
         self.beats.watch(node, now)

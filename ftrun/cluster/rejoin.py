@@ -1,9 +1,10 @@
 """A fenced follower: out of the job after a cut, and on its way back in, or out for good.
 
 Owns: `Fenced` (why a follower left the job without being told, and how many of its workers
-it stopped), trying to reach the store again until it has answered steadily for a while (a
-link that flaps is not rejoined at every blink: `ftrun.core.fencing.rejoin_step` decides),
-and the one line a follower leaves with when it does not come back.
+it stopped) and `Rejoin`, which a follower holds: reaching the store at first (retried until
+`join_timeout`), trying to reach it again after a cut until it has answered steadily for a
+while (a link that flaps is not rejoined at every blink: `ftrun.core.fencing.rejoin_step`
+decides), and the one line a follower leaves with when it does not come back.
 Must not import: typer, rich, the CLI or the worker library.
 """
 
@@ -14,8 +15,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from ftrun.agent.node import Agent
 from ftrun.agent.roster import RunResult
+from ftrun.cluster.host import NodeHost
 from ftrun.cluster.link import Endpoint, connect, reach
 from ftrun.core import timeouts
 from ftrun.core.errors import FtrunError
@@ -35,17 +36,36 @@ class Fenced:
     stopped: int
 
 
-class Rejoining(Agent):
-    ep: Endpoint
-    rejoin_s: float
+class Rejoin:
+    """A fenced follower's way back: a new connection, or the run's end (held by it)."""
 
-    def _rejoin(self, fenced: Fenced) -> Any:
+    def __init__(self, host: NodeHost, ep: Endpoint, rejoin_s: float) -> None:
+        self.host = host
+        self.ep = ep
+        self.rejoin_s = rejoin_s
+
+    def first_connect(self, join_s: float) -> Any:
+        """Reach the store for the first time (a connection, or the run's result after a
+        signal), retrying in short tries so that Ctrl-C is honoured meanwhile."""
+        deadline = time.monotonic() + join_s
+        while True:
+            try:
+                return connect(self.ep, min(timeouts.CONNECT_TRY_S, join_s))
+            except FtrunError:
+                if time.monotonic() >= deadline:
+                    raise
+            sig = self.host.wakeup.pop_signal()
+            if sig is not None:
+                return self.host.signal_result(sig, 0)
+
+    def connect(self, fenced: Fenced) -> Any:
         """A new connection to the store (to join again, as a new node), or the run's end."""
         if self.rejoin_s > 0:
-            self.emit(Event.NOTICE, {"text": f"fenced: cut off from {self._store_lost(fenced)}; "
-                                             f"trying to rejoin for up to {self.rejoin_s:g} s"})
+            self.host.emit(Event.NOTICE, {
+                "text": f"fenced: cut off from {self._store_lost(fenced)}; trying to rejoin "
+                        f"for up to {self.rejoin_s:g} s"})
         start, stable_since = time.monotonic(), None
-        while (sig := self._wakeup.pop_signal()) is None:
+        while (sig := self.host.wakeup.pop_signal()) is None:
             failed = reach(self.ep, timeouts.CONNECT_TRY_S) if self.rejoin_s > 0 else None
             now = time.monotonic()
             stable_since = None if failed else stable_since or now
@@ -58,8 +78,8 @@ class Rejoining(Agent):
                 with contextlib.suppress(FtrunError):
                     return connect(self.ep, timeouts.CONNECT_TRY_S)
                 stable_since = None
-            self._wakeup.wait(REJOIN_RETRY_S)
-        return self._signal_result(sig, self.restarts)
+            self.host.wakeup.wait(REJOIN_RETRY_S)
+        return self.host.signal_result(sig, self.host.restarts)
 
     def _store_lost(self, fenced: Fenced) -> str:
         return (f"the rendezvous store at {self.ep} ({fenced.why}); stopped {fenced.stopped} "
@@ -67,5 +87,6 @@ class Rejoining(Agent):
 
     def _lost_result(self, fenced: Fenced, why: str) -> RunResult:
         reason = f"lost {self._store_lost(fenced)}; {why}"
-        self.emit(Event.FAILURE, {"reason": reason, "rank": None})
-        return RunResult(1, reason, restarts_used=self.restarts, log_dir=self.logs.run_dir)
+        self.host.emit(Event.FAILURE, {"reason": reason, "rank": None})
+        return RunResult(1, reason, restarts_used=self.host.restarts,
+                         log_dir=self.host.services.logs.run_dir)

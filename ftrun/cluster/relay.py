@@ -65,3 +65,16 @@ class GenerationRelay:
         self._reader.close(self._upstream if link_works else None)
         self._local = None
         self._hosted.close()  # the server stops with its last reference
+
+
+def open_relay(addr: str, port: int, node: int) -> tuple[GenerationRelay | None, str]:
+    """This attempt's relay of the coordinator's store at `addr:port`, or None with why it
+    could not start (the workers then watch the coordinator's store, as they can)."""
+    from ftrun.adapters.store import client
+
+    try:
+        return GenerationRelay(
+            lambda: client(addr, port, timeouts.STORE_CLIENT_CONNECT_S),
+            node, lambda why: None), ""  # a lost store is the heartbeat's to notice
+    except Exception as exc:
+        return None, first_line(exc)

@@ -5,7 +5,9 @@ the coordinator says so (first members, replacements, spares, a late node's join
 reporting every exit at once, stopping on command, and fencing (`ftrun.core.fencing`): cut
 off from the store (no round trip for `fence_timeout`, or dropped by the coordinator), it
 stops its workers within a bound, then comes back as a new node when the store answers
-again within `rejoin_timeout`, or leaves with one line saying why.
+again within `rejoin_timeout` (`rejoin`), or leaves with one line saying why. `Following` is
+the `agent.cluster.Cluster` an agent is given on such a node: it drives the agent's run
+through `NodeHost`, never by subclassing it.
 Must not import: typer, rich, the CLI or the worker library.
 """
 
@@ -18,15 +20,16 @@ import queue
 import signal
 import socket
 import time
-from collections.abc import Mapping
+from collections.abc import Callable
 from dataclasses import asdict
 from datetime import timedelta
 from typing import Any
 
-from ftrun.adapters.store import QueueReader, client
-from ftrun.agent.node import _ignore
+from ftrun.adapters.store import HostedStore, QueueReader
+from ftrun.agent.cluster import NoOtherNodes
 from ftrun.agent.roster import RunResult, Worker
 from ftrun.agent.watch import CHECK_EVERY_S
+from ftrun.cluster.host import NodeHost
 from ftrun.cluster.link import (
     AGENT_QUEUE,
     NODE_COUNTER,
@@ -58,25 +61,27 @@ from ftrun.cluster.messages import (
     parse_command,
 )
 from ftrun.cluster.netdrill import NetDrills
-from ftrun.cluster.rejoin import Fenced, Rejoining
-from ftrun.cluster.relay import GenerationRelay
+from ftrun.cluster.rejoin import Fenced, Rejoin
+from ftrun.cluster.relay import GenerationRelay, open_relay
 from ftrun.core import timeouts
 from ftrun.core.errors import FtrunError
-from ftrun.core.events import Event, EventSink
+from ftrun.core.events import Event
 from ftrun.core.fencing import cut_off
-from ftrun.core.spec import RunSpec
 
 MAX_ERROR_FILE_BYTES = 64 * 1024
 
 
-class Follower(Rejoining):
-    REMEMBERED = False  # the coordinator's run is the job's
+class Following(NoOtherNodes):
+    """What the coordinator commands; the coordinator places, counts and kills the job's
+    workers (a follower has no `Recovery`)."""
 
-    def __init__(self, spec: RunSpec, ep: Endpoint, env: Mapping[str, str] | None = None,
-                 emit: EventSink = _ignore) -> None:
-        super().__init__(spec, env, emit)
+    remembered = False  # the coordinator's run is the job's
+
+    def __init__(self, host: NodeHost, ep: Endpoint) -> None:
+        self.host = host
+        self.spec = spec = host.spec
         self.ep = ep
-        self.node = -1
+        self.index = -1  # this node's index in the job, given at each join
         self._session = 0  # one per membership: a cut session's threads may wake up late
         self._commands: queue.SimpleQueue[Command | str] = queue.SimpleQueue()
         self._lost: str | None = None
@@ -84,7 +89,8 @@ class Follower(Rejoining):
         self._outbox: Outbox | None = None
         self._payload_at, self._last_payload = 0.0, dict[str, Any]()
         self.fence_after_s = conf_float(spec, "fence_timeout", timeouts.NODE_FENCE_S)
-        self.rejoin_s = conf_float(spec, "rejoin_timeout", timeouts.NODE_REJOIN_S)
+        self.rejoin = Rejoin(host, ep, conf_float(spec, "rejoin_timeout",
+                                                  timeouts.NODE_REJOIN_S))
         self.net: NetDrills | None = None
         self._relay: GenerationRelay | None = None
 
@@ -92,23 +98,23 @@ class Follower(Rejoining):
     def _deliver(self, raw: str | bytes, session: int) -> None:
         if session == self._session:
             self._commands.put(parse_command(raw))
-            self.wake()
+            self.host.wake()
 
     def _on_lost(self, why: str, session: int) -> None:
         if session == self._session and self._lost is None:
             self._lost = why or "connection closed"
-        self.wake()
+        self.host.wake()
 
     def _payload(self) -> dict[str, Any]:
         """Heartbeat thread: this node's workers for `ftrun status`, and their liveness so
         that the coordinator judges hangs and stragglers over the whole job (rebuilt as often
         as the coordinator's health check reads it, not at every beat)."""
-        now = time.time()
+        now, svc = time.time(), self.host.services
         if now - self._payload_at >= CHECK_EVERY_S:
             self._last_payload = {
-                "workers": self.control_plane.worker_rows(now),
-                "liveness": [asdict(m) for m in self.health.local_liveness(now)],
-                "snapshot": self.snapshots.describe(now)}
+                "workers": svc.control_plane.worker_rows(now),
+                "liveness": [asdict(m) for m in svc.health.local_liveness(now)],
+                "snapshot": svc.snapshots.describe(now)}
             self._payload_at = now
         return self._last_payload
 
@@ -117,15 +123,18 @@ class Follower(Rejoining):
             self._outbox.put(msg)
 
     # ----------------------------------------------------------------- top level
-    def _run_attempts(self) -> RunResult:
-        link = self._connect()
-        self.net = NetDrills(self.ep.host, self.emit)
+    def drive(self, attempts: Callable[[], RunResult]) -> RunResult:
+        """What the coordinator commands, membership after membership (not `attempts`: the
+        coordinator's are the job's)."""
+        link = self.rejoin.first_connect(conf_float(self.spec, "join_timeout",
+                                                       timeouts.NODE_JOIN_S))
+        self.net = NetDrills(self.ep.host, self.host.emit)
         try:
             while not isinstance(link, RunResult):
                 outcome = self._membership(link)
                 if isinstance(outcome, RunResult):
                     return outcome
-                link = self._rejoin(outcome)
+                link = self.rejoin.connect(outcome)
             return link
         finally:
             self.net.close()
@@ -136,23 +145,24 @@ class Follower(Rejoining):
         session, self._lost, self._commands = self._session, None, queue.SimpleQueue()
         link.set_timeout(timedelta(seconds=timeouts.STORE_LOST_S))
         static = self.spec.rdzv_backend == "static"
-        self.node = self.spec.node_rank if static else int(link.add(NODE_COUNTER, 1))
-        self.snapshots.bind_node(self.node)
-        link.delete_key(command_queue(self.node))  # an earlier agent's unread commands
+        self.index = self.spec.node_rank if static else int(link.add(NODE_COUNTER, 1))
+        self.host.services.snapshots.bind_node(self.index)
+        link.delete_key(command_queue(self.index))  # an earlier agent's unread commands
         lost = functools.partial(self._on_lost, session=session)
         self._outbox = Outbox(self.ep, AGENT_QUEUE, timeouts.STORE_LOST_S, lost)
         reader = QueueReader(lambda: connect(self.ep, timeouts.STORE_CLIENT_CONNECT_S),
-                             command_queue(self.node),
+                             command_queue(self.index),
                              functools.partial(self._deliver, session=session), lost,
                              "ftrun-commands")
-        self._beat = Heartbeat(self.ep, self.node,
+        self._beat = Heartbeat(self.ep, self.index,
                                conf_float(self.spec, "heartbeat", timeouts.NODE_HEARTBEAT_S),
                                timeouts.STORE_LOST_S, self._payload, lost)
         assert self.net is not None
-        self._report(Join(node=self.node, host=socket.gethostname(), pid=os.getpid(),
+        self._report(Join(node=self.index, host=socket.gethostname(), pid=os.getpid(),
                           nproc=self.spec.nproc, rdzv_id=self.spec.rdzv_id,
                           net_drill=self.net.refusal))
-        self.emit(Event.NOTICE, {"text": f"joined the rendezvous at {self.ep} as node {self.node}"})
+        self.host.emit(Event.NOTICE,
+                       {"text": f"joined the rendezvous at {self.ep} as node {self.index}"})
         try:
             return self._serve()
         finally:
@@ -160,22 +170,8 @@ class Follower(Rejoining):
             self._close_relay(link_works=not cut)  # its workers have stopped by now
             self._beat.close(wait=not cut)
             reader.close(None if cut else link)
-            self._report(Bye(node=self.node))  # the coordinator may close the store now
+            self._report(Bye(node=self.index))  # the coordinator may close the store now
             self._outbox.close(0.0 if cut else timeouts.THREAD_JOIN_S)
-
-    def _connect(self) -> Any:
-        """Reach the store, retrying in short tries so that Ctrl-C is honoured meanwhile."""
-        join_s = conf_float(self.spec, "join_timeout", timeouts.NODE_JOIN_S)
-        deadline = time.monotonic() + join_s
-        while True:
-            try:
-                return connect(self.ep, min(timeouts.CONNECT_TRY_S, join_s))
-            except FtrunError:
-                if time.monotonic() >= deadline:
-                    raise
-            sig = self._wakeup.pop_signal()
-            if sig is not None:
-                return self._signal_result(sig, 0)
 
     def _serve(self) -> RunResult | Fenced:
         while True:
@@ -189,23 +185,23 @@ class Follower(Rejoining):
                     if (result := self._follow()) is not None:
                         return result
                 case Stop():
-                    self._report(Stopped(node=self.node))
+                    self._report(Stopped(node=self.index))
                 case Ping() as cmd:
-                    self._report(Pong(node=self.node, seq=cmd.seq))
+                    self._report(Pong(node=self.index, seq=cmd.seq))
                 case NetDown() as cmd:
                     self._net_down(cmd)
                 case str() as why:
                     self._refused(why)
 
     def _refused(self, why: str) -> None:
-        self.emit(Event.NOTICE, {"text": f"ignored a malformed command ({why})"})
+        self.host.emit(Event.NOTICE, {"text": f"ignored a malformed command ({why})"})
 
     def _net_down(self, cmd: NetDown) -> None:
         assert self.net is not None
         try:
-            self.net.start(self.node, cmd.duration)
+            self.net.start(self.index, cmd.duration)
         except FtrunError as exc:
-            self.emit(Event.NOTICE, {"text": f"net-down drill refused: {exc.message}"})
+            self.host.emit(Event.NOTICE, {"text": f"net-down drill refused: {exc.message}"})
 
     def _cut_off(self) -> str | None:
         """Why this node is out of the job now (the store lost or silent), or None."""
@@ -215,13 +211,13 @@ class Follower(Rejoining):
 
     def _next_command(self) -> Command | str | RunResult | Fenced:
         """Wait (no deadline: the heartbeat notices a silent store) for a command."""
-        with self._selector() as sel:
+        with self.host.workers.selector() as sel:
             while True:
-                sig = self._wakeup.pop_signal()
+                sig = self.host.wakeup.pop_signal()
                 if sig is not None:
-                    self._report(Left(node=self.node,
+                    self._report(Left(node=self.index,
                                       reason=f"received {signal.Signals(sig).name}"))
-                    return self._signal_result(sig, self.restarts)
+                    return self.host.signal_result(sig, self.host.restarts)
                 if (why := self._cut_off()) is not None:
                     return Fenced(why, 0)
                 try:
@@ -230,71 +226,65 @@ class Follower(Rejoining):
                     pass
                 for key, _ in sel.select(timeouts.NODE_HEARTBEAT_S):
                     if key.data is None:
-                        self._wakeup.drain()
+                        self.host.wakeup.drain()
 
     def _start(self, cmd: Start) -> None:
-        self.restarts = cmd.attempt
-        self.run_id = cmd.run_id
-        self.master_addr, self.worker_port = cmd.addr, cmd.port
+        host = self.host
+        host.restarts = cmd.attempt
+        host.run_id = cmd.run_id
+        host.master_addr, host.worker_port = cmd.addr, cmd.port
         self._start_relay(cmd)
-        self.world_size = cmd.world_size
-        self.group_rank = cmd.group_rank
-        self.group_world_size = cmd.group_world_size
+        host.world_size = cmd.world_size
+        host.group_rank = cmd.group_rank
+        host.group_world_size = cmd.group_world_size
         base, first = cmd.base_rank, cmd.first_id
-        self._workers = []
+        host.workers.new_attempt(cmd.attempt, first + self.spec.nproc)
         for i in range(self.spec.nproc):
-            w = self.spawn_worker(first + i, rank=base + i if base >= 0 else -1, local_rank=i,
-                                  spare=cmd.spare)
-            self._report(Spawned(node=self.node, worker=w.worker_id, pid=w.spawned.pid,
+            w = host.workers.spawn(first + i, rank=base + i if base >= 0 else -1, local_rank=i,
+                                   spare=cmd.spare)
+            self._report(Spawned(node=self.index, worker=w.worker_id, pid=w.spawned.pid,
                                  local_rank=i))
-        self.emit(Event.STARTED, {"attempt": self.restarts, "world_size": self.world_size,
-                              "pids": [w.spawned.pid for w in self._workers],
-                              "master": f"{self.master_addr}:{self.worker_port}",
-                              "node": self.node})
+        host.emit(Event.STARTED, {"attempt": host.restarts, "world_size": host.world_size,
+                                  "pids": [w.spawned.pid for w in host.workers.all],
+                                  "master": f"{host.master_addr}:{host.worker_port}",
+                              "node": self.index})
 
     def _start_relay(self, cmd: Start) -> None:
-        """This attempt's generation relay, before its workers start (they watch it). Where
-        it cannot start, the workers watch the coordinator's store, as they can."""
+        """This attempt's generation relay, before its workers start (they watch it)."""
         self._close_relay(link_works=True)
         if self.spec.on_fault == "restart":
             return  # its workers follow no generation
-        try:
-            self._relay = GenerationRelay(
-                lambda: client(cmd.addr, cmd.port, timeouts.STORE_CLIENT_CONNECT_S),
-                self.node, lambda why: None)  # a lost store is the heartbeat's to notice
-            self.relay_addr = self._relay.addr
-        except Exception as exc:
-            self.emit(Event.NOTICE, {"text": f"no generation relay on this node ({exc}); its "
-                                             "workers watch the coordinator's store"})
+        self._relay, why = open_relay(cmd.addr, cmd.port, self.index)
+        self.host.relay_addr = self._relay.addr if self._relay is not None else ""
+        if self._relay is None:
+            self.host.emit(Event.NOTICE, {"text": f"no generation relay on this node ({why}); "
+                                                  "its workers watch the coordinator's store"})
 
     def _close_relay(self, link_works: bool) -> None:
         if self._relay is not None:
             self._relay.close(link_works)
-        self._relay, self.relay_addr = None, ""
+        self._relay, self.host.relay_addr = None, ""
 
     def _follow(self) -> RunResult | Fenced | None:
         """This node's workers run: report exits, obey commands. None when told to stop."""
-        with self._selector() as sel:
-            self._sel = sel
-            try:
-                while True:
-                    sig = self._wakeup.pop_signal()
-                    if sig is not None:
-                        return self._leave_on_signal(sig)
-                    if (why := self._cut_off()) is not None:
-                        return self._fence(why)
-                    self._reap_ready(sel, timeout=timeouts.NODE_HEARTBEAT_S)
-                    self.act(self.health.tick(None, time.time()))  # no membership here
-                    self.snapshots.drain()
-                    self.control_plane.apply_drills()
-                    self.control_plane.sample(time.time(), whole_job=False)
-                    assert self.net is not None
-                    self.net.check()
-                    stop, result = self._obey()
-                    if stop:
-                        return result
-            finally:
-                self._sel = None
+        host, svc = self.host, self.host.services
+        with host.workers.watching() as sel:
+            while True:
+                sig = host.wakeup.pop_signal()
+                if sig is not None:
+                    return self._leave_on_signal(sig)
+                if (why := self._cut_off()) is not None:
+                    return self._fence(why)
+                host.workers.reap_ready(sel, timeout=timeouts.NODE_HEARTBEAT_S)
+                host.act(svc.health.tick(None, time.time()))  # no membership here
+                svc.snapshots.drain()
+                svc.control_plane.apply_drills()
+                svc.control_plane.sample(time.time(), whole_job=False)
+                assert self.net is not None
+                self.net.check()
+                stop, result = self._obey()
+                if stop:
+                    return result
 
     def _obey(self) -> tuple[bool, RunResult | Fenced | None]:
         """Apply queued commands: (stop following?, the run's result if it ended)."""
@@ -305,19 +295,19 @@ class Follower(Rejoining):
                 return False, None
             match cmd:
                 case Spawn():
-                    w = self.spawn_worker(cmd.worker, rank=cmd.rank,
-                                          local_rank=self.health.pick_local_rank(cmd.local_rank),
-                                          spare=cmd.spare)
-                    self._report(Spawned(node=self.node, worker=w.worker_id, pid=w.spawned.pid,
+                    local_rank = self.host.services.health.pick_local_rank(cmd.local_rank)
+                    w = self.host.workers.spawn(cmd.worker, rank=cmd.rank,
+                                                local_rank=local_rank, spare=cmd.spare)
+                    self._report(Spawned(node=self.index, worker=w.worker_id, pid=w.spawned.pid,
                                          local_rank=w.local_rank))
                 case Ping():  # a peer's connection broke somewhere: are we alive?
-                    self._report(Pong(node=self.node, seq=cmd.seq))
+                    self._report(Pong(node=self.index, seq=cmd.seq))
                 case Kill():  # the coordinator found it hung, or a straggler to evict
-                    self.kill_worker(cmd.worker)
+                    self.host.workers.kill(cmd.worker)
                 case Stop():
-                    self._stop_workers(cmd.signal, cmd.grace)
-                    self._close_streams()
-                    self._report(Stopped(node=self.node))
+                    self.host.workers.stop(cmd.signal, cmd.grace)
+                    self.host.workers.close_streams()
+                    self._report(Stopped(node=self.index))
                     return True, None
                 case End(lost=True):  # the link works: this session closes cleanly
                     return True, self._fence(cmd.reason)
@@ -331,56 +321,60 @@ class Follower(Rejoining):
     def _fence(self, why: str) -> Fenced:
         """Out of the job: this node's workers stop (SIGTERM, then SIGKILL) before anything
         of them could act on a generation they are no longer part of."""
-        alive = sum(w.alive for w in self._workers)
-        self._stop_workers(signal.SIGTERM, timeouts.LOST_STORE_GRACE_S)
-        self._close_streams()
+        workers = self.host.workers
+        alive = len(workers.alive())
+        workers.stop(signal.SIGTERM, timeouts.LOST_STORE_GRACE_S)
+        workers.close_streams()
         return Fenced(why, alive)
 
     def _end(self, cmd: End) -> RunResult | Fenced:
         if cmd.lost:
             return Fenced(cmd.reason, 0)
-        if any(w.alive for w in self._workers):
-            self._stop_workers(signal.SIGTERM, self.spec.shutdown_timeout)
-        self._close_streams()
+        workers = self.host.workers
+        if workers.alive():
+            workers.stop(signal.SIGTERM, self.spec.shutdown_timeout)
+        workers.close_streams()
         code = cmd.code
-        exits = tuple(w.exit for w in self._workers if w.exit is not None)
+        exits = workers.exits()
         reason = (f"the coordinator refused this node: {cmd.reason} (the job goes on "
                   "without it)" if cmd.refused else f"the coordinator ended the job: {cmd.reason}")
         if code:
-            self.emit(Event.FAILURE, {"reason": reason, "rank": None})
+            self.host.emit(Event.FAILURE, {"reason": reason, "rank": None})
         return RunResult(code, reason,
-                         exits=exits, restarts_used=self.restarts, log_dir=self.logs.run_dir)
+                         exits=exits, restarts_used=self.host.restarts,
+                         log_dir=self.host.services.logs.run_dir)
 
     def _leave_on_signal(self, sig: int) -> RunResult:
-        self._report(Left(node=self.node, reason=f"received {signal.Signals(sig).name}"))
-        self._stop_workers(sig, self.spec.shutdown_timeout)
-        self._close_streams()
-        return self._signal_result(sig, self.restarts)
+        self._report(Left(node=self.index, reason=f"received {signal.Signals(sig).name}"))
+        self.host.workers.stop(sig, self.spec.shutdown_timeout)
+        self.host.workers.close_streams()
+        return self.host.signal_result(sig, self.host.restarts)
 
-    def _record_exit(self, w: Worker) -> None:
-        super()._record_exit(w)
+    def on_local_exit(self, w: Worker) -> None:
+        """Every exit is reported at once: the coordinator decides what it means."""
         assert w.exit is not None
         error = ""  # the @record traceback travels: the coordinator's report shows it
         if w.exit.error_file and os.path.exists(w.exit.error_file):
             with open(w.exit.error_file, errors="replace") as f:
                 error = f.read(MAX_ERROR_FILE_BYTES)
-        self._report(Exited(node=self.node, worker=w.worker_id, attempt=self.restarts,
+        self._report(Exited(node=self.index, worker=w.worker_id, attempt=self.host.restarts,
                             pid=w.exit.pid, returncode=w.exit.returncode,
                             wall_time=w.exit.wall_time, error=error,
                             by_launcher=w.exit.killed_by_launcher))
 
     def net_down(self, node: int, duration: float) -> dict[str, Any]:
-        if node != self.node:
-            raise FtrunError(f"this is node {self.node}, not node {node}",
+        if node != self.index:
+            raise FtrunError(f"this is node {self.index}, not node {node}",
                              hint=f"run the drill on node {node}, or on the coordinator (node 0)")
         if self.net is None:
             raise FtrunError("this node has not joined the job yet", hint="try again in a moment")
         return self.net.start(node, duration)
 
-    def uses_api(self) -> bool:
+    def uses_api(self, local: bool) -> bool:
         """No Recovery here: a worker that reported a generation uses the API."""
-        return any(self.slots.progress(w.worker_id).generation >= 0
-                   for w in self.workers_snapshot())
+        slots = self.host.services.slots
+        return any(slots.progress(w.worker_id).generation >= 0
+                   for w in self.host.workers.alive())
 
     def decorate_status(self, doc: dict[str, Any]) -> dict[str, Any]:
         """The coordinator's view of the whole job (published every second), with this node."""
@@ -389,5 +383,10 @@ class Follower(Rejoining):
             job = json.loads(client.get(STATUS_KEY))
         except Exception:
             return {**doc, "note": "the coordinator's job status is not available yet"}
-        return {**job, "served_by": {"node": self.node, "host": socket.gethostname(),
+        return {**job, "served_by": {"node": self.index, "host": socket.gethostname(),
                                      "pid": os.getpid()}}
+
+    # ----------------------------------------------------------------- what the agent asks
+    def start_group(self, restarts: int, hosted: HostedStore,
+                    start_local: Callable[[], None]) -> None:
+        raise AssertionError("a follower starts workers when the coordinator says so")

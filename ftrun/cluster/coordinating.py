@@ -7,7 +7,8 @@ workers as this agent knows them from their node's reports, starting, stopping a
 the other nodes' workers through their command queues, and admitting a node into a running
 job (a fenced node comes back this way, as a new node). What the job shows of the other
 nodes lives in `jobnodes`; generations and fault decisions stay with `Recovery` and the
-pure policy.
+pure policy. `Coordinating` is the `agent.cluster.Cluster` an agent is given on the node
+that serves the store: it reaches the agent through `NodeHost`, never by subclassing it.
 Must not import: typer, rich, the CLI or the worker library.
 """
 
@@ -16,19 +17,21 @@ from __future__ import annotations
 import queue
 import signal
 import time
-from collections.abc import Mapping
+from collections.abc import Callable
 from typing import Any
 
 from ftrun.adapters.report import WorkerExit
 from ftrun.adapters.store import CountingStore, HostedStore, QueueReader
+from ftrun.agent.cluster import StopLocal
 from ftrun.agent.jobview import Node
-from ftrun.agent.node import _ignore
-from ftrun.agent.roster import RemoteWorker, Worker
+from ftrun.agent.roster import RemoteWorker, RunResult, Worker
 from ftrun.cluster.admission import Waiting, why_wait
+from ftrun.cluster.host import NodeHost
 from ftrun.cluster.jobnodes import NodeTable
 from ftrun.cluster.link import (
     AGENT_QUEUE,
     Endpoint,
+    command_queue,
     conf_float,
     connect,
     first_worker_id,
@@ -36,6 +39,7 @@ from ftrun.cluster.link import (
 )
 from ftrun.cluster.messages import (
     Bye,
+    Command,
     End,
     Exited,
     Join,
@@ -49,22 +53,24 @@ from ftrun.cluster.messages import (
     Start,
     Stop,
     parse_report,
+    send,
 )
-from ftrun.cluster.netdrill import NetDrills
 from ftrun.cluster.nodewatch import NodeWatch
 from ftrun.core import timeouts
 from ftrun.core.errors import FtrunError
-from ftrun.core.events import Event, EventSink
+from ftrun.core.events import Event
 from ftrun.core.membership import WorkerRole
-from ftrun.core.policy import Decision, find_lost_nodes
-from ftrun.core.spec import RunSpec
+from ftrun.core.policy import Decision, Liveness, find_lost_nodes
 from ftrun.protocol.rendezvous import node_of
 
 
-class Coordinator(NodeTable):
-    def __init__(self, spec: RunSpec, rdzv: HostedStore, ep: Endpoint,
-                 env: Mapping[str, str] | None = None, emit: EventSink = _ignore) -> None:
-        super().__init__(spec, env, emit)
+class Coordinating:
+    index = 0  # the node that serves the store
+    remembered = True  # the job's run: `ftrun report --last` shows it
+
+    def __init__(self, host: NodeHost, rdzv: HostedStore, ep: Endpoint) -> None:
+        self.host = host
+        self.spec = spec = host.spec
         self.rdzv = rdzv
         self.ep = ep
         self.nodes: dict[int, Node] = {}
@@ -73,47 +79,34 @@ class Coordinator(NodeTable):
         self._exited: list[RemoteWorker] = []
         self._ids: dict[int, int] = {}
         self._members: tuple[int, ...] = ()
-        self._next_status = 0.0
         self.beat_s = conf_float(spec, "heartbeat", timeouts.NODE_HEARTBEAT_S)
         self.lost_after_s = conf_float(spec, "node_timeout", timeouts.NODE_LOST_S)
-        # after a broken connection: silent this long means gone (a busy host's agent may
-        # miss a few beats; killing a healthy node costs far more than a second); quiet this
-        # long, every node is pinged (a cut link breaks no connection: the beats just stop)
-        self.watch = NodeWatch(self.lost_after_s, conf_float(
-            spec, "suspect_timeout", max(10 * self.beat_s, timeouts.NODE_SUSPECT_S)),
-            conf_float(spec, "quiet_timeout", max(5 * self.beat_s, timeouts.NODE_QUIET_S)),
-            conf_float(spec, "cut_timeout", max(10 * self.beat_s, timeouts.NODE_CUT_S)))
+        self.watch = NodeWatch.from_conf(spec, self.beat_s, self.lost_after_s)
         self._reader: QueueReader | None = None
         self._lost_nodes: list[tuple[int, str, float]] = []  # node, why, silent for (s)
-        self._payloads: dict[int, tuple[float, dict[str, Any]]] = {}
-        self._net: NetDrills | None = None  # this node's link drills, made at the first
-        self._net_drills: queue.SimpleQueue[tuple[int, float]] = queue.SimpleQueue()
         self._waiting = Waiting()  # nodes that joined a running job and wait for room
+        self.table = NodeTable(host, rdzv, ep, self.nodes, self.watch, self.beat_s)
 
     # ----------------------------------------------------------------- lifecycle
-    def run(self) -> Any:
-        result = None
-        try:
-            result = super().run()
-            return result
-        finally:
-            if self._reader is not None:  # the store was served
-                code = result.exit_code if result is not None else 1
-                reason = result.reason if result is not None else "the coordinator failed"
-                ending = self._alive()
-                for node in ending:
-                    self._send(node, End(code=code, reason=reason, lost=False, refused=False))
-                self._await_byes({n.index for n in ending})
-                self._reader.close(self.rdzv.store)
-            if self._net is not None:
-                self._net.close()
-            self.rdzv.close()
+    def drive(self, attempts: Callable[[], RunResult]) -> RunResult:
+        return attempts()
 
-    def _prepare_env(self) -> None:
+    def close(self, result: RunResult | None) -> None:
+        if self._reader is not None:  # the store was served
+            code = result.exit_code if result is not None else 1
+            reason = result.reason if result is not None else "the coordinator failed"
+            ending = self._alive()
+            for node in ending:
+                self._send(node, End(code=code, reason=reason, lost=False, refused=False))
+            self._await_byes({n.index for n in ending})
+            self._reader.close(self.rdzv.store)
+        self.table.close()
+        self.rdzv.close()
+
+    def prepare(self) -> None:
         """After the guardian is forked (no thread may exist before): serve the store."""
-        super()._prepare_env()
         # every follower reached the store through the endpoint host: their workers can too
-        self.master_addr = self.spec.local_addr or self.ep.host
+        self.host.master_addr = self.spec.local_addr or self.ep.host
         self.rdzv.serve()
         self.rdzv.store = CountingStore(self.rdzv.store)  # its load shows in `ftrun status`
         self._reader = QueueReader(lambda: connect(self.ep, timeouts.STORE_CLIENT_CONNECT_S),
@@ -132,17 +125,25 @@ class Coordinator(NodeTable):
 
     def _deliver(self, raw: str | bytes) -> None:  # reader thread
         self._inbox.put(parse_report(raw))
-        self.wake()
+        self.host.wake()
+
+    def _send(self, node: Node, cmd: Command) -> None:
+        send(self.rdzv.store, command_queue(node.index), cmd)  # our own store
+
+    def _alive(self) -> list[Node]:
+        return self.table.alive()
 
     # ----------------------------------------------------------------- rendezvous
-    def _start_group(self, restarts: int, hosted: HostedStore) -> None:
+    def start_group(self, restarts: int, hosted: HostedStore,
+                    start_local: Callable[[], None]) -> None:
         self._gather_nodes()
         # in join order, up to --nnodes MAX; the rest wait for room (a node lost)
         order = sorted(self._alive(), key=lambda n: n.index)[:self.spec.nnodes_max - 1]
-        self.group_world_size = 1 + len(order)
-        self.world_size = self.spec.nproc + sum(n.nproc for n in order)
+        host = self.host
+        host.group_world_size = 1 + len(order)
+        host.world_size = self.spec.nproc + sum(n.nproc for n in order)
         self.remote, self._ids, self._exited = {}, {}, []  # nothing of an earlier attempt
-        super()._start_group(restarts, hosted)
+        start_local()
         members = list(range(self.spec.nproc))
         for position, node in enumerate(order, start=1):
             members += self._start_node(node, len(members), position)
@@ -155,11 +156,11 @@ class Coordinator(NodeTable):
         for i, wid in enumerate(ids):
             self.remote[wid] = RemoteWorker(base_rank + i if base_rank >= 0 else -1, i, wid,
                                             node.index)
-        self._send(node, Start(attempt=self.restarts, addr=self.master_addr,
-                               port=self.worker_port, base_rank=base_rank,
-                               world_size=self.world_size, group_rank=group_rank,
-                               group_world_size=self.group_world_size, first_id=ids[0],
-                               run_id=self.run_id, spare=spare))
+        h = self.host
+        self._send(node, Start(attempt=h.restarts, addr=h.master_addr, port=h.worker_port,
+                               base_rank=base_rank, world_size=h.world_size,
+                               group_rank=group_rank, group_world_size=h.group_world_size,
+                               first_id=ids[0], run_id=h.run_id, spare=spare))
         node.in_attempt = True
         return ids
 
@@ -187,9 +188,9 @@ class Coordinator(NodeTable):
                                  f"rendezvous at {self.ep} within {join_s:g} s",
                                  hint="start ftrun on the other nodes with the same "
                                       "--rdzv-endpoint, or lower --nnodes")
-            if self._wakeup.pop_signal() is not None:
+            if self.host.wakeup.pop_signal() is not None:
                 raise FtrunError("interrupted while waiting for nodes to join")
-            self._wakeup.wait(self.beat_s)  # a join wakes it at once
+            self.host.wakeup.wait(self.beat_s)  # a join wakes it at once
 
     def _drain_inbox(self, running: bool) -> None:
         while True:
@@ -199,10 +200,11 @@ class Coordinator(NodeTable):
                 return
             match msg:
                 case str():
-                    self.emit(Event.NOTICE, {"text": f"ignored a malformed agent message ({msg})"})
+                    self.host.emit(Event.NOTICE,
+                                   {"text": f"ignored a malformed agent message ({msg})"})
                 case Join():
                     self._on_join(msg)
-                case Exited() if msg.worker in self.remote and msg.attempt == self.restarts:
+                case Exited() if msg.worker in self.remote and msg.attempt == self.host.restarts:
                     self._on_remote_exit(msg)
                 case Spawned() if msg.worker in self.remote:
                     self.remote[msg.worker].pid = msg.pid
@@ -231,20 +233,20 @@ class Coordinator(NodeTable):
             return
         self.nodes[node.index] = node
         self.watch.watch(node.index)  # a node waiting to be used can die too
-        self.emit(Event.NOTICE, {"text": f"{node.label} joined with {node.nproc} workers"})
+        self.host.emit(Event.NOTICE, {"text": f"{node.label} joined with {node.nproc} workers"})
         # while an attempt runs, the main loop's next pass admits it (`_admit_waiting`)
 
     def _admit_waiting(self) -> None:
         """Nodes that joined the running job enter in join order while it has room: at
         once, or when a node is lost; the first that must wait holds the rest back."""
-        rec = self.recovery
+        rec = self.host.recovery
         for node in sorted((n for n in self._alive() if not n.in_attempt),
                            key=lambda n: n.index):
             why = why_wait(1 + sum(n.in_attempt for n in self._alive()), self.spec.nnodes_max,
                            rec is not None, rec is not None and rec.uses_api)
             if why is not None:
                 if self._waiting.news(node.index, why):
-                    self.emit(Event.NOTICE, {"text": f"{node.label} waits: {why}"})
+                    self.host.emit(Event.NOTICE, {"text": f"{node.label} waits: {why}"})
                 return
             self._waiting.forget(node.index)
             self._admit(node)
@@ -253,17 +255,17 @@ class Coordinator(NodeTable):
         """A node entering a running job: its workers enter at a step boundary and heal, or,
         when the members and the joiners on their way already hold the first world size,
         they wait as spares."""
-        rec = self.recovery
+        rec, host = self.host.recovery, self.host
         assert rec is not None
-        self.group_world_size += 1  # group ranks are never reused within an attempt
+        host.group_world_size += 1  # group ranks are never reused within an attempt
         entering = len(rec.membership.members) + len(
             rec.membership.with_role(WorkerRole.JOINING, WorkerRole.READY))
-        self.emit(Event.NOTICE, {"text": f"{node.label} enters the running job"})
+        self.host.emit(Event.NOTICE, {"text": f"{node.label} enters the running job"})
         if entering >= len(self._members):
-            rec.add_spares(self._start_node(node, -1, self.group_world_size - 1, spare=True))
+            rec.add_spares(self._start_node(node, -1, host.group_world_size - 1, spare=True))
             return
-        self.world_size = entering + node.nproc
-        rec.add_joiners(self._start_node(node, -1, self.group_world_size - 1))
+        host.world_size = entering + node.nproc
+        rec.add_joiners(self._start_node(node, -1, host.group_world_size - 1))
 
     def _on_remote_exit(self, msg: Exited) -> None:
         w = self.remote[msg.worker]
@@ -272,24 +274,26 @@ class Coordinator(NodeTable):
         w.exit = WorkerExit(rank=w.rank, local_rank=w.local_rank, pid=msg.pid,
                             returncode=msg.returncode, detected_at=time.monotonic(),
                             wall_time=float(msg.wall_time),
-                            error_file=self.logs.keep_error(  # its own is on its node
-                                self.restarts, f"node{w.node}.w{w.worker_id}", msg.error),
+                            error_file=self.host.services.logs.keep_error(  # its own: its node
+                                self.host.restarts, f"node{w.node}.w{w.worker_id}", msg.error),
                             killed_by_launcher=msg.by_launcher)
         self._exited.append(w)
 
     # ----------------------------------------------------------------- supervision hooks
-    def _remote_exits(self) -> list[RemoteWorker]:
+    def remote_exits(self) -> list[RemoteWorker]:
         self._drain_inbox(running=True)
         out, self._exited = self._exited, []
         return out
 
-    def _idle_wait(self) -> float | None:
+    def idle_wait(self, local: float | None) -> float | None:
         return self.beat_s
 
-    def _tick(self) -> Decision | None:
-        super()._tick()
-        self._publish_status()
-        self._send_net_drills()
+    def on_local_exit(self, w: Worker) -> None:
+        pass
+
+    def tick(self) -> Decision | None:
+        self.table.publish_status()
+        self.table.send_net_drills()
         verdict = self.watch.check(self.rdzv.store, [n.index for n in self._alive()])
         if verdict.ping is not None:
             self._ping(*verdict.ping)
@@ -323,7 +327,7 @@ class Coordinator(NodeTable):
         node.alive = False
         self.watch.forget(node.index)
         self._waiting.forget(node.index)
-        self.emit(Event.NOTICE, {"text": f"{node.label} is lost: {why}"})
+        self.host.emit(Event.NOTICE, {"text": f"{node.label} is lost: {why}"})
         self._send(node, End(code=1, reason=f"the coordinator dropped this node ({why})",
                              lost=True, refused=False))
         gone = [w for w in self.remote.values() if w.node == node.index and w.alive]
@@ -332,56 +336,65 @@ class Coordinator(NodeTable):
             w.exit = WorkerExit(rank=w.rank, local_rank=w.local_rank, pid=w.pid,
                                 returncode=-int(signal.SIGKILL), detected_at=time.monotonic(),
                                 wall_time=now, error_file="", killed_by_launcher=False)
-        if self.recovery is not None and self.recovery.uses_api:
+        rec = self.host.recovery
+        if rec is not None and rec.uses_api:
             left = 1 + len(self._alive())
-            return self.recovery.on_node_lost(node.index, node.label, list(gone), left, last_seen)
+            return rec.on_node_lost(node.index, node.label, list(gone), left, last_seen)
         self._exited += gone  # torchrun semantics: a failed member restarts or ends the job
         return None
 
+    # ----------------------------------------------------------------- the other nodes
     def allocate_id(self, node: int) -> int:
-        if node == 0:
-            return super().allocate_id(node)
         self._ids[node] = self.peek_id(node) + 1
         return self._ids[node] - 1
 
     def peek_id(self, node: int) -> int:
-        return super().peek_id(node) if node == 0 else self._ids.get(node,
-                                                                      first_worker_id(node))
+        return self._ids.get(node, first_worker_id(node))
 
     def place(self, worker_id: int, rank: int, local_rank: int, spare: bool) -> None:
         node = node_of(worker_id)
-        if node == 0:
-            super().place(worker_id, rank, local_rank, spare)
-            return
         self.remote[worker_id] = RemoteWorker(rank, local_rank, worker_id, node)
         self._send(self.nodes[node], Spawn(worker=worker_id, rank=rank, local_rank=local_rank,
                                            spare=spare))
 
-    def live_nodes(self) -> list[int]:
-        return [0] + [n.index for n in self._alive() if n.in_attempt]
+    def other_nodes(self) -> list[int]:
+        return [n.index for n in self._alive() if n.in_attempt]
 
-    def kill_worker(self, worker_id: int) -> bool:
+    def kill_remote(self, worker_id: int) -> bool:
         w = self.remote.get(worker_id)
-        if w is None:
-            return super().kill_worker(worker_id)
-        if not w.alive or not self.nodes[w.node].alive:
+        if w is None or not w.alive or not self.nodes[w.node].alive:
             return False
         self._send(self.nodes[w.node], Kill(worker=worker_id))
         return True
 
-    def initial_members(self) -> tuple[int, ...]:
+    def initial_members(self) -> tuple[int, ...] | None:
         return self._members
 
-    def all_workers(self) -> list[Worker | RemoteWorker]:
-        return [*self._workers, *self.remote.values()]
+    def remote_workers(self) -> list[RemoteWorker]:
+        return list(self.remote.values())
 
-    def _stop_workers(self, sig: int, grace: float) -> int | None:
+    def committed_step(self, worker_id: int) -> int:
+        return self.table.committed_step(worker_id)
+
+    def remote_liveness(self) -> list[Liveness]:
+        return self.table.remote_liveness()
+
+    def net_down(self, node: int, duration: float) -> dict[str, Any]:
+        return self.table.net_down(node, duration)
+
+    def uses_api(self, local: bool) -> bool:
+        return local
+
+    def decorate_status(self, doc: dict[str, Any]) -> dict[str, Any]:
+        return self.table.decorate_status(doc)
+
+    def stop_workers(self, sig: int, grace: float, stop_local: StopLocal) -> int | None:
         waiting = [n for n in self._alive() if n.in_attempt]
         for node in waiting:
             self._send(node, Stop(signal=int(sig), grace=grace))
             node.in_attempt = False
         deadline = time.monotonic() + grace + timeouts.KILL_REAP_S
-        received = super()._stop_workers(sig, grace)
+        received = stop_local(sig, grace)
         while time.monotonic() < deadline and any(
                 w.alive and self.nodes[w.node].alive for w in self.remote.values()):
             self._drain_inbox(running=False)

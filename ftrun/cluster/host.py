@@ -1,0 +1,45 @@
+"""The agent as a multi-node cluster sees it.
+
+Owns: `NodeHost`, the members of `agent.node.Agent` that the coordinating and following
+clusters use: the run's facts they set (attempt, addresses, world size), this node's workers
+and services, the wakeup, and the few actions they ask for. A cluster is built with the
+agent it belongs to and typed against this, so its decisions can be tested with a fake.
+Must not import: the agent's node, typer, rich, the CLI or the worker library.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Protocol
+
+from ftrun.adapters.wakeup import Wakeup
+from ftrun.agent.recovery import Recovery
+from ftrun.agent.roster import RunResult
+from ftrun.agent.services import RunServices
+from ftrun.agent.watch import Finding
+from ftrun.agent.workers import NodeWorkers
+from ftrun.core.events import Event
+from ftrun.core.spec import RunSpec
+
+
+class NodeHost(Protocol):
+    spec: RunSpec
+    run_id: str
+    restarts: int
+    recovery: Recovery | None
+    master_addr: str
+    worker_port: int
+    world_size: int
+    group_rank: int
+    group_world_size: int
+    relay_addr: str
+    wakeup: Wakeup
+    workers: NodeWorkers
+    services: RunServices
+
+    def emit(self, kind: Event, fields: Mapping[str, object]) -> None: ...
+    def wake(self) -> None: ...
+    def act(self, findings: list[Finding]) -> None:
+        """Do what the health watch found (kills, rebuilds)."""
+    def signal_result(self, sig: int, restarts: int) -> RunResult:
+        """The run's result after a signal stopped it."""
