@@ -1,7 +1,9 @@
 """torchrun-compatible command line for `ftrun [OPTIONS] SCRIPT [ARGS...]`.
 
 Owns: the argparse parser (both --foo-bar and --foo_bar spellings, unambiguous prefixes,
-PET_* environment fallbacks, exit 2 on usage errors) and its translation into a `RunSpec`.
+PET_* environment fallbacks, exit 2 on usage errors) and its translation into a `RunSpec`
+(`build_run_spec`, which contacts nothing); `parse_run_args` adds the etcd backend's
+preflight (`etcd_args.check_etcd`).
 Must not import: torch, typer, rich, the agent.
 """
 
@@ -9,12 +11,15 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import signal
+import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NoReturn
 
 from ftrun.cli.cluster_env import slurm_defaults
+from ftrun.cli.endpoints import parse_endpoint
+from ftrun.cli.endpoints import port_value as _port
+from ftrun.cli.etcd_args import check_etcd, check_etcd_conf, etcd_backend_name, etcd_members
 from ftrun.cli.heal_args import DEFAULT_CHUNK_MB, DEFAULT_SOURCES, heal_fields
 from ftrun.cli.metrics_args import METRICS_PORT_ENV, metrics_fields
 from ftrun.cli.shard_args import shard_fields
@@ -27,8 +32,6 @@ from ftrun.core.spec import RunSpec, StdMask
 
 NPROC_WORDS = ("cpu", "gpu", "auto")
 STATIC_DEFAULT_PORT = 29500
-_HOST_RE = re.compile(r"[\w.-]+")  # a host name or an IPv4 address
-_IPV6_RE = re.compile(r"[\w.:%-]+")  # inside brackets (a zone like %eth0 included)
 # --rdzv-conf keys read as seconds (ftrun's own and torchrun's); all others pass through
 _CONF_SECONDS = ("timeout", "interval", "heartbeat")
 _CONF_ZERO_OK = frozenset({"last_call_timeout"})  # 0: no wait for late nodes
@@ -85,8 +88,10 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
                    help="workers on this node: an int, cpu, gpu or auto (default 1)")
     opt("nnodes", default="1:1", help="N or MIN:MAX nodes")
     opt("node-rank", default="0", help="this node's rank (static rendezvous)")
-    opt("rdzv-backend", default="static", help="static or c10d")
-    opt("rdzv-endpoint", default="", help="HOST[:PORT] of the rendezvous store")
+    opt("rdzv-backend", default="static", help="static, c10d or etcd (etcd's v3 API, "
+        "etcd 3.4 or newer; torchrun's etcd-v2 name is served by it too)")
+    opt("rdzv-endpoint", default="", help="HOST[:PORT] of the rendezvous store; etcd: "
+        "every member, HOST[:PORT],HOST[:PORT],... (port 2379 if not given)")
     opt("rdzv-id", default="none", help="run id")
     opt("rdzv-conf", default="", help="k=v,k=v backend options")
     flag("standalone", help="single node, store on a free local port")
@@ -163,6 +168,25 @@ def parse_run_args(
     env: Mapping[str, str] | None = None,
     gpu_count: Callable[[], int] | None = None,
 ) -> RunSpec:
+    """The launch's spec, and for an etcd backend the check that its cluster answers,
+    before any worker starts (one-line errors)."""
+    spec = build_run_spec(argv, env, gpu_count, notice=_say)
+    if spec.rdzv_backend == "etcd":
+        check_etcd(spec)
+    return spec
+
+
+def _say(line: str) -> None:
+    print(f"ftrun: {line}", file=sys.stderr, flush=True)
+
+
+def build_run_spec(
+    argv: Sequence[str],
+    env: Mapping[str, str] | None = None,
+    gpu_count: Callable[[], int] | None = None,
+    notice: Callable[[str], None] = _say,
+) -> RunSpec:
+    """The command line, checked and resolved; nothing is contacted."""
     env = os.environ if env is None else env
     ns = build_parser(env).parse_args(list(argv))
     if not ns.training_script:
@@ -172,8 +196,12 @@ def parse_run_args(
                          hint="drop one of them")
     if ns.virtual_local_rank:
         raise UsageError("--virtual-local-rank is not supported yet", hint="drop the flag")
-    endpoint_port = None
-    if ns.rdzv_endpoint:
+    endpoint_port: int | None = None
+    members: tuple[str, ...] = ()  # etcd's
+    ns.rdzv_backend = etcd_backend_name(ns.rdzv_backend, notice)
+    if ns.rdzv_backend == "etcd":
+        members = etcd_members(ns.rdzv_endpoint)
+    elif ns.rdzv_endpoint:
         host, endpoint_port = parse_endpoint(ns.rdzv_endpoint)
         if ns.rdzv_backend == "static":  # torchrun: host[:port] of the store
             ns.master_addr = host
@@ -181,9 +209,9 @@ def parse_run_args(
                 ns.master_port or STATIC_DEFAULT_PORT)
     slurm_defaults(ns, env)
     nmin, nmax = _parse_nnodes(str(ns.nnodes))
-    if ns.rdzv_backend not in ("static", "c10d"):
+    if ns.rdzv_backend not in ("static", "c10d", "etcd"):
         raise UsageError(f"--rdzv-backend {ns.rdzv_backend!r} is not supported",
-                         hint="use static or c10d")
+                         hint="use static, c10d or etcd")
     if nmax > 1:
         _check_multinode(ns, nmin, nmax, endpoint_port)
     nproc = resolve_nproc(str(ns.nproc_per_node), gpu_count)
@@ -201,7 +229,8 @@ def parse_run_args(
         rdzv_backend=ns.rdzv_backend,
         rdzv_endpoint=ns.rdzv_endpoint,
         rdzv_id=ns.rdzv_id,
-        rdzv_conf=_parse_conf(ns.rdzv_conf),
+        rdzv_conf=check_etcd_conf(_parse_conf(ns.rdzv_conf), members, ns.rdzv_id),
+        rdzv_endpoints=members,
         standalone=ns.standalone,
         master_addr=ns.master_addr,
         master_port=None if ns.master_port is None else _port(ns.master_port),
@@ -248,6 +277,8 @@ def _parse_preload(text: str) -> tuple[str, ...]:
 
 def _check_multinode(ns: argparse.Namespace, nmin: int, nmax: int,
                      endpoint_port: int | None) -> None:
+    if ns.rdzv_backend == "etcd":
+        return  # its members were checked with the endpoint; no store is served
     if ns.rdzv_backend == "c10d" and not ns.rdzv_endpoint:
         raise UsageError("--rdzv-backend c10d needs --rdzv-endpoint HOST[:PORT]",
                          hint="name the host that serves the store (the same on every node)")
@@ -300,38 +331,6 @@ def _min_nproc(raw: object, nproc: int, nnodes_max: int) -> int:
         raise UsageError(f"--min-nproc {value} is above {has}",
                          hint=f"the fewest workers to go on with: use 1-{most}")
     return value
-
-
-def _port(raw: object, flag: str = "--master-port") -> int:
-    port = _int(raw, flag, minimum=0)
-    if port > 65535:
-        raise UsageError(f"{flag}: port {port} is out of range", hint="use 1-65535")
-    return port
-
-
-def parse_endpoint(text: str) -> tuple[str, int | None]:
-    """`HOST`, `HOST:PORT`, `[IPV6]` or `[IPV6]:PORT` -> (host, port or None)."""
-    text = text.strip()
-    hint = "use HOST[:PORT], e.g. node0:29400, or [IPV6]:PORT"
-    if text.startswith("["):
-        host, close, rest = text[1:].partition("]")
-        if not close or (rest and not rest.startswith(":")):
-            raise UsageError(f"--rdzv-endpoint {text!r} is not [IPV6] or [IPV6]:PORT",
-                             hint="close the bracket, e.g. [::1]:29400")
-        valid, port = bool(_IPV6_RE.fullmatch(host)), rest[1:] if rest else None
-    else:
-        if text.count(":") > 1:
-            raise UsageError(f"--rdzv-endpoint {text!r}: an IPv6 address needs brackets",
-                             hint="e.g. [::1]:29400")
-        host, sep, tail = text.partition(":")
-        valid, port = bool(_HOST_RE.fullmatch(host)), tail if sep else None
-    if not valid:
-        raise UsageError(f"--rdzv-endpoint {text!r} has no valid host", hint=hint)
-    if port is None:
-        return host, None
-    if not port.isdigit():
-        raise UsageError(f"--rdzv-endpoint {text!r}: port {port!r} is not a number", hint=hint)
-    return host, _port(port, "--rdzv-endpoint")
 
 
 def _parse_nnodes(text: str) -> tuple[int, int]:

@@ -1,0 +1,80 @@
+"""`--rdzv-backend etcd` on the command line: the backend's names, its members, its
+--rdzv-conf keys, and the check before any worker starts that the cluster answers.
+
+Owns: accepting torchrun's `etcd-v2` name for the same v3 backend (saying so in one line),
+parsing `--rdzv-endpoint h1:2379,h2:2379,[::1]:2379` into members, validating the TLS and
+timing keys (through `adapters.etcd_conf`), and `check_etcd`: the adapter's preflight (a
+missing client, an unreachable cluster or one without a majority is a one-line error).
+Must not import: torch, typer, rich, the agent; the etcd client only through the adapter,
+inside `check_etcd`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NoReturn
+
+from ftrun.adapters.etcd_conf import DEFAULT_PORT, EtcdConf, join_hostport
+from ftrun.cli.endpoints import parse_endpoint
+from ftrun.core.errors import FtrunError, UsageError
+from ftrun.core.spec import RunSpec
+
+V2_NAME = "etcd-v2"  # torchrun's name for its etcd backend over etcd's v2 API
+
+
+def etcd_backend_name(name: str, notice: Callable[[str], None]) -> str:
+    """`etcd-v2` is served by the etcd (v3 API) backend: etcd 3.6 removed the v2 API."""
+    if name.strip().lower() != V2_NAME:
+        return name
+    notice(f"--rdzv-backend {V2_NAME} is served by ftrun's etcd backend, over etcd's v3 API "
+           "(etcd 3.4 or newer)")
+    return "etcd"
+
+
+def etcd_members(text: str) -> tuple[str, ...]:
+    """`h1:2379,h2,[::1]:2379` -> ("h1:2379", "h2:2379", "[::1]:2379")."""
+    if not text.strip():
+        raise UsageError("--rdzv-backend etcd needs --rdzv-endpoint HOST[:PORT],...",
+                         hint="name the etcd members, e.g. --rdzv-endpoint "
+                         "etcd1:2379,etcd2:2379,etcd3:2379")
+    members: list[str] = []
+    for item in (part.strip() for part in text.split(",")):
+        if not item:
+            raise UsageError(f"--rdzv-endpoint {text!r} has an empty member",
+                             hint="separate members with single commas")
+        if "://" in item:
+            raise UsageError(f"--rdzv-endpoint member {item!r} has a scheme",
+                             hint="give HOST[:PORT]; for TLS add protocol=https to "
+                             "--rdzv-conf")
+        host, port = parse_endpoint(item)
+        if port == 0:
+            raise UsageError(f"--rdzv-endpoint member {item!r}: port 0 names no member",
+                             hint=f"use the member's client port, e.g. {DEFAULT_PORT}")
+        member = join_hostport(host, DEFAULT_PORT if port is None else port)
+        if member in members:
+            raise UsageError(f"--rdzv-endpoint names {member} twice",
+                             hint="name each etcd member once")
+        members.append(member)
+    return tuple(members)
+
+
+def check_etcd_conf(conf: tuple[tuple[str, str], ...], members: tuple[str, ...],
+                    run_id: str) -> tuple[tuple[str, str], ...]:
+    """The --rdzv-conf pairs, unchanged; for etcd (members given) its TLS and timing keys
+    are checked first (files exist, protocol=https with certificates, lease_ttl whole)."""
+    if members:
+        EtcdConf.parse(members, dict(conf), run_id)
+    return conf
+
+
+def check_etcd(spec: RunSpec) -> NoReturn:
+    """Before any worker starts: the client is installed and the cluster answers with a
+    majority. The etcd node role is not built yet, so the launch stops here."""
+    from ftrun.adapters.etcd import preflight
+
+    conf = EtcdConf.from_spec(spec)
+    health = preflight(conf)
+    up = sum(h.up for h in health)
+    raise FtrunError(f"etcd at {conf.where} answers ({up} of {len(health)} members up), but "
+                     "the etcd control plane is not finished yet",
+                     hint="use --rdzv-backend c10d for now")

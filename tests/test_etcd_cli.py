@@ -1,0 +1,147 @@
+"""`--rdzv-backend etcd` on the command line: its members, torchrun's etcd-v2 name and TLS
+keys, and, through the real CLI, the one-line errors before any worker starts (no client,
+no cluster), and the refusal after a good preflight while the etcd node role is missing."""
+
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from conftest import run_ftrun
+from etcdlab import EtcdLab, unavailable
+
+from ftrun.adapters.etcd_conf import EtcdConf
+from ftrun.cli.launch_args import build_run_spec
+from ftrun.core.errors import UsageError
+from ftrun.core.spec import RunSpec
+
+
+def spec(*argv: str, notes: list[str] | None = None) -> RunSpec:
+    return build_run_spec(list(argv), env={}, notice=(notes if notes is not None else [])
+                          .append)
+
+
+def etcd(*extra: str, endpoint: str = "e1:2379,e2,[::1]:2380") -> list[str]:
+    return ["--nnodes", "2:4", "--rdzv-backend", "etcd", "--rdzv-endpoint", endpoint,
+            "--rdzv-id", "job7", *extra, "train.py"]
+
+
+def test_members_are_parsed_with_etcds_default_port_and_ipv6_brackets() -> None:
+    s = spec(*etcd())
+    assert (s.rdzv_backend, s.nnodes_min, s.nnodes_max) == ("etcd", 2, 4)
+    assert s.rdzv_endpoints == ("e1:2379", "e2:2379", "[::1]:2380")
+    conf = EtcdConf.from_spec(s)
+    assert (conf.prefix, conf.tls.protocol, conf.lease_ttl) == ("/ftrun/job7/", "http", 2)
+    single = spec("--rdzv-backend", "etcd", "--rdzv-endpoint", " 10.0.0.5 ", "t.py")
+    assert single.rdzv_endpoints == ("10.0.0.5:2379",) and single.nnodes_max == 1
+    assert spec("--rdzv-backend", "c10d", "--rdzv-endpoint", "h:1", "t.py").rdzv_endpoints == ()
+
+
+def test_etcd_v2_is_served_by_the_v3_backend_saying_so_once() -> None:
+    notes: list[str] = []
+    s = spec("--rdzv-backend", "etcd-v2", "--rdzv-endpoint", "e1", "t.py", notes=notes)
+    assert s.rdzv_backend == "etcd" and s.rdzv_endpoints == ("e1:2379",)
+    assert len(notes) == 1 and "etcd-v2 is served by ftrun's etcd backend" in notes[0]
+    assert "v3 API" in notes[0]
+
+
+def test_tls_keys_in_torchruns_two_spellings(tmp_path: Path) -> None:
+    pem = {name: tmp_path / f"{name}.pem" for name in ("ca", "cert", "key")}
+    for path in pem.values():
+        path.write_text("-----BEGIN CERTIFICATE-----\n")
+    etcd_v1 = f"protocol=https,cacert={pem['ca']},cert={pem['cert']},key={pem['key']}"
+    etcd_v2 = (f"protocol=HTTPS,ca_cert={pem['ca']},ssl_cert={pem['cert']},"
+               f"ssl_cert_key={pem['key']},read_timeout=7,lease_ttl=4")
+    for conf_text in (etcd_v1, etcd_v2):
+        conf = EtcdConf.from_spec(spec(*etcd("--rdzv-conf", conf_text)))
+        assert (conf.tls.protocol, conf.tls.cacert, conf.tls.cert, conf.tls.key) == (
+            "https", str(pem["ca"]), str(pem["cert"]), str(pem["key"]))
+    conf = EtcdConf.from_spec(spec(*etcd("--rdzv-conf", etcd_v2)))
+    assert (conf.request_timeout, conf.lease_ttl) == (7.0, 4)
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--rdzv-backend", "etcd", "t.py"], "needs --rdzv-endpoint"),
+    (etcd(endpoint="http://e1:2379"), "has a scheme"),
+    (etcd(endpoint="e1:2379,,e2"), "has an empty member"),
+    (etcd(endpoint="e1,e1:2379"), "names e1:2379 twice"),
+    (etcd(endpoint="e1:0"), "port 0 names no member"),
+    (etcd(endpoint="e1:99999"), "out of range"),
+    (etcd(endpoint="fe80::1:2379"), "an IPv6 address needs brackets"),
+    (etcd(endpoint="[::1:2379"), "is not [IPV6] or [IPV6]:PORT"),
+    (etcd("--rdzv-conf", "protocol=ftp"), "protocol=ftp is not http or https"),
+    (etcd("--rdzv-conf", "cacert=/etc/hostname"), "cacert= needs protocol=https"),
+    (etcd("--rdzv-conf", "protocol=https,cert=/etc/hostname"), "cert= and key= go together"),
+    (etcd("--rdzv-conf", "protocol=https,cacert=/nonexistent.pem"), "no such file"),
+    (etcd("--rdzv-conf", "lease_ttl=1.5"), "not a whole number of seconds"),
+    (etcd("--rdzv-conf", "request_timeout=0"), "request_timeout must be > 0"),
+    (["--rdzv-backend", "etcd3", "t.py"], "'etcd3' is not supported"),
+])
+def test_bad_etcd_arguments_are_one_line_usage_errors(argv: list[str], message: str) -> None:
+    with pytest.raises(UsageError, match=message.replace("[", r"\[").replace("(", r"\(")):
+        spec(*argv)
+
+
+def _script(tmp_path: Path) -> tuple[str, Path]:
+    marker = tmp_path / "a-worker-ran"
+    script = tmp_path / "train.py"
+    script.write_text(f"open({str(marker)!r}, 'w').close()\n")
+    return str(script), marker
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_an_unreachable_cluster_is_one_line_before_any_worker(tmp_path: Path) -> None:
+    script, marker = _script(tmp_path)
+    port = _free_port()
+    r = run_ftrun("--rdzv-backend", "etcd-v2", "--rdzv-endpoint", f"127.0.0.1:{port}",
+                  script, timeout=60)
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 1, r.stderr
+    assert len(lines) == 2 and "etcd-v2 is served by ftrun's etcd backend" in lines[0]
+    assert lines[1] == (f"ftrun: error: etcd is unreachable at 127.0.0.1:{port} (connection "
+                        "refused) (start etcd there, or fix --rdzv-endpoint)")
+    assert not marker.exists()
+
+
+def test_a_missing_client_is_one_line_naming_the_extra(tmp_path: Path) -> None:
+    """The real CLI in a process where etcd3gw cannot be imported (as without the extra)."""
+    script, marker = _script(tmp_path)
+    code = ("import sys; sys.modules['etcd3gw'] = None\n"  # import etcd3gw -> ImportError
+            "from ftrun.cli.main import main\n"
+            f"sys.exit(main(['--rdzv-backend', 'etcd', '--rdzv-endpoint', "
+            f"'127.0.0.1:{_free_port()}', {script!r}]))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 1
+    assert r.stderr.strip().splitlines() == [
+        "ftrun: error: the etcd backend needs the etcd3gw client (import of etcd3gw halted; "
+        "None in sys.modules) (pip install 'ftrun[etcd]')"]
+    assert not marker.exists()
+
+
+@pytest.fixture(scope="module")
+def one_member() -> Iterator[EtcdLab]:
+    if unavailable():
+        pytest.skip(unavailable())
+    with EtcdLab(1) as lab:
+        yield lab
+
+
+def test_a_healthy_cluster_passes_the_preflight_and_the_launch_stops_there(
+        one_member: EtcdLab, tmp_path: Path) -> None:
+    script, marker = _script(tmp_path)
+    r = run_ftrun("--rdzv-backend", "etcd", "--rdzv-endpoint", one_member.endpoints,
+                  "--rdzv-id", "cli-test", script, timeout=60)
+    assert r.returncode == 1
+    assert r.stderr.strip().splitlines() == [
+        f"ftrun: error: etcd at {one_member.endpoints} answers (1 of 1 members up), but the "
+        "etcd control plane is not finished yet (use --rdzv-backend c10d for now)"]
+    assert not marker.exists()
