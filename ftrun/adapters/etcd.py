@@ -89,6 +89,8 @@ class Member:
     def __init__(self, endpoint: str, tls: EtcdTls, module: Any) -> None:
         host, port = split_hostport(endpoint)
         self.endpoint = endpoint
+        # given with each request: a session's own `verify` loses to REQUESTS_CA_BUNDLE
+        self._verify: str | bool = tls.cacert or True
         self.client = module.Etcd3Client(
             host=host, port=port, protocol=tls.protocol, ca_cert=tls.cacert,
             cert_key=tls.key, cert_cert=tls.cert, api_path=API_PATH)
@@ -98,7 +100,7 @@ class Member:
         connect = min(timeout, timeouts.ETCD_CONNECT_S)
         read = timeout if read_timeout is None else read_timeout
         return self.client.session.post(self.client.get_url(path), json=body, stream=stream,
-                                        timeout=(connect, read))
+                                        timeout=(connect, read), verify=self._verify)
 
 
 def gateway_error(resp: requests.Response) -> str:
