@@ -185,7 +185,7 @@ def test_majority_lost_fails_with_a_clear_error_then_recovers(
 
 def test_watch_delivers_every_change_in_order_across_a_member_loss(
         etcd_cluster: EtcdLab, client: EtcdClient, prefix: str) -> None:
-    watch = Watch(client, prefix, prefix=True)
+    watch = Watch(client, prefix, prefix=True, idle_s=120)  # only a loss ends a stream
     try:
         assert watch.wait_started(10)
         for i in range(20):
@@ -206,9 +206,28 @@ def test_watch_delivers_every_change_in_order_across_a_member_loss(
         assert [e.value.decode() for e in seen if e.kind == "put"] == [str(i) for i in range(30)]
         assert [e.key for e in seen if e.kind == "delete"] == [prefix + "k00"]
         assert watch.member not in (None, serving) and watch.get(timeout=0.2) is None
+        watch.stop()  # cuts the open stream under its blocked reader
+        assert not watch.running
     finally:
         watch.stop()
         ensure_all_up(etcd_cluster)
+
+
+def test_a_quiet_watch_is_reopened_and_misses_nothing(client: EtcdClient, prefix: str) -> None:
+    """A stream silent for `idle_s` is taken for a frozen member's and opened again, from the
+    revision after the last event: a change between two streams is still delivered, once."""
+    client.put(prefix + "before", "0")
+    watch = Watch(client, prefix, prefix=True, idle_s=0.3)
+    try:
+        assert watch.wait_started(10)
+        wait_for(lambda: watch.streams >= 3, 30, "the quiet stream opened again twice")
+        revision = client.put(prefix + "after", "1")
+        event = watch.get(timeout=10)
+        assert event is not None and (event.key, event.revision) == (prefix + "after", revision)
+        wait_for(lambda: watch.streams >= 5, 30, "two more quiet streams")
+        assert watch.get(timeout=0.1) is None  # the reopened streams repeated nothing
+    finally:
+        watch.stop()
 
 
 def test_preflight_names_an_unreachable_cluster(etcd_cluster: EtcdLab) -> None:

@@ -50,8 +50,11 @@ class Watch:
     (None: from the moment the watch is first in place; see `wait_started`)."""
 
     def __init__(self, client: EtcdClient, key: str, prefix: bool = False,
-                 start_revision: int | None = None) -> None:
+                 start_revision: int | None = None,
+                 idle_s: float = timeouts.ETCD_WATCH_IDLE_S) -> None:
         self._client = client
+        self._idle_s = idle_s
+        self.streams = 0  # streams opened so far (one more after each break)
         self._create: dict[str, Any] = {"key": b64(key)}
         if prefix:
             self._create["range_end"] = b64(prefix_end(key))
@@ -66,6 +69,11 @@ class Watch:
         self.broken = ""  # why the last stream broke (it is opened again elsewhere)
         self._thread = threading.Thread(target=self._run, daemon=True, name=f"etcd-watch {key}")
         self._thread.start()
+
+    @property
+    def running(self) -> bool:
+        """The reader thread is alive (false once `stop()` has returned, normally)."""
+        return self._thread.is_alive()
 
     def wait_started(self, timeout: float) -> bool:
         """True once a stream is in place: every change after this moment will be seen."""
@@ -108,9 +116,10 @@ class Watch:
         if self._next is not None:
             create["start_revision"] = self._next
         resp = member.post("watch", {"create_request": create}, timeouts.ETCD_CONNECT_S,
-                           stream=True, read_timeout=timeouts.ETCD_WATCH_IDLE_S)
+                           stream=True, read_timeout=self._idle_s)
         with self._lock:
             self._resp = resp
+        self.streams += 1
         try:
             if self._stop.is_set() or resp.status_code != 200:
                 return
