@@ -41,6 +41,8 @@ class NodeTable:
         self.watch = watch
         self.beat_s = beat_s
         self._payloads: dict[int, tuple[float, Payload]] = {}
+        self._refused: dict[int, str] = {}  # node -> why its payload was refused (said once)
+        self._told: set[int] = set()
         self._next_status = 0.0
         self._net: NetDrills | None = None  # this node's link drills, made at the first
         self._net_drills: queue.SimpleQueue[tuple[int, float]] = queue.SimpleQueue()
@@ -120,17 +122,29 @@ class NodeTable:
 
     def _read_payloads(self, now: float) -> None:
         """One request for every live node that has beaten (a payload is set before the
-        first beat); one that has not, or whose payload is not one, shows nothing yet (the
-        control thread reads here too: nothing is emitted)."""
+        first beat); one that has not shows nothing yet, nor one whose payload is refused
+        (the main loop says why: the control thread reads here too, and emits nothing)."""
         live = {n.index for n in self.alive()}
         nodes = [n for n in self.watch.beats.beaten() if n in live]
         self._payloads = {n: (now, Payload()) for n in live}
         for node, doc in zip(nodes, read_payloads(self.rdzv.store, nodes), strict=True):
             payload = parse_payload(doc)
-            if not isinstance(payload, str):
+            if isinstance(payload, str):
+                self._refused.setdefault(node, payload)  # said from the main loop
+            else:
                 self._payloads[node] = (now, payload)
 
+    def _say_refused(self) -> None:
+        """Main loop: a node whose payload is refused shows no workers; say why, once."""
+        for node, why in list(self._refused.items()):
+            if node not in self._told:
+                self._told.add(node)
+                self.host.emit(Event.NOTICE, {"text": f"node {node}'s heartbeat payload is "
+                                                      f"refused ({why}): its workers are not "
+                                                      "shown nor watched"})
+
     def publish_status(self) -> None:
+        self._say_refused()
         now = time.monotonic()
         if now < self._next_status:
             return
