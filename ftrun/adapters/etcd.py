@@ -2,19 +2,20 @@
 
 Owns: loading the client (a missing one is a one-line error naming `ftrun[etcd]`), an
 `EtcdClient` over one or more members that fails over between them within one deadline per
-operation, key-value reads, writes and transactions, leases held alive by a keep-alive
-thread that know when they lapsed, each member's health, and the launch's preflight.
-Leases are in `etcd_lease`, elections and fenced writes in `etcd_election`, watches in
-`etcd_watch` (each built on this module, never the other way round).
+operation, key-value reads, writes and transactions (with their compare and op builders),
+each member's health, and the launch's preflight. Leases are in `etcd_lease`, elections and
+fenced writes in `etcd_election`, watches in `etcd_watch` (each built on this module, never
+the other way round).
 
-The client is etcd3gw (OpenStack's, maintained, typed): it speaks etcd's own gRPC gateway
+The client is etcd3gw (OpenStack's, released 2026, typed): it speaks etcd's own gRPC gateway
 (JSON over HTTP at /v3/, served by every etcd since 3.4) through `requests`, with no grpcio
 and no protobuf. That keeps gRPC's threads out of an agent that forks workers and a zygote,
-avoids a protobuf runtime pin next to torch's, and is a 30 kB pure-Python wheel. The gRPC
-clients were older (etcd3, last released 2020, breaks on protobuf >= 4) or forks of it;
-aetcd and etcd-client-py are asyncio-only. Each request is sent through the etcd3gw
-client's session and URL (TLS set up there) with this layer's own per-try deadline, which
-the client's one fixed timeout cannot give; a watch is one streamed request per member.
+adds no protobuf runtime pin beside torch's, and is a 30 kB pure-Python wheel. The gRPC
+clients are etcd3 (last released 2020; its generated code fails to import under protobuf
+>= 4 without a workaround) and its forks (python3-etcd3 needs protobuf >= 5.29 and grpcio);
+aetcd and etcd-client-py are asyncio-only. Each request goes through the etcd3gw client's
+session and URL (TLS set up there) with this layer's own per-try deadline, which the
+client's one fixed timeout cannot give; a watch is one streamed request per member.
 Must not import: torch, typer, rich, the agent; the client only inside functions.
 """
 
