@@ -146,6 +146,19 @@ def test_event_fields_read_as_emitted_and_from_an_older_log() -> None:
         events.HealedFields.of({**healed, "nbytes": "1"})
 
 
+def test_every_event_line_the_report_accepts_reads_into_its_record() -> None:
+    """A replay may read the typed fields of any line `cli.loglines` lets in: a line with
+    only the fields it requires (an older log, an edited one) reads too."""
+    from ftrun.cli.loglines import EVENT_FIELDS, REQUIRED
+
+    value = {"worker": 3, "rank": 1, "generation": 2, "world_size": 4, "step": 9,
+             "at": 1000.0, "taken_at": 1000.0, "loaded_at": 1001.0, "published_at": 1000.5}
+    for kind, table in EVENT_FIELDS.items():
+        line = {name: value.get(name, "x") for name, (_, need) in table.items()
+                if need is REQUIRED}
+        events.fields_of(events.Event(kind), line)
+
+
 def test_a_notice_whose_fields_do_not_read_is_one_line_and_the_agent_goes_on() -> None:
     out = io.StringIO()
     render.notice("fault", {"worker": "x", "rank": 0}, out)

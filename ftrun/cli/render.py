@@ -55,8 +55,8 @@ def _notice_text(f: ev.Fields) -> str | None:
             return f.reason
         case ev.GenerationFields():
             return f"generation {f.generation}: {f.world_size} workers ({f.reason})"
-        case ev.RecoveredFields() if f.fault_at:
-            return _recovered_text(f)
+        case ev.RecoveredFields(fault_at=float() | int() as fault_at) if fault_at:
+            return _recovered_text(f, fault_at)
         case ev.RestartFields():
             return f"restart {f.attempt} starting"
         case ev.SnapshotFailedFields():
@@ -76,14 +76,14 @@ def _notice_text(f: ev.Fields) -> str | None:
     return None
 
 
-def _recovered_text(f: ev.RecoveredFields) -> str:
+def _recovered_text(f: ev.RecoveredFields, fault_at: float) -> str:
     # a survivor's collective can fail before the agent reaps the dead peer: the fault began
     # no later than the first sign of it, so no phase comes out negative
     phases = [(name, at) for name, at in (("published", f.published_at),
                                           ("noticed", f.noticed), ("rebuilt", f.rebuilt),
                                           ("healed", f.healed),
                                           ("committed", f.first_commit)) if at]
-    t0 = min([f.fault_at, *(at for _, at in phases)])
+    t0 = min([fault_at, *(at for _, at in phases)])
     shown = ", ".join(f"{name} +{(at - t0) * 1000:.0f}" for name, at in phases)
     return f"generation {f.generation} committed step {f.step} (ms after the fault: {shown})"
 

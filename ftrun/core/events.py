@@ -4,8 +4,9 @@ into the journal's fault records.
 Owns: `Event`, every kind the agent emits, `EventSink`, the callable that takes one, and the
 typed fields of each kind (`FaultFields`, ...; `fields_of` reads an event's fields into its
 record, strictly, and `to_fields` writes one). A kind is a member, never a bare string: a
-misspelt one is a type error, not a lost event. A field that an event of an older version
-may lack has a default.
+misspelt one is a type error, not a lost event. A field that `cli.loglines` lets an event
+log line lack (an older version's, or one edited) has a default, so a replay can read every
+line the report accepts.
 Must not import: anything outside the standard library and `ftrun.core`.
 """
 
@@ -67,8 +68,8 @@ class Fields:
 @dataclass(frozen=True)
 class StartedFields(Fields):
     event = Event.STARTED
-    attempt: int
-    world_size: int
+    attempt: int = 0
+    world_size: int | None = absent()
     pids: tuple[int, ...] = ()
     master: str = ""
     node: int | None = absent()  # a follower's
@@ -105,8 +106,8 @@ class FailureFields(Fields):
 @dataclass(frozen=True)
 class RestartFields(Fields):
     event = Event.RESTART
-    reason: str
-    attempt: int
+    reason: str = ""
+    attempt: int | None = None
 
 
 @dataclass(frozen=True)
@@ -135,26 +136,26 @@ class GenerationFields(Fields):
     event = Event.GENERATION
     generation: int
     world_size: int
-    reason: str
     published_at: float
+    reason: str = ""
     urgent: bool = False
 
 
 @dataclass(frozen=True)
 class RecoveredFields(Fields):
-    """A generation's first commit and its phases (wall clock; 0: a phase that did not
-    happen)."""
+    """A generation's first commit and its phases (wall clock; 0 or None: a phase that did
+    not happen)."""
 
     event = Event.RECOVERED
     generation: int
     worker: int = -1
-    fault_at: float = 0.0
-    published_at: float = 0.0
-    noticed: float = 0.0
-    rebuilt: float = 0.0
-    healed: float = 0.0
+    fault_at: float | None = None
+    published_at: float | None = None
+    noticed: float | None = None
+    rebuilt: float | None = None
+    healed: float | None = None
     step: int | None = None
-    first_commit: float = 0.0
+    first_commit: float | None = None
 
 
 @dataclass(frozen=True)
@@ -177,29 +178,29 @@ class InjectedFields(Fields):
 @dataclass(frozen=True)
 class GpuFields(Fields):
     event = Event.GPU
-    uuid: str
-    health: str
-    reason: str
+    uuid: str = ""
+    health: str = ""
+    reason: str = ""
     local_ranks: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
 class StragglerFields(Fields):
     event = Event.STRAGGLER
-    worker: int
-    reason: str
-    evicted: bool
+    worker: int | None = None
+    reason: str = ""
+    evicted: bool = False
 
 
 @dataclass(frozen=True)
 class SnapshotFields(Fields):
     event = Event.SNAPSHOT
-    step: int
-    taken_at: float
-    bytes: int
-    blocking_ms: float
-    write_ms: float
-    path: str
+    step: int | None = None
+    taken_at: float | None = None
+    bytes: int | None = None
+    blocking_ms: float | None = None
+    write_ms: float | None = None
+    path: str = ""
 
 
 @dataclass(frozen=True)
@@ -213,12 +214,12 @@ class SnapshotFailedFields(Fields):
 @dataclass(frozen=True)
 class ResumedFields(Fields):
     event = Event.RESUMED
-    worker: int
     step: int
-    source: str
     taken_at: float
     loaded_at: float
-    load_ms: float
+    worker: int = -1
+    source: str = ""
+    load_ms: float = 0.0
 
 
 @dataclass(frozen=True)
