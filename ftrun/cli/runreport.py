@@ -4,8 +4,9 @@ Owns: finding the run (a log directory, a --log-dir base, or the last run on thi
 reading it, and `build_report`: faults by kind, recovery percentiles per phase, time lost,
 goodput, stragglers, GPU events, restarts and snapshots. Fault records come from replaying
 the event log through the agent's own journal, so the report, `ftrun status` and the
-end-of-run summary agree by construction. Only lines that `loglines` accepts are read: the
-rest are counted, per file, in the report.
+end-of-run summary agree by construction. Only lines that `loglines` accepts, and whose
+fields read into their kind's `core.events` record, are read (the report reads those
+records): the rest are counted, per file, in the report.
 Must not import: torch, typer, rich, matplotlib, the running agent.
 """
 
@@ -15,17 +16,19 @@ import json
 import os
 import statistics
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from ftrun.adapters import history
 from ftrun.agent.journal import LOG_FILE as EVENTS_FILE
 from ftrun.agent.journal import FaultRecord, Journal, fault_docs, percentile, summarize
 from ftrun.agent.timeline import FILE as TIMELINE_FILE
 from ftrun.cli.loglines import Skipped, line_problem
+from ftrun.core import events as ev
 from ftrun.core.errors import FtrunError, UsageError
 
+F = TypeVar("F", bound=ev.Fields)
 PHASE_ORDER = ("detected", "published", "rebuilt", "healed", "first_commit", "restarted",
                "resumed")
 
@@ -50,6 +53,11 @@ class RunRecord:
 
     def of_kind(self, kind: str) -> list[dict[str, Any]]:
         return [e for e in self.events if e.get("event") == kind]
+
+    def fields(self, record: type[F]) -> list[tuple[float, F]]:
+        """Each `record.event` line's time and typed fields (`read_checked` let in only lines
+        that read)."""
+        return [(float(e["t"]), record.of(e)) for e in self.of_kind(record.event)]
 
 
 def find_run_dir(where: str | None) -> str:
@@ -107,7 +115,7 @@ def read_checked(path: str, timeline: bool) -> tuple[list[dict[str, Any]], Skipp
                 except (ValueError, RecursionError):
                     skipped.add(number, "not a whole JSON line")
                     continue
-                why = line_problem(line, timeline)
+                why = line_problem(line, timeline) or (None if timeline else _unreadable(line))
                 if why is None:
                     out.append(line)
                 else:
@@ -118,6 +126,19 @@ def read_checked(path: str, timeline: bool) -> tuple[list[dict[str, Any]], Skipp
         raise FtrunError(f"cannot read {path} ({exc.strerror})",
                          hint="check the file's permissions") from None
     return out, skipped
+
+
+def _unreadable(line: dict[str, Any]) -> str | None:
+    """Why an event line's fields do not read into their kind's record (None: they do, or
+    the kind is not one this version knows: the replay skips it)."""
+    kind = line.get("event")
+    if kind not in ev.FIELDS:
+        return None
+    try:
+        ev.fields_of(ev.Event(kind), line)
+    except FtrunError as exc:
+        return exc.message
+    return None
 
 
 def read_jsonl(path: str) -> list[dict[str, Any]]:
@@ -138,31 +159,30 @@ def read_jsonl(path: str) -> list[dict[str, Any]]:
 
 def build_report(run: RunRecord) -> dict[str, Any]:
     seconds = max(0.0, run.t1 - run.t0)
-    generations = run.of_kind("generation")
-    snapshots = run.of_kind("snapshot")
+    t0 = run.t0
+    snapshots = [f for _, f in run.fields(ev.SnapshotFields)]
     return {
         "run_dir": run.path,
         "started_at": run.t0, "seconds": round(seconds, 3),
         "attempts": 1 + len(run.of_kind("restart")),
         "world_sizes": _world_sizes(run),
-        "generations": len(generations),
+        "generations": len(run.of_kind("generation")),
         "last_step": max((int(x["step_max"]) for x in run.timeline
                           if x.get("step_max") is not None), default=None),
         "summary": summarize(run.faults, seconds),
         "faults_by_kind": dict(sorted(Counter(f.kind for f in run.faults).items())),
         "phases_ms": phase_table(run.faults),
-        "stragglers": [{"t": round(e["t"] - run.t0, 3), "worker": e.get("worker"),
-                        "reason": e.get("reason"), "evicted": e.get("evicted")}
-                       for e in run.of_kind("straggler")],
-        "gpu_events": [{"t": round(e["t"] - run.t0, 3), "uuid": e.get("uuid"),
-                        "health": e.get("health"), "reason": e.get("reason")}
-                       for e in _gpu_changes(run.of_kind("gpu"))],
-        "restarts": [{"t": round(e["t"] - run.t0, 3), "attempt": e.get("attempt"),
-                      "reason": e.get("reason")} for e in run.of_kind("restart")],
+        "stragglers": [{"t": round(t - t0, 3), "worker": f.worker, "reason": f.reason,
+                        "evicted": f.evicted} for t, f in run.fields(ev.StragglerFields)],
+        "gpu_events": [{"t": round(t - t0, 3), "uuid": f.uuid, "health": f.health,
+                        "reason": f.reason}
+                       for t, f in _gpu_changes(run.fields(ev.GpuFields))],
+        "restarts": [{"t": round(t - t0, 3), "attempt": f.attempt, "reason": f.reason}
+                     for t, f in run.fields(ev.RestartFields)],
         "snapshots": {"count": len(snapshots),
-                      "last_step": snapshots[-1].get("step") if snapshots else None,
-                      "blocking_ms_median": _median(snapshots, "blocking_ms"),
-                      "write_ms_median": _median(snapshots, "write_ms"),
+                      "last_step": snapshots[-1].step if snapshots else None,
+                      "blocking_ms_median": _median([f.blocking_ms for f in snapshots]),
+                      "write_ms_median": _median([f.write_ms for f in snapshots]),
                       "failed": len(run.of_kind("snapshot_failed"))},
         "faults": fault_docs(run.faults),
         "skipped_lines": {name: {"count": bad.count, "first": bad.first}
@@ -185,29 +205,30 @@ def phase_table(faults: Sequence[FaultRecord]) -> dict[str, dict[str, float | in
     return table
 
 
-def _gpu_changes(events: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+def _gpu_changes(events: Sequence[tuple[float, ev.GpuFields]]
+                 ) -> list[tuple[float, ev.GpuFields]]:
     """GPU events that change something: not the first look at a healthy GPU."""
     seen: dict[str, str] = {}
     out = []
-    for e in events:
-        uuid, health = str(e.get("uuid")), str(e.get("health"))
-        if seen.get(uuid, "healthy") != health:
-            out.append(e)
-        seen[uuid] = health
+    for t, f in events:
+        if seen.get(f.uuid, "healthy") != f.health:
+            out.append((t, f))
+        seen[f.uuid] = f.health
     return out
 
 
 def _world_sizes(run: RunRecord) -> list[int]:
     """The world size as it changed: the first attempt's, then each generation's."""
-    sizes = [int(e["world_size"]) for e in run.of_kind("started") if "world_size" in e][:1]
+    sizes = [f.world_size for _, f in run.fields(ev.StartedFields)
+             if f.world_size is not None][:1]
     if not sizes and run.timeline:
         sizes = [int(run.timeline[0].get("world_size", 0))]
-    for e in run.of_kind("generation"):
-        if not sizes or sizes[-1] != int(e["world_size"]):
-            sizes.append(int(e["world_size"]))
+    for _, f in run.fields(ev.GenerationFields):
+        if not sizes or sizes[-1] != f.world_size:
+            sizes.append(f.world_size)
     return sizes
 
 
-def _median(events: Sequence[Mapping[str, Any]], key: str) -> float | None:
-    values = [float(e[key]) for e in events if e.get(key) is not None]
-    return round(statistics.median(values), 1) if values else None
+def _median(values: Sequence[float | None]) -> float | None:
+    known = [float(v) for v in values if v is not None]
+    return round(statistics.median(known), 1) if known else None
