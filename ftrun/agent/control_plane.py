@@ -30,7 +30,7 @@ from ftrun.agent.roster import Worker
 from ftrun.agent.timeline import Timeline, sample_every_s
 from ftrun.agent.watch import HealthWatch
 from ftrun.core.errors import FtrunError
-from ftrun.core.events import Event
+from ftrun.core.events import DrillFields, Event, NoticeFields
 from ftrun.core.faultkinds import AGENT_SIGNALS, GPU_KINDS, WORKER_ONLY, FaultKind
 from ftrun.core.membership import Membership
 from ftrun.core.policy import phase_text
@@ -103,7 +103,8 @@ class ControlPlane:
             self.timeline.sample(doc, now)
         except Exception as exc:  # the history must never stop the job: said once, skipped
             if self.timeline.failed(now):
-                self.port.emit(Event.NOTICE, {"text": f"could not sample the timeline: {exc}"})
+                self.port.emit(Event.NOTICE,
+                               NoticeFields(f"could not sample the timeline: {exc}").to_fields())
 
     # ------------------------------------------------------------ requests (server thread)
     def handle(self, req: dict[str, Any]) -> dict[str, Any]:
@@ -171,8 +172,8 @@ class ControlPlane:
                 self._drill_seq += 1
                 self.slots.write_drill(worker.worker_id, self._drill_seq, kind, at_step,
                                        drill.arg)
-            self.port.emit(Event.DRILL, {"worker": worker.worker_id, "rank": worker.rank,
-                                     "kind": kind, "at_step": at_step})
+            self.port.emit(Event.DRILL, DrillFields(worker.worker_id, worker.rank, kind,
+                                                    at_step).to_fields())
 
     # ------------------------------------------------------------ status
     def status(self) -> Status:
