@@ -1,68 +1,44 @@
 """The worker API a training script uses: init, wrap, register, loader, steps, batch_slice,
 no_sync, sync, commit, long_phase.
 
-Owns: this worker's view of the job (generation, rank, committed step), the step protocol
-(sync: every gradient bucket reduced; commit: the user stepped), the commit rule (a step is
-applied only if every collective of it succeeded), random streams replayed when a step is
-repeated, recovery at the next step boundary (what is due: states.RecoveryMode; rebuild the
-group, then aligning.py aligns on the highest committed step and heals those behind; after a
-total loss, worker/snapshots.py loads the newest snapshot first and takes them), where
-this worker is for the agent's hang detector (a few stores into its progress slot per step;
-`ft.long_phase` pauses it), and a plain mode for runs outside ftrun.
+Owns: this worker's committed step, the step protocol (sync: every gradient bucket reduced;
+commit: the user stepped), the commit rule (a step is applied only if every collective of it
+succeeded), random streams replayed when a step is repeated, recovery at the next step
+boundary (what is due and the move to a newer generation: the `member.Member` it holds; then
+aligning.py aligns on the highest committed step and heals those behind; after a total loss,
+worker/snapshots.py loads the newest snapshot first and takes them), where this worker is
+for the agent's hang detector (a few stores into its progress slot per step;
+`ft.long_phase` pauses it), the replica-group properties (read from a `sharded.ReplicaView`
+it holds), and a plain mode for runs outside ftrun.
 Must not import: typer, rich, NVML, the agent or the CLI. Torch is imported when init() runs.
 """
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import enum
 import os
-import sys
 import time
 from collections.abc import Iterator
 from typing import Any
 
-from ftrun.core import timeouts
 from ftrun.core.errors import WorkerApiError
 from ftrun.core.spec import WorkerEnv
 from ftrun.core.states import RecoveryMode
 from ftrun.protocol.progress import Reporter
-from ftrun.protocol.rendezvous import (
-    CommFailed,
-    Generation,
-    Hello,
-    Recovered,
-    Request,
-    Stage,
-    latest_number,
-    read_generation,
-    send_request,
-)
+from ftrun.protocol.rendezvous import CommFailed, Generation, Request
 from ftrun.worker import errorfile
 from ftrun.worker.aligning import STREAMS, Healer, align
 from ftrun.worker.buckets import GradSync
-from ftrun.worker.comm import Abandoned, CommError, GenerationWatcher, Group, Interrupt, build_group
+from ftrun.worker.comm import Abandoned, CommError, Interrupt
 from ftrun.worker.drills import Drills
-from ftrun.worker.joining import (
-    connect,
-    native_group,
-    plain_group,
-    quiet_store_warnings,
-    warm_up,
-    watch_connect,
-)
+from ftrun.worker.joining import connect, quiet_store_warnings, warm_up
 from ftrun.worker.loader import Loader
+from ftrun.worker.member import Member, join
 from ftrun.worker.replica_sync import ReplicaSync
 from ftrun.worker.rng import RandomStreams
-from ftrun.worker.script_end import ReleaseWatch, wait_at_end
-from ftrun.worker.sharded import (
-    ShardedView,
-    Sharding,
-    leave_quietly_when_evicted,
-)
+from ftrun.worker.sharded import ReplicaView, Sharding, shard_plainly
 from ftrun.worker.snapshots import Snapshots
-from ftrun.worker.waits import await_assignment, await_newer, first_generation, watch_as_spare
 
 
 def init(backend: str | None = None, seed: int = 0) -> FaultTolerant:
@@ -86,7 +62,7 @@ class StepState(enum.Enum):
     COMMITTED = "committed"
 
 
-class FaultTolerant(ShardedView):
+class FaultTolerant:
     def __init__(self, backend: str, seed: int, wenv: WorkerEnv | None) -> None:
         import torch
 
@@ -95,15 +71,11 @@ class FaultTolerant(ShardedView):
         self._managed = wenv is not None  # run by an ftrun agent: faults recover in-process
         self._objects: dict[str, Any] = {}
         self._interrupt = Interrupt()
-        self._recovery = RecoveryMode.NONE  # what the next step boundary must do first
-        self._why = ""  # why the step or group broke (RecoveryMode.broken)
         self._state = StepState.IDLE
-        self._report_first_commit: dict[str, Any] | None = None
         self._progress: Reporter | None = None
         self._streams = RandomStreams()
         self._replay: tuple[int, dict[str, Any]] | None = None  # a step's start: its streams
         self.committed = 0
-        self._stage = ""  # past training: "trained", then "ended" (protocol.rendezvous.STAGES)
         self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         cuda = backend == "nccl" and torch.cuda.is_available()
         if cuda and wenv is not None:
@@ -116,23 +88,24 @@ class FaultTolerant(ShardedView):
         self.device = torch.device("cuda", self.local_rank) if cuda else torch.device("cpu")
         if cuda:
             torch.cuda.set_device(self.device)
-        self._sharding: Sharding | None = None  # --shard-size: replica groups (HSDP)
         self._sync: GradSync | ReplicaSync = GradSync(
             self.device, self._wants_switch, self._bucket_starting, self._in_collective)
         self._drills = Drills(None, -1, self._comm_fault)
         self._snapshots = Snapshots(wenv) if wenv is not None else None
         self._healer = Healer.of(wenv, self._post)
-        if wenv is None:
-            self._group = plain_group(backend)
-            self._rank = self._group.rank
-            if int(os.environ.get("FTRUN_SHARD_SIZE", "1")) > 1:  # torchrun, like --shard-size
-                self._shard_plainly(int(os.environ["FTRUN_SHARD_SIZE"]))
-            return
-        if wenv.shard_size > 1:
-            self._sharding = Sharding(wenv.shard_size, lambda: connect(wenv), wenv.worker_id,
-                                      backend, self.device, spare=wenv.spare)
-            self._sync = ReplicaSync(self._wants_switch, self._sharding.group,
+        sharding = None  # --shard-size: replica groups (HSDP)
+        if wenv is not None and wenv.shard_size > 1:
+            sharding = Sharding(wenv.shard_size, lambda: connect(wenv), wenv.worker_id,
+                                backend, self.device, spare=wenv.spare)
+            self._sync = ReplicaSync(self._wants_switch, sharding.group,
                                      self._bucket_starting, self._in_collective)
+        self._replicas = ReplicaView(lambda: (self.rank, self.world_size), sharding,
+                                     None if wenv is not None else self._shard_plainly)
+        if wenv is None:
+            self._member = Member.plain(backend)
+            if int(os.environ.get("FTRUN_SHARD_SIZE", "1")) > 1:  # torchrun, like --shard-size
+                self._replicas.shards(int(os.environ["FTRUN_SHARD_SIZE"]))
+            return
         self.worker_id = wenv.worker_id
         quiet_store_warnings()
         errorfile.install()
@@ -142,44 +115,48 @@ class FaultTolerant(ShardedView):
         if wenv.progress_dir:
             self._progress = Reporter(wenv.progress_dir, wenv.worker_id)
         self._drills = Drills(self._progress, self.worker_id, self._comm_fault)
-        self._connect = lambda: connect(wenv)
-        self._store = connect(wenv)
-        # replicate groups are parts of a generation: a fresh group each, never the default
-        self._native = None if self._sharding else native_group(self._connect(), wenv, backend)
-        if wenv.spare:
-            # a hot spare returns at once, so the script builds its model now; steps()
-            # announces it ready and waits there to be called in
-            gen, self._watcher = watch_as_spare(self._store, lambda: watch_connect(wenv),
-                                                self._interrupt)
-            self._group, self._rank = Group(gen, -1, None), -1
-            return
-        send_request(self._store, Hello(self.worker_id, os.getpid(), spare=False))
-        gen = first_generation(self._store, self.worker_id)
-        self._watcher = GenerationWatcher(lambda: watch_connect(wenv), gen.number,
-                                          self._interrupt)
-        if self._sharding is not None:
-            leave_quietly_when_evicted(self._interrupt, self.worker_id)
-        rank = gen.rank_of(self.worker_id)
-        assert rank is not None
-        if self._sharding is not None:
-            self._sharding.entered = gen
-        self._group, self._rank = Group(gen, rank, None), rank  # built at the first steps()
-        if gen.number > 0:
-            self._recovery = RecoveryMode.ALIGN
-        os.environ.update(RANK=str(rank), WORLD_SIZE=str(gen.world_size))
+        self._member = join(wenv, backend, self.device, self._interrupt, self._progress,
+                            sharding)
 
     # ---------------------------------------------------------------- live view
     @property
     def rank(self) -> int:
-        return self._rank
+        return self._member.rank
 
     @property
     def world_size(self) -> int:
-        return self._group.gen.world_size
+        return self._member.group.gen.world_size
 
     @property
     def generation(self) -> int:
-        return self._group.gen.number
+        return self._member.generation
+
+    @property
+    def shard_mesh(self) -> Any:
+        """--shard-size: a 1-D DeviceMesh over this rank's replica group, for
+        `fully_shard(module, mesh=ft.shard_mesh)`; ftrun averages across the groups."""
+        return self._replicas.shards().group().mesh
+
+    @property
+    def replica_rank(self) -> int:
+        return self._replicas.placement().replica_rank
+
+    @property
+    def num_replicas(self) -> int:
+        return self._replicas.placement().num_replicas
+
+    @property
+    def shard_rank(self) -> int:
+        return self._replicas.placement().shard_rank
+
+    def _shard_plainly(self, size: int) -> Sharding:
+        """Outside ftrun: replica groups over torch's default group; this worker's group
+        becomes their replicate dimension, averaged by a ReplicaSync."""
+        wrapped = isinstance(self._sync, GradSync) and bool(self._sync.params)
+        sharding, self._member.group, self._sync = shard_plainly(
+            size, self._member.group, self.rank, wrapped, self.backend, self.device,
+            self._wants_switch)
+        return sharding
 
     # ---------------------------------------------------------------- user API
     def wrap(self, model: Any, bucket_mb: float = 25.0) -> Any:
@@ -206,17 +183,17 @@ class FaultTolerant(ShardedView):
         """Yield the next uncommitted step until `total` steps are committed. Once they are,
         this worker stays, at its script's end, until every member's script has ended
         (script_end.py: a rank lost meanwhile is replaced and heals from it)."""
-        if self._stage == "trained":  # a second training loop: not past training after all
-            self._tell_stage("training")
+        if self._member.stage == "trained":  # a second loop: not past training after all
+            self._member.tell("training", self.committed)
         while True:
             self._reconcile()
             done = self.committed >= total
             if self._snapshots is not None and self._snapshots.taking and \
                     self._state is StepState.COMMITTED:
-                self._snapshots.at_boundary(self._group.gen, self.committed, self._state_objects,
-                                            final=done)
+                self._snapshots.at_boundary(self._member.group.gen, self.committed,
+                                            self._state_objects, final=done)
             if done:
-                if self._finished():
+                if self._member.finished():
                     self._trained()
                     return
                 continue
@@ -260,17 +237,18 @@ class FaultTolerant(ShardedView):
             raise WorkerApiError(f"ft.sync() in a step that is {self._state.value}",
                                  hint="call it once per step, after backward, before commit")
         switch = finished = False
-        if not self._recovery.broken:
+        member = self._member
+        if not member.mode.broken:
             self._bucket_starting()  # a comm drill fires here if no bucket started it
-        if not self._recovery.broken:
+        if not member.mode.broken:
             if self._progress is not None:  # collective 1 of this step
                 self._progress.collective_started(time.time())
             try:
                 finished = True  # it votes, whatever it raises
-                switch = self._sync.finish(self._group, self._interrupt)
+                switch = self._sync.finish(member.group, self._interrupt)
             except (CommError, Abandoned) as exc:
-                self._broke(str(exc))
-        if self._recovery.broken:
+                member.broke(str(exc))
+        if member.mode.broken:
             if not finished:  # broken before: its replica group still counts on one vote
                 self._sync.abstain()
             # an abandoned all-reduce is not cancelled and may still write into its bucket:
@@ -279,7 +257,7 @@ class FaultTolerant(ShardedView):
             self._state = StepState.FAILED
             return False
         if switch:
-            self._recovery = self._recovery.escalate(RecoveryMode.SWITCH)
+            member.escalate(RecoveryMode.SWITCH)
         self._state = StepState.SYNCED
         if self._progress is not None:
             self._progress.optimizer(time.time())
@@ -306,22 +284,20 @@ class FaultTolerant(ShardedView):
         self._healer.committed(self._state_objects)
         if self._progress is not None:
             self._progress.committed(self.committed, self.rank, self.generation, time.time())
-        if self._report_first_commit is not None:
-            self._post(Recovered(**self._report_first_commit, first_commit=time.time()))
-            self._report_first_commit = None
+        self._member.first_commit()
         self._sync.zero()  # grads stay views of their buckets
         return True
 
     def close(self) -> None:
-        if self._managed and self._stage != "trained":  # else it serves at the script's end
-            self._watcher.stop()
+        if self._managed and self._member.stage != "trained":  # else it serves at the end
+            self._member.stop()
 
     # ---------------------------------------------------------------- a step
     def _start_step(self) -> None:
         if self._managed and not self._replay_streams():
             self._replay = (self.committed, self._streams.state_dict())
         self._state = StepState.RUNNING
-        self._sync.next_step(self._group)
+        self._sync.next_step(self._member.group)
         if self._progress is not None:
             self._progress.step_started(self.committed, self.rank, self.generation,
                                         time.time())
@@ -346,25 +322,21 @@ class FaultTolerant(ShardedView):
 
     def _comm_fault(self, why: str) -> None:
         """This rank's communicator failed (a drill): abandon it, tell the agent."""
-        self._group.abandon()
-        self._broke(why)
+        self._member.group.abandon()
+        self._member.broke(why)
         self._post(CommFailed(self.worker_id, self.generation, why))
 
     # ---------------------------------------------------------------- recovery
-    def _broke(self, why: str) -> None:
-        self._why = why
-        self._recovery = self._recovery.escalate(RecoveryMode.BROKEN)
-
     def _reconcile(self) -> None:
+        member = self._member
         if not self._managed:
-            if self._recovery.broken:
-                raise CommError(self._why)
+            if member.mode.broken:
+                raise CommError(member.why)
             return
-        if self.rank < 0:
-            self._await_assignment()
-        urgent = self._interrupt.urgent_above > self.generation
-        unbuilt = self._group.pg is None and self._group.size > 1
-        if self._recovery is RecoveryMode.NONE and not (urgent or unbuilt):
+        if self.rank < 0:  # a hot spare, model built
+            self._sync.prepare()  # allocate the gradient buckets now, not on the first step
+            member.await_assignment()
+        if not member.due():
             return
         noticed = time.time()
         if self._progress is not None:
@@ -372,56 +344,15 @@ class FaultTolerant(ShardedView):
         self._replay_streams()  # before a peer heals from us: the streams of the step's start
         while True:
             try:
-                target = self._target_generation()
-                if target.number != self.generation or self._group.pg is None:
-                    self._switch_to(target)
+                member.move()
                 rebuilt = time.time()
                 self._align()
                 break
             except Abandoned:
                 continue
             except CommError as exc:
-                self._broke(str(exc))
-        gen = self._group.gen
-        self._recovery, self._why = RecoveryMode.NONE, ""
-        if gen.number == 0:
-            return  # the first group of the run: nothing was recovered
-        self._report_first_commit = {
-            "worker": self.worker_id, "generation": gen.number, "fault_at": gen.fault_at,
-            "published_at": gen.published_at, "noticed": noticed, "rebuilt": rebuilt,
-            "healed": time.time(), "step": self.committed}
-
-    def _target_generation(self) -> Generation:
-        newest = self._interrupt.newest
-        if newest is not None and newest.number > self.generation:
-            return newest
-        if self._recovery.switch_voted:  # a peer saw it first; our watcher will too, read it now
-            number = latest_number(self._store, timeouts.GENERATION_WAIT_S)
-            if number > self.generation:
-                return read_generation(self._store, number, timeouts.GENERATION_WAIT_S)
-        if self._recovery.broken:
-            return await_newer(self._interrupt, self.worker_id, self.generation, self._why,
-                               self._post)
-        return self._group.gen
-
-    def _switch_to(self, gen: Generation) -> None:
-        rank = gen.rank_of(self.worker_id)
-        if rank is None:
-            print(f"ftrun: worker {self.worker_id} left the job (generation {gen.number}: "
-                  f"{gen.reason})", file=sys.stderr, flush=True)
-            raise SystemExit(0)
-        self._group.abandon()
-        self._group, self._rank = Group(gen, rank, None), rank
-        if self._progress is not None:  # out of the old collective: arrived in `gen`
-            self._progress.recovering(time.time(), rank, gen.number)
-        members, group_rank = None, rank
-        if self._sharding is not None:
-            members, group_rank = self._sharding.replicate(gen, rank)
-        self._group = build_group(self._connect, gen, group_rank, self.backend, self.device,
-                                  self._interrupt, self._native, members=members)
-        if gen.number > 0:
-            self._recovery = self._recovery.escalate(RecoveryMode.ALIGN)
-        os.environ.update(RANK=str(rank), WORLD_SIZE=str(gen.world_size))
+                member.broke(str(exc))
+        member.settle(noticed, rebuilt, self.committed)
 
     @property
     def _state_objects(self) -> dict[str, Any]:
@@ -435,77 +366,27 @@ class FaultTolerant(ShardedView):
             if resumed is not None:
                 self.committed = resumed.step
                 self._post(resumed)
-        mesh = self._sharding.group().mesh if self._sharding is not None else None
-        self.committed = align(self._group, self.committed, self._objects, self._streams,
-                               self._interrupt, self.device, mesh, self._healer)
-
-    def _finished(self) -> bool:
-        """Every member reached the end: one last collective so no one leaves a peer behind."""
-        if not self._managed or self.world_size == 1:
-            return True
-        import torch
-
-        if self._progress is not None:
-            self._progress.collective_started(time.time())
-        try:
-            self._group.allreduce(torch.ones(1, device=self.device), self._interrupt)
-            if self._progress is not None:
-                self._progress.finished(time.time())
-            return True
-        except (CommError, Abandoned) as exc:
-            self._broke(str(exc))
-            return False
+        sharding = self._replicas.sharding
+        mesh = sharding.group().mesh if sharding is not None else None
+        self.committed = align(self._member.group, self.committed, self._objects,
+                               self._streams, self._interrupt, self.device, mesh, self._healer)
 
     # ---------------------------------------------------------------- past training
     def _trained(self) -> None:
-        """Out of ft.steps() with the final state. A replacement that healed to it is back
-        in service now (it has no step left to commit)."""
-        if not self._managed:
-            return
-        if self._report_first_commit is not None:
-            self._post(Recovered(**self._report_first_commit, first_commit=time.time()))
-            self._report_first_commit = None
-        if not self._stage:
-            atexit.register(self._at_script_end)  # after errorfile's: it runs first
-        self._tell_stage("trained")
-
-    def _tell_stage(self, stage: str) -> None:
-        self._stage = stage
-        self._post(Stage(self.worker_id, self.generation, self.committed, stage))
-
-    def _at_script_end(self) -> None:
-        """Interpreter exit: a script that ended well waits for its peers' (serving any
-        replacement meanwhile); one that failed leaves at once."""
-        if self._stage != "trained" or errorfile.exit_code() != 0:
-            return
-        self._tell_stage("ended")
-        watch = ReleaseWatch(self._connect, self._interrupt)
-        try:
-            with self.long_phase("script ended"):
-                wait_at_end(self._interrupt, watch, self.worker_id, lambda: self.generation,
-                            self._serve_at_end)
-        except WorkerApiError as exc:
-            print(f"ftrun: worker {self.worker_id}: {exc.one_line()}", file=sys.stderr,
-                  flush=True)
-        self._watcher.stop()
+        """Out of ft.steps() with the final state; at the script's end this worker waits
+        for its peers' (member.py), serving any replacement that comes in."""
+        if self._managed:
+            self._member.trained(lambda: self.committed, self._serve_at_end)
 
     def _serve_at_end(self, gen: Generation) -> None:
         """A replacement comes in after training: rebuild with it, heal it, and the final
         collective it runs too. Nothing of this replica's own was recovered."""
-        self._recovery = self._recovery.escalate(RecoveryMode.ALIGN)
+        self._member.escalate(RecoveryMode.ALIGN)
         while True:
             self._reconcile()
-            if self._finished():
+            if self._member.finished():
                 break
-        self._report_first_commit = None
-
-    def _await_assignment(self) -> None:
-        self._sync.prepare()  # allocate the gradient buckets now, not on the first step
-        await_assignment(self._interrupt, self.worker_id, self._post)
-        self._recovery = self._recovery.escalate(RecoveryMode.ALIGN)
+        self._member.recovered = None
 
     def _post(self, request: Request) -> None:
-        try:
-            send_request(self._store, request)
-        except Exception as exc:  # the agent is gone; the next collective will say so
-            self._interrupt.store_lost = str(exc)[:200]
+        self._member.post(request)

@@ -5,8 +5,9 @@ Owns: `Placement` (where a rank sits: replica group, shard), `ShardGroup` (the p
 and 1-D `DeviceMesh` a script passes to `fully_shard`; made once per process over the members
 of its replica group, which never change: a group that loses a rank is replaced whole), the
 rank identity c10d needs for a mesh (a default group that never connects, rank = worker id),
-a hot spare's group (named by the agent in the store), a stopped group's quiet leave, and the
-worker API's replica-group properties (`ShardedView`). The replicate dimension's averaging is
+a hot spare's group (named by the agent in the store), a stopped group's quiet leave, the
+groups outside ftrun (`shard_plainly`), and what the worker API's replica-group properties
+read (`ReplicaView`, which it holds). The replicate dimension's averaging is
 `replica_sync.ReplicaSync`.
 Must not import: typer, rich, NVML, the agent, worker.api. Torch is imported lazily.
 """
@@ -237,68 +238,44 @@ def _spare_group(store: Store, worker_id: int) -> Generation:
     return Generation(-1, members, reason="spare group")
 
 
-class ShardedView:
-    """The worker API's replica-group properties (`ftrun.worker.api.FaultTolerant` has them),
-    read from its live rank and world size, and its replica groups outside ftrun."""
+def shard_plainly(size: int, group: Group, rank: int, wrapped: bool, backend: str, device: Any,
+                  wants_switch: Callable[[], bool]) -> tuple[Sharding, Group, ReplicaSync]:
+    """Outside ftrun: replica groups of `size` over torch's default group (`group`, where this
+    process is `rank`), averaged by the same ReplicaSync (without fault tolerance). The groups,
+    the group that replaces `group` (the replicate dimension), and its averaging."""
+    if wrapped:
+        raise WorkerApiError("ft.wrap(model) before the model was sharded",
+                             hint="fully_shard over ft.shard_mesh first, then ft.wrap")
+    world = group.gen.world_size
+    shard, replicate = plain_shard_groups(size, world, rank, backend, device)
+    sharding = Sharding(size, made=shard)
+    regrouped = Group(group.gen, rank // size, replicate if world > size else None,
+                      members=tuple(range(rank % size, world, size)))
+    return sharding, regrouped, ReplicaSync(wants_switch, sharding.group)
 
-    _sharding: Sharding | None
-    _managed: bool
-    _group: Group
-    _sync: Any  # buckets.GradSync, or ReplicaSync once sharded
-    backend: str
-    device: Any
 
-    def _wants_switch(self) -> bool:
-        raise NotImplementedError  # the worker API's
+class ReplicaView:
+    """What the worker API's replica-group properties read (`ft.shard_mesh`, `ft.replica_rank`,
+    `ft.num_replicas`, `ft.shard_rank`): this rank's replica groups, and where it sits among
+    them by the live (rank, world size) it is handed. Outside ftrun the groups are made on
+    first use by `plainly` (the worker API's: the groups replace its group and averaging)."""
 
-    @property
-    def rank(self) -> int:
-        raise NotImplementedError  # the worker API's live rank
+    def __init__(self, live: Callable[[], tuple[int, int]], sharding: Sharding | None = None,
+                 plainly: Callable[[int], Sharding] | None = None) -> None:
+        self.sharding = sharding  # --shard-size (or FTRUN_SHARD_SIZE outside ftrun); else None
+        self._live = live
+        self._plainly = plainly
 
-    @property
-    def world_size(self) -> int:
-        raise NotImplementedError
-
-    @property
-    def shard_mesh(self) -> Any:
-        """--shard-size: a 1-D DeviceMesh over this rank's replica group, for
-        `fully_shard(module, mesh=ft.shard_mesh)`; ftrun averages across the groups."""
-        return self._shards().group().mesh
-
-    @property
-    def replica_rank(self) -> int:
-        return self._placement().replica_rank
-
-    @property
-    def num_replicas(self) -> int:
-        return self._placement().num_replicas
-
-    @property
-    def shard_rank(self) -> int:
-        return self._placement().shard_rank
-
-    def _shards(self) -> Sharding:
-        if self._sharding is None and not self._managed:  # plain FSDP over every rank
-            self._shard_plainly(self.world_size)
-        if self._sharding is None:
+    def shards(self, size: int = 0) -> Sharding:
+        """The replica groups; outside ftrun, made now if they are not yet: of `size` ranks,
+        or of every rank (plain FSDP)."""
+        if self.sharding is None and self._plainly is not None:
+            self.sharding = self._plainly(size or self._live()[1])
+        if self.sharding is None:
             raise WorkerApiError("ft.shard_mesh needs replica groups",
                                  hint="launch with ftrun --shard-size N")
-        return self._sharding
+        return self.sharding
 
-    def _shard_plainly(self, size: int) -> None:
-        """Outside ftrun: replica groups of `size` over torch's default group, averaged by
-        the same ReplicaSync (without fault tolerance)."""
-        if self._sync.params:
-            raise WorkerApiError("ft.wrap(model) before the model was sharded",
-                                 hint="fully_shard over ft.shard_mesh first, then ft.wrap")
-        shard, replicate = plain_shard_groups(size, self.world_size, self.rank, self.backend,
-                                              self.device)
-        self._sharding = Sharding(size, made=shard)
-        world, rank = self.world_size, self.rank
-        self._group = Group(self._group.gen, rank // size, replicate if world > size else None,
-                            members=tuple(range(rank % size, world, size)))
-        self._sync = ReplicaSync(self._wants_switch, self._sharding.group)
-
-    def _placement(self) -> Placement:
-        size = self._sharding.shard_size if self._sharding is not None else 1
-        return Placement(self.rank, self.world_size, size)
+    def placement(self) -> Placement:
+        size = self.sharding.shard_size if self.sharding is not None else 1
+        return Placement(*self._live(), size)
