@@ -1,0 +1,229 @@
+"""The health watch as an object, without processes: what one `HealthWatch.tick` finds over
+real progress slots (written by the worker's own `Reporter`, at given times) and a fake node
+typed as `WatchPort`. The pure detectors are tested case by case in test_hangs.py and
+test_health.py; here: which rows they are given, when, and what the watch makes of them."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+from fakes import fake_worker
+
+from ftrun.adapters.slots import ProgressSlots
+from ftrun.agent.ports import WatchPort
+from ftrun.agent.roster import Worker
+from ftrun.agent.watch import CHECK_EVERY_S, STRAGGLER_CHECKS, HealthWatch, Kill, Rebuild
+from ftrun.core.events import Event
+from ftrun.core.membership import Membership
+from ftrun.core.policy import Liveness
+from ftrun.core.spec import RunSpec
+from ftrun.core.states import Phase
+from ftrun.gpu.verdicts import Health, Verdict
+from ftrun.protocol.progress import Reporter
+
+T = 1000.0  # the workers' clock, and the watch's `now`
+
+
+@dataclass
+class WatchNode:
+    """The node as the health watch reads it: this node's workers, the others' liveness."""
+
+    spec: RunSpec
+    workers: list[Worker] = field(default_factory=list)
+    remote: list[Liveness] = field(default_factory=list)
+    events: list[tuple[Event, dict[str, Any]]] = field(default_factory=list)
+
+    def emit(self, kind: Event, fields: Mapping[str, object]) -> None:
+        self.events.append((kind, dict(fields)))
+
+    def wake(self) -> None:
+        pass
+
+    def workers_snapshot(self) -> list[Worker]:
+        return [w for w in self.workers if w.alive]
+
+    def live_members(self) -> list[Worker]:
+        return sorted(self.workers_snapshot(), key=lambda w: w.rank)
+
+    def remote_liveness(self) -> list[Liveness]:
+        return list(self.remote)
+
+    def of_kind(self, kind: Event) -> list[dict[str, Any]]:
+        return [f for k, f in self.events if k is kind]
+
+
+@dataclass
+class Watched:
+    watch: HealthWatch
+    node: WatchNode
+    reporters: dict[int, Reporter]  # each worker's side of its slot
+
+    def tick(self, ms: Membership | None, at: float) -> list[Any]:
+        return list(self.watch.tick(ms, T + at))
+
+
+@pytest.fixture
+def watched(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Watched]:
+    """Three members of one node (workers 0-2, ranks 0-2), each with its slot reset as the
+    agent resets it before a worker starts; `--hang-timeout 5` unless a test says otherwise."""
+    spec = RunSpec("train.py", **{"nproc": 3, "hang_timeout": 5.0, "gpu_backend": "none",
+                                  **getattr(request, "param", {})})
+    node = WatchNode(spec, [fake_worker(i, i, i) for i in range(3)])
+    port: WatchPort = node  # mypy checks here that the fake fits the port
+    slots = ProgressSlots(str(tmp_path))
+    for w in node.workers:
+        slots.reset(w.worker_id)
+    reporters = {w.worker_id: Reporter(str(tmp_path), w.worker_id) for w in node.workers}
+    watch = HealthWatch(port, slots)
+    yield Watched(watch, node, reporters)
+    for r in reporters.values():
+        r.slot.close()
+    watch.close()
+    slots.close()
+
+
+def api(members: tuple[int, ...] = (0, 1, 2)) -> Membership:
+    """The attempt's membership once a worker said hello (the script uses the API)."""
+    ms = Membership(members)
+    ms.api_users.add(members[0])
+    return ms
+
+
+def in_step(w: Watched, step: int, at: float, generation: int = 0, *ranks: int) -> None:
+    for r in ranks or tuple(w.reporters):
+        w.reporters[r].step_started(step, rank=r, generation=generation, now=T + at)
+
+
+def in_collective(w: Watched, at: float, *ranks: int) -> None:
+    for r in ranks:
+        w.reporters[r].collective_started(T + at)
+
+
+# ------------------------------------------------------------------ hangs
+def test_a_rank_its_peers_wait_for_is_killed_once_past_the_timeout_at_check_pace(
+        watched: Watched) -> None:
+    ms = api()
+    in_step(watched, 5, 0.0)
+    in_collective(watched, 0.1, 0, 2)  # rank 1 never gets there
+    assert watched.tick(ms, 5.0) == []  # they have waited 4.9 s of 5
+    assert watched.tick(ms, 5.0 + CHECK_EVERY_S - 0.05) == []  # hung by now, not checked yet
+    assert watched.tick(ms, 6.0) == [Kill(1, "hang", "hang: rank 1 made no progress for 6.0s "
+                                              "(in step 5's own code) while 2 of its peers "
+                                              "wait for it in collective 1 of step 5; killing "
+                                              "worker 1")]
+    assert watched.watch.timeout_s == 5.0
+
+
+def test_the_whole_job_is_judged_here_other_nodes_members_included(watched: Watched) -> None:
+    def quiet(worker: int, rank: int, stopped: bool) -> Liveness:  # in its step for 30 s
+        return Liveness(worker=worker, rank=rank, step=5, idle_s=30.0, waiting_s=None,
+                        stopped=stopped, compute_s=0.0, step_s=0.0, generation=0,
+                        phase=Phase.STEP)
+
+    watched.node.remote = [quiet(10_000, 2, False), quiet(10_001, 3, True)]
+    del watched.node.workers[2]
+    ms = api((0, 1, 10_000))  # 10_001: stopped, but no member (a spare, an evicted one)
+    in_step(watched, 5, 0.0, 0, 0, 1)
+    in_collective(watched, 0.0, 0, 1)
+    kill, = watched.tick(ms, 30.0)
+    assert isinstance(kill, Kill) and kill.worker == 10_000 and kill.why == "hang"
+
+
+@pytest.mark.parametrize("watched", [{"hang_timeout": None}], indirect=True)
+def test_the_timeout_follows_the_slowest_members_step_times(watched: Watched) -> None:
+    ms = api()
+    for r in watched.reporters.values():  # 11 commits one second apart: a p95 of 1 s
+        for step in range(11):
+            r.committed(step, 0, 0, T + step)
+    in_step(watched, 11, 11.0)
+    assert watched.tick(ms, 11.5) == [] and watched.watch.timeout_s == 10.0
+    watched.reporters[2].committed(11, 2, 0, T + 14.0)  # a 4 s step: its p95 4 s
+    assert watched.tick(ms, 15.0) == [] and watched.watch.timeout_s == 40.0
+
+
+def test_nothing_is_judged_without_the_api_or_while_members_move_to_a_new_generation(
+        watched: Watched) -> None:
+    in_step(watched, 5, 0.0)
+    in_collective(watched, 0.1, 0, 2)
+    assert watched.tick(None, 60.0) == []  # a job without in-process recovery
+    assert watched.tick(Membership((0, 1, 2)), 61.0) == []  # no hello yet
+    ms = api()
+    ms.publish((0, 1, 2))  # generation 1: every slot still says 0
+    assert watched.tick(ms, 62.0) == []
+    assert watched.watch.timeout_s == 5.0
+
+
+# ------------------------------------------------------------------ a stuck communicator
+def test_a_stuck_communicator_is_rebuilt_then_the_ranks_that_never_reached_it_replaced(
+        watched: Watched) -> None:
+    ms = api()
+    in_step(watched, 5, 0.0)
+    in_collective(watched, 0.0, 0, 1, 2)
+    assert watched.tick(ms, 6.0) == [Rebuild("every rank has waited 6.0s in collective 1 of "
+                                             "step 5: rebuilding the communicator", 5)]
+    ms.publish((0, 1, 2))  # what the agent does with a Rebuild
+    watched.watch.rebuilt(ms.generation, 5, T + 6.0)
+    for r in (0, 1):  # rank 2 stays behind, in the old collective
+        watched.reporters[r].recovering(T + 6.5, rank=r, generation=1)
+    in_step(watched, 5, 7.0, 1, 0, 1)
+    in_collective(watched, 7.1, 0, 1)
+    assert watched.tick(ms, 10.0) == []  # within a timeout of the rebuild
+    assert watched.tick(ms, 11.5) == [Kill(2, "hang")]
+    assert watched.node.events[-1] == (Event.NOTICE, {
+        "text": "hang: the communicator rebuilt as generation 1 never reached it: replacing "
+                "rank 2"})
+
+
+def test_a_commit_after_a_rebuild_ends_the_watch_on_it(watched: Watched) -> None:
+    ms = api()
+    in_step(watched, 5, 0.0)
+    in_collective(watched, 0.0, 0, 1, 2)
+    assert len(watched.tick(ms, 6.0)) == 1
+    ms.publish((0, 1, 2))
+    watched.watch.rebuilt(ms.generation, 5, T + 6.0)
+    for r, reporter in watched.reporters.items():
+        reporter.recovering(T + 6.5, rank=r, generation=1)
+        reporter.committed(6, r, 1, T + 7.0)
+    assert watched.tick(ms, 12.0) == []
+    assert watched.node.events == []
+
+
+# ------------------------------------------------------------------ stragglers
+@pytest.mark.parametrize("watched", [{"evict_stragglers": False}, {"evict_stragglers": True}],
+                         indirect=True, ids=["named", "evicted"])
+def test_a_straggler_is_named_after_consecutive_checks_and_evicted_only_if_asked(
+        watched: Watched) -> None:
+    ms = api()
+    in_step(watched, 5, 0.0)
+    in_collective(watched, 0.1, 0, 2)
+    in_collective(watched, 0.4, 1)  # 4x its peers' compute time
+    evict = watched.node.spec.evict_stragglers
+    found = [watched.tick(ms, 0.5 + i * CHECK_EVERY_S) for i in range(STRAGGLER_CHECKS + 2)]
+    assert found[STRAGGLER_CHECKS - 1] == ([Kill(1, "straggler")] if evict else [])
+    assert [f for i, f in enumerate(found) if i != STRAGGLER_CHECKS - 1] == [[]] * (
+        STRAGGLER_CHECKS + 1)
+    reason = "rank 1 computes a step in 400 ms, its peers in 100 ms (4.0x)"
+    assert watched.node.of_kind(Event.STRAGGLER) == [
+        {"worker": 1, "reason": reason, "evicted": evict}]  # said once
+    assert watched.watch.stragglers == {1: reason}
+
+
+# ------------------------------------------------------------------ GPUs
+def test_a_failed_gpu_is_excluded_and_its_workers_killed_and_avoided(watched: Watched) -> None:
+    watch = watched.watch
+    watch.uuids = [f"GPU-{i}" for i in range(4)]  # the monitor's map, local rank -> UUID
+    watch.changes.put(("GPU-0", Verdict(Health.DEGRADED, "temperature 90 C")))
+    watch.changes.put(("GPU-1", Verdict(Health.FAILED, "XID 79: fallen off the bus")))
+    assert watched.tick(None, 0.0) == [Kill(1, "gpu: XID 79: fallen off the bus")]
+    assert [(g["uuid"], g["health"], g["local_ranks"])
+            for g in watched.node.of_kind(Event.GPU)] == [("GPU-0", "degraded", [0]),
+                                                          ("GPU-1", "failed", [1])]
+    assert watch.excluded == {"GPU-1"}
+    assert watch.pick_local_rank(0) == 0  # degraded is no reason to move
+    assert watch.pick_local_rank(1) == 3  # 0-2 are busy, 1 excluded
+    del watched.node.workers[1:]
+    assert watch.pick_local_rank(1) == 2
