@@ -127,7 +127,8 @@ class SimNode:
         self._beat = Heartbeat(sim.ep, self.index, timeouts.NODE_HEARTBEAT_S,
                                timeouts.STORE_LOST_S, self._payload, self._lost)
         self.report(Join(node=self.index, host=socket.gethostname(), pid=os.getpid(),
-                         nproc=self.nproc, rdzv_id=sim.rdzv_id, net_drill="simulated"))
+                         nproc=self.nproc, rdzv_id=sim.rdzv_id, net_drill="simulated",
+                         running=""))
 
     def report(self, msg: Any) -> None:
         if not self.dead:

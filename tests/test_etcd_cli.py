@@ -137,16 +137,24 @@ def one_member() -> Iterator[EtcdLab]:
         yield lab
 
 
-def test_a_healthy_cluster_passes_the_preflight_and_the_launch_stops_there(
+def test_a_healthy_cluster_passes_the_preflight_and_an_elected_agent_runs_the_job(
         one_member: EtcdLab, tmp_path: Path) -> None:
+    """`--nnodes 1:2` alone: the agent takes its seat in etcd, wins the election, publishes
+    its store under its leadership, waits its last call for a second node, then runs."""
     script, marker = _script(tmp_path)
-    r = run_ftrun("--rdzv-backend", "etcd", "--rdzv-endpoint", one_member.endpoints,
-                  "--rdzv-id", "cli-test", script, timeout=60)
-    assert r.returncode == 1
-    assert r.stderr.strip().splitlines() == [
-        f"ftrun: error: etcd at {one_member.endpoints} answers (1 of 1 members up), but the "
-        "etcd control plane is not finished yet (use --rdzv-backend c10d for now)"]
-    assert not marker.exists()
+    r = run_ftrun("--nnodes", "1:2", "--rdzv-backend", "etcd", "--rdzv-endpoint",
+                  one_member.endpoints, "--rdzv-id", "cli-test", "--local-addr", "127.0.0.1",
+                  script, timeout=90)
+    assert r.returncode == 0, r.stderr
+    assert f"this agent leads the job (elected in etcd at {one_member.endpoints})" in r.stderr
+    assert marker.exists()
+    client = connect(one_member.endpoints)
+    try:  # it left: its seat (leader key, node key) went with its revoked lease
+        assert client.get_prefix("/ftrun/cli-test/leader/") == []
+        assert client.get_prefix("/ftrun/cli-test/nodes/") == []
+        assert client.get("/ftrun/cli-test/store") is not None  # the last store it served
+    finally:
+        client.close()
 
 
 @pytest.mark.timeout(120)
@@ -155,9 +163,11 @@ def test_tls_keys_reach_an_etcd_that_demands_client_certificates(tmp_path: Path)
         pytest.skip(tls_unavailable())
     script, marker = _script(tmp_path)
     with EtcdLab(1, tls=True) as lab:
-        r = run_ftrun("--rdzv-backend", "etcd", "--rdzv-endpoint", lab.endpoints,
-                      "--rdzv-conf", lab.tls_conf, script, timeout=60)
-        assert r.returncode == 1 and "etcd control plane is not finished yet" in r.stderr
+        r = run_ftrun("--nnodes", "1:2", "--rdzv-backend", "etcd", "--rdzv-endpoint",
+                      lab.endpoints, "--rdzv-conf", f"{lab.tls_conf},last_call_timeout=0.2",
+                      "--local-addr", "127.0.0.1", script, timeout=60)
+        assert r.returncode == 0 and marker.exists(), r.stderr  # elected over TLS, ran
+        marker.unlink()
         c = lab.certs
         client = connect(lab.endpoints, EtcdTls("https", c["ca"], c["client"], c["client_key"]))
         assert client.put("/tls/k", "v") > 0 and client.get("/tls/k") is not None

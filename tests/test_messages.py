@@ -32,7 +32,8 @@ REQUESTS = [
 ]
 COMMANDS = [
     cluster.Start(attempt=1, addr="node0", port=29500, base_rank=-1, world_size=6,
-                  group_rank=2, group_world_size=3, first_id=20_000, run_id="r1", spare=True),
+                  group_rank=2, group_world_size=3, first_id=20_000, run_id="r1", spare=True,
+                  adopt=False),
     cluster.Spawn(worker=10_002, rank=-1, local_rank=1, spare=False),
     cluster.Kill(worker=10_000),
     cluster.Stop(signal=15, grace=30.0),
@@ -41,7 +42,8 @@ COMMANDS = [
     cluster.NetDown(duration=6.0),
 ]
 REPORTS = [
-    cluster.Join(node=1, host="h1", pid=77, nproc=2, rdzv_id="job", net_drill=""),
+    cluster.Join(node=1, host="h1", pid=77, nproc=2, rdzv_id="job", net_drill="",
+                 running="12:0:4242,13:1:4243"),
     cluster.Spawned(node=1, worker=10_000, pid=78, local_rank=0),
     cluster.Exited(node=1, worker=10_001, attempt=0, pid=79, returncode=-9,
                    wall_time=123.25, error="", by_launcher=False),

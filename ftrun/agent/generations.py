@@ -27,9 +27,10 @@ R = WorkerRole
 
 class Generations:
     def __init__(self, port: RecoveryPort, store: Any, membership: Membership,
-                 ends: ScriptEnds) -> None:
+                 ends: ScriptEnds, store_at: str = "") -> None:
         self.port = port
         self.store = store  # None once the attempt is over
+        self.store_at = store_at  # host:port named in each record ("": the workers' own)
         self.membership = membership
         self.ends = ends
 
@@ -37,7 +38,8 @@ class Generations:
                 fault_at: float = 0.0, joiners: tuple[int, ...] = ()) -> None:
         self.membership.publish(members, joiners)
         number = self.membership.generation
-        gen = Generation(number, members, reason, urgent, time.time(), fault_at, joiners)
+        gen = Generation(number, members, reason, urgent, time.time(), fault_at, joiners,
+                         store=self.store_at)
         publish(self.store, gen, self.relays())
         self.port.emit(Event.GENERATION, {"generation": number, "world_size": len(members),
                                           "reason": reason, "urgent": urgent,

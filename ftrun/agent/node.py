@@ -39,6 +39,8 @@ from ftrun.core.policy import Action, Decision, Liveness, decide_group
 from ftrun.core.spec import RunSpec
 from ftrun.protocol.rendezvous import REQUEST_QUEUE, node_of
 
+Adopt = Callable[[HostedStore], Recovery]  # the recovery of an attempt already running
+
 
 def _ignore(kind: str, fields: Mapping[str, object]) -> None:
     pass
@@ -101,50 +103,74 @@ class Agent:
                 self.guardian.close()
                 self.wakeup.close()
 
-    def _run_attempts(self) -> RunResult:
-        restarts = 0
+    def _run_attempts(self, adopt: Adopt | None = None) -> RunResult:
+        """Attempt after attempt (torchrun's whole-group restarts); `adopt`: the first one is
+        an attempt already running, whose recovery this agent takes over."""
+        restarts = self.restarts
         while True:
             hosted = HostedStore.for_workers(self.spec, self._static_port() or 0,
                                              self.master_addr)
             self.restarts = restarts
             try:
                 self.worker_port = hosted.port
-                if self.starter.zygote is not None:
-                    hosted.serve()  # imports torch while the zygote imports its own
-                self._start_group(restarts, hosted)
-                hosted.serve()  # (new processes:) imports torch while the workers import theirs
-                if self.spec.on_fault != "restart":
-                    self._start_recovery(hosted)
-                outcome = self._supervise()
-                if outcome.signum is not None:
-                    return self._shutdown_on_signal(outcome, restarts)
-                assert outcome.decision is not None
-                decision = outcome.decision
-                if decision.action is Action.SUCCEED:
-                    self._stop_workers(signal.SIGKILL, 0.0)  # idle spares hold no state
-                    self.workers.close_streams()
-                    return RunResult(0, decision.reason, exits=tuple(outcome.exits),
-                                     restarts_used=restarts, log_dir=self.services.logs.run_dir)
-                if not self.uses_api():  # in-process faults were announced already
-                    self.emit(Event.FAILURE, {"reason": decision.reason, "rank": decision.culprit})
-                stop_sig = self._stop_workers(signal.SIGTERM, self.spec.shutdown_timeout)
-                self.workers.close_streams()
-                if stop_sig is not None:
-                    return self.signal_result(stop_sig, restarts)
-                if decision.action is Action.RESTART_GROUP:
-                    self.services.snapshots.restarting()
-                    restarts += 1
-                    self.emit(Event.RESTART, {"reason": decision.reason, "attempt": restarts})
-                    continue
-                exits = self.workers.exits()
-                return RunResult(1, decision.reason, cause=outcome.cause, exits=exits,
-                                 restarts_used=restarts, log_dir=self.services.logs.run_dir)
+                if adopt is not None:
+                    hosted.serve()
+                    self._start_recovery(hosted, adopt(hosted))
+                    adopt = None
+                else:
+                    self._start_attempt(restarts, hosted)
+                result = self._attempt(restarts)
+                if result is not None:
+                    return result
+                restarts += 1
             finally:
                 self._end_recovery(hosted)
                 hosted.close()
 
-    def _start_recovery(self, hosted: HostedStore) -> None:
-        self.recovery = recovery = Recovery(self, hosted.store)
+    def take_over(self, cluster: Cluster, adopt: Adopt) -> RunResult:
+        """This agent coordinates the job from now on (the one that did is gone): `cluster`
+        serves the job, `adopt` gives the recovery of the attempt that is running; the
+        workers of this node, and the other nodes', go on."""
+        self.cluster = cluster
+        self.workers.on_exit = cluster.on_local_exit
+        cluster.prepare()
+        return self._run_attempts(adopt)
+
+    def _start_attempt(self, restarts: int, hosted: HostedStore) -> None:
+        if self.starter.zygote is not None:
+            hosted.serve()  # imports torch while the zygote imports its own
+        self._start_group(restarts, hosted)
+        hosted.serve()  # (new processes:) imports torch while the workers import theirs
+        if self.spec.on_fault != "restart":
+            self._start_recovery(hosted, Recovery(self, hosted.store))
+
+    def _attempt(self, restarts: int) -> RunResult | None:
+        """Supervise the attempt to its end: the run's result, or None to restart it."""
+        outcome = self._supervise()
+        if outcome.signum is not None:
+            return self._shutdown_on_signal(outcome, restarts)
+        assert outcome.decision is not None
+        decision, log_dir = outcome.decision, self.services.logs.run_dir
+        if decision.action is Action.SUCCEED:
+            self._stop_workers(signal.SIGKILL, 0.0)  # idle spares hold no state
+            self.workers.close_streams()
+            return RunResult(0, decision.reason, exits=tuple(outcome.exits),
+                             restarts_used=restarts, log_dir=log_dir)
+        if not self.uses_api():  # in-process faults were announced already
+            self.emit(Event.FAILURE, {"reason": decision.reason, "rank": decision.culprit})
+        stop_sig = self._stop_workers(signal.SIGTERM, self.spec.shutdown_timeout)
+        self.workers.close_streams()
+        if stop_sig is not None:
+            return self.signal_result(stop_sig, restarts)
+        if decision.action is Action.RESTART_GROUP:
+            self.services.snapshots.restarting()
+            self.emit(Event.RESTART, {"reason": decision.reason, "attempt": restarts + 1})
+            return None
+        return RunResult(1, decision.reason, cause=outcome.cause, exits=self.workers.exits(),
+                         restarts_used=restarts, log_dir=log_dir)
+
+    def _start_recovery(self, hosted: HostedStore, recovery: Recovery) -> None:
+        self.recovery = recovery
         self.services.control_plane.membership = recovery.membership
         port = hosted.port
         self._requests = QueueReader(

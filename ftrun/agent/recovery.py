@@ -62,23 +62,27 @@ R = WorkerRole
 
 
 class Recovery:
-    def __init__(self, port: RecoveryPort, store: Any) -> None:
+    def __init__(self, port: RecoveryPort, store: Any, adopted: Membership | None = None,
+                 store_at: str = "") -> None:
+        """`adopted`: the membership of a running attempt this agent takes over, whose next
+        generation names the store it forms on now (`store_at`, host:port)."""
         self.port = port
         self.spec = port.spec
         self.store = store
-        self.membership = Membership(port.initial_members())
+        self.membership = adopted or Membership(port.initial_members())
         self.faults = 0
         self.requests: queue.SimpleQueue[Request | str] = queue.SimpleQueue()
         self._reported: set[int] = set()  # generations whose recovery was announced
         self._refills: list[tuple[int, int]] = []  # (node, local rank): spares to start
         self._joiners_to_start: list[tuple[int, int]] = []  # shrink mode: replacements
         self.ends = ScriptEnds()  # past training: scripts ended, post-training work owed
-        self.gens = Generations(port, store, self.membership, self.ends)
+        self.gens = Generations(port, store, self.membership, self.ends, store_at)
         self.respawns = Respawns(port, self._snapshot)
         self.groups = ReplicaGroups(self.spec, port, store, self.membership, self.ends,
                                     self.gens, self.respawns)
-        publish(store, Generation(0, self.membership.members, reason="start",
-                                  published_at=time.time()), self.gens.relays())
+        if adopted is None:
+            publish(store, Generation(0, self.membership.members, reason="start",
+                                      published_at=time.time()), self.gens.relays())
 
     def detach(self) -> None:
         """The attempt is over: its store goes; nothing is published any more."""

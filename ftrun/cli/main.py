@@ -102,6 +102,10 @@ def _agent_for(spec: RunSpec) -> Agent:
     agent: Agent
     if not is_multinode(spec):
         agent = Agent(spec, emit=render.notice)
+    elif spec.rdzv_backend == "etcd":
+        from ftrun.cluster.elect import elected
+
+        agent = Agent(spec, elected, emit=render.notice)
     else:
         ep = endpoint_of(spec)
         hosted = try_host(spec, ep)

@@ -30,6 +30,7 @@ from ftrun.cluster.host import NodeHost
 from ftrun.cluster.jobnodes import NodeTable
 from ftrun.cluster.link import (
     AGENT_QUEUE,
+    NODE_COUNTER,
     Endpoint,
     command_queue,
     conf_float,
@@ -56,20 +57,25 @@ from ftrun.cluster.messages import (
     send,
 )
 from ftrun.cluster.nodewatch import NodeWatch
+from ftrun.cluster.plane import C10dPlane, Plane
 from ftrun.core import timeouts
 from ftrun.core.errors import FtrunError
 from ftrun.core.events import Event
 from ftrun.core.membership import WorkerRole
-from ftrun.core.policy import Decision, Liveness, find_lost_nodes
+from ftrun.core.policy import Action, Decision, Liveness, find_lost_nodes
 from ftrun.protocol.rendezvous import node_of
 
 
 class Coordinating:
-    index = 0  # the node that serves the store
     remembered = True  # the job's run: `ftrun report --last` shows it
 
-    def __init__(self, host: NodeHost, rdzv: HostedStore, ep: Endpoint) -> None:
+    def __init__(self, host: NodeHost, rdzv: HostedStore, ep: Endpoint,
+                 plane: Plane | None = None, index: int = 0) -> None:
+        """`index`: this node's (0, unless it took over from a coordinator that is gone)."""
         self.host = host
+        self.index = index
+        self.pending: Decision | None = None  # decided while adopting a running attempt
+        self.plane = plane or C10dPlane(ep, leading=True)
         self.spec = spec = host.spec
         self.rdzv = rdzv
         self.ep = ep
@@ -102,12 +108,15 @@ class Coordinating:
             self._reader.close(self.rdzv.store)
         self.table.close()
         self.rdzv.close()
+        self.plane.close()
 
     def prepare(self) -> None:
         """After the guardian is forked (no thread may exist before): serve the store."""
         # every follower reached the store through the endpoint host: their workers can too
         self.host.master_addr = self.spec.local_addr or self.ep.host
         self.rdzv.serve()
+        self.plane.served(self.ep)
+        self.plane.register(self.index)
         self.rdzv.store = CountingStore(self.rdzv.store)  # its load shows in `ftrun status`
         self._reader = QueueReader(lambda: connect(self.ep, timeouts.STORE_CLIENT_CONNECT_S),
                                    AGENT_QUEUE, self._deliver, lambda why: None, "ftrun-agents")
@@ -160,7 +169,7 @@ class Coordinating:
         self._send(node, Start(attempt=h.restarts, addr=h.master_addr, port=h.worker_port,
                                base_rank=base_rank, world_size=h.world_size,
                                group_rank=group_rank, group_world_size=h.group_world_size,
-                               first_id=ids[0], run_id=h.run_id, spare=spare))
+                               first_id=ids[0], run_id=h.run_id, spare=spare, adopt=False))
         node.in_attempt = True
         return ids
 
@@ -233,8 +242,42 @@ class Coordinating:
             return
         self.nodes[node.index] = node
         self.watch.watch(node.index)  # a node waiting to be used can die too
+        if msg.running:
+            self._adopt_node(node, msg.running)
+            return
         self.host.emit(Event.NOTICE, {"text": f"{node.label} joined with {node.nproc} workers"})
         # while an attempt runs, the main loop's next pass admits it (`_admit_waiting`)
+
+    # ----------------------------------------------------------------- a takeover (etcd)
+    def _adopt_node(self, node: Node, running: str) -> None:
+        """A node of the attempt that runs, whose coordinator is gone: its workers go on,
+        its agent now follows this one's stores."""
+        ids = []
+        for item in filter(None, running.split(",")):
+            wid, local_rank, pid = (int(x) for x in item.split(":"))
+            self.remote[wid] = RemoteWorker(-1, local_rank, wid, node.index, pid)
+            ids.append(wid)
+        self._ids[node.index] = max([*ids, first_worker_id(node.index) - 1]) + 1
+        node.in_attempt = True
+        h = self.host
+        self._send(node, Start(attempt=h.restarts, addr=h.master_addr, port=h.worker_port,
+                               base_rank=-1, world_size=h.world_size, group_rank=node.index,
+                               group_world_size=h.group_world_size, first_id=0,
+                               run_id=h.run_id, spare=False, adopt=True))
+        h.emit(Event.NOTICE, {"text": f"{node.label} came over with {len(ids)} live workers"})
+
+    def await_nodes(self, nodes: set[int], timeout_s: float) -> None:
+        """Until every node in `nodes` joined (or `timeout_s`): the survivors of a takeover."""
+        deadline = time.monotonic() + timeout_s
+        self.rdzv.store.add(NODE_COUNTER, max(nodes | {self.index}))  # new nodes: new indices
+        while time.monotonic() < deadline and not nodes <= set(self.nodes):
+            self._drain_inbox(running=False)
+            self.host.wakeup.wait(0.05)
+
+    def adopted(self, members: tuple[int, ...]) -> None:
+        self._members = members
+        self.host.world_size = len(members)
+        self.host.group_world_size = 1 + len(self._alive())
 
     def _admit_waiting(self) -> None:
         """Nodes that joined the running job enter in join order while it has room: at
@@ -292,6 +335,11 @@ class Coordinating:
         pass
 
     def tick(self) -> Decision | None:
+        if (why := self.plane.deposed()) is not None:  # another agent may lead by now
+            return Decision(Action.FAIL, f"the coordinator stopped deciding: {why}")
+        if self.pending is not None:
+            pending, self.pending = self.pending, None
+            return pending
         self.table.publish_status()
         self.table.send_net_drills()
         verdict = self.watch.check(self.rdzv.store, [n.index for n in self._alive()])
@@ -386,7 +434,7 @@ class Coordinating:
         return local
 
     def decorate_status(self, doc: dict[str, Any]) -> dict[str, Any]:
-        return self.table.decorate_status(doc)
+        return {**self.table.decorate_status(doc), "control_plane": self.plane.describe()}
 
     def stop_workers(self, sig: int, grace: float, stop_local: StopLocal) -> int | None:
         waiting = [n for n in self._alive() if n.in_attempt]

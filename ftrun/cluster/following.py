@@ -61,8 +61,11 @@ from ftrun.cluster.messages import (
     parse_command,
 )
 from ftrun.cluster.netdrill import NetDrills
+from ftrun.cluster.plane import C10dPlane, EtcdPlane, Plane
 from ftrun.cluster.rejoin import Fenced, Rejoin
-from ftrun.cluster.relay import GenerationRelay, open_relay
+from ftrun.cluster.relay import GenerationRelay, connector, open_relay
+from ftrun.cluster.succession import Leaderless, succeed
+from ftrun.cluster.succession import Rejoin as Rejoining
 from ftrun.core import timeouts
 from ftrun.core.errors import FtrunError
 from ftrun.core.events import Event
@@ -77,8 +80,9 @@ class Following(NoOtherNodes):
 
     remembered = False  # the coordinator's run is the job's
 
-    def __init__(self, host: NodeHost, ep: Endpoint) -> None:
+    def __init__(self, host: NodeHost, ep: Endpoint, plane: Plane | None = None) -> None:
         self.host = host
+        self.plane = plane or C10dPlane(ep, leading=False)
         self.spec = spec = host.spec
         self.ep = ep
         self.index = -1  # this node's index in the job, given at each join
@@ -91,6 +95,7 @@ class Following(NoOtherNodes):
         self.fence_after_s = conf_float(spec, "fence_timeout", timeouts.NODE_FENCE_S)
         self.rejoin = Rejoin(host, ep, conf_float(spec, "rejoin_timeout",
                                                   timeouts.NODE_REJOIN_S))
+        self._leaderless = False  # the coordinator's store lost, this node's workers kept
         self.net: NetDrills | None = None
         self._relay: GenerationRelay | None = None
 
@@ -129,23 +134,33 @@ class Following(NoOtherNodes):
         link = self.rejoin.first_connect(conf_float(self.spec, "join_timeout",
                                                        timeouts.NODE_JOIN_S))
         self.net = NetDrills(self.ep.host, self.host.emit)
+        running = ""
         try:
             while not isinstance(link, RunResult):
-                outcome = self._membership(link)
+                ended = self._membership(link, running)
+                running = ""
+                outcome = self._succeed(ended) if isinstance(ended, Leaderless) else ended
                 if isinstance(outcome, RunResult):
                     return outcome
+                if isinstance(outcome, Rejoining):
+                    link, running, self.ep = outcome.link, outcome.running, outcome.ep
+                    self.rejoin.ep = outcome.ep
+                    continue
                 link = self.rejoin.connect(outcome)
             return link
         finally:
             self.net.close()
+            self._close_relay(link_works=False)
 
-    def _membership(self, link: Any) -> RunResult | Fenced:
-        """One membership of the job, from joining to its end (or to this node's fencing)."""
+    def _membership(self, link: Any, running: str) -> RunResult | Fenced | Leaderless:
+        """One membership of the job, from joining to its end (or to this node's fencing);
+        `running`: this node's workers, still running (etcd: the coordinator changed)."""
         self._session += 1
         session, self._lost, self._commands = self._session, None, queue.SimpleQueue()
         link.set_timeout(timedelta(seconds=timeouts.STORE_LOST_S))
         static = self.spec.rdzv_backend == "static"
-        self.index = self.spec.node_rank if static else int(link.add(NODE_COUNTER, 1))
+        if not running:
+            self.index = self.spec.node_rank if static else int(link.add(NODE_COUNTER, 1))
         self.host.services.snapshots.bind_node(self.index)
         link.delete_key(command_queue(self.index))  # an earlier agent's unread commands
         lost = functools.partial(self._on_lost, session=session)
@@ -160,20 +175,22 @@ class Following(NoOtherNodes):
         assert self.net is not None
         self._report(Join(node=self.index, host=socket.gethostname(), pid=os.getpid(),
                           nproc=self.spec.nproc, rdzv_id=self.spec.rdzv_id,
-                          net_drill=self.net.refusal))
+                          net_drill=self.net.refusal, running=running))
+        self.plane.register(self.index)
         self.host.emit(Event.NOTICE,
                        {"text": f"joined the rendezvous at {self.ep} as node {self.index}"})
         try:
             return self._serve()
         finally:
             cut = self._lost is not None
-            self._close_relay(link_works=not cut)  # its workers have stopped by now
+            if not self._leaderless:
+                self._close_relay(link_works=not cut)  # its workers have stopped by now
             self._beat.close(wait=not cut)
             reader.close(None if cut else link)
             self._report(Bye(node=self.index))  # the coordinator may close the store now
             self._outbox.close(0.0 if cut else timeouts.THREAD_JOIN_S)
 
-    def _serve(self) -> RunResult | Fenced:
+    def _serve(self) -> RunResult | Fenced | Leaderless:
         while True:
             match self._next_command():
                 case RunResult() | Fenced() as done:
@@ -207,6 +224,8 @@ class Following(NoOtherNodes):
         """Why this node is out of the job now (the store lost or silent), or None."""
         if self._lost is None and self._beat is not None:
             self._lost = cut_off(self._beat.silent_for(), self.fence_after_s)
+        if self._lost is None:
+            self._lost = self.plane.deposed()  # cut off from the etcd majority
         return self._lost
 
     def _next_command(self) -> Command | str | RunResult | Fenced:
@@ -230,6 +249,12 @@ class Following(NoOtherNodes):
 
     def _start(self, cmd: Start) -> None:
         host = self.host
+        if cmd.adopt:  # a new coordinator: the workers run on, under its stores
+            host.master_addr, host.worker_port = cmd.addr, cmd.port
+            host.world_size, host.group_world_size = cmd.world_size, cmd.group_world_size
+            if self._relay is not None:
+                self._relay.follow(connector(f"{cmd.addr}:{cmd.port}"))
+            return
         host.restarts = cmd.attempt
         host.run_id = cmd.run_id
         host.master_addr, host.worker_port = cmd.addr, cmd.port
@@ -265,7 +290,7 @@ class Following(NoOtherNodes):
             self._relay.close(link_works)
         self._relay, self.host.relay_addr = None, ""
 
-    def _follow(self) -> RunResult | Fenced | None:
+    def _follow(self) -> RunResult | Fenced | Leaderless | None:
         """This node's workers run: report exits, obey commands. None when told to stop."""
         host, svc = self.host, self.host.services
         with host.workers.watching() as sel:
@@ -274,7 +299,7 @@ class Following(NoOtherNodes):
                 if sig is not None:
                     return self._leave_on_signal(sig)
                 if (why := self._cut_off()) is not None:
-                    return self._fence(why)
+                    return self._leaderless_now(why) or self._fence(why)
                 host.workers.reap_ready(sel, timeout=timeouts.NODE_HEARTBEAT_S)
                 host.act(svc.health.tick(None, time.time()))  # no membership here
                 svc.snapshots.drain()
@@ -317,6 +342,21 @@ class Following(NoOtherNodes):
                     self._net_down(cmd)
                 case str():
                     self._refused(cmd)
+
+    def _leaderless_now(self, why: str) -> Leaderless | None:
+        """etcd: the coordinator's store lost while this node's lease lives, with workers
+        that follow generations through the relay: a new coordinator can adopt them."""
+        if (self.plane.backend != "etcd" or self._relay is None
+                or self.plane.deposed() is not None):
+            return None
+        self._leaderless = True
+        return Leaderless(why, time.time())
+
+    def _succeed(self, lost: Leaderless) -> RunResult | Rejoining | Fenced:
+        assert isinstance(self.plane, EtcdPlane) and self._relay is not None
+        self._leaderless = False
+        nxt = succeed(self.host, self.plane, self.index, self.ep, self._relay, lost)
+        return self._fence(nxt) if isinstance(nxt, str) else nxt
 
     def _fence(self, why: str) -> Fenced:
         """Out of the job: this node's workers stop (SIGTERM, then SIGKILL) before anything
@@ -387,6 +427,9 @@ class Following(NoOtherNodes):
                                      "pid": os.getpid()}}
 
     # ----------------------------------------------------------------- what the agent asks
+    def close(self, result: RunResult | None) -> None:
+        self.plane.close()
+
     def start_group(self, restarts: int, hosted: HostedStore,
                     start_local: Callable[[], None]) -> None:
         raise AssertionError("a follower starts workers when the coordinator says so")

@@ -9,10 +9,13 @@ Must not import: the agent's node, typer, rich, the CLI or the worker library.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Protocol
 
+from ftrun.adapters.store import HostedStore
 from ftrun.adapters.wakeup import Wakeup
+from ftrun.agent.cluster import Cluster
+from ftrun.agent.ports import RecoveryPort
 from ftrun.agent.recovery import Recovery
 from ftrun.agent.roster import RunResult
 from ftrun.agent.services import RunServices
@@ -22,7 +25,9 @@ from ftrun.core.events import Event
 from ftrun.core.spec import RunSpec
 
 
-class NodeHost(Protocol):
+class NodeHost(RecoveryPort, Protocol):
+    """The agent: its recovery's port (a new coordinator builds one), and what follows."""
+
     spec: RunSpec
     run_id: str
     restarts: int
@@ -43,3 +48,6 @@ class NodeHost(Protocol):
         """Do what the health watch found (kills, rebuilds)."""
     def signal_result(self, sig: int, restarts: int) -> RunResult:
         """The run's result after a signal stopped it."""
+    def take_over(self, cluster: Cluster, adopt: Callable[[HostedStore], Recovery]
+                  ) -> RunResult:
+        """Coordinate the job from here on, adopting the attempt that runs."""

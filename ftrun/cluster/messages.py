@@ -25,7 +25,8 @@ from ftrun.protocol.status import Snapshot, WorkerRow
 @dataclass(frozen=True)
 class Start:
     """Start this node's workers for attempt `attempt` (ranks from `base_rank`; -1: joiners
-    or spares), whose store is at addr:port."""
+    or spares), whose store is at addr:port; `adopt`: they run already, under a coordinator
+    that is gone (etcd): their node follows the new store."""
 
     kind: ClassVar[str] = "start"
     attempt: int
@@ -38,6 +39,7 @@ class Start:
     first_id: int
     run_id: str
     spare: bool
+    adopt: bool  # a new coordinator adopts the workers running there: start none, follow addr:port
 
 
 @dataclass(frozen=True)
@@ -108,6 +110,7 @@ class Join:
     nproc: int
     rdzv_id: str
     net_drill: str
+    running: str  # its coordinator gone (etcd), it keeps its workers: "id:local_rank:pid,..."
 
 
 @dataclass(frozen=True)

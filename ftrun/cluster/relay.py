@@ -1,16 +1,18 @@
 """A follower's relay of the job's generations to its own workers: fan-out through node agents.
 
 Owns: a store of this node's own, on loopback, holding a copy of every generation record of
-the attempt under the same keys; the thread that copies each new record from the
-coordinator's worker store when the coordinator names it on this node's relay queue; and
-the address this node's workers watch (`FTRUN_RELAY`). A new generation thus wakes one
-reader per node on the coordinator's store, not one per worker, and the record crosses the
-network once per node.
+the attempt under the same keys; the thread that copies each new record from the job's worker
+store when the coordinator names it on this node's relay queue; moving that copying to another
+source store when the leadership (and the store with it) moves (`follow`), without a gap the
+workers could wait in; and the address this node's workers watch (`FTRUN_RELAY`). A new
+generation thus wakes one reader per node on the coordinator's store, not one per worker, and
+the record crosses the network once per node.
 Must not import: typer, rich, the CLI, the agent or the worker library. Torch lazily.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -18,7 +20,18 @@ from typing import Any
 from ftrun.adapters.store import LOOPBACK, HostedStore, QueueReader
 from ftrun.core import timeouts
 from ftrun.core.errors import first_line
-from ftrun.protocol.rendezvous import LATEST_KEY, gen_key, relay_queue
+from ftrun.protocol.rendezvous import LATEST_KEY, Generation, gen_key, relay_queue, store_endpoint
+
+
+class _Source:
+    """One store the relay copies from: its connection (the copier's reads only) and the
+    reader of this node's relay queue on it."""
+
+    def __init__(self, connect: Callable[[], Any]) -> None:
+        self.connect = connect
+        self.upstream = connect()
+        self.upstream.set_timeout(timedelta(seconds=timeouts.STORE_LOST_S))
+        self.reader: QueueReader | None = None
 
 
 class GenerationRelay:
@@ -27,44 +40,107 @@ class GenerationRelay:
     def __init__(self, connect: Callable[[], Any], node: int,
                  on_lost: Callable[[str], None]) -> None:
         self._hosted = HostedStore(0, LOOPBACK)
-        self._local = self._hosted.serve()
+        self._local: Any = self._hosted.serve()
         self.addr = f"{LOOPBACK}:{self._hosted.port}"
-        self._upstream = connect()  # the copier's own reads (the reader thread's only)
-        self._upstream.set_timeout(timedelta(seconds=timeouts.STORE_LOST_S))
+        self._node = node
         self._on_lost = on_lost
+        self._lock = threading.Lock()  # the copied records: a reader's thread, or follow()
         self._copied = -1
-        if self._upstream.check([LATEST_KEY]):  # a running job: from its newest generation
-            self._copy_up_to(int(self._upstream.get(LATEST_KEY)), first=True)
-        self._reader = QueueReader(connect, relay_queue(node), self._deliver, on_lost,
-                                   "ftrun-relay")
+        self._source = _Source(connect)
+        self._catch_up(self._source)
+        self._source.reader = self._reader_of(self._source)
 
-    def _deliver(self, raw: str | bytes) -> None:  # the reader thread
+    def follow(self, connect: Callable[[], Any]) -> None:
+        """Copy from the store `connect` reaches from now on (the new leader's): first every
+        record after the last copied up to its newest, then each one named on its relay
+        queue. The old source's reader is dropped without a call to the old store (it may be
+        dead or cut off: its thread ends with its connection); anything it still delivers is
+        ignored. Raises if the new store cannot be reached (the old source stays)."""
+        source = _Source(connect)
+        with self._lock:
+            old, self._source = self._source, source
         try:
-            number = int(raw)
-        except ValueError:
-            return  # not ours to act on: only the coordinator pushes here
-        try:
-            self._copy_up_to(number)
-        except Exception as exc:  # the coordinator's store is gone: the heartbeat says so
-            self._on_lost(first_line(exc))
+            self._catch_up(source)
+        except Exception:
+            with self._lock:
+                self._source = old
+            raise
+        source.reader = self._reader_of(source)
+        if old.reader is not None:
+            old.reader.close(None)
 
-    def _copy_up_to(self, number: int, first: bool = False) -> None:
+    def _reader_of(self, source: _Source) -> QueueReader:
+        def deliver(raw: str | bytes) -> None:  # the reader's thread
+            try:
+                number = int(raw)
+            except ValueError:
+                return  # not ours to act on: only the coordinator pushes here
+            try:
+                self._copy_up_to(source, number)
+            except Exception as exc:  # the store is gone: the heartbeat (or election) says so
+                lost(first_line(exc))
+
+        def lost(why: str) -> None:
+            if source is self._source:  # a source followed away from is expected to die
+                self._on_lost(why)
+
+        return QueueReader(source.connect, relay_queue(self._node), deliver, lost,
+                           "ftrun-relay")
+
+    def _catch_up(self, source: _Source) -> None:
+        """Copy up to the newest record `source` holds (none: wait for its queue)."""
+        if source.upstream.check([LATEST_KEY]):
+            self._copy_up_to(source, int(source.upstream.get(LATEST_KEY)))
+
+    def _copy_up_to(self, source: _Source, number: int) -> None:
         """Copy every record after the last copied up to `number` (a node admitted late
-        starts at the newest: its workers are in no older one). Called before the reader
-        thread starts, then on it only."""
-        start = number if first else self._copied + 1
-        for n in range(start, number + 1):
-            record = self._upstream.get(gen_key(n))
-            self._local.set(gen_key(n), record)  # the record first, as `publish` does
-            self._local.set(LATEST_KEY, str(n))
-            self._copied = n
+        starts at the newest: its workers are in no older one). A record the source does not
+        hold (a new leader's store starts at the newest generation it knows) is filled with
+        the next one it holds: a watcher waiting for the missing number reads a newer record
+        and goes on from there (`GenerationWatcher`), so no worker waits in a gap. The reads
+        run outside the lock: a dead source blocks only its own reader."""
+        start = number if self._copied < 0 else self._copied + 1
+        got: list[tuple[int, bytes]] = []
+        for n in range(number, start - 1, -1):  # newest first: a missing one takes the next
+            key = gen_key(n)
+            if n == number or source.upstream.check([key]):
+                got.append((n, source.upstream.get(key)))
+            else:
+                got.append((n, got[-1][1]))
+        with self._lock:
+            if source is not self._source or self._local is None:
+                return  # followed away meanwhile, or closed
+            for n, record in reversed(got):
+                if n > self._copied:
+                    self._local.set(gen_key(n), record)  # the record first, as `publish` does
+                    self._local.set(LATEST_KEY, str(n))
+                    self._copied = n
+
+    def latest(self) -> Generation | None:
+        """The newest generation copied here (what this node's workers hold), or None."""
+        with self._lock:
+            local = self._local
+            if local is None or self._copied < 0:
+                return None
+            return Generation.from_json(local.get(gen_key(self._copied)))
 
     def close(self, link_works: bool) -> None:
-        """`link_works` False: the coordinator's store is out of reach; the reader is left
-        to end with the connection (a daemon)."""
-        self._reader.close(self._upstream if link_works else None)
-        self._local = None
+        """`link_works` False: the source store is out of reach; the reader is left to end
+        with the connection (a daemon)."""
+        source = self._source
+        if source.reader is not None:
+            source.reader.close(source.upstream if link_works else None)
+        with self._lock:
+            self._local = None
         self._hosted.close()  # the server stops with its last reference
+
+
+def connector(addr: str) -> Callable[[], Any]:
+    """What `follow` takes for the store at `addr` ("host:port", a generation's `store`)."""
+    from ftrun.adapters.store import client
+
+    host, port = store_endpoint(addr)
+    return lambda: client(host, port, timeouts.STORE_CLIENT_CONNECT_S)
 
 
 def open_relay(addr: str, port: int, node: int) -> tuple[GenerationRelay | None, str]:

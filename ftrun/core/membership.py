@@ -68,6 +68,19 @@ class Membership:
         for m in members:
             self.move(m, WorkerRole.MEMBER)
 
+    @classmethod
+    def adopted(cls, view: View, spares: Iterable[int]) -> Membership:
+        """The membership of a running attempt, as a new coordinator takes it over: the
+        members of the generation its workers hold, and the ready spares; every one of them
+        said hello to the coordinator that is gone."""
+        ms = cls(view.members)
+        ms.view = view
+        for s in spares:
+            ms.move(s, WorkerRole.STARTING_SPARE)
+            ms.move(s, WorkerRole.SPARE)
+        ms.api_users.update((*view.members, *ms.with_role(WorkerRole.SPARE)))
+        return ms
+
     @property
     def generation(self) -> int:
         return self.view.generation

@@ -57,12 +57,23 @@ ETCD_WATCH_IDLE_S = 5.0  # a watch stream silent this long is re-opened (a froze
 # no FIN), from the revision after the last event, so nothing is missed
 ETCD_RETRY_S = 0.1  # every member refused at once (or a watch stream broke): the pause before
 # the next round of tries
+ETCD_STORE_POLL_S = 0.1  # a follower looking for the store of the leader in office
+ETCD_DEPOSED_S = 5.0  # an agent's lease unrenewed this long: it stops deciding, or fences
+ETCD_SUCCESSION_S = 10.0  # the coordinator gone: a new one elected and its store found
+ETCD_REJOIN_WAIT_S = 5.0  # a new coordinator waits this long for the survivors' nodes
+ETCD_CAMPAIGN_TRY_S = 0.2  # one try for the leadership during a succession (then: who leads?)
+ETCD_FIRST_CAMPAIGN_S = 0.3  # an agent starting: leads at once (first in line), else follows
+ETCD_HEALTH_EVERY_S = 5.0  # `ftrun status` asks each etcd member's health at most this often
 
 # Worker library
 COLLECTIVE_S = 300.0  # one collective, before the step is given up
 GENERATION_WAIT_S = 120.0  # a worker waiting for the agent to publish the next generation
 PG_INIT_S = 60.0  # building one process group
 RECONFIGURE_CONNECT_S = 10.0  # native reconfigure, once every member's handle is published
+STORE_MOVE_S = 60.0  # a worker that watches a relay, its job's store unreachable: how long it
+# waits for a generation naming the store the new leader serves (an election is seconds)
+STORE_MOVE_CONNECT_S = 10.0  # connecting to the store a new generation names (it is up: the
+# generation came through it)
 STATE_TRANSFER_S = 300.0  # one healing transfer
 HEAL_SALVAGE_S = 1.0  # a heal broke: a live source's chunk already on its way, kept
 SPARE_ASSIGNMENT_S = 24 * 3600.0  # a hot spare waiting to be used

@@ -18,6 +18,9 @@ from dataclasses import asdict, dataclass, field, fields
 from datetime import timedelta
 from typing import Any, ClassVar, Protocol, TypeVar, get_type_hints
 
+from ftrun.core import records
+from ftrun.core.errors import FtrunError
+
 PREFIX = "ftrun/"
 LATEST_KEY = PREFIX + "gen/latest"
 REQUEST_QUEUE = PREFIX + "requests"
@@ -65,6 +68,7 @@ class Generation:
     published_at: float = 0.0  # wall clock, for recovery-latency phases
     fault_at: float = 0.0  # wall clock when the agent saw the fault (0 if none)
     joiners: tuple[int, ...] = field(default_factory=tuple)  # members that must heal
+    store: str = ""  # "host:port" of the store this generation forms on; "": the previous one
 
     @property
     def world_size(self) -> int:
@@ -86,10 +90,25 @@ class Generation:
 
     @classmethod
     def from_json(cls, raw: str | bytes) -> Generation:
-        doc = json.loads(raw)
-        doc["members"] = tuple(doc["members"])
-        doc["joiners"] = tuple(doc.get("joiners", ()))
-        return cls(**doc)
+        """The record `raw` holds, every field checked against its type (a record written
+        before a field existed reads with its default), or a one-line FtrunError."""
+        try:
+            doc = json.loads(raw)
+        except (ValueError, RecursionError):
+            raise FtrunError(f"a generation record is not JSON: {str(raw)[:60]!r}") from None
+        gen = records.from_json(cls, doc, "a generation record")
+        if gen.store:
+            store_endpoint(gen.store)
+        return gen
+
+
+def store_endpoint(addr: str) -> tuple[str, int]:
+    """A generation's `store`, "host:port" ("[v6]:port" too), as (host, port)."""
+    host, sep, port = addr.rpartition(":")
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    if not (sep and host and port.isdigit() and 0 < int(port) < 65536):
+        raise FtrunError(f"generation store {addr[:80]!r} is not HOST:PORT")
+    return host, int(port)
 
 
 def publish(store: Store, gen: Generation, relays: Iterable[int] = ()) -> None:

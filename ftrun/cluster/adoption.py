@@ -1,0 +1,61 @@
+"""A new coordinator adopting the attempt that runs (etcd): its nodes, workers and generation.
+
+Owns: `adopt`, run by the agent elected after the coordinator's host was lost. It waits (a
+bounded while) for the nodes whose agents still hold their etcd leases to join it with the
+workers they run, rebuilds the membership from the newest generation this node's relay
+holds (its members, and every other live worker as a ready spare), and hands the members
+that ran on nodes that did not come back to `Recovery` as a node loss: the next generation,
+published on the new store and naming it, brings the survivors together there.
+Must not import: the agent's node, typer, rich, the CLI, the worker library.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from collections.abc import Callable
+
+from ftrun.adapters.report import WorkerExit
+from ftrun.adapters.store import HostedStore
+from ftrun.agent.recovery import Recovery
+from ftrun.agent.roster import RemoteWorker
+from ftrun.cluster.coordinating import Coordinating
+from ftrun.core import timeouts
+from ftrun.core.events import Event
+from ftrun.core.membership import Membership, View
+from ftrun.protocol.rendezvous import Generation, node_of
+
+FollowRelay = Callable[[str, int], None]  # this node's relay: copy from this store now
+
+
+def adopt(coord: Coordinating, workers_store: HostedStore, held: Generation,
+          registered: set[int], follow_relay: FollowRelay, lost_at: float) -> Recovery:
+    host = coord.host
+    follow_relay(host.master_addr, workers_store.port)  # this node's workers watch it
+    coord.await_nodes(registered - {coord.index}, timeouts.ETCD_REJOIN_WAIT_S)
+    alive = {w.worker_id for w in host.workers.alive()} | {
+        w.worker_id for w in coord.remote.values() if w.alive}
+    spares = [w for w in sorted(alive) if w not in held.members]
+    rec = Recovery(host, workers_store.store,
+                   Membership.adopted(View(held.number, held.members), spares),
+                   store_at=f"{host.master_addr}:{workers_store.port}")
+    for w in coord.remote.values():
+        rank = held.rank_of(w.worker_id)
+        w.rank = -1 if rank is None else rank
+    coord.adopted(held.members)
+    lost = [m for m in held.members if m not in alive]
+    host.emit(Event.NOTICE, {"text": f"took over generation {held.number} of {len(alive)} "
+                                     f"live workers; {len(lost)} of its members are lost"})
+    for node in sorted({node_of(m) for m in lost}):
+        gone = [_lost_worker(held, m, node, lost_at) for m in lost if node_of(m) == node]
+        left = 1 + len(coord.other_nodes())
+        coord.pending = coord.pending or rec.on_node_lost(
+            node, f"node {node} (the coordinator's)", list(gone), left, lost_at)
+    return rec
+
+
+def _lost_worker(held: Generation, wid: int, node: int, at: float) -> RemoteWorker:
+    rank = held.members.index(wid)
+    return RemoteWorker(rank, -1, wid, node, exit=WorkerExit(
+        rank=rank, local_rank=-1, pid=0, returncode=-int(signal.SIGKILL),
+        detected_at=time.monotonic(), wall_time=at, error_file="", killed_by_launcher=False))

@@ -1,0 +1,42 @@
+"""Which part an agent plays in a job on the etcd control plane: the one elected leads.
+
+Owns: `elected`, the cluster factory the CLI hands the agent for `--rdzv-backend etcd`: it
+takes this agent's seat in etcd (a lease, a place in the election), and returns the
+coordinating cluster (serving the agents' store on this host, at a free port, published
+under its leadership) when it wins at once, else the following cluster of the store the
+leader in office published. It runs inside the agent's construction, after the guardian
+was forked (the seat starts a lease's keep-alive thread).
+Must not import: the agent's node, typer, rich, the CLI, the worker library.
+"""
+
+from __future__ import annotations
+
+from ftrun.adapters.etcd_conf import EtcdConf
+from ftrun.adapters.store import HostedStore
+from ftrun.agent.cluster import Cluster
+from ftrun.cluster.coordinating import Coordinating
+from ftrun.cluster.following import Following
+from ftrun.cluster.host import NodeHost
+from ftrun.cluster.link import Endpoint, conf_float
+from ftrun.cluster.plane import EtcdPlane, agent_name
+from ftrun.core import timeouts
+from ftrun.core.events import Event
+
+
+def elected(host: NodeHost) -> Cluster:
+    spec = host.spec
+    name, hostname = agent_name()
+    plane = EtcdPlane(EtcdConf.from_spec(spec), name, hostname)
+    try:
+        if plane.lead(timeouts.ETCD_FIRST_CAMPAIGN_S):
+            hosted = HostedStore(0)  # a free port on every interface
+            ep = Endpoint(spec.local_addr or hostname, hosted.port)
+            host.emit(Event.NOTICE, {"text": f"this agent leads the job (elected in etcd at "
+                                             f"{plane.conf.where}); its store is at {ep}"})
+            return Coordinating(host, hosted, ep, plane)
+        join_s = conf_float(spec, "join_timeout", timeouts.NODE_JOIN_S)
+        ep = plane.wait_store(join_s, lambda: bool(host.wakeup.signals))
+        return Following(host, ep, plane)
+    except BaseException:
+        plane.close()
+        raise

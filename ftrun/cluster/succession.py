@@ -1,0 +1,92 @@
+"""A follower whose coordinator is gone (etcd): take over, follow the new one, or fence.
+
+Owns: `Leaderless` (the store of the coordinator was lost while this node's etcd lease
+lives, so the coordinator's host, not this node, is the likely casualty) and `succeed`: stand
+in the election until a leader holds office; if it is this agent, it coordinates the job from
+here (`adoption`), keeping this node's workers; if it is another, this node joins the store
+that one published, with its workers still running. A node that finds the same store as
+before (the coordinator lives: only the link to it is cut), or none within
+`ETCD_SUCCESSION_S`, fences as it would without etcd.
+Must not import: the agent's node, typer, rich, the CLI, the worker library.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from ftrun.adapters.store import HostedStore
+from ftrun.agent.roster import RunResult
+from ftrun.cluster.adoption import adopt
+from ftrun.cluster.coordinating import Coordinating
+from ftrun.cluster.host import NodeHost
+from ftrun.cluster.link import Endpoint, connect
+from ftrun.cluster.plane import EtcdPlane
+from ftrun.cluster.relay import GenerationRelay, connector
+from ftrun.core import timeouts
+from ftrun.core.errors import FtrunError, first_line
+from ftrun.core.events import Event
+
+
+@dataclass(frozen=True)
+class Leaderless:
+    why: str
+    at: float  # wall clock: when this node lost the coordinator's store
+
+
+@dataclass(frozen=True)
+class Rejoin:
+    """Join the new coordinator's store (`link`, at `ep`) with these workers running."""
+
+    link: Any
+    ep: Endpoint
+    running: str
+
+
+def succeed(host: NodeHost, plane: EtcdPlane, index: int, old: Endpoint,
+            relay: GenerationRelay, lost: Leaderless) -> RunResult | Rejoin | str:
+    """The run's result once this agent took over and the job ended, a store to rejoin, or
+    why this node must fence."""
+    deadline = time.monotonic() + timeouts.ETCD_SUCCESSION_S
+    while time.monotonic() < deadline and not host.wakeup.signals:
+        try:
+            if plane.lead(timeouts.ETCD_CAMPAIGN_TRY_S):
+                return _take_over(host, plane, index, relay, lost)
+            ep = plane.store_now()
+        except FtrunError as exc:
+            return f"{lost.why}; etcd: {exc.message}"
+        if ep is not None and ep != old:
+            try:
+                return Rejoin(connect(ep, timeouts.CONNECT_TRY_S), ep, running(host))
+            except FtrunError as exc:
+                return f"{lost.why}; the new coordinator's store at {ep}: {first_line(exc)}"
+    return (f"{lost.why}; no new coordinator in etcd within {timeouts.ETCD_SUCCESSION_S:g} s"
+            if not host.wakeup.signals else lost.why)
+
+
+def running(host: NodeHost) -> str:
+    return ",".join(f"{w.worker_id}:{w.local_rank}:{w.spawned.pid}"
+                    for w in host.workers.alive())
+
+
+def _take_over(host: NodeHost, plane: EtcdPlane, index: int, relay: GenerationRelay,
+               lost: Leaderless) -> RunResult:
+    held = relay.latest()
+    if held is None:
+        raise FtrunError("this node's relay holds no generation to take over")
+    hosted = HostedStore(0)  # a free port on every interface
+    ep = Endpoint(host.spec.local_addr or plane.host, hosted.port)
+    coord = Coordinating(host, hosted, ep, plane, index=index)
+    registered = plane.registered()
+    plane.leader_changes += 1
+    host.emit(Event.NOTICE, {"text": f"the coordinator is gone ({lost.why}): node {index} "
+                                     f"coordinates the job now, its store at {ep}"})
+
+    def follow(addr: str, port: int) -> None:
+        relay.follow(connector(f"{addr}:{port}"))
+
+    adopting: Callable[[HostedStore], Any] = lambda store: adopt(  # noqa: E731
+        coord, store, held, registered, follow, lost.at)
+    return host.take_over(coord, adopting)
