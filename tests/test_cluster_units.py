@@ -14,7 +14,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from fakes import FakeNode, MemoryHosted, MemoryStore, commands, generation, message
+from fakes import FakeNode
+from fakestore import MemoryHosted, MemoryStore, commands, generation, message
 
 from ftrun.agent.recovery import Recovery
 from ftrun.agent.roster import RunResult
@@ -176,25 +177,26 @@ def test_nodes_joining_a_running_job_enter_in_join_order_as_joiners_then_as_spar
     assert job.node.world_size == 4 and job.coord.other_nodes() == [2, 3]
 
 
-def test_a_node_waits_while_the_job_is_full_is_told_once_and_enters_when_one_is_lost(
+def test_nodes_wait_in_line_while_the_job_is_full_told_once_and_enter_when_one_is_lost(
         make: Callable[..., Job]) -> None:
     job = make(nnodes_max=2)
     job.start(1)
     rec = job.recovery()
-    job.report(join(2))
+    job.report(join(2), join(3))
     job.coord.remote_exits()
     for _ in range(2):
         assert job.coord.tick() is None
+    full = "the job is full (2 of --nnodes max 2 nodes); it enters when a node is lost"
     waits = [t for t in job.node.notices() if "waits" in t]
-    assert waits == ["node 2 (h2) waits: the job is full (2 of --nnodes max 2 nodes); it "
-                     "enters when a node is lost"]
-    assert job.sent(2) == []
+    assert waits == [f"node 2 (h2) waits: {full}"]  # the first in line holds the rest back
+    assert job.sent(2) == job.sent(3) == []
     job.report(Left(node=1, reason="received SIGTERM"))
     job.coord.remote_exits()
     assert job.coord.tick() is None  # the loss, then the admission, in one pass
     start, = job.sent(2)
     assert isinstance(start, Start) and start.base_rank == -1 and not start.spare
     assert rec.membership.with_role(R.JOINING) == [20_000, 20_001]
+    assert job.sent(3) == [] and job.node.notices()[-1] == f"node 3 (h3) waits: {full}"
 
 
 # ------------------------------------------------------------------ remote workers
@@ -242,6 +244,7 @@ def test_a_node_that_left_is_dropped_and_its_workers_handed_to_recovery_in_one_d
     job.sent(1)
     job.report(Left(node=1, reason="received SIGTERM"), Left(node=1, reason="again"))
     assert job.coord.remote_exits() == []  # decided at the next tick, with the others lost
+    assert job.sent(1) == [] and job.node.of_kind(Event.FAULT) == []
     assert job.coord.tick() is None
     assert job.sent(1) == [End(code=1, reason="the coordinator dropped this node (its agent "
                                "left (received SIGTERM))", lost=True, refused=False)]
@@ -262,9 +265,13 @@ def test_nodes_lost_in_one_pass_are_judged_with_all_of_them_gone(
     job.recovery()
     job.report(Left(node=1, reason="received SIGTERM"), Left(node=2, reason="received SIGTERM"))
     job.coord.remote_exits()
-    d = job.coord.tick()  # 1 node left of --nnodes min 2: the first loss already stops it
+    d = job.coord.tick()  # both gone before either is judged: 1 node left of min 2
     assert d is not None and "below --nnodes minimum 2" in d.reason
-    assert [c for n in (1, 2) for c in job.sent(n) if isinstance(c, End) and c.lost] != []
+    assert [f["decision"] for f in job.node.of_kind(Event.FAULT)] == ["fail", "fail"]
+    assert generation(job.worker_store).number == 0  # no shrink to node 2 on the way
+    for n in (1, 2):
+        end, = [c for c in job.sent(n) if isinstance(c, End)]
+        assert end.lost
 
 
 def test_without_in_process_recovery_a_lost_nodes_workers_come_back_as_exits(

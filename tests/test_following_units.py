@@ -13,7 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from fakes import FakeNode, MemoryStore, StoreOutbox, message, reports
+from fakes import FakeNode
+from fakestore import MemoryStore, StoreOutbox, message, reports
 
 from ftrun.agent.roster import RunResult
 from ftrun.cluster.following import MAX_ERROR_FILE_BYTES, Following
