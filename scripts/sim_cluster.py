@@ -255,7 +255,7 @@ class SimNode:
         rows = [{"worker_id": w.worker_id, "rank": -1, "local_rank": w.local_rank,
                  "pid": os.getpid(), "state": "running", "role": "member", "step": step,
                  "committed_step": step - 1, "step_time_ms": STEP_S * 1000,
-                 "since_progress_s": round(into, 2), "phase": f"step {step}", "cpu": None,
+                 "since_progress_s": round(into, 2), "phase": f"step {step}", "cpu": "busy",
                  "gpu": None, "health": None, "straggler": None} for w in live]
         self._last_payload = {"workers": rows, "liveness": [asdict(m) for m in liveness],
                               "snapshot": None}

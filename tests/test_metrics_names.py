@@ -72,3 +72,18 @@ def test_errors_name_the_environment_variable_when_it_set_the_port() -> None:
         with pytest.raises(UsageError) as err:
             metrics.MetricsServer("::1", port, {"FTRUN_METRICS_PORT": str(port)})
     assert str(err.value).startswith(f"FTRUN_METRICS_PORT {port}: [::1]:{port} is in use")
+
+
+def test_the_control_plane_shows_who_leads_and_whether_etcd_answers() -> None:
+    doc = Status.from_json(document(control_plane={
+        "backend": "etcd", "endpoints": ["e1:2379"], "leader": None, "leader_changes": 2,
+        "up": False, "members": []}))
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(metrics._Collector(lambda: doc))
+    got = {s.name: s.value for fam in text_string_to_metric_families(
+        generate_latest(registry).decode()) for s in fam.samples}
+    assert got["ftrun_leader_changes_total"] == 2 and got["ftrun_control_plane_up"] == 0
+    single = Status.from_json(document())  # one node: no control plane, no series
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(metrics._Collector(lambda: single))
+    assert b"ftrun_leader_changes" not in generate_latest(registry)

@@ -59,7 +59,14 @@ def whole_job() -> dict:
                {"node": 1, "host": "h1", "pid": 2, "alive": False, "role": "worker node",
                 "snapshot": None}],
         endpoint="127.0.0.1:29500", rdzv_store_ops=1234,
-        served_by={"node": 1, "host": "h1", "pid": 2})
+        served_by={"node": 1, "host": "h1", "pid": 2},
+        control_plane={"backend": "etcd", "endpoints": ["e1:2379", "e2:2379", "e3:2379"],
+                       "leader": {"node": 2, "host": "h2", "since": 1000.25},
+                       "leader_changes": 1, "up": True,
+                       "members": [{"endpoint": "e1:2379", "up": True, "leader": True,
+                                    "raft_term": 3, "error": ""},
+                                   {"endpoint": "e2:2379", "up": False, "leader": False,
+                                    "raft_term": 0, "error": "connection refused"}]})
 
 
 @pytest.mark.parametrize("doc", [

@@ -17,7 +17,15 @@ from typing import Any
 
 from ftrun.core import timeouts
 from ftrun.core.errors import UsageError
-from ftrun.protocol.status import Fault, Heal, ReplicaGroup, Status, Summary, WorkerRow
+from ftrun.protocol.status import (
+    ControlPlane,
+    Fault,
+    Heal,
+    ReplicaGroup,
+    Status,
+    Summary,
+    WorkerRow,
+)
 
 StatusFn = Callable[[], Status | None]
 METRICS_PORT_ENV = "FTRUN_METRICS_PORT"
@@ -88,6 +96,20 @@ class _Collector:
         yield from node_families(doc)
         yield from replica_families(doc.replica_groups)
         yield from heal_families(doc.heal)
+        yield from plane_families(doc.control_plane)
+
+
+def plane_families(plane: ControlPlane | None) -> Iterator[Any]:
+    """Multi-node: who coordinates (the coordinator's document has it)."""
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    if plane is None:
+        return
+    yield CounterMetricFamily("ftrun_leader_changes", "coordinators that took over from a "
+                              "lost one", value=float(plane.leader_changes))
+    yield GaugeMetricFamily("ftrun_control_plane_up", "1 while the control plane answers "
+                            "(etcd: a majority renews this agent's lease)",
+                            value=1.0 if plane.up else 0.0)
 
 
 def replica_families(groups: Sequence[ReplicaGroup] | None) -> Iterator[Any]:

@@ -72,7 +72,7 @@ class C10dPlane:
     def describe(self) -> dict[str, Any]:
         return {"backend": self.backend, "endpoints": [str(self.ep)],
                 "leader": {"node": 0, "host": self.ep.host, "since": self.since},
-                "members": []}
+                "leader_changes": 0, "up": True, "members": []}
 
     def close(self) -> None:
         pass
@@ -95,6 +95,7 @@ class EtcdPlane:
         self.election = Election(self.client, conf.prefix + LEADER_PREFIX, self.lease, node,
                                  host)
         self.leader_changes = 0
+        self.index: int | None = None  # this agent's node, once it joined the job
         self.deposed_after_s = timeouts.ETCD_DEPOSED_S
         self._lapsed_at: float | None = None
         self._health: tuple[float, list[dict[str, Any]]] = (0.0, [])
@@ -123,6 +124,7 @@ class EtcdPlane:
 
     def register(self, index: int) -> None:
         """This agent is node `index` of the job, for as long as its lease lives."""
+        self.index = index
         self._renew_if_lost()
         self.client.put(f"{self.conf.prefix}{NODES_PREFIX}{index}", self.host, self.lease.id)
 
@@ -182,23 +184,25 @@ class EtcdPlane:
         return not self.lease.lapsed
 
     def describe(self) -> dict[str, Any]:
+        """The leader's own view (the coordinator writes the job's status)."""
         leader = None
-        try:
-            info = self.election.leader(timeout=timeouts.ETCD_STATUS_S)
-            if info is not None:
-                leader = {"node": info.node, "host": info.host, "since": info.since}
-        except Exception as exc:  # a status must never fail on the control plane's state
-            leader = {"error": first_line(exc)}
+        if self.election.since is not None and self.index is not None:
+            leader = {"node": self.index, "host": self.host, "since": self.election.since}
         return {"backend": self.backend, "endpoints": list(self.conf.endpoints),
-                "leader": leader, "members": self._members()}
+                "leader": leader, "leader_changes": self.leader_changes, "up": self.up(),
+                "members": self._members()}
 
     def _members(self) -> list[dict[str, Any]]:
         """Each member's health, asked at most every few seconds (a status per second)."""
         at, rows = self._health
         if time.monotonic() - at >= timeouts.ETCD_HEALTH_EVERY_S:
-            rows = [{"endpoint": h.endpoint, "up": h.up, "leader": h.is_leader,
-                     "raft_term": h.raft_term, "error": h.error}
-                    for h in self.client.health(timeouts.ETCD_STATUS_S)]
+            try:
+                rows = [{"endpoint": h.endpoint, "up": h.up, "leader": h.is_leader,
+                         "raft_term": h.raft_term, "error": h.error}
+                        for h in self.client.health(timeouts.ETCD_STATUS_S)]
+            except Exception as exc:  # a status never fails on the control plane's state
+                rows = [{"endpoint": e, "up": False, "leader": False, "raft_term": 0,
+                         "error": first_line(exc)} for e in self.conf.endpoints]
             self._health = (time.monotonic(), rows)
         return rows
 

@@ -213,6 +213,38 @@ class ServedBy(Record):
 
 
 @dataclass(frozen=True)
+class Leader(Record):
+    """The agent that coordinates the job now."""
+
+    node: int  # its node index in the job
+    host: str
+    since: float | None  # wall clock: when it took office
+
+
+@dataclass(frozen=True)
+class EtcdMember(Record):
+    """One member of the etcd cluster, as the leader last asked it."""
+
+    endpoint: str
+    up: bool
+    leader: bool  # etcd's own raft leader
+    raft_term: int
+    error: str
+
+
+@dataclass(frozen=True)
+class ControlPlane(Record):
+    """Who coordinates the job, and what that rests on."""
+
+    backend: str  # c10d | etcd
+    endpoints: tuple[str, ...]  # c10d: the store's; etcd: its members
+    leader: Leader | None
+    leader_changes: int  # coordinators that took over from a lost one
+    up: bool  # etcd: this agent's lease is renewed (a majority answers)
+    members: tuple[EtcdMember, ...]  # etcd only
+
+
+@dataclass(frozen=True)
 class Status(Record):
     """The whole document. A single node's agent writes the fields up to `snapshot`; a
     coordinator adds `nodes`, `endpoint` and `rdzv_store_ops`; a follower answers with the
@@ -247,3 +279,4 @@ class Status(Record):
     rdzv_store_ops: int | None = absent()
     served_by: ServedBy | None = absent()
     note: str | None = absent()
+    control_plane: ControlPlane | None = absent()
