@@ -32,7 +32,7 @@ from ftrun.core.exits import signal_name
 from ftrun.core.policy import Liveness
 from ftrun.core.spec import RunSpec
 from ftrun.core.states import WorkerState
-from ftrun.protocol.rendezvous import node_of
+from ftrun.protocol.rendezvous import Generation, node_of
 
 FAKE_PID = 4_194_305  # past PID_MAX_LIMIT (2**22): no process has it, no group either
 # ------------------------------------------------------------------ processes
@@ -273,6 +273,9 @@ class FakeNode:
 
     def suspect(self) -> None:
         self.cluster.suspect()
+
+    def fence_generation(self, gen: Generation) -> None:
+        self.cluster.fence_generation(gen)
 
     def net_down(self, node: int, duration: float) -> dict[str, Any]:
         return self.cluster.net_down(node, duration)

@@ -64,6 +64,8 @@ class FakePort:
     suspects: int = 0
     killed: list[int] = field(default_factory=list)  # kill_worker's, in order
     snapshot: tuple[int, int] = (-1, 0)  # (newest snapshot step, restarts resumed from it)
+    fenced: list[int] = field(default_factory=list)  # generations the control plane took
+    deposed: bool = False
 
     def __post_init__(self) -> None:
         for i in range(self.spec.nproc):
@@ -126,6 +128,12 @@ class FakePort:
 
     def suspect(self) -> None:
         self.suspects += 1
+
+    def fence_generation(self, gen: Generation) -> None:
+        """The control plane's fenced write: refused once this agent is deposed."""
+        if self.deposed:
+            raise FtrunError("this agent lost the leadership", hint="the new leader decides")
+        self.fenced.append(gen.number)
 
     def uses_api(self) -> bool:
         return False
@@ -417,3 +425,16 @@ def test_a_comm_failure_from_a_worker_outside_the_generation_is_stale() -> None:
     assert say(rec, "comm_failed", worker=1, generation=1, error="connection reset") is None
     assert store.generation().number == 1 and port.faults()[-1]["worker"] == 1
     assert len(port.faults()) == 1  # the exit only, not a rebuild
+
+
+def test_a_generation_reaches_no_worker_unless_the_control_plane_took_it() -> None:
+    """etcd: every generation is written under the leadership first; a deposed leader's
+    decision raises before anything is published to the workers."""
+    rec, port, store = make(nproc=3)
+    assert port.fenced == [0]
+    rec.on_exit(exit_(port, 1, 1))
+    assert port.fenced == [0, 1] and store.generation().number == 1
+    port.deposed = True
+    with pytest.raises(FtrunError, match="lost the leadership"):
+        rec.on_exit(exit_(port, 2, 1))
+    assert store.generation().number == 1  # the workers never see generation 2

@@ -17,6 +17,7 @@ from ftrun.adapters.store import HostedStore
 from ftrun.agent.roster import RemoteWorker, RunResult, Worker
 from ftrun.core.errors import FtrunError
 from ftrun.core.policy import Decision, Liveness
+from ftrun.protocol.rendezvous import Generation
 
 StopLocal = Callable[[int, float], "int | None"]  # (signal, grace) -> a signal received
 
@@ -52,6 +53,7 @@ class Cluster(Protocol):
     def kill_remote(self, worker_id: int) -> bool: ...
     def remote_liveness(self) -> list[Liveness]: ...
     def suspect(self) -> None: ...
+    def fence_generation(self, gen: Generation) -> None: ...
     def net_down(self, node: int, duration: float) -> dict[str, Any]: ...
     def uses_api(self, local: bool) -> bool:
         """Does the script use the API? `local`: what this node's recovery says."""
@@ -90,6 +92,9 @@ class NoOtherNodes:
         return []
 
     def suspect(self) -> None:
+        pass
+
+    def fence_generation(self, gen: Generation) -> None:
         pass
 
     def remote_exits(self) -> list[RemoteWorker]:

@@ -40,6 +40,7 @@ class Generations:
         number = self.membership.generation
         gen = Generation(number, members, reason, urgent, time.time(), fault_at, joiners,
                          store=self.store_at)
+        self.port.fence_generation(gen)
         publish(self.store, gen, self.relays())
         self.port.emit(Event.GENERATION, {"generation": number, "world_size": len(members),
                                           "reason": reason, "urgent": urgent,

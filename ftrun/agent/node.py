@@ -37,7 +37,7 @@ from ftrun.core.events import Event, EventSink
 from ftrun.core.exits import signal_name
 from ftrun.core.policy import Action, Decision, Liveness, decide_group
 from ftrun.core.spec import RunSpec
-from ftrun.protocol.rendezvous import REQUEST_QUEUE, node_of
+from ftrun.protocol.rendezvous import REQUEST_QUEUE, Generation, node_of
 
 Adopt = Callable[[HostedStore], Recovery]  # the recovery of an attempt already running
 
@@ -411,6 +411,9 @@ class Agent:
 
     def net_down(self, node: int, duration: float) -> dict[str, Any]:
         return self.cluster.net_down(node, duration)
+
+    def fence_generation(self, gen: Generation) -> None:
+        self.cluster.fence_generation(gen)
 
     def uses_api(self) -> bool:
         return self.cluster.uses_api(self.recovery is not None and self.recovery.uses_api)

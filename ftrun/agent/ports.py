@@ -18,6 +18,7 @@ from ftrun.agent.roster import RemoteWorker, Worker
 from ftrun.core.events import Event
 from ftrun.core.policy import Liveness
 from ftrun.core.spec import RunSpec
+from ftrun.protocol.rendezvous import Generation
 
 
 class Notifying(Protocol):
@@ -55,6 +56,9 @@ class RecoveryPort(Notifying, Protocol):
         """(newest snapshot step or -1, whole-group restarts that already resumed from it)"""
     def suspect(self) -> None:
         """A worker saw a peer's connection break (several nodes: check them now)."""
+    def fence_generation(self, gen: Generation) -> None:
+        """Before `gen` is published: the control plane takes it under this agent's
+        leadership, or raises (deposed: no worker may see it)."""
 
 
 class ControlPort(Notifying, Protocol):

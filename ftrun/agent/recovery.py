@@ -81,8 +81,10 @@ class Recovery:
         self.groups = ReplicaGroups(self.spec, port, store, self.membership, self.ends,
                                     self.gens, self.respawns)
         if adopted is None:
-            publish(store, Generation(0, self.membership.members, reason="start",
-                                      published_at=time.time()), self.gens.relays())
+            first = Generation(0, self.membership.members, reason="start",
+                               published_at=time.time())
+            port.fence_generation(first)
+            publish(store, first, self.gens.relays())
 
     def detach(self) -> None:
         """The attempt is over: its store goes; nothing is published any more."""

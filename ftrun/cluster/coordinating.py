@@ -63,7 +63,7 @@ from ftrun.core.errors import FtrunError
 from ftrun.core.events import Event
 from ftrun.core.membership import WorkerRole
 from ftrun.core.policy import Action, Decision, Liveness, find_lost_nodes
-from ftrun.protocol.rendezvous import node_of
+from ftrun.protocol.rendezvous import Generation, node_of
 
 
 class Coordinating:
@@ -432,6 +432,9 @@ class Coordinating:
 
     def uses_api(self, local: bool) -> bool:
         return local
+
+    def fence_generation(self, gen: Generation) -> None:
+        self.plane.record(gen.number, gen.to_json())
 
     def decorate_status(self, doc: dict[str, Any]) -> dict[str, Any]:
         return {**self.table.decorate_status(doc), "control_plane": self.plane.describe()}

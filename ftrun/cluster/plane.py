@@ -27,6 +27,7 @@ from ftrun.core.errors import FtrunError, first_line
 STORE_KEY = "store"  # under the job's prefix: the agents' store of the leader in office
 LEADER_PREFIX = "leader/"  # the election's keys
 NODES_PREFIX = "nodes/"  # nodes/<index>: each node's agent, on its lease
+GENERATION_KEY = "generation"  # the newest generation record, written under the leadership
 
 
 class Plane(Protocol):
@@ -37,6 +38,9 @@ class Plane(Protocol):
         """The coordinator serves the agents' store at `ep` now: say where."""
     def register(self, index: int) -> None:
         """This agent is node `index` of the job."""
+    def record(self, number: int, record: str) -> None:
+        """Before generation `number` is published: write it under this agent's leadership
+        (etcd: a fenced write, retried through an outage; a deposed leader's raises)."""
     def deposed(self) -> str | None:
         """Why this agent may no longer decide for the job (its leadership lapsed), or None."""
     def up(self) -> bool:
@@ -61,6 +65,9 @@ class C10dPlane:
         pass
 
     def register(self, index: int) -> None:
+        pass
+
+    def record(self, number: int, record: str) -> None:
         pass
 
     def deposed(self) -> str | None:
@@ -96,7 +103,7 @@ class EtcdPlane:
                                  host)
         self.leader_changes = 0
         self.index: int | None = None  # this agent's node, once it joined the job
-        self.deposed_after_s = timeouts.ETCD_DEPOSED_S
+        self.deposed_after_s = timeouts.ETCD_OUTAGE_S
         self._lapsed_at: float | None = None
         self._health: tuple[float, list[dict[str, Any]]] = (0.0, [])
 
@@ -127,6 +134,32 @@ class EtcdPlane:
         self.index = index
         self._renew_if_lost()
         self.client.put(f"{self.conf.prefix}{NODES_PREFIX}{index}", self.host, self.lease.id)
+
+    def record(self, number: int, record: str) -> None:
+        """A generation is written under this agent's leadership before any worker sees it:
+        refused (deposed), it never reaches them. Through an etcd outage the write is retried
+        (the job's other work goes on meanwhile) until ETCD_OUTAGE_S."""
+        from ftrun.adapters.etcd import EtcdError
+
+        deadline = time.monotonic() + timeouts.ETCD_OUTAGE_S
+        while True:
+            try:
+                if self.election.write({self.conf.prefix + GENERATION_KEY: record}):
+                    return
+                raise FtrunError(f"this agent lost the leadership before generation {number} "
+                                 "was written (another agent coordinates the job)",
+                                 hint="its workers stop; the job goes on under the new leader")
+            except EtcdError as exc:
+                if time.monotonic() >= deadline:
+                    raise FtrunError(f"etcd did not take generation {number} within "
+                                     f"{timeouts.ETCD_OUTAGE_S:g} s ({exc.message})",
+                                     hint="bring the etcd majority back") from None
+            time.sleep(timeouts.ETCD_RETRY_S)
+
+    def held_generation(self) -> str | None:
+        """The newest generation a leader wrote (the JSON record), or None."""
+        kv = self.client.get(self.conf.prefix + GENERATION_KEY)
+        return None if kv is None else kv.value.decode()
 
     def _won(self) -> bool:
         return self.election.since is not None

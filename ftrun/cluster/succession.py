@@ -28,6 +28,7 @@ from ftrun.cluster.relay import GenerationRelay, connector
 from ftrun.core import timeouts
 from ftrun.core.errors import FtrunError, first_line
 from ftrun.core.events import Event
+from ftrun.protocol.rendezvous import Generation
 
 
 @dataclass(frozen=True)
@@ -73,9 +74,10 @@ def running(host: NodeHost) -> str:
 
 def _take_over(host: NodeHost, plane: EtcdPlane, index: int, relay: GenerationRelay,
                lost: Leaderless) -> RunResult:
-    held = relay.latest()
+    held = _newest(relay.latest(), plane.held_generation())
     if held is None:
-        raise FtrunError("this node's relay holds no generation to take over")
+        raise FtrunError("no generation to take over: neither etcd nor this node's relay "
+                         "holds one", hint="the job had not started: start it again")
     hosted = HostedStore(0)  # a free port on every interface
     ep = Endpoint(host.spec.local_addr or plane.host, hosted.port)
     coord = Coordinating(host, hosted, ep, plane, index=index)
@@ -90,3 +92,11 @@ def _take_over(host: NodeHost, plane: EtcdPlane, index: int, relay: GenerationRe
     adopting: Callable[[HostedStore], Any] = lambda store: adopt(  # noqa: E731
         coord, store, held, registered, follow, lost.at)
     return host.take_over(coord, adopting)
+
+
+def _newest(relayed: Generation | None, written: str | None) -> Generation | None:
+    """The newer of what this node's workers were relayed and what the lost leader wrote to
+    etcd (it writes each generation there before any worker sees it)."""
+    in_etcd = Generation.from_json(written) if written else None
+    candidates = [g for g in (relayed, in_etcd) if g is not None]
+    return max(candidates, key=lambda g: g.number) if candidates else None

@@ -58,7 +58,8 @@ ETCD_WATCH_IDLE_S = 5.0  # a watch stream silent this long is re-opened (a froze
 ETCD_RETRY_S = 0.1  # every member refused at once (or a watch stream broke): the pause before
 # the next round of tries
 ETCD_STORE_POLL_S = 0.1  # a follower looking for the store of the leader in office
-ETCD_DEPOSED_S = 5.0  # an agent's lease unrenewed this long: it stops deciding, or fences
+ETCD_OUTAGE_S = 30.0  # etcd's majority gone this long: an agent stops its workers (training goes
+# on meanwhile: the steady state needs no control traffic; a generation waits for etcd)
 ETCD_SUCCESSION_S = 10.0  # the coordinator gone: a new one elected and its store found
 ETCD_REJOIN_WAIT_S = 5.0  # a new coordinator waits this long for the survivors' nodes
 ETCD_CAMPAIGN_TRY_S = 0.2  # one try for the leadership during a succession (then: who leads?)
