@@ -230,9 +230,8 @@ class Member:
         """Out of ft.steps() with the final state. A replacement that healed to it is back in
         service now (it has no step left to commit)."""
         self.first_commit()
-        if not self.stage:
-            atexit.register(self._at_script_end, committed, serve)  # after errorfile's: it
-            # runs first
+        if not self.stage:  # registered after errorfile's handler, so it runs first
+            atexit.register(self._at_script_end, committed, serve)
         self.tell("trained", committed())
 
     def _at_script_end(self, committed: Callable[[], int], serve: Serve) -> None:
