@@ -78,6 +78,8 @@ def test_a_ready_spare_group_is_called_in_after_the_first_commit_and_replaced() 
     assert (gen.number, gen.members, gen.joiners) == (2, (2, 3, 4, 5), (4, 5))
     assert rec.membership.role(4) is rec.membership.role(5) is R.HEALING
     assert port.placed[2:] == [(6, -1, True), (7, -1, True)]  # the pool is refilled
+    assert [port.workers[w].local_rank for w in (6, 7)] == [0, 1]  # on the lost group's
+    assert [port.workers[w].local_rank for w in (4, 5)] == [4, 5]  # devices, not on 4, 5
     assert store.keys[spare_group_key(7)] == b"6,7"
     assert rec.groups.spares == [(6, 7)]
 

@@ -44,7 +44,8 @@ class ReplicaGroups:
         self.respawns = respawns
         self.out_since: float | None = None  # the fault that took a replica group out
         self.spares: list[tuple[int, ...]] = []  # spare groups started, oldest first
-        self._refills: list[int] = []  # nodes owed a spare group after a recovery
+        # (node, devices) owed a spare group after a recovery: the lost group's devices
+        self._refills: list[tuple[int, list[int]]] = []
         self._calling_in: list[tuple[int, ...]] = []  # spare groups to enter after a commit
         # (node, local rank) of a lost group's members, restarted after the others' commit
         self.joiners_to_start: list[tuple[int, int]] = []
@@ -65,7 +66,7 @@ class ReplicaGroups:
         if group:
             self.spares.remove(group)
             self._calling_in.append(group)
-            self._refills.append(node_of(lost))
+            self._refills.append((node_of(lost), self._devices_of((lost, *d.evicted))))
         elif d.regrow:  # a replica group comes back whole
             self.joiners_to_start += [self._place_of(m) for m in (lost, *d.evicted)]
         for m in d.evicted:  # its group cannot step without it: stop them now
@@ -113,16 +114,18 @@ class ReplicaGroups:
         raise KeyError(worker_id)
 
     # ------------------------------------------------------------ spare groups
-    def start_spare_group(self, node: int, index: int) -> None:
+    def start_spare_group(self, node: int, index: int,
+                          devices: list[int] | None = None) -> None:
         """`shard_size` spares whose group is written to the store before any of them
-        reads it (their devices follow the node's workers: nproc + index * size + k)."""
+        reads it (their devices follow the node's workers: nproc + index * size + k, or
+        `devices`: those a lost or dead group left free)."""
         size = self.spec.shard_size
         ids = [self.port.allocate_id(node) for _ in range(size)]
         for wid in ids:
             self.store.set(spare_group_key(wid), ",".join(map(str, ids)))
         for k, wid in enumerate(ids):
-            self.port.place(wid, rank=-1, local_rank=self.spec.nproc + index * size + k,
-                            spare=True)
+            device = devices[k] if devices else self.spec.nproc + index * size + k
+            self.port.place(wid, rank=-1, local_rank=device, spare=True)
             self.membership.move(wid, R.STARTING_SPARE)
         self.spares.append(tuple(ids))
 
@@ -139,18 +142,16 @@ class ReplicaGroups:
             self.port.kill_worker(m)
         node = node_of(wid)
         if self.respawns.allowed(("spare", node), what, "spare groups"):
-            self.start_spare_group(node, self._free_spare_index(node))
+            self.start_spare_group(node, 0, self._devices_of(group))
 
-    def _free_spare_index(self, node: int) -> int:
-        taken = {(self._place_of(g[0])[1] - self.spec.nproc) // self.spec.shard_size
-                 for g in self.spares if node_of(g[0]) == node}
-        return min(i for i in range(len(taken) + 1) if i not in taken)
+    def _devices_of(self, group: tuple[int, ...]) -> list[int]:
+        return sorted(self._place_of(m)[1] for m in group)
 
     def _refill(self) -> None:
         while self._refills:
-            node = self._refills.pop(0)
+            node, devices = self._refills.pop(0)
             if node in self.port.live_nodes():
-                self.start_spare_group(node, self._free_spare_index(node))
+                self.start_spare_group(node, 0, devices)
 
     # ------------------------------------------------------------ the groups' return
     def back_in_service(self, req: Recovered) -> None:
