@@ -203,10 +203,6 @@ class ControlPlane:
             replica_groups=None if groups is None else tuple(
                 ReplicaGroup.from_json(g) for g in groups))
 
-    def worker_rows(self, now: float) -> list[dict[str, Any]]:
-        """This node's rows as JSON objects (what a follower's heartbeat payload carries)."""
-        return [row.to_json() for row in self.rows(now)]
-
     def rows(self, now: float, workers: Sequence[Worker] | None = None) -> tuple[WorkerRow, ...]:
         """One row per live worker of this node (or per one of `workers`), from its progress
         slot."""

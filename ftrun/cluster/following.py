@@ -21,7 +21,6 @@ import signal
 import socket
 import time
 from collections.abc import Callable
-from dataclasses import asdict
 from datetime import timedelta
 from typing import Any
 
@@ -50,6 +49,7 @@ from ftrun.cluster.messages import (
     Kill,
     Left,
     NetDown,
+    Payload,
     Ping,
     Pong,
     Report,
@@ -70,6 +70,7 @@ from ftrun.core import timeouts
 from ftrun.core.errors import FtrunError
 from ftrun.core.events import Event
 from ftrun.core.fencing import cut_off
+from ftrun.protocol.status import Snapshot
 
 MAX_ERROR_FILE_BYTES = 64 * 1024
 
@@ -116,10 +117,11 @@ class Following(NoOtherNodes):
         as the coordinator's health check reads it, not at every beat)."""
         now, svc = time.time(), self.host.services
         if now - self._payload_at >= CHECK_EVERY_S:
-            self._last_payload = {
-                "workers": svc.control_plane.worker_rows(now),
-                "liveness": [asdict(m) for m in svc.health.local_liveness(now)],
-                "snapshot": svc.snapshots.describe(now)}
+            snapshot = svc.snapshots.describe(now)
+            self._last_payload = Payload(
+                workers=svc.control_plane.rows(now),
+                liveness=tuple(svc.health.local_liveness(now)),
+                snapshot=None if snapshot is None else Snapshot.from_json(snapshot)).to_json()
             self._payload_at = now
         return self._last_payload
 
