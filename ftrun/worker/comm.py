@@ -3,17 +3,14 @@
 Owns: building a process group for a generation (the native reconfigure path where torch
 offers it, a fresh gloo/nccl group under the generation's never-used store prefix otherwise),
 waiting on a collective while watching for a newer generation (gloo's abort() does not cancel
-a pending op, so the op is abandoned, its reference kept, and the group rebuilt), releasing
-abandoned groups and ops once nothing of theirs is pending (the reaper thread), and the
-generation watcher thread.
+a pending op, so the op is abandoned, its reference kept by `reaper.REAPER`, and the group
+rebuilt), and the generation watcher thread.
 Must not import: typer, rich, NVML, the agent. Torch is imported lazily by the worker.
 """
 
 from __future__ import annotations
 
-import atexit
 import contextlib
-import ctypes
 import threading
 import time
 from collections.abc import Callable
@@ -25,10 +22,7 @@ from ftrun.adapters.store import is_timeout
 from ftrun.core import timeouts
 from ftrun.core.errors import first_line
 from ftrun.protocol.rendezvous import Generation, Store, gen_key
-
-REAP_POLL_S = 0.5  # how often the reaper looks at abandoned ops that are still pending
-REAP_GRACE_S = 5.0  # past an op's own timeout, release it even if it never said it ended
-BUSY_POLL_S = 0.01  # Reaper.busy waiting for abandoned ops to end
+from ftrun.worker.reaper import REAPER as REAPER  # where the other modules find it
 
 
 class Abandoned(Exception):
@@ -67,93 +61,6 @@ def never_completes(interrupt: Interrupt, generation: int,
     raise CommError(f"collective timed out after {timeout_s:.0f}s")
 
 
-def keep_forever(obj: Any) -> None:
-    """Leak `obj` on purpose: destroying a gloo group or work with an op still pending at
-    interpreter exit aborts the process ("terminate called without an active exception")."""
-    ctypes.pythonapi.Py_IncRef(ctypes.py_object(obj))
-
-
-class Reaper:
-    """Releases abandoned groups and ops on a thread of its own, once nothing of theirs is
-    pending. gloo's abort() does not cancel a pending op and destroying a group or work whose
-    op is pending blocks until the op's timeout, so an abandoned op is held until it completes
-    (its peers closed their side, or its timeout) and its group until none of its ops is held.
-    Dropping the last reference then frees the group's threads, sockets and store connection
-    (the agent's end of it closes too) and, for NCCL, the aborted communicator's memory.
-    torch destroys process groups with the GIL released: the training thread never waits."""
-
-    def __init__(self) -> None:
-        self._cond = threading.Condition()
-        self._ops: list[tuple[int, Any, Callable[[], bool], float]] = []  # key, work, done, by
-        self._groups: list[tuple[int, Any]] = []  # key, process group
-        self._thread: threading.Thread | None = None
-        atexit.register(self._leak_all)
-
-    def hold_op(self, pg: Any, work: Any, done: Callable[[], bool], timeout_s: float) -> None:
-        """`work`, abandoned in `pg`, is released once `done()` (or after its timeout)."""
-        deadline = time.monotonic() + timeout_s + REAP_GRACE_S
-        self._add(lambda: self._ops.append((id(pg), work, done, deadline)))
-
-    def busy(self, pg: Any, limit: int, grace_s: float) -> bool:
-        """Whether `limit` or more abandoned ops of `pg` still run after `grace_s`. gloo runs
-        a group's ops on a few threads, each op to its end, so with every thread held by an
-        op that waits on a peer cut off by its network (no error comes until the op's
-        timeout) a new op would queue behind them. A dead peer's ops fail within ms."""
-        deadline = time.monotonic() + grace_s
-        while True:
-            with self._cond:
-                held = [op for op in self._ops if op[0] == id(pg)]
-            if sum(not _ended(op[2]) for op in held) < limit:
-                return False
-            if time.monotonic() >= deadline:
-                return True
-            time.sleep(BUSY_POLL_S)
-
-    def hold_group(self, pg: Any) -> None:
-        """`pg` (aborted) is released once none of its abandoned ops is held any more."""
-        self._add(lambda: self._groups.append((id(pg), pg)))
-
-    def _add(self, append: Callable[[], None]) -> None:
-        with self._cond:
-            append()
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._loop, name="ftrun-reaper",
-                                                daemon=True)
-                self._thread.start()
-            self._cond.notify()
-
-    def _loop(self) -> None:
-        while True:
-            with self._cond:
-                while not (self._ops or self._groups):
-                    self._cond.wait()
-                now = time.monotonic()
-                ended = [op for op in self._ops if now > op[3] or _ended(op[2])]
-                self._ops = [op for op in self._ops if not any(op is e for e in ended)]
-                busy = {op[0] for op in self._ops}
-                free = [g for g in self._groups if g[0] not in busy]
-                self._groups = [g for g in self._groups if g[0] in busy]
-            # the last references go here, outside the lock: ops first, then their groups
-            ended.clear()
-            free.clear()
-            with self._cond:
-                if self._ops or self._groups:
-                    self._cond.wait(REAP_POLL_S)
-
-    def _leak_all(self) -> None:
-        with self._cond:
-            for held in (*self._ops, *self._groups):
-                keep_forever(held)
-
-
-def _ended(done: Callable[[], bool]) -> bool:
-    try:
-        return bool(done())
-    except RuntimeError:  # the op failed: it is over
-        return True
-
-
-REAPER = Reaper()
 
 
 NCCL_POLL_S = 0.0005  # a hung NCCL kernel must stay abandonable; a step is ~100s of ms
@@ -352,14 +259,18 @@ def _new_pg(store: Store, gen: Generation, rank: int, backend: str, device: Any,
 
 class GenerationWatcher:
     """A thread blocked on the store for the next generation key, with its own connection,
-    so the training loop never polls the store."""
+    so the training loop never polls the store. `arriving` runs before a generation is made
+    known (the job's store moving with it: every client moves before its group is formed);
+    True from it: this watcher's own store moved too, it reconnects."""
 
     def __init__(self, connect: Callable[[], Store], start_after: int, interrupt: Interrupt,
-                 on_generation: Callable[[Generation], None] | None = None) -> None:
+                 on_generation: Callable[[Generation], None] | None = None,
+                 arriving: Callable[[Generation], bool] | None = None) -> None:
         self._connect = connect
         self._next = start_after + 1
         self._interrupt = interrupt
         self._on_generation = on_generation
+        self._arriving = arriving
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="ftrun-gen-watch", daemon=True)
         self._thread.start()
@@ -377,20 +288,33 @@ class GenerationWatcher:
             key = gen_key(self._next)
             try:
                 store.wait([key], timedelta(seconds=timeouts.WATCH_POLL_S))
+                gen = Generation.from_json(store.get(key))
             except Exception as exc:
                 if is_timeout(exc):
                     continue
                 self._lost(exc)
                 return
-            gen = Generation.from_json(store.get(key))
-            self._next += 1
-            intr = self._interrupt
-            intr.newest = gen
-            if gen.urgent:
-                intr.urgent_above = max(intr.urgent_above, gen.number)
-            if self._on_generation is not None:
-                self._on_generation(gen)
-            intr.wake.set()
+            # a relay fills a number its new source never held with the next record: go on
+            # from the record's own number
+            expected, self._next = self._next, max(self._next, gen.number) + 1
+            if gen.number < expected:
+                continue  # not a generation after ours
+            if self._arriving is not None and self._arriving(gen):
+                try:
+                    store = self._connect()
+                except Exception as exc:
+                    self._lost(exc)
+                    return
+            self._deliver(gen)
+
+    def _deliver(self, gen: Generation) -> None:
+        intr = self._interrupt
+        intr.newest = gen
+        if gen.urgent:
+            intr.urgent_above = max(intr.urgent_above, gen.number)
+        if self._on_generation is not None:
+            self._on_generation(gen)
+        intr.wake.set()
 
     def _lost(self, exc: Exception) -> None:
         if not self._stop.is_set():

@@ -21,7 +21,8 @@ from ftrun.core import timeouts
 from ftrun.core.errors import WorkerApiError
 from ftrun.core.spec import WorkerEnv
 from ftrun.protocol.rendezvous import PREFIX, Generation, Store
-from ftrun.worker.comm import REAPER, CommError, Group
+from ftrun.worker.comm import CommError, Group
+from ftrun.worker.reaper import REAPER
 
 HANDLE_POLL_S = 0.01  # a native reconfigure polling for its members' handles
 BUSY = "ftrun:busy"  # published instead of a handle: an abandoned op still holds the group
@@ -84,7 +85,8 @@ def quiet_store_warnings() -> None:
 
 
 def connect(wenv: WorkerEnv) -> Any:
-    """A connection of its own to the agent's store (each thread that blocks on it has one)."""
+    """A connection of its own to the agent's store as the worker started (each thread that
+    blocks on it has one); `jobstore.JobStore.connect` follows the store where it moves."""
     return client(wenv.master_addr, wenv.master_port, timeouts.STORE_CLIENT_CONNECT_S)
 
 
@@ -140,7 +142,8 @@ class NativeGroup:
     instead: that generation's members build a fresh group, and the next may reconfigure."""
 
     def __init__(self, store: Store, worker_id: int, backend: str) -> None:
-        """`store`: a connection of the group's own (its rendezvous blocks on it)."""
+        """`store`: a connection of the group's own. torch runs every later reconfigure's
+        rendezvous on it too, so it must move with the job's store (`JobStore.c10d()`)."""
 
         self.worker_id = worker_id
         self._busy = threading.Lock()
