@@ -40,11 +40,11 @@ from ftrun.protocol.rendezvous import (
     Store,
     latest_number,
     read_generation,
-    send_request,
 )
 from ftrun.worker import errorfile
 from ftrun.worker.comm import Abandoned, CommError, GenerationWatcher, Group, Interrupt, build_group
-from ftrun.worker.joining import connect, native_group, plain_group, watch_connect
+from ftrun.worker.jobstore import JobStore
+from ftrun.worker.joining import native_group, plain_group
 from ftrun.worker.script_end import ReleaseWatch, wait_at_end
 from ftrun.worker.sharded import Sharding, leave_quietly_when_evicted
 from ftrun.worker.waits import await_assignment, await_newer, first_generation, watch_as_spare
@@ -62,7 +62,7 @@ class Link:
     device: Any
     interrupt: Interrupt  # its generation watcher's
     connect: Callable[[], Store]  # a store connection of its own
-    store: Store  # requests, and generations read directly
+    store: JobStore  # requests, and generations read directly; moves with a generation
     watcher: GenerationWatcher
     native: Any  # joining.NativeGroup, or None: a fresh group per generation
     progress: Reporter | None
@@ -74,22 +74,23 @@ def join(wenv: WorkerEnv, backend: str, device: Any, interrupt: Interrupt,
     """Under ftrun: enter the job as a member of the first generation with this worker in it,
     or, as a hot spare, with rank -1 until the agent calls it in."""
     wid = wenv.worker_id
-    store = connect(wenv)
+    store = JobStore(wenv, interrupt)
     # replicate groups are parts of a generation: a fresh group each, never the default
-    native = None if sharding is not None else native_group(connect(wenv), wenv, backend)
+    native = None if sharding is not None else native_group(store.c10d(), wenv, backend)
 
     def linked(watcher: GenerationWatcher) -> Link:
-        return Link(wid, backend, device, interrupt, lambda: connect(wenv), store, watcher,
+        return Link(wid, backend, device, interrupt, store.connect, store, watcher,
                     native, progress, sharding)
 
     if wenv.spare:
         # a hot spare returns at once, so the script builds its model now; steps()
         # announces it ready and waits there to be called in
-        gen, watcher = watch_as_spare(store, lambda: watch_connect(wenv), interrupt)
+        gen, watcher = watch_as_spare(store, store.watch_connect, interrupt, store.enter)
         return Member(Group(gen, -1, None), -1, linked(watcher))
-    send_request(store, Hello(wid, os.getpid(), spare=False))
+    store.post(Hello(wid, os.getpid(), spare=False))
     gen = first_generation(store, wid)
-    watcher = GenerationWatcher(lambda: watch_connect(wenv), gen.number, interrupt)
+    watcher = GenerationWatcher(store.watch_connect, gen.number, interrupt,
+                                arriving=store.enter)
     if sharding is not None:
         leave_quietly_when_evicted(interrupt, wid)
     rank = gen.rank_of(wid)
@@ -215,6 +216,7 @@ class Member:
         members, group_rank = None, rank
         if link.sharding is not None:
             members, group_rank = link.sharding.replicate(gen, rank)
+        link.store.enter(gen)  # the watcher moved it, unless a peer's vote brought `gen`
         self.group = build_group(link.connect, gen, group_rank, link.backend, link.device,
                                  link.interrupt, link.native, members=members)
         if gen.number > 0:
@@ -260,12 +262,8 @@ class Member:
 
     # ---------------------------------------------------------------- the agent
     def post(self, request: Request) -> None:
-        if self._link is None:
-            return  # not run by ftrun: no agent to tell
-        try:
-            send_request(self._link.store, request)
-        except Exception as exc:  # the agent is gone; the next collective will say so
-            self._link.interrupt.store_lost = str(exc)[:200]
+        if self._link is not None:  # else not run by ftrun: no agent to tell
+            self._link.store.post(request)  # held while the store moves; see JobStore
 
     def _require(self) -> Link:
         if self._link is None:

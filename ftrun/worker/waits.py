@@ -39,15 +39,17 @@ def first_generation(store: Any, worker_id: int) -> Generation:
     return gen
 
 
-def watch_as_spare(store: Any, connect: Callable[[], Store], intr: Interrupt
+def watch_as_spare(store: Any, connect: Callable[[], Store], intr: Interrupt,
+                   arriving: Callable[[Generation], bool] | None = None
                    ) -> tuple[Generation, GenerationWatcher]:
     """A hot spare's placeholder generation (no members, numbered just below the latest) and
     a watcher that reports the latest generation itself, then each newer one. A spare still
     starting may be named in the latest already (called in while it imported torch): a
     watcher of newer ones only would leave it waiting for one that never comes. One published
-    after `latest_number` is read too: generation records stay in the store."""
+    after `latest_number` is read too: generation records stay in the store. `arriving`: the
+    watcher's (the job's store moving with a generation)."""
     start = latest_number(store, timeouts.GENERATION_WAIT_S) - 1
-    return Generation(start, ()), GenerationWatcher(connect, start, intr)
+    return Generation(start, ()), GenerationWatcher(connect, start, intr, arriving=arriving)
 
 
 def await_assignment(intr: Interrupt, worker_id: int, post: Post) -> None:
