@@ -2,6 +2,15 @@
 
     python scripts/bench_node_loss.py [--nodes 3] [--nproc 1] [--kill-after 20]
     python scripts/bench_node_loss.py --partition [--outage 6] [--torchrun-cap 60]  (root)
+    python scripts/bench_node_loss.py --coordinator [--spares 1]
+
+--coordinator: the FIRST node (the coordinator: it serves the store and decides) is
+SIGKILLed with its workers instead, on the etcd control plane (a real 3-member etcd on
+loopback, tests/etcdlab.py) and, beside it, on c10d (where that ends the job: its store host
+is its single point of failure). Reported: kill -> a new leader in etcd, kill -> the next
+generation written, kill -> first step committed by the smaller job, committed steps lost.
+torchrun's etcd-v2 backend is not run: it needs the python-etcd client (2017) and etcd's v2
+API, which etcd 3.6 removed.
 
 Each "node" is one launcher process on loopback (c10d rendezvous on 127.0.0.1), with
 --nproc workers running scripts/bench_recovery_worker.py (~10 M-parameter MLP, gloo).
@@ -40,6 +49,12 @@ def launcher(kind: str, a: argparse.Namespace, port: int, out: str) -> list[str]
     nnodes = f"{a.nodes - 1}:{a.nodes}"
     rdzv = ["--nnodes", nnodes, "--nproc-per-node", str(a.nproc), "--rdzv-backend", "c10d",
             "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "bench"]
+    if kind == "ftrun" and a.etcd:
+        rdzv = ["--nnodes", nnodes, "--nproc-per-node", str(a.nproc), "--rdzv-backend", "etcd",
+                "--rdzv-endpoint", a.etcd, "--rdzv-id", a.rdzv_id, "--local-addr",
+                "127.0.0.1"]
+    if kind == "ftrun" and a.spares:
+        rdzv += ["--spares", str(a.spares)]
     head = [sys.executable, "-m", "ftrun"] if kind == "ftrun" else [
         sys.executable, "-m", "torch.distributed.run", "--max-restarts", "3"]
     mode = "ftrun" if kind == "ftrun" else "ddp"
@@ -128,7 +143,10 @@ def _observe(kind: str, a: argparse.Namespace, out: str,
     else:
         return {"error": "never reached the kill step"}
     killed_at = time.time()
-    _kill_session(procs[-1])  # the last node: launcher and workers together
+    victim = procs[0] if a.coordinator else procs[-1]
+    _kill_session(victim)  # launcher and workers together
+    survivors = [p for p in procs if p is not victim]
+    watch = _LeaderWatch(a, out, killed_at) if a.etcd else None
     deadline = time.monotonic() + a.timeout
     while time.monotonic() < deadline:
         steps = [e for e in read_events(out) if e["ev"] == "step"]
@@ -140,11 +158,70 @@ def _observe(kind: str, a: argparse.Namespace, out: str,
             reached = max(e["step"] for e in steps if e["world"] == world)
             resumed = min(e["step"] for e in after)
             return {"recovery_s": first["t"] - killed_at,
-                    "lost_steps": float(max(0, reached - resumed + 1))}
-        if all(p.poll() is not None for p in procs[:-1]):
-            return {"error": "the surviving launchers exited without recovering"}
+                    "lost_steps": float(max(0, reached - resumed + 1)),
+                    **(watch.figures() if watch else {})}
+        if watch:
+            watch.poll()
+        if all(p.poll() is not None for p in survivors):
+            return {"error": f"the surviving launchers exited without recovering, "
+                             f"{time.time() - killed_at:.1f} s after the kill"}
         time.sleep(0.05)
     return {"error": f"no recovery within {a.timeout:.0f} s of the kill"}
+
+
+class _LeaderWatch:
+    """etcd, polled after the kill: when another agent leads, when a generation is written."""
+
+    def __init__(self, a: argparse.Namespace, out: str, killed_at: float) -> None:
+        from ftrun.adapters.etcd import connect
+        from ftrun.adapters.etcd_election import leader_of
+
+        self.client, self.leader_of = connect(a.etcd), leader_of
+        self.prefix = f"/ftrun/{a.rdzv_id}/"
+        self.killed_at = killed_at
+        first = leader_of(self.client, self.prefix + "leader/")
+        self.old = first.key if first else ""
+        kv = self.client.get(self.prefix + "generation")
+        self.gen = json.loads(kv.value)["number"] if kv else -1
+        self.leader_s = self.generation_s = float("nan")
+
+    def poll(self) -> None:
+        now = time.time()
+        if self.leader_s != self.leader_s:  # nan: not yet
+            info = self.leader_of(self.client, self.prefix + "leader/")
+            if info is not None and info.key != self.old and info.since is not None:
+                self.leader_s = now - self.killed_at
+        if self.generation_s != self.generation_s:
+            kv = self.client.get(self.prefix + "generation")
+            if kv is not None and json.loads(kv.value)["number"] > self.gen:
+                self.generation_s = now - self.killed_at
+
+    def figures(self) -> dict[str, float]:
+        self.poll()
+        return {"leader_s": self.leader_s, "generation_s": self.generation_s}
+
+
+def coordinator_report(a: argparse.Namespace) -> None:
+    """The coordinator's node lost: etcd (succeeded) beside c10d (the job ends)."""
+    sys.path.insert(0, os.path.join(HERE, "..", "tests"))
+    from etcdlab import EtcdLab
+
+    with EtcdLab() as lab:
+        a.etcd = lab.endpoints
+        a.rdzv_id = "bench"
+        ft = measure("ftrun", a)
+    a.etcd = ""
+    c10d = measure("ftrun", a)
+    print(f"{a.nodes} nodes x {a.nproc} workers (+{a.spares} spare) on loopback, gloo, ~10 "
+          f"M-param MLP; the coordinator's launcher and workers SIGKILLed after step "
+          f"{a.kill_after}")
+    if "error" in ft:
+        print(f"etcd    : {ft['error']}")
+    else:
+        print(f"etcd    : new leader {ft['leader_s']:.3f} s, generation written "
+              f"{ft['generation_s']:.3f} s, first commit {ft['recovery_s']:.3f} s after the "
+              f"kill; committed steps lost {ft['lost_steps']:.0f}")
+    print(f"c10d    : {c10d.get('error') or 'recovered (unexpected)'}")
 
 
 def main() -> None:
@@ -166,7 +243,14 @@ def main() -> None:
                     help="--partition: seconds until the link comes back")
     ap.add_argument("--torchrun-cap", type=float, default=60.0,
                     help="--partition: how long torchrun is given to commit a step again")
+    ap.add_argument("--coordinator", action="store_true",
+                    help="kill the coordinator's node (etcd, and c10d beside it)")
+    ap.add_argument("--spares", type=int, default=0, help="ftrun --spares per node")
     a = ap.parse_args()
+    a.etcd = ""
+    if a.coordinator:
+        coordinator_report(a)
+        return
     if a.partition:
         import bench_partition
 
