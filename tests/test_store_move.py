@@ -32,7 +32,6 @@ from ftrun.protocol.rendezvous import (
     Generation,
     Hello,
     Stage,
-    gen_key,
     parse_request,
     publish,
 )
@@ -209,8 +208,11 @@ def test_workers_train_on_through_a_store_that_moved(tmp_path: Path, stores: lis
         publish(b.conn, Generation(1, (0, 1), reason="the coordinator's host was lost",
                                    urgent=True, published_at=time.time(), store=b.addr),
                 relays=[1])
-        _wait(procs, lambda: got.extend(b.requests()) or _recovered(got) == {0, 1}, 60,
-              "both survivors' `recovered` on the new store")
+
+        def arrived() -> bool:
+            got.extend(b.requests())
+            return _recovered(got) == {0, 1}
+        _wait(procs, arrived, 60, "both survivors' `recovered` on the new store")
         _wait(procs, lambda: all(_committed(tmp_path, w, 1) >= 3 for w in (0, 1)), 60,
               "3 committed steps in generation 1")
         end = max(e["step"] for w in (0, 1) for e in _trail(tmp_path, w)) + 5
@@ -223,7 +225,9 @@ def test_workers_train_on_through_a_store_that_moved(tmp_path: Path, stores: lis
             p.wait(10)
         relay.close(link_works=True)
     got.extend(b.requests())
-    print(f"\nrequests on the new store: {[r.kind for r in got]}")
+    print(f"\nrequests on the new store: {[r.kind for r in got]}; published -> first commit "
+          + ", ".join(f"{(r.first_commit - r.published_at) * 1e3:.0f} ms" for r in got
+                      if r.kind == "recovered"))
     assert not any(isinstance(r, str) for r in got), got
     assert all(r.generation == 1 for r in got if r.kind == "recovered"), got
     for w in (0, 1):
