@@ -205,7 +205,8 @@ class JobStore:
 
 def _following(stores: JobStore) -> Any:
     """A c10d Store (torch calls it from C++) on a connection of its own to `stores` as it is
-    now: reconnected when the store has moved."""
+    now: reconnected when the store has moved. The calls a reconfigure makes (checked with
+    torch 2.15's gloo: compare_set, set, get, wait, set_timeout) and the usual few beside."""
     import torch.distributed as dist
 
     class Following(dist.Store):
@@ -248,12 +249,6 @@ def _following(stores: JobStore) -> Any:
 
         def check(self, keys: list[str]) -> bool:
             return bool(self._store().check(keys))
-
-        def delete_key(self, key: str) -> bool:
-            return bool(self._store().delete_key(key))
-
-        def num_keys(self) -> int:
-            return int(self._store().num_keys())
 
     return Following()
 
