@@ -142,11 +142,13 @@ def _observe(kind: str, a: argparse.Namespace, out: str,
         time.sleep(0.05)
     else:
         return {"error": "never reached the kill step"}
+    watch = _LeaderWatch(a) if a.etcd else None  # who leads before the kill
     killed_at = time.time()
     victim = procs[0] if a.coordinator else procs[-1]
     _kill_session(victim)  # launcher and workers together
     survivors = [p for p in procs if p is not victim]
-    watch = _LeaderWatch(a, out, killed_at) if a.etcd else None
+    if watch:
+        watch.killed_at = killed_at
     deadline = time.monotonic() + a.timeout
     while time.monotonic() < deadline:
         steps = [e for e in read_events(out) if e["ev"] == "step"]
@@ -172,13 +174,13 @@ def _observe(kind: str, a: argparse.Namespace, out: str,
 class _LeaderWatch:
     """etcd, polled after the kill: when another agent leads, when a generation is written."""
 
-    def __init__(self, a: argparse.Namespace, out: str, killed_at: float) -> None:
+    def __init__(self, a: argparse.Namespace) -> None:
         from ftrun.adapters.etcd import connect
         from ftrun.adapters.etcd_election import leader_of
 
         self.client, self.leader_of = connect(a.etcd), leader_of
         self.prefix = f"/ftrun/{a.rdzv_id}/"
-        self.killed_at = killed_at
+        self.killed_at = time.time()
         first = leader_of(self.client, self.prefix + "leader/")
         self.old = first.key if first else ""
         kv = self.client.get(self.prefix + "generation")

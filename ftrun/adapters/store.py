@@ -76,6 +76,12 @@ class HostedStore:
         self.store = None  # the server stops with its last reference
 
 
+def load_c10d() -> None:
+    """Import torch's c10d now: loading libtorch holds the interpreter for seconds, during
+    which no other thread of the agent runs (an etcd lease's keep-alive would starve)."""
+    import torch.distributed  # noqa: F401
+
+
 def advertised_addr(local_addr: str | None) -> str:
     """The address a single node's workers connect to: --local-addr, else this host's FQDN as
     torchrun does when it resolves to loopback here, else loopback itself (the store of one

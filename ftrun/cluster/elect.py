@@ -11,8 +11,10 @@ Must not import: the agent's node, typer, rich, the CLI, the worker library.
 
 from __future__ import annotations
 
+import os
+
 from ftrun.adapters.etcd_conf import EtcdConf
-from ftrun.adapters.store import HostedStore
+from ftrun.adapters.store import HostedStore, load_c10d
 from ftrun.agent.cluster import Cluster
 from ftrun.cluster.coordinating import Coordinating
 from ftrun.cluster.following import Following
@@ -25,6 +27,10 @@ from ftrun.core.events import Event
 
 def elected(host: NodeHost) -> Cluster:
     spec = host.spec
+    # the agent took its copy of the environment already (its workers keep the user's
+    # setting); c10d reads this once, at import: a store outliving a client is not an error
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+    load_c10d()  # before the lease: its keep-alive thread must never wait out libtorch's load
     name, hostname = agent_name()
     plane = EtcdPlane(EtcdConf.from_spec(spec), name, hostname)
     try:

@@ -193,6 +193,20 @@ class EtcdPlane:
             return None
         return Endpoint(str(doc["host"]), int(doc["port"]))
 
+    def revoke_leader_of(self, ep: Endpoint) -> bool:
+        """The leader that published `ep` is gone (its port refuses connections: its process
+        died, its host answers): end its lease now rather than wait for it to lapse. Never
+        another leader's: only the one whose published store is `ep`. True if revoked."""
+        leader = self.election.leader()
+        kv = self.client.get(self.conf.prefix + STORE_KEY)
+        if leader is None or kv is None or leader.key == self.election.key:
+            return False
+        doc = json.loads(kv.value or b"{}")
+        if doc.get("leader") != leader.key or Endpoint(str(doc["host"]), int(doc["port"])) != ep:
+            return False
+        self.client.request("lease/revoke", {"ID": leader.lease})
+        return True
+
     def deposed(self) -> str | None:
         """Lapsed for a while (not at the first unanswered refresh: while etcd elects a
         raft leader of its own, refreshes go unanswered for seconds and etcd then extends

@@ -12,6 +12,7 @@ Must not import: the agent's node, typer, rich, the CLI, the worker library.
 
 from __future__ import annotations
 
+import errno
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -22,7 +23,7 @@ from ftrun.agent.roster import RunResult
 from ftrun.cluster.adoption import adopt
 from ftrun.cluster.coordinating import Coordinating
 from ftrun.cluster.host import NodeHost
-from ftrun.cluster.link import Endpoint, connect
+from ftrun.cluster.link import Endpoint, connect, reach
 from ftrun.cluster.plane import EtcdPlane
 from ftrun.cluster.relay import GenerationRelay, connector
 from ftrun.core import timeouts
@@ -51,6 +52,7 @@ def succeed(host: NodeHost, plane: EtcdPlane, index: int, old: Endpoint,
     """The run's result once this agent took over and the job ended, a store to rejoin, or
     why this node must fence."""
     deadline = time.monotonic() + timeouts.ETCD_SUCCESSION_S
+    _end_a_dead_leaders_lease(host, plane, old)
     while time.monotonic() < deadline and not host.wakeup.signals:
         try:
             if plane.lead(timeouts.ETCD_CAMPAIGN_TRY_S):
@@ -65,6 +67,22 @@ def succeed(host: NodeHost, plane: EtcdPlane, index: int, old: Endpoint,
                 return f"{lost.why}; the new coordinator's store at {ep}: {first_line(exc)}"
     return (f"{lost.why}; no new coordinator in etcd within {timeouts.ETCD_SUCCESSION_S:g} s"
             if not host.wakeup.signals else lost.why)
+
+
+def _end_a_dead_leaders_lease(host: NodeHost, plane: EtcdPlane, old: Endpoint) -> None:
+    """A refused connection means the coordinator's process is gone while its host answers
+    (a crash, a kill): nobody is left to hold its lease, so it is revoked at once and the
+    election goes on without waiting out the TTL. A silent host (or a cut link) is not
+    proven dead: its lease lapses on its own."""
+    failed = reach(old, timeouts.CONNECT_TRY_S)
+    if failed is None or failed.errno != errno.ECONNREFUSED:
+        return
+    try:
+        if plane.revoke_leader_of(old):
+            host.emit(Event.NOTICE, {"text": f"the coordinator's store at {old} refuses "
+                                             "connections: its lease is revoked"})
+    except FtrunError:
+        pass  # etcd busy or away: the lease lapses on its own
 
 
 def running(host: NodeHost) -> str:
