@@ -54,3 +54,22 @@ def spawn_error(spec: RunSpec, exc: OSError) -> FtrunError:
                           hint="check the path, or drop --no-python to run it with python")
     return FtrunError(f"cannot start a worker: {exc.strerror}",
                       hint="the machine is out of processes or memory")
+
+
+def static_port(spec: RunSpec) -> int | None:
+    """torchrun's static store port; multi-node worker stores take a free port (the
+    endpoint's port serves the agents' rendezvous store)."""
+    if spec.standalone or spec.rdzv_backend != "static" or spec.nnodes_max > 1:
+        return None
+    return spec.master_port
+
+
+def shared_env(spec: RunSpec, env: dict[str, str]) -> str | None:
+    """What every worker of the run gets beside its own variables, set in `env`; a notice
+    to show the user, or None."""
+    env["TORCHELASTIC_SIGNALS_TO_HANDLE"] = ",".join(spec.signals_to_handle)
+    if "OMP_NUM_THREADS" not in env and spec.nproc > 1:
+        env["OMP_NUM_THREADS"] = "1"
+        return ("setting OMP_NUM_THREADS=1 for each worker (it was unset); export it "
+                "yourself to tune")
+    return None

@@ -23,8 +23,9 @@ from typing import Any
 from ftrun.adapters.procs import Guardian
 from ftrun.adapters.store import LOOPBACK, HostedStore, QueueReader, advertised_addr, client
 from ftrun.adapters.wakeup import Wakeup
-from ftrun.adapters.workerspec import worker_env
+from ftrun.adapters.workerspec import shared_env, static_port, worker_env
 from ftrun.agent.cluster import Cluster, Local
+from ftrun.agent.outcomes import group_decision, on_exit
 from ftrun.agent.recovery import Recovery
 from ftrun.agent.roster import Outcome, RemoteWorker, RunResult, Worker
 from ftrun.agent.services import RunServices
@@ -35,7 +36,7 @@ from ftrun.agent.workers import NodeWorkers
 from ftrun.core import timeouts
 from ftrun.core.events import Event, EventSink
 from ftrun.core.exits import signal_name
-from ftrun.core.policy import Action, Decision, Liveness, decide_group
+from ftrun.core.policy import Action, Decision, Liveness
 from ftrun.core.spec import RunSpec
 from ftrun.protocol.rendezvous import REQUEST_QUEUE, Generation, node_of
 
@@ -191,22 +192,13 @@ class Agent:
 
     # ----------------------------------------------------------------- environment
     def _static_port(self) -> int | None:
-        """torchrun's static store port; multi-node worker stores take a free port (the
-        endpoint's port serves the agents' rendezvous store)."""
-        s = self.spec
-        if s.standalone or s.rdzv_backend != "static" or s.nnodes_max > 1:
-            return None
-        return s.master_port
+        return static_port(self.spec)
 
     def _prepare_env(self) -> None:
-        env = self.base_env
-        if "OMP_NUM_THREADS" not in env and self.spec.nproc > 1:
-            env["OMP_NUM_THREADS"] = "1"
-            self.emit(Event.NOTICE, {"text": "setting OMP_NUM_THREADS=1 for each worker (it was "
-                                             "unset); export it yourself to tune"})
-        env["TORCHELASTIC_SIGNALS_TO_HANDLE"] = ",".join(self.spec.signals_to_handle)
-        static = self._static_port() is not None
-        self.master_addr = (self.spec.master_addr if static
+        notice = shared_env(self.spec, self.base_env)
+        if notice:
+            self.emit(Event.NOTICE, {"text": notice})
+        self.master_addr = (self.spec.master_addr if self._static_port() is not None
                             else advertised_addr(self.spec.local_addr))
 
     def _env_for(self, worker_id: int, rank: int, local_rank: int, spare: bool,
@@ -253,9 +245,11 @@ class Agent:
                 control.sample(time.time(), ended)  # before slots retire
                 control.apply_drills()
                 for worker in ended:
-                    self._on_exit(worker, outcome)
+                    on_exit(self.recovery, worker, outcome)
                 if outcome.decision is None:
-                    outcome.decision = self._group_decision(outcome)
+                    outcome.decision = group_decision(self.recovery, outcome,
+                                                      self.all_workers(), self.restarts,
+                                                      self.spec.max_restarts)
         return outcome
 
     def _idle_wait(self) -> float | None:
@@ -286,41 +280,6 @@ class Agent:
 
     def _stop_workers(self, sig: int, grace: float) -> int | None:
         return self.cluster.stop_workers(sig, grace, self.workers.stop)
-
-    def _on_exit(self, worker: Worker | RemoteWorker, outcome: Outcome) -> None:
-        assert worker.exit is not None
-        outcome.exits.append(worker.exit)
-        rec = self.recovery
-        if rec is not None and not rec.owns(worker):
-            rec.catch_up()  # its hello may still be queued
-            decision = rec.handle_requests()
-            if decision is not None and outcome.decision is None:
-                outcome.decision = decision
-        if rec is not None and rec.owns(worker):
-            decision = rec.on_exit(worker)
-            if decision is not None and outcome.decision is None:
-                outcome.decision, outcome.cause = decision, worker.exit
-            return
-        if worker.exit.failed and outcome.first_failure is None:
-            outcome.first_failure = worker.rank
-            outcome.cause = worker.exit
-
-    def _group_decision(self, outcome: Outcome) -> Decision | None:
-        rec = self.recovery
-        if rec is not None and outcome.first_failure is None:
-            if rec.done():
-                verdict = rec.end_decision()  # FAIL names a rank lost after its last step
-                outcome.cause = next((e for e in reversed(outcome.exits)
-                                      if e.rank == verdict.culprit and e.failed), None)
-                return verdict
-            if rec.uses_api:
-                return None
-        members = self.all_workers() if rec is None else [
-            w for w in self.all_workers() if w.worker_id in rec.membership.members]
-        codes = {w.rank: (w.exit.returncode if w.exit else None) for w in members}
-        decision = decide_group(codes, outcome.first_failure, self.restarts,
-                                self.spec.max_restarts)
-        return None if decision.action is Action.WAIT else decision
 
     def _shutdown_on_signal(self, outcome: Outcome, restarts: int) -> RunResult:
         assert outcome.signum is not None

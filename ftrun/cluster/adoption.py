@@ -34,12 +34,12 @@ def adopt(coord: Coordinating, workers_store: HostedStore, held: Generation,
     follow_relay(host.master_addr, workers_store.port)  # this node's workers watch it
     coord.await_nodes(registered - {coord.index}, timeouts.ETCD_REJOIN_WAIT_S)
     alive = {w.worker_id for w in host.workers.alive()} | {
-        w.worker_id for w in coord.remote.values() if w.alive}
+        w.worker_id for w in coord.workers.by_id.values() if w.alive}
     spares = [w for w in sorted(alive) if w not in held.members]
     rec = Recovery(host, workers_store.store,
                    Membership.adopted(View(held.number, held.members), spares),
                    store_at=f"{host.master_addr}:{workers_store.port}")
-    for w in coord.remote.values():
+    for w in coord.workers.by_id.values():
         rank = held.rank_of(w.worker_id)
         w.rank = -1 if rank is None else rank
     coord.adopted(held.members)

@@ -15,12 +15,10 @@ Must not import: typer, rich, the CLI or the worker library.
 from __future__ import annotations
 
 import queue
-import signal
 import time
 from collections.abc import Callable
 from typing import Any
 
-from ftrun.adapters.report import WorkerExit
 from ftrun.adapters.store import CountingStore, HostedStore, QueueReader
 from ftrun.agent.cluster import StopLocal
 from ftrun.agent.jobview import Node
@@ -35,8 +33,6 @@ from ftrun.cluster.link import (
     command_queue,
     conf_float,
     connect,
-    first_worker_id,
-    issue_ids,
 )
 from ftrun.cluster.messages import (
     Bye,
@@ -58,6 +54,7 @@ from ftrun.cluster.messages import (
 )
 from ftrun.cluster.nodewatch import NodeWatch
 from ftrun.cluster.plane import C10dPlane, Plane
+from ftrun.cluster.remotes import RemoteWorkers
 from ftrun.core import timeouts
 from ftrun.core.errors import FtrunError
 from ftrun.core.events import Event
@@ -80,10 +77,8 @@ class Coordinating:
         self.rdzv = rdzv
         self.ep = ep
         self.nodes: dict[int, Node] = {}
-        self.remote: dict[int, RemoteWorker] = {}
+        self.workers = RemoteWorkers()
         self._inbox: queue.SimpleQueue[Report | str] = queue.SimpleQueue()
-        self._exited: list[RemoteWorker] = []
-        self._ids: dict[int, int] = {}
         self._members: tuple[int, ...] = ()
         self.beat_s = conf_float(spec, "heartbeat", timeouts.NODE_HEARTBEAT_S)
         self.lost_after_s = conf_float(spec, "node_timeout", timeouts.NODE_LOST_S)
@@ -151,7 +146,7 @@ class Coordinating:
         host = self.host
         host.group_world_size = 1 + len(order)
         host.world_size = self.spec.nproc + sum(n.nproc for n in order)
-        self.remote, self._ids, self._exited = {}, {}, []  # nothing of an earlier attempt
+        self.workers.new_attempt()  # nothing of an earlier attempt
         start_local()
         members = list(range(self.spec.nproc))
         for position, node in enumerate(order, start=1):
@@ -161,10 +156,7 @@ class Coordinating:
     def _start_node(self, node: Node, base_rank: int, group_rank: int,
                     spare: bool = False) -> list[int]:
         """Tell `node` to start its workers (ranks from `base_rank`; -1: joiners or spares)."""
-        ids = issue_ids(node.index, node.nproc, self._ids)
-        for i, wid in enumerate(ids):
-            self.remote[wid] = RemoteWorker(base_rank + i if base_rank >= 0 else -1, i, wid,
-                                            node.index)
+        ids = self.workers.start(node.index, node.nproc, base_rank)
         h = self.host
         self._send(node, Start(attempt=h.restarts, addr=h.master_addr, port=h.worker_port,
                                base_rank=base_rank, world_size=h.world_size,
@@ -213,11 +205,12 @@ class Coordinating:
                                    {"text": f"ignored a malformed agent message ({msg})"})
                 case Join():
                     self._on_join(msg)
-                case Exited() if msg.worker in self.remote and msg.attempt == self.host.restarts:
+                case Exited() if (msg.worker in self.workers.by_id
+                                  and msg.attempt == self.host.restarts):
                     self._on_remote_exit(msg)
-                case Spawned() if msg.worker in self.remote:
-                    self.remote[msg.worker].pid = msg.pid
-                    self.remote[msg.worker].local_rank = msg.local_rank
+                case Spawned() if msg.worker in self.workers.by_id:
+                    self.workers.by_id[msg.worker].pid = msg.pid
+                    self.workers.by_id[msg.worker].local_rank = msg.local_rank
                 case Left() if msg.node in self.nodes and self.nodes[msg.node].alive:
                     why = f"its agent left ({msg.reason})"
                     if running:
@@ -252,12 +245,7 @@ class Coordinating:
     def _adopt_node(self, node: Node, running: str) -> None:
         """A node of the attempt that runs, whose coordinator is gone: its workers go on,
         its agent now follows this one's stores."""
-        ids = []
-        for item in filter(None, running.split(",")):
-            wid, local_rank, pid = (int(x) for x in item.split(":"))
-            self.remote[wid] = RemoteWorker(-1, local_rank, wid, node.index, pid)
-            ids.append(wid)
-        self._ids[node.index] = max([*ids, first_worker_id(node.index) - 1]) + 1
+        ids = self.workers.adopt(node.index, running)
         node.in_attempt = True
         h = self.host
         self._send(node, Start(attempt=h.restarts, addr=h.master_addr, port=h.worker_port,
@@ -311,22 +299,14 @@ class Coordinating:
         rec.add_joiners(self._start_node(node, -1, host.group_world_size - 1))
 
     def _on_remote_exit(self, msg: Exited) -> None:
-        w = self.remote[msg.worker]
-        if w.exit is not None:
-            return
-        w.exit = WorkerExit(rank=w.rank, local_rank=w.local_rank, pid=msg.pid,
-                            returncode=msg.returncode, detected_at=time.monotonic(),
-                            wall_time=float(msg.wall_time),
-                            error_file=self.host.services.logs.keep_error(  # its own: its node
-                                self.host.restarts, f"node{w.node}.w{w.worker_id}", msg.error),
-                            killed_by_launcher=msg.by_launcher)
-        self._exited.append(w)
+        w = self.workers.by_id[msg.worker]
+        self.workers.exited(msg, self.host.services.logs.keep_error(  # its own is on its node
+            self.host.restarts, f"node{w.node}.w{w.worker_id}", msg.error))
 
     # ----------------------------------------------------------------- supervision hooks
     def remote_exits(self) -> list[RemoteWorker]:
         self._drain_inbox(running=True)
-        out, self._exited = self._exited, []
-        return out
+        return self.workers.hand_over()
 
     def idle_wait(self, local: float | None) -> float | None:
         return self.beat_s
@@ -378,30 +358,24 @@ class Coordinating:
         self.host.emit(Event.NOTICE, {"text": f"{node.label} is lost: {why}"})
         self._send(node, End(code=1, reason=f"the coordinator dropped this node ({why})",
                              lost=True, refused=False))
-        gone = [w for w in self.remote.values() if w.node == node.index and w.alive]
-        now = time.time()
-        for w in gone:
-            w.exit = WorkerExit(rank=w.rank, local_rank=w.local_rank, pid=w.pid,
-                                returncode=-int(signal.SIGKILL), detected_at=time.monotonic(),
-                                wall_time=now, error_file="", killed_by_launcher=False)
+        gone = self.workers.lost(node.index)
         rec = self.host.recovery
         if rec is not None and rec.uses_api:
             left = 1 + len(self._alive())
             return rec.on_node_lost(node.index, node.label, list(gone), left, last_seen)
-        self._exited += gone  # torchrun semantics: a failed member restarts or ends the job
+        self.workers.also_exited(gone)  # torchrun: a failed member restarts or ends the job
         return None
 
     # ----------------------------------------------------------------- the other nodes
     def allocate_id(self, node: int) -> int:
-        self._ids[node] = self.peek_id(node) + 1
-        return self._ids[node] - 1
+        return self.workers.allocate(node)
 
     def peek_id(self, node: int) -> int:
-        return self._ids.get(node, first_worker_id(node))
+        return self.workers.peek(node)
 
     def place(self, worker_id: int, rank: int, local_rank: int, spare: bool) -> None:
         node = node_of(worker_id)
-        self.remote[worker_id] = RemoteWorker(rank, local_rank, worker_id, node)
+        self.workers.place(worker_id, rank, local_rank, node)
         self._send(self.nodes[node], Spawn(worker=worker_id, rank=rank, local_rank=local_rank,
                                            spare=spare))
 
@@ -409,7 +383,7 @@ class Coordinating:
         return [n.index for n in self._alive() if n.in_attempt]
 
     def kill_remote(self, worker_id: int) -> bool:
-        w = self.remote.get(worker_id)
+        w = self.workers.by_id.get(worker_id)
         if w is None or not w.alive or not self.nodes[w.node].alive:
             return False
         self._send(self.nodes[w.node], Kill(worker=worker_id))
@@ -419,7 +393,7 @@ class Coordinating:
         return self._members
 
     def remote_workers(self) -> list[RemoteWorker]:
-        return list(self.remote.values())
+        return list(self.workers.by_id.values())
 
     def committed_step(self, worker_id: int) -> int:
         return self.table.committed_step(worker_id)
@@ -447,7 +421,7 @@ class Coordinating:
         deadline = time.monotonic() + grace + timeouts.KILL_REAP_S
         received = stop_local(sig, grace)
         while time.monotonic() < deadline and any(
-                w.alive and self.nodes[w.node].alive for w in self.remote.values()):
+                w.alive and self.nodes[w.node].alive for w in self.workers.by_id.values()):
             self._drain_inbox(running=False)
             time.sleep(0.02)
         return received

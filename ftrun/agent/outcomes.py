@@ -1,0 +1,54 @@
+"""What a worker's exit means for the attempt: recovery's in-process decision, or torchrun's.
+
+Owns: `on_exit` (an exit recorded in the supervise loop's `Outcome`: handed to the
+attempt's `Recovery` when the script uses the API or the worker is a replacement, else
+remembered as the attempt's first failure) and `group_decision` (the attempt's verdict once
+nothing more is in-process: every member finished, or torchrun's whole-group rule over the
+members' exit codes). Pure over the objects given; no process is touched here.
+Must not import: the agent's node, typer, rich, the CLI, the worker library.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from ftrun.agent.recovery import Recovery
+from ftrun.agent.roster import Outcome, RemoteWorker, Worker
+from ftrun.core.policy import Action, Decision, decide_group
+
+
+def on_exit(rec: Recovery | None, worker: Worker | RemoteWorker, outcome: Outcome) -> None:
+    assert worker.exit is not None
+    outcome.exits.append(worker.exit)
+    if rec is not None and not rec.owns(worker):
+        rec.catch_up()  # its hello may still be queued
+        decision = rec.handle_requests()
+        if decision is not None and outcome.decision is None:
+            outcome.decision = decision
+    if rec is not None and rec.owns(worker):
+        decision = rec.on_exit(worker)
+        if decision is not None and outcome.decision is None:
+            outcome.decision, outcome.cause = decision, worker.exit
+        return
+    if worker.exit.failed and outcome.first_failure is None:
+        outcome.first_failure = worker.rank
+        outcome.cause = worker.exit
+
+
+def group_decision(rec: Recovery | None, outcome: Outcome,
+                   workers: Sequence[Worker | RemoteWorker], restarts: int,
+                   max_restarts: int) -> Decision | None:
+    """The attempt's verdict, or None while it goes on."""
+    if rec is not None and outcome.first_failure is None:
+        if rec.done():
+            verdict = rec.end_decision()  # FAIL names a rank lost after its last step
+            outcome.cause = next((e for e in reversed(outcome.exits)
+                                  if e.rank == verdict.culprit and e.failed), None)
+            return verdict
+        if rec.uses_api:
+            return None
+    members = list(workers) if rec is None else [
+        w for w in workers if w.worker_id in rec.membership.members]
+    codes = {w.rank: (w.exit.returncode if w.exit else None) for w in members}
+    decision = decide_group(codes, outcome.first_failure, restarts, max_restarts)
+    return None if decision.action is Action.WAIT else decision
