@@ -11,12 +11,12 @@ through `ports.RecoveryPort`).
 
 from __future__ import annotations
 
-import queue
 import time
 from dataclasses import replace
 from typing import Any
 
 from ftrun.agent.generations import Generations, Respawns
+from ftrun.agent.inbox import Inbox
 from ftrun.agent.ports import RecoveryPort
 from ftrun.agent.replica_groups import ReplicaGroups
 from ftrun.agent.roster import RemoteWorker, Worker
@@ -39,7 +39,6 @@ from ftrun.core.policy import (
 )
 from ftrun.protocol.rendezvous import (
     RELEASE_KEY,
-    REQUEST_QUEUE,
     CommFailed,
     Generation,
     Healed,
@@ -51,7 +50,6 @@ from ftrun.protocol.rendezvous import (
     StateSize,
     Suspect,
     node_of,
-    parse_request,
     publish,
     to_fields,
 )
@@ -71,7 +69,7 @@ class Recovery:
         self.store = store
         self.membership = adopted or Membership(port.initial_members())
         self.faults = 0
-        self.requests: queue.SimpleQueue[Request | str] = queue.SimpleQueue()
+        self.inbox = Inbox(port.wake, lambda text: port.emit(Event.NOTICE, {"text": text}))
         self._reported: set[int] = set()  # generations whose recovery was announced
         self._refills: list[tuple[int, int]] = []  # (node, local rank): spares to start
         self._joiners_to_start: list[tuple[int, int]] = []  # shrink mode: replacements
@@ -94,10 +92,8 @@ class Recovery:
     def uses_api(self) -> bool:
         return self.membership.uses_api
 
-    def deliver(self, raw: str | bytes) -> None:
-        """The request reader's thread: checked here, acted on by the main loop."""
-        self.requests.put(parse_request(raw))
-        self.port.wake()
+    def deliver(self, raw: str | bytes) -> None:  # the request reader's thread
+        self.inbox.deliver(raw)
 
     def _snapshot(self, **extra: Any) -> Snapshot:
         step, resumes = self.port.resumable()
@@ -166,18 +162,8 @@ class Recovery:
     def _take_queued(self) -> None:
         """Requests already queued, stages only: the rest waits for the main loop's turn."""
         self.catch_up()
-        held: list[Request | str] = []
-        while True:
-            try:
-                req = self.requests.get_nowait()
-            except queue.Empty:
-                break
-            if isinstance(req, Stage):
-                self._on_stage(req)
-            else:
-                held.append(req)
-        for req in held:
-            self.requests.put(req)
+        for stage in self.inbox.stages():
+            self._on_stage(stage)
 
     def _on_stage(self, req: Stage) -> None:
         refused = self.ends.on_stage(req)
@@ -317,23 +303,12 @@ class Recovery:
     # ------------------------------------------------------------ requests
     def handle_requests(self) -> Decision | None:
         """Act on what workers asked; a Decision when the run cannot go on in-process."""
-        while True:
-            try:
-                req = self.requests.get_nowait()
-            except queue.Empty:
-                return None
-            if isinstance(req, str):
-                self.port.emit(Event.NOTICE, {"text": f"ignored a malformed worker request "
-                                                  f"({req})"})
-                continue
-            if not any(w.worker_id == req.worker for w in self.port.all_workers()):
-                self.port.emit(Event.NOTICE, {"text": f"ignored a {req.kind} request from worker "
-                                                  f"{req.worker}, which this job never "
-                                                  f"started"})
-                continue
+        started = {w.worker_id for w in self.port.all_workers()}
+        while (req := self.inbox.next(started.__contains__)) is not None:
             decision = self._act_on(req)
             if decision is not None:
                 return decision
+        return None
 
     def _act_on(self, req: Request) -> Decision | None:
         match req:
@@ -411,13 +386,7 @@ class Recovery:
                 self.gens.spawn(node, local_rank, R.JOINING)
 
     def catch_up(self, timeout_s: float = timeouts.REQUEST_CATCH_UP_S) -> None:
-        """Before judging an exit: let the reader take what is already queued (a worker that
-        said hello and died at once must be recovered, not restarted with everyone)."""
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline and self.store is not None:
-            if self.store.queue_len(REQUEST_QUEUE) == 0:
-                break
-            time.sleep(0.002)
+        self.inbox.catch_up(self.store, timeout_s)
 
 
 def _near(spares: tuple[int, ...], node: int) -> tuple[int, ...]:

@@ -20,6 +20,7 @@ from ftrun.adapters.store import HostedStore
 from ftrun.agent.recovery import Recovery
 from ftrun.agent.roster import RemoteWorker
 from ftrun.cluster.coordinating import Coordinating
+from ftrun.cluster.link import NODE_COUNTER
 from ftrun.core import timeouts
 from ftrun.core.events import Event
 from ftrun.core.membership import Membership, View
@@ -32,7 +33,7 @@ def adopt(coord: Coordinating, workers_store: HostedStore, held: Generation,
           registered: set[int], follow_relay: FollowRelay, lost_at: float) -> Recovery:
     host = coord.host
     follow_relay(host.master_addr, workers_store.port)  # this node's workers watch it
-    coord.await_nodes(registered - {coord.index}, timeouts.ETCD_REJOIN_WAIT_S)
+    _await_nodes(coord, registered - {coord.index}, timeouts.ETCD_REJOIN_WAIT_S)
     alive = {w.worker_id for w in host.workers.alive()} | {
         w.worker_id for w in coord.workers.by_id.values() if w.alive}
     spares = [w for w in sorted(alive) if w not in held.members]
@@ -42,7 +43,9 @@ def adopt(coord: Coordinating, workers_store: HostedStore, held: Generation,
     for w in coord.workers.by_id.values():
         rank = held.rank_of(w.worker_id)
         w.rank = -1 if rank is None else rank
-    coord.adopted(held.members)
+    coord.members = held.members
+    host.world_size = len(held.members)
+    host.group_world_size = 1 + len(coord.other_nodes())
     lost = [m for m in held.members if m not in alive]
     host.emit(Event.NOTICE, {"text": f"took over generation {held.number} of {len(alive)} "
                                      f"live workers; {len(lost)} of its members are lost"})
@@ -59,3 +62,13 @@ def _lost_worker(held: Generation, wid: int, node: int, at: float) -> RemoteWork
     return RemoteWorker(rank, -1, wid, node, exit=WorkerExit(
         rank=rank, local_rank=-1, pid=0, returncode=-int(signal.SIGKILL),
         detected_at=time.monotonic(), wall_time=at, error_file="", killed_by_launcher=False))
+
+
+def _await_nodes(coord: Coordinating, nodes: set[int], timeout_s: float) -> None:
+    """Until every node in `nodes` joined (or `timeout_s`): the survivors of the takeover,
+    whose agents still hold their etcd leases. Nodes joining later get new indices."""
+    deadline = time.monotonic() + timeout_s
+    coord.rdzv.store.add(NODE_COUNTER, max(nodes | {coord.index}))
+    while time.monotonic() < deadline and not nodes <= set(coord.nodes):
+        coord.drain_inbox(running=False)
+        coord.host.wakeup.wait(0.05)

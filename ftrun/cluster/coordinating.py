@@ -28,7 +28,6 @@ from ftrun.cluster.host import NodeHost
 from ftrun.cluster.jobnodes import NodeTable
 from ftrun.cluster.link import (
     AGENT_QUEUE,
-    NODE_COUNTER,
     Endpoint,
     command_queue,
     conf_float,
@@ -79,7 +78,7 @@ class Coordinating:
         self.nodes: dict[int, Node] = {}
         self.workers = RemoteWorkers()
         self._inbox: queue.SimpleQueue[Report | str] = queue.SimpleQueue()
-        self._members: tuple[int, ...] = ()
+        self.members: tuple[int, ...] = ()
         self.beat_s = conf_float(spec, "heartbeat", timeouts.NODE_HEARTBEAT_S)
         self.lost_after_s = conf_float(spec, "node_timeout", timeouts.NODE_LOST_S)
         self.watch = NodeWatch.from_conf(spec, self.beat_s, self.lost_after_s)
@@ -151,7 +150,7 @@ class Coordinating:
         members = list(range(self.spec.nproc))
         for position, node in enumerate(order, start=1):
             members += self._start_node(node, len(members), position)
-        self._members = tuple(members)
+        self.members = tuple(members)
 
     def _start_node(self, node: Node, base_rank: int, group_rank: int,
                     spare: bool = False) -> list[int]:
@@ -172,7 +171,7 @@ class Coordinating:
         start = time.monotonic()
         enough_at: float | None = None
         while True:
-            self._drain_inbox(running=False)
+            self.drain_inbox(running=False)
             for index, why in find_lost_nodes(self.watch.beats.ages(self.rdzv.store),
                                               self.lost_after_s):
                 self._node_lost(self.nodes[index], why, time.time())  # no attempt runs
@@ -193,7 +192,7 @@ class Coordinating:
                 raise FtrunError("interrupted while waiting for nodes to join")
             self.host.wakeup.wait(self.beat_s)  # a join wakes it at once
 
-    def _drain_inbox(self, running: bool) -> None:
+    def drain_inbox(self, running: bool) -> None:
         while True:
             try:
                 msg = self._inbox.get_nowait()
@@ -254,19 +253,6 @@ class Coordinating:
                                run_id=h.run_id, spare=False, adopt=True))
         h.emit(Event.NOTICE, {"text": f"{node.label} came over with {len(ids)} live workers"})
 
-    def await_nodes(self, nodes: set[int], timeout_s: float) -> None:
-        """Until every node in `nodes` joined (or `timeout_s`): the survivors of a takeover."""
-        deadline = time.monotonic() + timeout_s
-        self.rdzv.store.add(NODE_COUNTER, max(nodes | {self.index}))  # new nodes: new indices
-        while time.monotonic() < deadline and not nodes <= set(self.nodes):
-            self._drain_inbox(running=False)
-            self.host.wakeup.wait(0.05)
-
-    def adopted(self, members: tuple[int, ...]) -> None:
-        self._members = members
-        self.host.world_size = len(members)
-        self.host.group_world_size = 1 + len(self._alive())
-
     def _admit_waiting(self) -> None:
         """Nodes that joined the running job enter in join order while it has room: at
         once, or when a node is lost; the first that must wait holds the rest back."""
@@ -292,7 +278,7 @@ class Coordinating:
         entering = len(rec.membership.members) + len(
             rec.membership.with_role(WorkerRole.JOINING, WorkerRole.READY))
         self.host.emit(Event.NOTICE, {"text": f"{node.label} enters the running job"})
-        if entering >= len(self._members):
+        if entering >= len(self.members):
             rec.add_spares(self._start_node(node, -1, host.group_world_size - 1, spare=True))
             return
         host.world_size = entering + node.nproc
@@ -305,7 +291,7 @@ class Coordinating:
 
     # ----------------------------------------------------------------- supervision hooks
     def remote_exits(self) -> list[RemoteWorker]:
-        self._drain_inbox(running=True)
+        self.drain_inbox(running=True)
         return self.workers.hand_over()
 
     def idle_wait(self, local: float | None) -> float | None:
@@ -390,7 +376,7 @@ class Coordinating:
         return True
 
     def initial_members(self) -> tuple[int, ...] | None:
-        return self._members
+        return self.members
 
     def remote_workers(self) -> list[RemoteWorker]:
         return list(self.workers.by_id.values())
@@ -422,6 +408,6 @@ class Coordinating:
         received = stop_local(sig, grace)
         while time.monotonic() < deadline and any(
                 w.alive and self.nodes[w.node].alive for w in self.workers.by_id.values()):
-            self._drain_inbox(running=False)
+            self.drain_inbox(running=False)
             time.sleep(0.02)
         return received
