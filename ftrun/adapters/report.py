@@ -162,3 +162,11 @@ def copy_to_parent_error_file(cause: WorkerExit, parent_path: str | None) -> Non
     os.makedirs(os.path.dirname(os.path.abspath(parent_path)), exist_ok=True)
     with open(parent_path, "w") as f:
         json.dump(doc, f)
+
+
+def error_text(path: str, limit: int = 64 * 1024) -> str:
+    """A worker's error file as text (the first `limit` bytes), "" when it wrote none."""
+    if not path or not os.path.exists(path):
+        return ""
+    with open(path, errors="replace") as f:
+        return f.read(limit)

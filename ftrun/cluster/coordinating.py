@@ -29,19 +29,16 @@ from ftrun.cluster.jobnodes import NodeTable
 from ftrun.cluster.link import (
     AGENT_QUEUE,
     Endpoint,
-    command_queue,
     conf_float,
     connect,
 )
 from ftrun.cluster.messages import (
     Bye,
-    Command,
     End,
     Exited,
     Join,
     Kill,
     Left,
-    Ping,
     Pong,
     Report,
     Spawn,
@@ -49,7 +46,6 @@ from ftrun.cluster.messages import (
     Start,
     Stop,
     parse_report,
-    send,
 )
 from ftrun.cluster.nodewatch import NodeWatch
 from ftrun.cluster.plane import C10dPlane, Plane
@@ -97,7 +93,7 @@ class Coordinating:
             reason = result.reason if result is not None else "the coordinator failed"
             ending = self._alive()
             for node in ending:
-                self._send(node, End(code=code, reason=reason, lost=False, refused=False))
+                self.table.send(node, End(code=code, reason=reason, lost=False, refused=False))
             self._await_byes({n.index for n in ending})
             self._reader.close(self.rdzv.store)
         self.table.close()
@@ -130,9 +126,6 @@ class Coordinating:
         self._inbox.put(parse_report(raw))
         self.host.wake()
 
-    def _send(self, node: Node, cmd: Command) -> None:
-        send(self.rdzv.store, command_queue(node.index), cmd)  # our own store
-
     def _alive(self) -> list[Node]:
         return self.table.alive()
 
@@ -157,7 +150,7 @@ class Coordinating:
         """Tell `node` to start its workers (ranks from `base_rank`; -1: joiners or spares)."""
         ids = self.workers.start(node.index, node.nproc, base_rank)
         h = self.host
-        self._send(node, Start(attempt=h.restarts, addr=h.master_addr, port=h.worker_port,
+        self.table.send(node, Start(attempt=h.restarts, addr=h.master_addr, port=h.worker_port,
                                base_rank=base_rank, world_size=h.world_size,
                                group_rank=group_rank, group_world_size=h.group_world_size,
                                first_id=ids[0], run_id=h.run_id, spare=spare, adopt=False))
@@ -224,12 +217,12 @@ class Coordinating:
     def _on_join(self, msg: Join) -> None:
         node = Node(msg.node, msg.host, msg.pid, msg.nproc, net_drill=msg.net_drill)
         if msg.rdzv_id != self.spec.rdzv_id:
-            self._send(node, End(code=1, reason=f"this store serves --rdzv-id "
+            self.table.send(node, End(code=1, reason=f"this store serves --rdzv-id "
                                  f"{self.spec.rdzv_id!r}, not {msg.rdzv_id!r}", lost=False,
                                  refused=True))
             return
         if node.index in self.nodes and self.nodes[node.index].alive:
-            self._send(node, End(code=1, reason=f"node index {node.index} is taken",
+            self.table.send(node, End(code=1, reason=f"node index {node.index} is taken",
                                  lost=False, refused=True))
             return
         self.nodes[node.index] = node
@@ -247,7 +240,7 @@ class Coordinating:
         ids = self.workers.adopt(node.index, running)
         node.in_attempt = True
         h = self.host
-        self._send(node, Start(attempt=h.restarts, addr=h.master_addr, port=h.worker_port,
+        self.table.send(node, Start(attempt=h.restarts, addr=h.master_addr, port=h.worker_port,
                                base_rank=-1, world_size=h.world_size, group_rank=node.index,
                                group_world_size=h.group_world_size, first_id=0,
                                run_id=h.run_id, spare=False, adopt=True))
@@ -309,8 +302,7 @@ class Coordinating:
         self.table.publish_status()
         self.table.send_net_drills()
         verdict = self.watch.check(self.rdzv.store, [n.index for n in self._alive()])
-        if verdict.ping is not None:
-            self._ping(*verdict.ping)
+        self.table.ping(verdict.ping)
         lost, self._lost_nodes = self._lost_nodes + verdict.lost, []
         now = time.time()
         first = {i: (why, s) for i, why, s in reversed(lost)}  # a node lost twice: once
@@ -327,13 +319,7 @@ class Coordinating:
     def suspect(self) -> None:
         """A worker saw a peer's connection break: ping every node of the attempt (a live
         agent answers in ms) and check the heartbeats on a short fuse."""
-        ping = self.watch.suspect([n.index for n in self._alive() if n.in_attempt])
-        if ping is not None:
-            self._ping(*ping)
-
-    def _ping(self, seq: int, nodes: list[int]) -> None:
-        for index in nodes:
-            self._send(self.nodes[index], Ping(seq=seq))
+        self.table.ping(self.watch.suspect([n.index for n in self._alive() if n.in_attempt]))
 
     def _node_lost(self, node: Node, why: str, last_seen: float) -> Decision | None:
         """`last_seen`: wall clock of its last sign of life, the fault's best estimate. The
@@ -342,7 +328,7 @@ class Coordinating:
         self.watch.forget(node.index)
         self._waiting.forget(node.index)
         self.host.emit(Event.NOTICE, {"text": f"{node.label} is lost: {why}"})
-        self._send(node, End(code=1, reason=f"the coordinator dropped this node ({why})",
+        self.table.send(node, End(code=1, reason=f"the coordinator dropped this node ({why})",
                              lost=True, refused=False))
         gone = self.workers.lost(node.index)
         rec = self.host.recovery
@@ -362,7 +348,7 @@ class Coordinating:
     def place(self, worker_id: int, rank: int, local_rank: int, spare: bool) -> None:
         node = node_of(worker_id)
         self.workers.place(worker_id, rank, local_rank, node)
-        self._send(self.nodes[node], Spawn(worker=worker_id, rank=rank, local_rank=local_rank,
+        self.table.send(self.nodes[node], Spawn(worker=worker_id, rank=rank, local_rank=local_rank,
                                            spare=spare))
 
     def other_nodes(self) -> list[int]:
@@ -372,7 +358,7 @@ class Coordinating:
         w = self.workers.by_id.get(worker_id)
         if w is None or not w.alive or not self.nodes[w.node].alive:
             return False
-        self._send(self.nodes[w.node], Kill(worker=worker_id))
+        self.table.send(self.nodes[w.node], Kill(worker=worker_id))
         return True
 
     def initial_members(self) -> tuple[int, ...] | None:
@@ -402,7 +388,7 @@ class Coordinating:
     def stop_workers(self, sig: int, grace: float, stop_local: StopLocal) -> int | None:
         waiting = [n for n in self._alive() if n.in_attempt]
         for node in waiting:
-            self._send(node, Stop(signal=int(sig), grace=grace))
+            self.table.send(node, Stop(signal=int(sig), grace=grace))
             node.in_attempt = False
         deadline = time.monotonic() + grace + timeouts.KILL_REAP_S
         received = stop_local(sig, grace)

@@ -14,7 +14,6 @@ Must not import: typer, rich, the CLI or the worker library.
 from __future__ import annotations
 
 import functools
-import json
 import os
 import queue
 import signal
@@ -24,21 +23,20 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
-from ftrun.adapters.store import HostedStore, QueueReader
+from ftrun.adapters.report import error_text
+from ftrun.adapters.store import HostedStore
 from ftrun.agent.cluster import NoOtherNodes
 from ftrun.agent.roster import RunResult, Worker
-from ftrun.agent.watch import CHECK_EVERY_S
 from ftrun.cluster.host import NodeHost
 from ftrun.cluster.link import (
-    AGENT_QUEUE,
     NODE_COUNTER,
-    STATUS_KEY,
     Endpoint,
     Heartbeat,
     Outbox,
     command_queue,
     conf_float,
-    connect,
+    job_status,
+    open_channels,
 )
 from ftrun.cluster.messages import (
     Bye,
@@ -49,7 +47,6 @@ from ftrun.cluster.messages import (
     Kill,
     Left,
     NetDown,
-    Payload,
     Ping,
     Pong,
     Report,
@@ -61,16 +58,16 @@ from ftrun.cluster.messages import (
     parse_command,
 )
 from ftrun.cluster.netdrill import NetDrills
-from ftrun.cluster.plane import C10dPlane, EtcdPlane, Plane
+from ftrun.cluster.payload import NodePayload
+from ftrun.cluster.plane import C10dPlane, Plane
 from ftrun.cluster.rejoin import Fenced, Rejoin
 from ftrun.cluster.relay import GenerationRelay, connector, open_relay
-from ftrun.cluster.succession import Leaderless, succeed
+from ftrun.cluster.succession import Leaderless, leaderless, succeed
 from ftrun.cluster.succession import Rejoin as Rejoining
 from ftrun.core import timeouts
 from ftrun.core.errors import FtrunError
 from ftrun.core.events import Event
 from ftrun.core.fencing import cut_off
-from ftrun.protocol.status import Snapshot
 
 MAX_ERROR_FILE_BYTES = 64 * 1024
 
@@ -92,11 +89,11 @@ class Following(NoOtherNodes):
         self._lost: str | None = None
         self._beat: Heartbeat | None = None
         self._outbox: Outbox | None = None
-        self._payload_at, self._last_payload = 0.0, dict[str, Any]()
+        self._payload = NodePayload(host.services)
         self.fence_after_s = conf_float(spec, "fence_timeout", timeouts.NODE_FENCE_S)
         self.rejoin = Rejoin(host, ep, conf_float(spec, "rejoin_timeout",
                                                   timeouts.NODE_REJOIN_S))
-        self._leaderless = False  # the coordinator's store lost, this node's workers kept
+        self._leaderless: Leaderless | None = None  # the coordinator's store lost, workers kept
         self.net: NetDrills | None = None
         self._relay: GenerationRelay | None = None
 
@@ -110,20 +107,6 @@ class Following(NoOtherNodes):
         if session == self._session and self._lost is None:
             self._lost = why or "connection closed"
         self.host.wake()
-
-    def _payload(self) -> dict[str, Any]:
-        """Heartbeat thread: this node's workers for `ftrun status`, and their liveness so
-        that the coordinator judges hangs and stragglers over the whole job (rebuilt as often
-        as the coordinator's health check reads it, not at every beat)."""
-        now, svc = time.time(), self.host.services
-        if now - self._payload_at >= CHECK_EVERY_S:
-            snapshot = svc.snapshots.describe(now)
-            self._last_payload = Payload(
-                workers=svc.control_plane.rows(now),
-                liveness=tuple(svc.health.local_liveness(now)),
-                snapshot=None if snapshot is None else Snapshot.from_json(snapshot)).to_json()
-            self._payload_at = now
-        return self._last_payload
 
     def _report(self, msg: Report) -> None:
         if self._lost is None and self._outbox is not None:
@@ -165,15 +148,10 @@ class Following(NoOtherNodes):
             self.index = self.spec.node_rank if static else int(link.add(NODE_COUNTER, 1))
         self.host.services.snapshots.bind_node(self.index)
         link.delete_key(command_queue(self.index))  # an earlier agent's unread commands
-        lost = functools.partial(self._on_lost, session=session)
-        self._outbox = Outbox(self.ep, AGENT_QUEUE, timeouts.STORE_LOST_S, lost)
-        reader = QueueReader(lambda: connect(self.ep, timeouts.STORE_CLIENT_CONNECT_S),
-                             command_queue(self.index),
-                             functools.partial(self._deliver, session=session), lost,
-                             "ftrun-commands")
-        self._beat = Heartbeat(self.ep, self.index,
-                               conf_float(self.spec, "heartbeat", timeouts.NODE_HEARTBEAT_S),
-                               timeouts.STORE_LOST_S, self._payload, lost)
+        self._outbox, reader, self._beat = open_channels(
+            self.ep, self.index, conf_float(self.spec, "heartbeat", timeouts.NODE_HEARTBEAT_S),
+            self._payload, functools.partial(self._deliver, session=session),
+            functools.partial(self._on_lost, session=session))
         assert self.net is not None
         self._report(Join(node=self.index, host=socket.gethostname(), pid=os.getpid(),
                           nproc=self.spec.nproc, rdzv_id=self.spec.rdzv_id,
@@ -217,10 +195,7 @@ class Following(NoOtherNodes):
 
     def _net_down(self, cmd: NetDown) -> None:
         assert self.net is not None
-        try:
-            self.net.start(self.index, cmd.duration)
-        except FtrunError as exc:
-            self.host.emit(Event.NOTICE, {"text": f"net-down drill refused: {exc.message}"})
+        self.net.start_commanded(self.index, cmd.duration)
 
     def _cut_off(self) -> str | None:
         """Why this node is out of the job now (the store lost or silent), or None."""
@@ -283,9 +258,8 @@ class Following(NoOtherNodes):
             return  # its workers follow no generation
         self._relay, why = open_relay(cmd.addr, cmd.port, self.index)
         self.host.relay_addr = self._relay.addr if self._relay is not None else ""
-        if self._relay is None:
-            self.host.emit(Event.NOTICE, {"text": f"no generation relay on this node ({why}); "
-                                                  "its workers watch the coordinator's store"})
+        if why:
+            self.host.emit(Event.NOTICE, {"text": why})
 
     def _close_relay(self, link_works: bool) -> None:
         if self._relay is not None:
@@ -346,17 +320,11 @@ class Following(NoOtherNodes):
                     self._refused(cmd)
 
     def _leaderless_now(self, why: str) -> Leaderless | None:
-        """etcd: the coordinator's store lost while this node's lease lives, with workers
-        that follow generations through the relay: a new coordinator can adopt them."""
-        if (self.plane.backend != "etcd" or self._relay is None
-                or self.plane.deposed() is not None):
-            return None
-        self._leaderless = True
-        return Leaderless(why, time.time())
+        self._leaderless = leaderless(self.plane, self._relay, why)
+        return self._leaderless
 
     def _succeed(self, lost: Leaderless) -> RunResult | Rejoining | Fenced:
-        assert isinstance(self.plane, EtcdPlane) and self._relay is not None
-        self._leaderless = False
+        self._leaderless = None
         nxt = succeed(self.host, self.plane, self.index, self.ep, self._relay, lost)
         return self._fence(nxt) if isinstance(nxt, str) else nxt
 
@@ -394,15 +362,11 @@ class Following(NoOtherNodes):
 
     def on_local_exit(self, w: Worker) -> None:
         """Every exit is reported at once: the coordinator decides what it means."""
-        assert w.exit is not None
-        error = ""  # the @record traceback travels: the coordinator's report shows it
-        if w.exit.error_file and os.path.exists(w.exit.error_file):
-            with open(w.exit.error_file, errors="replace") as f:
-                error = f.read(MAX_ERROR_FILE_BYTES)
+        assert w.exit is not None  # its @record traceback travels: the job's report shows it
         self._report(Exited(node=self.index, worker=w.worker_id, attempt=self.host.restarts,
                             pid=w.exit.pid, returncode=w.exit.returncode,
-                            wall_time=w.exit.wall_time, error=error,
-                            by_launcher=w.exit.killed_by_launcher))
+                            wall_time=w.exit.wall_time, by_launcher=w.exit.killed_by_launcher,
+                            error=error_text(w.exit.error_file, MAX_ERROR_FILE_BYTES)))
 
     def net_down(self, node: int, duration: float) -> dict[str, Any]:
         if node != self.index:
@@ -420,13 +384,8 @@ class Following(NoOtherNodes):
 
     def decorate_status(self, doc: dict[str, Any]) -> dict[str, Any]:
         """The coordinator's view of the whole job (published every second), with this node."""
-        try:
-            client = connect(self.ep, timeouts.CONTROL_REQUEST_S)
-            job = json.loads(client.get(STATUS_KEY))
-        except Exception:
-            return {**doc, "note": "the coordinator's job status is not available yet"}
-        return {**job, "served_by": {"node": self.index, "host": socket.gethostname(),
-                                     "pid": os.getpid()}}
+        return job_status(self.ep, self.index) or {
+            **doc, "note": "the coordinator's job status is not available yet"}
 
     # ----------------------------------------------------------------- what the agent asks
     def close(self, result: RunResult | None) -> None:

@@ -20,7 +20,7 @@ from ftrun.adapters.store import HostedStore
 from ftrun.agent.jobview import Node, merge_job_status
 from ftrun.cluster.host import NodeHost
 from ftrun.cluster.link import STATUS_KEY, Endpoint, command_queue, read_payloads
-from ftrun.cluster.messages import Command, NetDown, Payload, parse_payload, send
+from ftrun.cluster.messages import Command, NetDown, Payload, Ping, parse_payload, send
 from ftrun.cluster.netdrill import NetDrills, check_duration, refuse
 from ftrun.cluster.nodewatch import NodeWatch
 from ftrun.core import timeouts
@@ -51,8 +51,15 @@ class NodeTable:
         if self._net is not None:
             self._net.close()
 
-    def _send(self, node: Node, cmd: Command) -> None:
+    def send(self, node: Node, cmd: Command) -> None:
         send(self.rdzv.store, command_queue(node.index), cmd)  # our own store
+
+    def ping(self, ping: tuple[int, list[int]] | None) -> None:
+        """Round `seq` of pings to these nodes (a live agent answers in ms), if any."""
+        if ping is not None:
+            seq, nodes = ping
+            for index in nodes:
+                self.send(self.nodes[index], Ping(seq=seq))
 
     def alive(self) -> list[Node]:
         return [n for n in list(self.nodes.values()) if n.alive]  # the control thread too
@@ -93,7 +100,7 @@ class NodeTable:
             except queue.Empty:
                 break
             if self.nodes[node].alive:
-                self._send(self.nodes[node], NetDown(duration=duration))
+                self.send(self.nodes[node], NetDown(duration=duration))
         if self._net is not None:
             self._net.check()
 

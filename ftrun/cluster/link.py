@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import queue
 import socket
 import threading
@@ -22,7 +23,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-from ftrun.adapters.store import HostedStore, client
+from ftrun.adapters.store import HostedStore, QueueReader, client
 from ftrun.cluster.messages import Command, Report
 from ftrun.core import timeouts
 from ftrun.core.errors import FtrunError, StoreError, first_line
@@ -253,3 +254,27 @@ class Outbox:
             except Exception as exc:
                 self._on_lost(first_line(exc))
                 return
+
+
+def job_status(ep: Endpoint, node: int) -> dict[str, Any] | None:
+    """The coordinator's view of the whole job (it publishes one every second), as node
+    `node` serves it; None while there is none."""
+    try:
+        job = json.loads(connect(ep, timeouts.CONTROL_REQUEST_S).get(STATUS_KEY))
+    except Exception:
+        return None
+    return {**job, "served_by": {"node": node, "host": socket.gethostname(),
+                                 "pid": os.getpid()}}
+
+
+def open_channels(ep: Endpoint, node: int, beat_s: float, payload: Callable[[], Any],
+                  deliver: Callable[[str | bytes], None], on_lost: Callable[[str], None]
+                  ) -> tuple[Outbox, QueueReader, Heartbeat]:
+    """One membership's channels to the store at `ep` for node `node`: the outbox of its
+    reports, the reader of its commands (`deliver`), its heartbeat carrying `payload`; any
+    of them that loses the store calls `on_lost`."""
+    outbox = Outbox(ep, AGENT_QUEUE, timeouts.STORE_LOST_S, on_lost)
+    reader = QueueReader(lambda: connect(ep, timeouts.STORE_CLIENT_CONNECT_S),
+                         command_queue(node), deliver, on_lost, "ftrun-commands")
+    beat = Heartbeat(ep, node, beat_s, timeouts.STORE_LOST_S, payload, on_lost)
+    return outbox, reader, beat

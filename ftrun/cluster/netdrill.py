@@ -44,6 +44,13 @@ class NetDrills:
                                           f"{duration:g} s"})
         return {"node": node, "device": self.device, "duration": duration}
 
+    def start_commanded(self, node: int, duration: float) -> None:
+        """A drill the coordinator sent: refused, it is said here (nobody waits for it)."""
+        try:
+            self.start(node, duration)
+        except FtrunError as exc:
+            self._emit(Event.NOTICE, {"text": f"net-down drill refused: {exc.message}"})
+
     def check(self) -> None:
         """The main loop's pass: a link that did not come back up is said once."""
         failed, self._drill.failed = self._drill.failed, None

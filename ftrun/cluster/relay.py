@@ -144,8 +144,8 @@ def connector(addr: str) -> Callable[[], Any]:
 
 
 def open_relay(addr: str, port: int, node: int) -> tuple[GenerationRelay | None, str]:
-    """This attempt's relay of the coordinator's store at `addr:port`, or None with why it
-    could not start (the workers then watch the coordinator's store, as they can)."""
+    """This attempt's relay of the coordinator's store at `addr:port`, or None and the line
+    saying it could not start (the workers then watch the coordinator's store, as they can)."""
     from ftrun.adapters.store import client
 
     try:
@@ -153,4 +153,5 @@ def open_relay(addr: str, port: int, node: int) -> tuple[GenerationRelay | None,
             lambda: client(addr, port, timeouts.STORE_CLIENT_CONNECT_S),
             node, lambda why: None), ""  # a lost store is the heartbeat's to notice
     except Exception as exc:
-        return None, first_line(exc)
+        return None, (f"no generation relay on this node ({first_line(exc)}); its workers "
+                      "watch the coordinator's store")

@@ -24,7 +24,7 @@ from ftrun.cluster.adoption import adopt
 from ftrun.cluster.coordinating import Coordinating
 from ftrun.cluster.host import NodeHost
 from ftrun.cluster.link import Endpoint, connect, reach
-from ftrun.cluster.plane import EtcdPlane
+from ftrun.cluster.plane import EtcdPlane, Plane
 from ftrun.cluster.relay import GenerationRelay, connector
 from ftrun.core import timeouts
 from ftrun.core.errors import FtrunError, first_line
@@ -47,10 +47,19 @@ class Rejoin:
     running: str
 
 
-def succeed(host: NodeHost, plane: EtcdPlane, index: int, old: Endpoint,
-            relay: GenerationRelay, lost: Leaderless) -> RunResult | Rejoin | str:
+def leaderless(plane: Plane, relay: GenerationRelay | None, why: str) -> Leaderless | None:
+    """etcd: the coordinator's store lost while this node's lease lives, with workers that
+    follow generations through the relay: a new coordinator can adopt them. None: fence."""
+    if plane.backend != "etcd" or relay is None or plane.deposed() is not None:
+        return None
+    return Leaderless(why, time.time())
+
+
+def succeed(host: NodeHost, plane: Plane, index: int, old: Endpoint,
+            relay: GenerationRelay | None, lost: Leaderless) -> RunResult | Rejoin | str:
     """The run's result once this agent took over and the job ended, a store to rejoin, or
     why this node must fence."""
+    assert isinstance(plane, EtcdPlane) and relay is not None  # as `leaderless` found
     deadline = time.monotonic() + timeouts.ETCD_SUCCESSION_S
     _end_a_dead_leaders_lease(host, plane, old)
     while time.monotonic() < deadline and not host.wakeup.signals:
