@@ -100,7 +100,8 @@ class _Collector:
 
 
 def plane_families(plane: ControlPlane | None) -> Iterator[Any]:
-    """Multi-node: who coordinates (the coordinator's document has it)."""
+    """Multi-node: who coordinates (the coordinator's document has it). The counter is served
+    as ftrun_leader_changes_total."""
     from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
     if plane is None:
