@@ -5,6 +5,8 @@ is published, stopped, started and called in, and when."""
 
 from __future__ import annotations
 
+import json
+
 from test_recovery_core import FakePort, MemoryStore, exit_, hello, make, say
 
 from ftrun.agent.recovery import Recovery
@@ -120,3 +122,21 @@ def test_spare_groups_dying_before_any_commit_are_not_restarted_forever() -> Non
     assert len(port.placed) == 2 * CRASH_LOOP_LIMIT  # the last death started none
     assert "(a crash loop); not starting more" in port.notices()[-1]
     assert rec.groups.spares == []
+
+
+def test_a_fresh_groups_hello_queued_behind_the_commit_that_started_it_is_taken() -> None:
+    """A forked worker can say hello before the agent is done with the request whose handling
+    started it: the hello, queued behind that first commit, is the started worker's."""
+    rec, port, store = make(**SHARDED)
+    hello(rec, 0)
+    assert rec.on_exit(exit_(port, 3, 1)) is None
+    gen = rec.membership.generation
+    rec.deliver(json.dumps({"kind": "recovered", "worker": 0, "generation": gen,
+                            "fault_at": 1000.0, "published_at": 0.0, "noticed": 0.0,
+                            "rebuilt": 0.0, "healed": 0.0, "step": 3, "first_commit": 1000.25}))
+    for w in (4, 5):  # the ids the first commit's refill gives the fresh group
+        rec.deliver(json.dumps({"kind": "hello", "worker": w, "pid": 100 + w, "spare": False}))
+    assert rec.handle_requests() is None
+    assert port.notices() == []  # neither hello refused as a stranger's
+    gen2 = store.generation()
+    assert (gen2.number, gen2.members, gen2.joiners) == (2, (0, 1, 4, 5), (4, 5))

@@ -1,10 +1,9 @@
 """The agent's side of in-process recovery: generations, spares, joiners, worker requests.
 
 Owns: the attempt's `Membership` (who is what, the generation), publishing generation records,
-the worker requests the agent's reader delivers (hello, comm_failed, suspect, recovered),
-doing what `policy` decides on a member's fault, a node's loss or a stuck communicator
-(replace with a spare or a new process, shrink then grow, rebuild), the crash-loop counters
-the policy reads, and keeping the spare pool full.
+the worker requests the agent's reader delivers (hello, comm_failed, suspect, recovered), doing
+what `policy` decides on a member's fault, a node's loss or a stuck communicator (replace with a
+spare or a new process, shrink then grow, rebuild), and keeping the spare pool full.
 Must not import: typer, rich, the CLI, the worker library, the agent (it reaches the node
 through `ports.RecoveryPort`).
 """
@@ -62,8 +61,7 @@ R = WorkerRole
 class Recovery:
     def __init__(self, port: RecoveryPort, store: Any, adopted: Membership | None = None,
                  store_at: str = "") -> None:
-        """`adopted`: the membership of a running attempt this agent takes over, whose next
-        generation names the store it forms on now (`store_at`, host:port)."""
+        """`adopted`: a running attempt's membership, taken over on the store at `store_at`."""
         self.port = port
         self.spec = port.spec
         self.store = store
@@ -303,12 +301,14 @@ class Recovery:
     # ------------------------------------------------------------ requests
     def handle_requests(self) -> Decision | None:
         """Act on what workers asked; a Decision when the run cannot go on in-process."""
-        started = {w.worker_id for w in self.port.all_workers()}
-        while (req := self.inbox.next(started.__contains__)) is not None:
+        while (req := self.inbox.next(self._started)) is not None:
             decision = self._act_on(req)
             if decision is not None:
                 return decision
         return None
+
+    def _started(self, worker_id: int) -> bool:  # per request: acting on one can start spares
+        return any(w.worker_id == worker_id for w in self.port.all_workers())
 
     def _act_on(self, req: Request) -> Decision | None:
         match req:
