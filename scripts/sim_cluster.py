@@ -10,6 +10,13 @@ queue, its first generation read from the store, a `GenerationWatcher` thread bl
 next generation key on a connection of its own. It runs no torch and no collective.
 Simplification, counted in the figures: a node's workers share one connection for their
 requests (hello, suspect; a few per run), where real workers have one each.
+On the etcd control plane (`Sim(..., etcd=conf)`) each simulated node first takes its seat as a
+real follower's agent does (`ftrun.cluster.elect.elected`): an `EtcdPlane` (its own etcd client,
+a lease kept alive by its own thread, its place in the election), a first campaign that must
+lose to the coordinator, the store of the leader in office read from etcd (`wait_store`), and
+its node key on its lease once it has an index (`register`); every beat asks `deposed()`, as
+the follower's loop does, and a deposed node is an error of the run. A dead node's lease is
+left to lapse (its host is gone); an ended node revokes it (the follower's `close`).
 Must not import: the agent's loop (only its health-check period, as the follower does), the
 CLI (the coordinator under test is a real `ftrun` process).
 """
@@ -21,10 +28,12 @@ import queue
 import socket
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from datetime import timedelta
 from typing import Any
 
+from ftrun.adapters.etcd_conf import EtcdConf
 from ftrun.adapters.store import CountingStore, QueueReader, Tally, client
 from ftrun.agent.watch import CHECK_EVERY_S
 from ftrun.cluster.link import (
@@ -51,6 +60,7 @@ from ftrun.cluster.messages import (
     Stopped,
     parse_command,
 )
+from ftrun.cluster.plane import EtcdPlane
 from ftrun.cluster.relay import GenerationRelay
 from ftrun.core import timeouts
 from ftrun.core.policy import Liveness
@@ -63,6 +73,7 @@ SPAWNERS = 4  # threads starting simulated workers (connections wait on the reso
 SPAWN_PAUSE_S = 0.003  # after each start: the GIL goes back to the heartbeat threads
 STEP_S = 0.5  # a simulated step: what the payloads and node 0's workers report
 CONNECT_S = 60.0
+ETCD_JOINERS = 8  # simulated nodes taking their etcd seat at once
 
 
 class SimWorker:
@@ -101,6 +112,8 @@ class SimNode:
     def __init__(self, sim: Sim, nproc: int) -> None:
         self.sim, self.nproc = sim, nproc
         self.index = -1
+        self.ep: Endpoint | None = sim.ep  # the agents' store (etcd: read from the plane)
+        self.plane: EtcdPlane | None = None
         self.workers: dict[int, SimWorker] = {}
         self.lock = threading.Lock()
         self.requests: Any = None  # the node's workers' request connection (worker store)
@@ -111,24 +124,41 @@ class SimNode:
         self._attempt = 0
         self._payload_at, self._last_payload = 0.0, dict[str, Any]()
         self._beat_at, self.max_gap = 0.0, 0.0  # the longest pause between two beats
+        self._fenced = False
 
     # ------------------------------------------------------------------ joining
+    def take_seat(self) -> Endpoint:
+        """etcd: the follower's first steps (`elected`): a lease, a first campaign lost to
+        the coordinator, then the store the leader in office published."""
+        assert self.sim.etcd is not None
+        host = socket.gethostname()
+        self.plane = EtcdPlane(self.sim.etcd, f"{host}.{os.getpid()}.sim", host)
+        if self.plane.lead(timeouts.ETCD_FIRST_CAMPAIGN_S):
+            raise RuntimeError("a simulated node won the election (the coordinator must lead)")
+        return self.plane.wait_store(CONNECT_S, lambda: False)
+
     def join(self) -> None:
         sim = self.sim
-        link = CountingStore(connect(sim.ep, CONNECT_S), sim.ops)
+        if sim.etcd is not None:
+            self.ep = self.take_seat()
+        ep = self.ep
+        assert ep is not None
+        link = CountingStore(connect(ep, CONNECT_S), sim.ops)
         link.set_timeout(timedelta(seconds=timeouts.STORE_LOST_S))
         self.index = int(link.add(NODE_COUNTER, 1))
         link.delete_key(command_queue(self.index))
         self._link = link
-        self._outbox = Outbox(sim.ep, AGENT_QUEUE, timeouts.STORE_LOST_S, self._lost)
-        self._reader = QueueReader(lambda: CountingStore(connect(sim.ep, CONNECT_S), sim.ops),
+        self._outbox = Outbox(ep, AGENT_QUEUE, timeouts.STORE_LOST_S, self._lost)
+        self._reader = QueueReader(lambda: CountingStore(connect(ep, CONNECT_S), sim.ops),
                                    command_queue(self.index), self._command, self._lost,
                                    f"sim-node-{self.index}")
-        self._beat = Heartbeat(sim.ep, self.index, timeouts.NODE_HEARTBEAT_S,
+        self._beat = Heartbeat(ep, self.index, timeouts.NODE_HEARTBEAT_S,
                                timeouts.STORE_LOST_S, self._payload, self._lost)
         self.report(Join(node=self.index, host=socket.gethostname(), pid=os.getpid(),
                          nproc=self.nproc, rdzv_id=sim.rdzv_id, net_drill="simulated",
                          running=""))
+        if self.plane is not None:
+            self.plane.register(self.index)
 
     def report(self, msg: Any) -> None:
         if not self.dead:
@@ -219,6 +249,8 @@ class SimNode:
         """The node's host is gone: no beats, no answers (its relay's copies go unseen)."""
         self.dead = True
         self._beat.close(wait=False)
+        if self.plane is not None:
+            self.plane.lease.stop()  # no keep-alive from a dead host: the lease lapses
         for w in self.workers.values():
             w.stop()
 
@@ -232,12 +264,22 @@ class SimNode:
         self._reader.close(None)
         if self.relay is not None:
             self.relay.close(link_works=False)  # the job's stores go with the coordinator
+        if self.plane is not None:
+            self.plane.close()  # the lease revoked, as a follower leaves
+
+    def _deposed(self, why: str | None) -> None:
+        """A real follower fences itself here (its workers stopped): an error of the run."""
+        if why is not None and not self._fenced:
+            self._fenced = True
+            self.sim.errors.append(f"node {self.index} deposed in etcd: {why}")
 
     def _payload(self) -> dict[str, Any]:
         """Heartbeat thread, once per beat: shaped as a real follower's and rebuilt as often
         (`Follower._payload`)."""
         self.sim.ops.add()  # the heartbeat bumps the counter; it sets a payload when rebuilt
         now = time.time()
+        if self.plane is not None and not self.dead and self.ended is None:
+            self._deposed(self.plane.deposed())
         if self._beat_at:
             self.max_gap = max(self.max_gap, now - self._beat_at)
         self._beat_at = now
@@ -265,9 +307,9 @@ class SimNode:
 class Sim:
     """Many simulated nodes against one coordinator at `ep`."""
 
-    def __init__(self, ep: Endpoint, rdzv_id: str, watchers: int = 8,
-                 relays: bool = True) -> None:
-        self.ep, self.rdzv_id = ep, rdzv_id
+    def __init__(self, ep: Endpoint | None, rdzv_id: str, watchers: int = 8,
+                 relays: bool = True, etcd: EtcdConf | None = None) -> None:
+        self.ep, self.rdzv_id, self.etcd = ep, rdzv_id, etcd  # etcd: the store is found there
         self.watchers, self.relays = watchers, relays  # watching workers per node
         self.ops = Tally()  # requests the simulated side issues
         self.nodes: list[SimNode] = []
@@ -293,9 +335,15 @@ class Sim:
             time.sleep(SPAWN_PAUSE_S)
 
     def add_nodes(self, count: int, nproc: int) -> None:
+        """`count` nodes join; on etcd several at once (each first campaign waits its
+        ETCD_FIRST_CAMPAIGN_S, as real agents do side by side)."""
         nodes = [SimNode(self, nproc) for _ in range(count)]
-        for node in nodes:
-            node.join()
+        if self.etcd is None:
+            for node in nodes:
+                node.join()
+        else:
+            with ThreadPoolExecutor(ETCD_JOINERS, thread_name_prefix="sim-join") as pool:
+                list(pool.map(SimNode.join, nodes))
         self.nodes += nodes
 
     def live_workers(self) -> list[SimWorker]:

@@ -1,0 +1,66 @@
+"""The etcd control plane for `sim_scale.py --rdzv-backend etcd`: a real 3-member etcd on
+loopback (tests/etcdlab.py's lab, imported as scripts/bench_node_loss.py does), where the
+coordinator published its store, and how many requests etcd served.
+
+Requests are counted by etcd itself: the sum over every member of
+`grpc_server_msg_received_total` (each message a client sent: a unary request, a keep-alive,
+a watch's create; etcd's HTTP gateway turns every JSON request into one), scraped from each
+member's /metrics before and after a window. Scrapes are plain HTTP and not counted there.
+Must not import: the coordinator's code beyond the etcd adapter and the plane's key name.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+import urllib.request
+from collections import Counter
+from typing import Any
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SCRAPE_S = 5.0  # one member's /metrics
+RECEIVED = re.compile(r'^grpc_server_msg_received_total\{[^}]*grpc_method="(\w+)"[^}]*\} (\S+)$')
+
+
+def start_lab() -> Any:
+    """A started 3-member EtcdLab (its members die with this process)."""
+    sys.path.insert(0, os.path.join(HERE, "..", "tests"))
+    from etcdlab import EtcdLab
+
+    return EtcdLab(3).start()
+
+
+def received(lab: Any) -> Counter[str]:
+    """Messages every live member has received so far, by gRPC method."""
+    counts: Counter[str] = Counter()
+    for i in range(lab.count):
+        if not lab.alive(i):
+            continue
+        url = f"http://{lab.endpoint(i)}/metrics"
+        with urllib.request.urlopen(url, timeout=SCRAPE_S) as resp:
+            text = resp.read().decode()
+        for line in text.splitlines():
+            if (m := RECEIVED.match(line)) and float(m.group(2)):
+                counts[m.group(1)] += int(float(m.group(2)))
+    return counts
+
+
+def published_store(endpoints: str, rdzv_id: str) -> tuple[str, int] | None:
+    """The store the leader in office published (host, port), or None yet. The measuring
+    side reads it to watch the job's status; the simulated nodes find it as followers do."""
+    from ftrun.adapters.etcd import EtcdClient
+    from ftrun.adapters.etcd_conf import EtcdConf
+    from ftrun.cluster.plane import STORE_KEY
+
+    conf = EtcdConf.parse(tuple(endpoints.split(",")), {}, rdzv_id)
+    client = EtcdClient(conf)
+    try:
+        kv = client.get(conf.prefix + STORE_KEY)
+    finally:
+        client.close()
+    if kv is None:
+        return None
+    doc = json.loads(kv.value)
+    return str(doc["host"]), int(doc["port"])
