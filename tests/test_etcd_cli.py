@@ -61,6 +61,9 @@ def test_tls_keys_in_torchruns_two_spellings(tmp_path: Path) -> None:
             "https", str(pem["ca"]), str(pem["cert"]), str(pem["key"]))
     conf = EtcdConf.from_spec(spec(*etcd("--rdzv-conf", etcd_v2)))
     assert (conf.request_timeout, conf.lease_ttl) == (7.0, 4)
+    assert conf.outage_timeout == 30.0  # the documented default
+    conf = EtcdConf.from_spec(spec(*etcd("--rdzv-conf", "outage_timeout=6.5")))
+    assert conf.outage_timeout == 6.5
 
 
 @pytest.mark.parametrize("argv,message", [
@@ -78,6 +81,7 @@ def test_tls_keys_in_torchruns_two_spellings(tmp_path: Path) -> None:
     (etcd("--rdzv-conf", "protocol=https,cacert=/nonexistent.pem"), "no such file"),
     (etcd("--rdzv-conf", "lease_ttl=1.5"), "not a whole number of seconds"),
     (etcd("--rdzv-conf", "request_timeout=0"), "request_timeout must be > 0"),
+    (etcd("--rdzv-conf", "outage_timeout=-1"), "outage_timeout must be > 0"),
     (["--rdzv-backend", "etcd3", "t.py"], "'etcd3' is not supported"),
 ])
 def test_bad_etcd_arguments_are_one_line_usage_errors(argv: list[str], message: str) -> None:

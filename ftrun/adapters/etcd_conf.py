@@ -2,8 +2,8 @@
 
 Owns: `EtcdTls` (torchrun's --rdzv-conf TLS keys: protocol=https, cacert, cert, key, and the
 spellings of torchrun's etcd-v2 backend: ca_cert, ssl_cert, ssl_cert_key), `EtcdConf` (the
-members, TLS, the job's key prefix, the lease TTL and request timeout, ftrun's own
-`lease_ttl=` and `request_timeout=` keys) and splitting `HOST:PORT` / `[IPV6]:PORT`.
+members, TLS, the job's key prefix, the lease TTL and the timeouts: ftrun's own `lease_ttl=`,
+`request_timeout=` and `outage_timeout=` keys) and splitting `HOST:PORT` / `[IPV6]:PORT`.
 Pure: no network, no client import (the CLI validates with it before anything starts).
 Must not import: the etcd client, torch, typer, rich, the agent.
 """
@@ -72,6 +72,7 @@ class EtcdConf:
     prefix: str = f"{KEY_ROOT}/none/"  # the job's keys: /ftrun/<rdzv-id>/
     lease_ttl: int = timeouts.ETCD_LEASE_TTL_S
     request_timeout: float = timeouts.ETCD_REQUEST_S
+    outage_timeout: float = timeouts.ETCD_OUTAGE_S  # the majority gone this long: workers stop
 
     @property
     def where(self) -> str:
@@ -85,7 +86,9 @@ class EtcdConf:
                    prefix=f"{KEY_ROOT}/{run_id}/",
                    lease_ttl=_lease_ttl(conf.get("lease_ttl")),
                    request_timeout=timeouts.ETCD_REQUEST_S if timeout is None
-                   else _seconds(timeout))
+                   else _seconds(timeout, "request_timeout"),
+                   outage_timeout=_seconds(conf.get("outage_timeout", "")
+                                           or str(timeouts.ETCD_OUTAGE_S), "outage_timeout"))
 
     @classmethod
     def from_spec(cls, spec: RunSpec) -> EtcdConf:
@@ -101,14 +104,14 @@ def _lease_ttl(raw: str | None) -> int:
     return int(raw)
 
 
-def _seconds(raw: str) -> float:
+def _seconds(raw: str, key: str) -> float:
     try:
         value = float(raw)
     except ValueError:
         value = float("nan")
     if not value > 0 or value == float("inf"):
-        raise UsageError(f"--rdzv-conf request_timeout={raw} is not a number of seconds > 0",
-                         hint="e.g. request_timeout=3")
+        raise UsageError(f"--rdzv-conf {key}={raw} is not a number of seconds > 0",
+                         hint=f"e.g. {key}=30")
     return value
 
 

@@ -26,12 +26,7 @@ from ftrun.agent.roster import RemoteWorker, RunResult, Worker
 from ftrun.cluster.admission import Waiting, why_wait
 from ftrun.cluster.host import NodeHost
 from ftrun.cluster.jobnodes import NodeTable
-from ftrun.cluster.link import (
-    AGENT_QUEUE,
-    Endpoint,
-    conf_float,
-    connect,
-)
+from ftrun.cluster.link import AGENT_QUEUE, Endpoint, conf_float, connect
 from ftrun.cluster.messages import (
     Bye,
     End,
@@ -295,7 +290,10 @@ class Coordinating:
 
     def tick(self) -> Decision | None:
         if (why := self.plane.deposed()) is not None:  # another agent may lead by now
-            return Decision(Action.FAIL, f"the coordinator stopped deciding: {why}")
+            reason = f"the coordinator stopped deciding: {why}"
+            if (rec := self.host.recovery) is not None and rec.uses_api:  # no fault tells it
+                self.host.emit(Event.FAILURE, {"reason": reason, "rank": None})
+            return Decision(Action.FAIL, reason)
         if self.pending is not None:
             pending, self.pending = self.pending, None
             return pending

@@ -87,6 +87,7 @@ class Following(NoOtherNodes):
         self._session = 0  # one per membership: a cut session's threads may wake up late
         self._commands: queue.SimpleQueue[Command | str] = queue.SimpleQueue()
         self._lost: str | None = None
+        self._outage = False  # _lost: the etcd majority gone (no rejoining, no succession)
         self._beat: Heartbeat | None = None
         self._outbox: Outbox | None = None
         self._payload = NodePayload(host.services)
@@ -142,6 +143,7 @@ class Following(NoOtherNodes):
         `running`: this node's workers, still running (etcd: the coordinator changed)."""
         self._session += 1
         session, self._lost, self._commands = self._session, None, queue.SimpleQueue()
+        self._outage = False
         link.set_timeout(timedelta(seconds=timeouts.STORE_LOST_S))
         static = self.spec.rdzv_backend == "static"
         if not running:
@@ -201,8 +203,8 @@ class Following(NoOtherNodes):
         """Why this node is out of the job now (the store lost or silent), or None."""
         if self._lost is None and self._beat is not None:
             self._lost = cut_off(self._beat.silent_for(), self.fence_after_s)
-        if self._lost is None:
-            self._lost = self.plane.deposed()  # cut off from the etcd majority
+        if self._lost is None and (why := self.plane.deposed()) is not None:
+            self._lost, self._outage = why, True  # cut off from the etcd majority
         return self._lost
 
     def _next_command(self) -> Command | str | RunResult | Fenced:
@@ -215,7 +217,7 @@ class Following(NoOtherNodes):
                                       reason=f"received {signal.Signals(sig).name}"))
                     return self.host.signal_result(sig, self.host.restarts)
                 if (why := self._cut_off()) is not None:
-                    return Fenced(why, 0)
+                    return Fenced(why, 0, self._outage)
                 try:
                     return self._commands.get_nowait()
                 except queue.Empty:
@@ -335,7 +337,7 @@ class Following(NoOtherNodes):
         alive = len(workers.alive())
         workers.stop(signal.SIGTERM, timeouts.LOST_STORE_GRACE_S)
         workers.close_streams()
-        return Fenced(why, alive)
+        return Fenced(why, alive, self._outage)
 
     def _end(self, cmd: End) -> RunResult | Fenced:
         if cmd.lost:

@@ -103,7 +103,7 @@ class EtcdPlane:
                                  host)
         self.leader_changes = 0
         self.index: int | None = None  # this agent's node, once it joined the job
-        self.deposed_after_s = timeouts.ETCD_OUTAGE_S
+        self.deposed_after_s = conf.outage_timeout
         self._lapsed_at: float | None = None
         self._health: tuple[float, list[dict[str, Any]]] = (0.0, [])
 
@@ -138,10 +138,10 @@ class EtcdPlane:
     def record(self, number: int, record: str) -> None:
         """A generation is written under this agent's leadership before any worker sees it:
         refused (deposed), it never reaches them. Through an etcd outage the write is retried
-        (the job's other work goes on meanwhile) until ETCD_OUTAGE_S."""
+        (the job's other work goes on meanwhile) until the conf's outage_timeout."""
         from ftrun.adapters.etcd import EtcdError
 
-        deadline = time.monotonic() + timeouts.ETCD_OUTAGE_S
+        deadline = time.monotonic() + self.deposed_after_s
         while True:
             try:
                 if self.election.write({self.conf.prefix + GENERATION_KEY: record}):
@@ -152,7 +152,7 @@ class EtcdPlane:
             except EtcdError as exc:
                 if time.monotonic() >= deadline:
                     raise FtrunError(f"etcd did not take generation {number} within "
-                                     f"{timeouts.ETCD_OUTAGE_S:g} s ({exc.message})",
+                                     f"{self.deposed_after_s:g} s ({exc.message})",
                                      hint="bring the etcd majority back") from None
             time.sleep(timeouts.ETCD_RETRY_S)
 
@@ -222,9 +222,10 @@ class EtcdPlane:
             self._lapsed_at = None
             return None
         self._lapsed_at = self._lapsed_at or time.monotonic()
-        if time.monotonic() - self._lapsed_at >= self.deposed_after_s:
-            return (f"no etcd member renewed its lease for {self.deposed_after_s:g} s (cut off "
-                    "from the etcd majority)")
+        grace = 0.0 if self._won() else timeouts.ETCD_OUTAGE_FOLLOWER_GRACE_S
+        if time.monotonic() - self._lapsed_at >= self.deposed_after_s + grace:
+            return (f"the etcd majority at {self.conf.where} did not answer for "
+                    f"{self.deposed_after_s:g} s (--rdzv-conf outage_timeout=)")
         return None
 
     def up(self) -> bool:

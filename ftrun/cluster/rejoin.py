@@ -34,6 +34,7 @@ class Fenced:
 
     why: str
     stopped: int
+    final: bool = False  # the control plane itself is gone (etcd's majority): no rejoining
 
 
 class Rejoin:
@@ -60,6 +61,9 @@ class Rejoin:
 
     def connect(self, fenced: Fenced) -> Any:
         """A new connection to the store (to join again, as a new node), or the run's end."""
+        if fenced.final:
+            return self._ended(f"{fenced.why}; stopped {fenced.stopped} worker"
+                               f"{_s(fenced.stopped)} of this node")
         if self.rejoin_s > 0:
             self.host.emit(Event.NOTICE, {
                 "text": f"fenced: cut off from {self._store_lost(fenced)}; trying to rejoin "
@@ -86,7 +90,9 @@ class Rejoin:
                 f"worker{_s(fenced.stopped)} of this node")
 
     def _lost_result(self, fenced: Fenced, why: str) -> RunResult:
-        reason = f"lost {self._store_lost(fenced)}; {why}"
+        return self._ended(f"lost {self._store_lost(fenced)}; {why}")
+
+    def _ended(self, reason: str) -> RunResult:
         self.host.emit(Event.FAILURE, {"reason": reason, "rank": None})
         return RunResult(1, reason, restarts_used=self.host.restarts,
                          log_dir=self.host.services.logs.run_dir)

@@ -60,6 +60,8 @@ ETCD_RETRY_S = 0.1  # every member refused at once (or a watch stream broke): th
 ETCD_STORE_POLL_S = 0.1  # a follower looking for the store of the leader in office
 ETCD_OUTAGE_S = 30.0  # etcd's majority gone this long: an agent stops its workers (training goes
 # on meanwhile: the steady state needs no control traffic; a generation waits for etcd)
+ETCD_OUTAGE_FOLLOWER_GRACE_S = 3.0  # ...and a follower this much longer: the coordinator's
+# verdict (the job stops, one line) reaches it first
 ETCD_SUCCESSION_S = 10.0  # the coordinator gone: a new one elected and its store found
 ETCD_REJOIN_WAIT_S = 5.0  # a new coordinator waits this long for the survivors' nodes
 ETCD_CAMPAIGN_TRY_S = 0.2  # one try for the leadership during a succession (then: who leads?)
