@@ -73,7 +73,7 @@ def test_a_message_parses_only_on_its_own_channel() -> None:
 def test_the_recovered_event_keeps_the_request_keys() -> None:
     assert list(to_fields(REQUESTS[3])) == [
         "kind", "worker", "generation", "fault_at", "published_at", "noticed", "rebuilt",
-        "healed", "step", "first_commit"]
+        "healed", "step", "first_commit", "redone_samples", "redone_fraction"]
     assert to_fields(REQUESTS[2]) == {"kind": "suspect", "worker": 0, "generation": 7}
 
 
@@ -82,6 +82,7 @@ def test_unknown_fields_are_dropped_and_an_int_is_a_float() -> None:
            ' 1, "noticed": 2, "rebuilt": 3, "healed": 4, "step": 5, "first_commit": 6, "x": 1}')
     got = parse_request(raw)
     assert isinstance(got, Recovered) and got.fault_at == 0 and "x" not in to_fields(got)
+    assert got.redone_samples == 0  # a field the sender did not know: its default
 
 
 @pytest.mark.parametrize("parse, raw, why", [

@@ -17,6 +17,7 @@ from typing import Any
 from ftrun.agent.generations import Generations, Respawns
 from ftrun.agent.inbox import Inbox
 from ftrun.agent.ports import RecoveryPort
+from ftrun.agent.redo import EnterLater
 from ftrun.agent.replica_groups import ReplicaGroups
 from ftrun.agent.roster import RemoteWorker, Worker
 from ftrun.agent.script_ends import ScriptEnds
@@ -76,9 +77,9 @@ class Recovery:
         self.respawns = Respawns(port, self._snapshot)
         self.groups = ReplicaGroups(self.spec, port, store, self.membership, self.ends,
                                     self.gens, self.respawns)
+        self.later = EnterLater(self.spec, self.gens, self.membership)  # --redo lost
         if adopted is None:
-            first = Generation(0, self.membership.members, reason="start",
-                               published_at=time.time())
+            first = Generation(0, self.membership.members, "start", published_at=time.time())
             port.fence_generation(first)
             publish(store, first, self.gens.relays())
 
@@ -203,7 +204,7 @@ class Recovery:
             d = decide_late_fault(snap, w.worker_id, why, new_id, crash_loop=loop)
             self.ends.after_late_fault(w.worker_id, live.index(w.worker_id), why, d)
         else:
-            d = decide_fault(snap, w.worker_id, why, new_id, crash_loop=loop)
+            d = self.later.reword(decide_fault(snap, w.worker_id, why, new_id, crash_loop=loop))
         self._emit_fault({"worker": w.worker_id, "rank": live.index(w.worker_id), "why": why,
                           "decision": d.action.value, "reason": d.reason,
                           "detected_at": w.exit.wall_time})
@@ -212,6 +213,9 @@ class Recovery:
             if late:
                 self.groups.lost_late(d, w.worker_id, live, why)
             return None
+        if d.action is FaultAction.REPLACE and self.later.on and not late:
+            return self.later.replace(d, fault_at, (node, w.local_rank), self._refills,
+                                      self._joiners_to_start)
         if d.action is FaultAction.REPLACE:
             # published first: the survivors re-form while the replacement starts
             self.gens.publish(d.members, d.reason, True, fault_at, d.joiners)
@@ -228,16 +232,13 @@ class Recovery:
             return None
         return _stop(d, w.rank)
 
-
     def _emit_fault(self, fields: dict[str, Any]) -> None:
-        """A fault event, with the highest step any member had committed before it: the
-        journal compares it with the step training resumes from (committed work lost)."""
+        """A fault event, with the highest step committed before it (the journal's lost work)."""
         steps = [self.port.committed_step(m) for m in self.membership.members]
         self.port.emit(Event.FAULT, {**fields, "committed_before": max(steps, default=-1)})
 
     def rebuild(self, reason: str) -> bool:
-        """No member is to blame but the group is stuck: same members, a new communicator.
-        False: refused (the fault budget is spent)."""
+        """The group is stuck, no member to blame: a new communicator (False: over budget)."""
         self.faults += 1
         d = decide_rebuild(self._snapshot(), reason)
         if d.action is FaultAction.NONE:
@@ -332,6 +333,7 @@ class Recovery:
                     self._reported.add(req.generation)  # the first member to commit
                     self.port.emit(Event.RECOVERED, to_fields(req))
                     self.groups.back_in_service(req)
+                    self.later.committed()
                     if not self.ends.training_over(self.membership.members):
                         self._refill()  # past training, a new spare would serve nothing
             case Stage():
@@ -346,6 +348,7 @@ class Recovery:
         ms.api_users.add(wid)
         if req.spare and ms.role(wid) is R.STARTING_SPARE:  # one called in while starting is
             ms.move(wid, R.SPARE)  # HEALING by now: its hello changes nothing
+            self.later.hello(wid)
         if ms.role(wid) is R.JOINING:
             ms.move(wid, R.READY)
             self._grow_if_ready(node_of(wid))
@@ -364,8 +367,7 @@ class Recovery:
         return None
 
     def _committed_first(self, wid: int) -> None:
-        """A joiner holds committed state now: the crash-loop counts behind it start over. (A
-        joiner whose clean exit was handled first keeps them: the job is ending anyway.)"""
+        """A joiner holds committed state now: the crash-loop counts behind it start over."""
         if self.membership.role(wid) is not R.HEALING:
             return
         self.membership.move(wid, R.MEMBER)
@@ -373,9 +375,7 @@ class Recovery:
         self.respawns.committed(node_of(wid), members.index(wid) if wid in members else None)
 
     def _refill(self) -> None:
-        """New spares and shrink-mode replacements start once the job has recovered:
-        importing torch takes a core for seconds, which the recovering step should not
-        have to share."""
+        """New spares and joiners start once the job recovered (their import takes a core)."""
         while self._refills:
             node, local_rank = self._refills.pop(0)
             self.gens.spawn(node, local_rank, R.STARTING_SPARE)

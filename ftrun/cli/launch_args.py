@@ -128,6 +128,8 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
         "this many MB (each side holds a few beside the state)")
     opt("heal-sources", default=DEFAULT_SOURCES, help="the most live replicas one healing "
         "member pulls from at once, each sending a share of the chunks")
+    opt("redo", default="step", choices=["step", "lost"], help="after a fault: repeat the "
+        "broken step on every rank, or only the lost ranks' share of it, split among the survivors")
     opt("max-faults", default="100", help="faults recovered in-process before giving up")
     opt("comm", default="auto", choices=["auto", "native", "fresh"],
         help="how survivors re-form their communicator: torch's native reconfigure of the "
@@ -248,6 +250,7 @@ def build_run_spec(
         shutdown_timeout=_shutdown_timeout(ns.shutdown_timeout, env),
         signals_to_handle=_parse_signals(ns.signals_to_handle),
         on_fault=ns.on_fault,
+        redo=ns.redo,
         min_nproc=_min_nproc(ns.min_nproc, nproc, nmax),
         spares=_int(ns.spares, "--spares", minimum=0),
         max_faults=_int(ns.max_faults, "--max-faults", minimum=0),

@@ -100,6 +100,7 @@ class RunSpec:
     heal_chunk_mb: float = HEAL_CHUNK_MB
     heal_sources: int = HEAL_SOURCES
     rdzv_endpoints: tuple[str, ...] = ()  # etcd: every member, HOST:PORT or [IPV6]:PORT
+    redo: str = "step"  # after a fault: repeat the broken step (step) or only its lost share
 
     @property
     def snapshots(self) -> bool:
@@ -154,12 +155,13 @@ _ENV_NAMES: dict[str, str] = {
     "relay": "FTRUN_RELAY",
     "heal_chunk_mb": "FTRUN_HEAL_CHUNK_MB",
     "heal_sources": "FTRUN_HEAL_SOURCES",
+    "redo": "FTRUN_REDO",
 }
 
 _OMITTED_AT_DEFAULT = frozenset(
     {"snapshot_shm", "snapshot_every", "snapshot_interval", "resume", "resume_dir",
      "snapshot_spill", "resume_run", "resume_step", "shard_size", "relay", "heal_chunk_mb",
-     "heal_sources"})
+     "heal_sources", "redo"})
 
 
 @dataclass(frozen=True)
@@ -201,6 +203,7 @@ class WorkerEnv:
     relay: str = ""  # HOST:PORT of the node agent's generation relay ("": watch the store)
     heal_chunk_mb: float = HEAL_CHUNK_MB  # --heal-chunk-mb
     heal_sources: int = HEAL_SOURCES  # --heal-sources
+    redo: str = "step"  # --redo: step | lost (worker/makeup.py)
 
     def to_env(self) -> dict[str, str]:
         # Snapshot variables appear only when snapshots are on, so a job without

@@ -14,7 +14,7 @@ import functools
 import json
 import math
 from collections.abc import Iterable, Mapping
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from datetime import timedelta
 from typing import Any, ClassVar, Protocol, TypeVar, get_type_hints
 
@@ -156,8 +156,9 @@ def encode(msg: Message) -> str:
 def decode(raw: str | bytes, kinds: Mapping[str, type[M]]) -> M | str:
     """The message `raw` carries, or the one-line reason it is refused. Anything may arrive on
     a queue (any process that reaches the store can push), so every field is checked against
-    its dataclass here, where it enters: present, of its type (no bool for an int, a finite
-    float, an int for a float), an id not negative. Unknown fields are dropped."""
+    its dataclass here, where it enters: present (or given a default: a sender older than
+    the field), of its type (no bool for an int, a finite float, an int for a float), an id
+    not negative. Unknown fields are dropped."""
     try:
         doc = json.loads(raw)
     except (ValueError, RecursionError):
@@ -169,15 +170,18 @@ def decode(raw: str | bytes, kinds: Mapping[str, type[M]]) -> M | str:
     if cls is None:
         return f"unknown kind {str(kind)[:40]!r}"
     schema = _schema(cls)
+    optional = {f.name for f in fields(cls) if f.default is not MISSING}
     for name, want in schema.items():
-        if name not in doc:
+        if name not in doc and name not in optional:
             return f"{kind}: no {name!r}"
+        if name not in doc:
+            continue
         if not _is_a(doc[name], want):
             return f"{kind}: {name!r} is {str(doc[name])[:40]!r}, not {want.__name__}"
     for name in _IDS:
         if name in schema and doc[name] < 0:
             return f"{kind}: {name} {doc[name]} is negative"
-    return cls(**{name: doc[name] for name in schema})
+    return cls(**{name: doc[name] for name in schema if name in doc})
 
 
 @functools.cache
@@ -228,7 +232,9 @@ class Suspect:
 @dataclass(frozen=True)
 class Recovered:
     """A worker's first commit in generation `generation`, with its recovery's phases (wall
-    clock)."""
+    clock), and the work of the broken step it redid, job-wide: samples (-1: not known, the
+    script cut its batches itself) and the fraction of the step (--redo lost: the lost share;
+    --redo step: 1.0; 0 when no step broke)."""
 
     kind: ClassVar[str] = "recovered"
     worker: int
@@ -240,6 +246,8 @@ class Recovered:
     healed: float
     step: int
     first_commit: float
+    redone_samples: int = 0
+    redone_fraction: float = 0.0
 
 
 @dataclass(frozen=True)

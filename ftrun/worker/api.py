@@ -34,6 +34,7 @@ from ftrun.worker.comm import Abandoned, CommError, Interrupt
 from ftrun.worker.drills import Drills
 from ftrun.worker.joining import connect, quiet_store_warnings, warm_up
 from ftrun.worker.loader import Loader
+from ftrun.worker.makeup import Makeup, redo_for
 from ftrun.worker.member import Member, join
 from ftrun.worker.replica_sync import ReplicaSync
 from ftrun.worker.rng import RandomStreams
@@ -101,6 +102,7 @@ class FaultTolerant:
                                      self._bucket_starting, self._in_collective)
         self._replicas = ReplicaView(lambda: (self.rank, self.world_size), sharding,
                                      None if wenv is not None else self._shard_plainly)
+        self._redo = redo_for(wenv, self._sync)  # --redo: what a broken step leaves
         if wenv is None:
             self._member = Member.plain(backend)
             if int(os.environ.get("FTRUN_SHARD_SIZE", "1")) > 1:  # torchrun, like --shard-size
@@ -176,7 +178,7 @@ class FaultTolerant:
     def loader(self, dataset: Any, global_batch_size: int, **options: Any) -> Loader:
         """Step s's global batch, a fixed list of dataset indices; `batch(step, micro, accum)`
         reads this rank's part (ftrun.worker.loader.Loader: shuffle, seed, num_workers)."""
-        return Loader(dataset, global_batch_size, **options,
+        return Loader(dataset, global_batch_size, **options, makeup=self._redo.cut,
                       membership=lambda: (self.rank, self.world_size, self.generation))
 
     def steps(self, total: int) -> Iterator[int]:
@@ -204,11 +206,16 @@ class FaultTolerant:
                                      hint="ft.sync(), your optimizer step, then ft.commit(); "
                                           "or ft.commit(optimizer)")
 
-    def batch_slice(self, global_batch: int) -> slice:
-        """This rank's contiguous share of a global batch, from the live membership."""
-        base, extra = divmod(global_batch, self.world_size)
-        start = self.rank * base + min(self.rank, extra)
-        return slice(start, start + base + (1 if self.rank < extra else 0))
+    def batch_slice(self, global_batch: int) -> slice | list[int]:
+        """This rank's contiguous share of a global batch, from the live membership; in a
+        make-up pass, its part of the lost share (a list of positions if not contiguous)."""
+        return self._redo.batch_slice(global_batch, self.rank, self.world_size)
+
+    @property
+    def makeup(self) -> Makeup | None:
+        """None in a full pass; in a make-up pass (--redo lost), this rank's part of the lost
+        share (`samples`: what ft.batch_slice or ft.loader handed out so far in this pass)."""
+        return self._redo.makeup
 
     def long_phase(self, name: str) -> contextlib.AbstractContextManager[None]:
         """`with ft.long_phase("eval"):` a legitimately long phase (an evaluation, a
@@ -251,6 +258,7 @@ class FaultTolerant:
         if member.mode.broken:
             if not finished:  # broken before: its replica group still counts on one vote
                 self._sync.abstain()
+            self._redo.broke(self.committed, member.group.gen, self._sync)  # before drop()
             # an abandoned all-reduce is not cancelled and may still write into its bucket:
             # never let it near a later step's gradients
             self._sync.drop()
@@ -284,7 +292,7 @@ class FaultTolerant:
         self._healer.committed(self._state_objects)
         if self._progress is not None:
             self._progress.committed(self.committed, self.rank, self.generation, time.time())
-        self._member.first_commit()
+        self._member.first_commit(*self._redo.committed())
         self._sync.zero()  # grads stay views of their buckets
         return True
 
@@ -297,10 +305,10 @@ class FaultTolerant:
         if self._managed and not self._replay_streams():
             self._replay = (self.committed, self._streams.state_dict())
         self._state = StepState.RUNNING
+        self._redo.start_pass(self.committed)
         self._sync.next_step(self._member.group)
         if self._progress is not None:
-            self._progress.step_started(self.committed, self.rank, self.generation,
-                                        time.time())
+            self._progress.step_started(self.committed, self.rank, self.generation, time.time())
         self._drills.before_step(self.committed, self.generation)
 
     def _replay_streams(self) -> bool:
@@ -311,8 +319,7 @@ class FaultTolerant:
         return True
 
     def _wants_switch(self) -> bool:
-        newest = self._interrupt.newest
-        return newest is not None and newest.number > self.generation
+        return (newest := self._interrupt.newest) is not None and newest.number > self.generation
 
     def _bucket_starting(self) -> bool:
         return self._drills.bucket_starting(self.generation)
@@ -347,6 +354,7 @@ class FaultTolerant:
                 member.move()
                 rebuilt = time.time()
                 self._align()
+                self._redo.after_align(member.group, self.committed, self._interrupt, self.device)
                 break
             except Abandoned:
                 continue

@@ -8,7 +8,11 @@ locally), and finishing a step's sync: start what is left, wait for every bucket
 watching for a newer generation, average, and hand the result back to every `param.grad`.
 Buckets are always started in index order, so every rank issues the same collectives in the
 same order whatever order its gradients arrive in. The step-boundary vote (a planned
-generation seen by some rank) is one extra element at the end of the last bucket.
+generation seen by some rank) is one extra element at the end of the last bucket. Under
+`--redo lost` (`keep`): a copy of each bucket's local gradients, taken as it starts (an
+all-reduce writes in place, and an abandoned one goes on writing), and in a make-up pass
+(`blend`) each bucket is weighted and added to its copy before it starts, and averaged over
+the broken pass's world size (worker/makeup.py decides both).
 Must not import: typer, rich, NVML, the agent. Torch is imported lazily.
 """
 
@@ -38,6 +42,10 @@ class Bucket:
         self.ready = 0
         self.work: Any = None
         self.started = False
+        self.flagged = flag  # its last element is the step-boundary vote
+
+    def grads(self) -> Any:
+        return self.flat[:-1] if self.flagged else self.flat
 
     def take(self, p: Any, view: Any) -> None:
         """Make the bucket hold `p`'s gradient; bind the grad as a view where possible."""
@@ -68,6 +76,11 @@ class GradSync:
         self._buckets: list[Bucket] | None = None
         self._where: dict[int, tuple[int, int]] = {}  # id(param) -> (bucket, index)
         self._next = 0  # the next bucket to start
+        self.keep = False  # --redo lost: copy each bucket's local gradients as it starts
+        self.kept: list[Any] = []  # the copies, by bucket index
+        self._kept_now = 0  # buckets copied in this pass
+        # a make-up pass: (weight of this pass's gradients, the divisor of the average)
+        self.blend: Callable[[], tuple[float, int] | None] = lambda: None
 
     # ---------------------------------------------------------------- layout
     def add(self, params: list[Any], bucket_mb: float) -> None:
@@ -140,12 +153,41 @@ class GradSync:
         self._next += 1
         if self._next == len(self._buckets or ()):
             bucket.flat[-1:].fill_(1.0 if self.want_switch() else 0.0)
+        self._keep_or_blend(bucket, self._next - 1)
         if self._held or self.group.pg is None or self.group.size == 1:
             return
         try:
             bucket.work = self.group.pg.allreduce([bucket.flat])
         except RuntimeError as exc:  # the group broke: sync() reports it
             bucket.work = _Failed(first_line(exc))
+
+    def _keep_or_blend(self, bucket: Bucket, index: int) -> None:
+        blend = self.blend() if self.keep else None
+        if blend is not None:  # a make-up: its share of the lost work joins the kept pass
+            grads = bucket.grads()
+            grads.mul_(blend[0]).add_(self.kept[index][:grads.numel()])
+        elif self.keep:
+            if len(self.kept) <= index:
+                self.kept.append(None)
+            held = self.kept[index]
+            if held is None or held.shape != bucket.flat.shape or held.dtype != bucket.dtype:
+                self.kept[index] = held = bucket.flat.clone()
+            else:
+                held.copy_(bucket.flat)
+            self._kept_now += 1
+
+    def keep_rest(self) -> bool:
+        """The step broke: copy the local gradients of the buckets that never started. True
+        when every bucket's local gradients of this pass are kept."""
+        if not self.keep or not self.params:
+            return False
+        buckets = self._layout()
+        for index in range(self._next, len(buckets)):
+            b = buckets[index]
+            for p, view in zip(b.params, b.views, strict=True):
+                b.take(p, view)
+            self._keep_or_blend(b, index)
+        return self._kept_now == len(buckets)
 
     # ---------------------------------------------------------------- the step's end
     def finish(self, group: Group, interrupt: Interrupt) -> bool:
@@ -167,7 +209,8 @@ class GradSync:
             if b.work is not None:
                 work, b.work = b.work, None
                 group.wait(work, interrupt)
-        size = group.size
+        blend = self.blend() if self.keep else None
+        size = group.size if blend is None else blend[1]
         for b in buckets:
             grads = b.flat[:-1] if b is buckets[-1] else b.flat
             if size > 1:
@@ -181,6 +224,7 @@ class GradSync:
         """A new step begins on `group`: every bucket may start again."""
         self.group = group
         self._held = False
+        self._kept_now = 0
         if self._buckets is not None:
             for b in self._buckets:
                 b.ready, b.started, b.work = 0, False, None

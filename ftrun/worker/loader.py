@@ -24,6 +24,9 @@ from ftrun.worker.readers import Key, Readers, read_items
 from ftrun.worker.readers import ReaderTraceback as ReaderTraceback  # where tests import it
 
 Membership = Callable[[], tuple[int, int, int]]  # live (rank, world_size, generation)
+# --redo lost: (micro-batch size, step) -> this rank's positions in it during a make-up pass of
+# that step (worker/makeup.py), None otherwise
+MakeupCut = Callable[[int, int], "list[int] | None"]
 
 
 def dist_membership() -> tuple[int, int, int]:
@@ -62,7 +65,7 @@ class Loader:
 
     def __init__(self, dataset: Any, global_batch_size: int, *, shuffle: bool = True,
                  seed: int = 0, num_workers: int = 0, membership: Membership | None = None,
-                 prefetch: int | None = None) -> None:
+                 prefetch: int | None = None, makeup: MakeupCut | None = None) -> None:
         try:
             length = len(dataset)
         except TypeError:
@@ -81,6 +84,7 @@ class Loader:
         self.steps_per_epoch = length // self.global_batch_size  # drop_last
         self._length = length
         self._membership = membership or dist_membership
+        self._makeup = makeup
         self._orders: dict[int, Any] = {}
         self.stats = {"read_ahead": 0, "read_here": 0, "discarded": 0}
         self._readers: Readers | None = None
@@ -143,6 +147,13 @@ class Loader:
         rank, world_size, _generation = self._membership()
         key: Key = (step, micro, accum, rank, world_size)
         indices = self.share_of(*key)
+        if self._makeup is not None:  # a make-up pass: this rank's part of the lost share
+            size = self.global_batch_size // accum
+            positions = self._makeup(size, step)
+            if positions is not None:
+                micro_batch = self.indices(step)[micro * size:(micro + 1) * size]
+                self.stats["read_here"] += 1
+                return read_items(self.dataset, [micro_batch[i] for i in positions])
         readers = self._readers
         if readers is None or not readers.alive():
             self.stats["read_here"] += 1
