@@ -1,6 +1,7 @@
-"""The etcd control plane for `sim_scale.py --rdzv-backend etcd`: a real 3-member etcd on
-loopback (tests/etcdlab.py's lab, imported as scripts/bench_node_loss.py does), where the
-coordinator published its store, and how many requests etcd served.
+"""The control plane a `sim_scale.py` job runs on (`JobPlane`): c10d (the coordinator's own
+endpoint), or for `--rdzv-backend etcd` a real 3-member etcd on loopback (tests/etcdlab.py's
+lab, imported as scripts/bench_node_loss.py does), where the coordinator published its
+store, and how many requests etcd served.
 
 Requests are counted by etcd itself: the sum over every member of
 `grpc_server_msg_received_total` (each message a client sent: a unary request, a keep-alive,
@@ -14,10 +15,13 @@ from __future__ import annotations
 import json
 import os
 import re
+import socket
 import sys
 import urllib.request
 from collections import Counter
 from typing import Any
+
+from ftrun.cluster.link import Endpoint, reach
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRAPE_S = 5.0  # one member's /metrics
@@ -64,3 +68,36 @@ def published_store(endpoints: str, rdzv_id: str) -> tuple[str, int] | None:
         return None
     doc = json.loads(kv.value)
     return str(doc["host"]), int(doc["port"])
+
+
+class JobPlane:
+    """The backend's side of one job size: what the coordinator is given, where its store is,
+    and etcd's counters."""
+
+    def __init__(self, backend: str, rdzv_id: str) -> None:
+        self.backend, self.rdzv_id = backend, rdzv_id
+        self.lab: Any = start_lab() if backend == "etcd" else None
+        with socket.socket() as s:  # c10d: the endpoint the coordinator binds
+            s.bind(("127.0.0.1", 0))
+            self.port = int(s.getsockname()[1])
+
+    def coordinator_args(self) -> list[str]:
+        if self.lab is None:
+            return ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{self.port}"]
+        return ["--rdzv-backend", "etcd", "--rdzv-endpoint", self.lab.endpoints,
+                "--local-addr", "127.0.0.1"]
+
+    def store(self) -> tuple[str, int] | None:
+        """The agents' store once the coordinator serves it (etcd: once it published it)."""
+        where = (("127.0.0.1", self.port) if self.lab is None
+                 else published_store(self.lab.endpoints, self.rdzv_id))
+        return where if where and reach(Endpoint(*where), 1.0) is None else None
+
+    def requests(self) -> Counter[str]:
+        """Messages etcd received so far, by gRPC method (none on c10d)."""
+        return Counter() if self.lab is None else received(self.lab)
+
+    def close(self) -> None:
+        if self.lab is not None:
+            self.lab.close()
+            self.lab = None

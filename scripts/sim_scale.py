@@ -46,7 +46,10 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from sim_etcd import JobPlane
 
 HERE = Path(__file__).resolve().parent
 GOAL_NOTIFY_MS = 100.0  # a fault -> every worker of a 1,024-rank job notified (issue #28)
@@ -102,6 +105,16 @@ class Coordinator:
                                        (line.split() for line in lines if line.count(" ") == 1)}
         return out
 
+    def detected(self, reason: str) -> float | None:
+        """When the coordinator saw the fault that the generation for `reason` answers (its
+        event log's `detected_at`), or None if not logged yet."""
+        for path in (self.dir / "run" / "history").glob("*/events.jsonl"):
+            for line in path.read_text().splitlines():
+                event = json.loads(line) if line.startswith("{") else {}
+                if event.get("event") == "fault" and event.get("reason") == reason:
+                    return float(event["detected_at"])
+        return None
+
     def stop(self, timeout_s: float) -> int | None:
         try:
             return self.proc.wait(timeout_s)
@@ -134,54 +147,11 @@ def give_up() -> None:
     os._exit(3)
 
 
-class Plane:
-    """The control plane the job runs on: c10d (the coordinator's endpoint) or a real etcd."""
-
-    def __init__(self, backend: str) -> None:
-        self.backend = backend
-        self.lab: Any = None
-        self.port = free_port()
-        if backend == "etcd":
-            import sim_etcd
-
-            self.lab = sim_etcd.start_lab()
-            CLEANUPS.append(self.lab.close)
-
-    def coordinator_args(self) -> list[str]:
-        if self.lab is None:
-            return ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{self.port}"]
-        return ["--rdzv-backend", "etcd", "--rdzv-endpoint", self.lab.endpoints,
-                "--local-addr", "127.0.0.1"]
-
-    def store(self) -> tuple[str, int] | None:
-        """The agents' store once the coordinator serves it (etcd: once it published it)."""
-        from ftrun.cluster.link import Endpoint, reach
-
-        if self.lab is None:
-            where: tuple[str, int] | None = ("127.0.0.1", self.port)
-        else:
-            import sim_etcd
-
-            where = sim_etcd.published_store(self.lab.endpoints, RDZV_ID)
-        return where if where and reach(Endpoint(*where), 1.0) is None else None
-
-    def requests(self) -> int:
-        """Messages etcd received so far (0 on c10d)."""
-        if self.lab is None:
-            return 0
-        import sim_etcd
-
-        return sum(sim_etcd.received(self.lab).values())
-
-    def close(self) -> None:
-        if self.lab is not None:
-            self.lab.close()
-
-
 def measure(ranks: int, node_size: int, steady_s: float, watchers: int,
             relays: bool, conf: str = "", backend: str = "c10d",
-            sim_procs: int = 1) -> dict[str, Any]:
+            sim_procs: int = 1, keep: bool = False) -> dict[str, Any]:
     """One job size, end to end; figures in ms and percent."""
+    from sim_etcd import JobPlane
     from sim_proc import SimProcs
 
     from ftrun.cluster.link import Endpoint, connect
@@ -194,7 +164,8 @@ def measure(ranks: int, node_size: int, steady_s: float, watchers: int,
     row: dict[str, Any] = {"ranks": ranks, "nodes": nodes, "errors": [],
                            "watchers": watchers * (nodes - 1) + node_size, "relays": relays,
                            "rdzv_conf": conf, "backend": backend, "sim_procs": sim_procs}
-    plane = Plane(backend)
+    plane = JobPlane(backend, RDZV_ID)
+    CLEANUPS.append(plane.close)
     coord = Coordinator(nodes, node_size, plane.coordinator_args(), workdir, conf)
     CLEANUPS.append(lambda: os.killpg(coord.proc.pid, signal.SIGKILL))
     sims: Any = None
@@ -229,13 +200,13 @@ def measure(ranks: int, node_size: int, steady_s: float, watchers: int,
         if coord.proc.poll() is None:
             coord.stop(0)
         plane.close()
-        if row.get("exit_code") == 0 and not row.get("errors"):
+        if row.get("exit_code") == 0 and not row.get("errors") and not keep:
             shutil.rmtree(workdir, ignore_errors=True)
         else:
             row["workdir"] = str(workdir)
 
 
-def _steady(row: dict[str, Any], coord: Coordinator, sims: Any, plane: Plane, store: Any,
+def _steady(row: dict[str, Any], coord: Coordinator, sims: Any, plane: JobPlane, store: Any,
             steady_s: float) -> None:
     time.sleep(1.5)  # a status published after every node is up
     doc0, ops0, req0 = status(store), sims.ops(), plane.requests()
@@ -250,7 +221,9 @@ def _steady(row: dict[str, Any], coord: Coordinator, sims: Any, plane: Plane, st
     row["coord_ops_s"] = round((doc1["rdzv_store_ops"] - doc0["rdzv_store_ops"]) / span)
     row["sim_ops_s"] = round((ops1 - ops0) / (t1 - t0))
     if plane.lab is not None:
-        row["etcd_req_s"] = round((req1 - req0) / (t1 - t0))
+        row["etcd_req_s"] = round((req1 - req0).total() / (t1 - t0))
+        row["etcd_req_s_by_method"] = {method: round(n / (t1 - t0), 1)
+                                       for method, n in sorted((req1 - req0).items())}
 
 
 def _await_generation(row: dict[str, Any], key: str, coord: Coordinator, sims: Any,
@@ -268,6 +241,10 @@ def _await_generation(row: dict[str, Any], key: str, coord: Coordinator, sims: A
     row[f"{key}_publish_ms"] = round(1000 * (published[0] - t0), 1)
     row[f"{key}_all_ms"] = round(1000 * (max(times + real) - t0), 1)
     row[f"{key}_reason"] = published[1]
+    # how much of it is the report's way to the coordinator (the simulator's side included)
+    with contextlib.suppress(TimeoutError):
+        detected = until(lambda: coord.detected(published[1]), 5, "the fault's event", 0.05)
+        row[f"{key}_detect_ms"] = round(1000 * (detected - t0), 1)
     return published
 
 
@@ -307,7 +284,7 @@ def run_child(ranks: int, args: argparse.Namespace) -> dict[str, Any]:
            "--steady-s", str(args.steady_s), "--json", str(out), "--watchers",
            str(args.watchers), "--rdzv-conf", args.rdzv_conf, "--timeout-s", str(args.timeout_s),
            "--rdzv-backend", args.rdzv_backend, "--sim-procs", str(args.sim_procs),
-           *(["--no-relay"] if args.no_relay else [])]
+           *(["--no-relay"] if args.no_relay else []), *(["--keep"] if args.keep else [])]
     try:  # the child's own watchdog (and its coordinator's end) comes first
         done = subprocess.run(cmd, timeout=args.timeout_s + CHILD_GRACE_S, capture_output=True,
                               text=True)
@@ -321,7 +298,7 @@ def run_child(ranks: int, args: argparse.Namespace) -> dict[str, Any]:
 
 
 COLUMNS = ("ranks", "nodes", "up_s", "coord_cpu_pct", "coord_ops_s", "sim_ops_s", "etcd_req_s",
-           "fault_publish_ms", "fault_all_ms", "loss_publish_ms", "loss_all_ms",
+           "fault_detect_ms", "fault_publish_ms", "fault_all_ms", "loss_publish_ms", "loss_all_ms",
            "quiet_loss_publish_ms", "max_beat_gap_s", "exit_code")
 
 
@@ -360,6 +337,8 @@ def main() -> int:
                     help="etcd: a real 3-member etcd on loopback is the control plane")
     ap.add_argument("--sim-procs", type=int, default=min(4, os.cpu_count() or 1),
                     help="processes that play the simulated nodes, a share each")
+    ap.add_argument("--keep", action="store_true",
+                    help="keep each size's work folder (the coordinator's log, its run dir)")
     ap.add_argument("--no-relay", action="store_true",
                     help="workers watch the coordinator's store directly (before node relays)")
     ap.add_argument("--one", type=int, help=argparse.SUPPRESS)
@@ -380,7 +359,8 @@ def main() -> int:
     if args.one:
         threading.Timer(args.timeout_s, give_up).start()
         row = measure(args.one, args.node_size, args.steady_s, args.watchers,
-                      not args.no_relay, args.rdzv_conf, args.rdzv_backend, args.sim_procs)
+                      not args.no_relay, args.rdzv_conf, args.rdzv_backend, args.sim_procs,
+                      args.keep)
         Path(args.json).write_text(json.dumps(row))
         sys.stdout.flush()
         sys.stderr.flush()
