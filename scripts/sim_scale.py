@@ -108,7 +108,11 @@ class Coordinator:
     def detected(self, reason: str) -> float | None:
         """When the coordinator saw the fault that the generation for `reason` answers (its
         event log's `detected_at`), or None if not logged yet."""
-        for path in (self.dir / "run" / "history").glob("*/events.jsonl"):
+        try:  # the live run's journal is in its log folder, named in last-run
+            log_dir = json.loads((self.dir / "run" / "last-run").read_text())["log_dir"]
+        except (OSError, ValueError, KeyError):
+            return None
+        for path in Path(log_dir).glob("events.jsonl"):
             for line in path.read_text().splitlines():
                 event = json.loads(line) if line.startswith("{") else {}
                 if event.get("event") == "fault" and event.get("reason") == reason:
