@@ -119,9 +119,12 @@ def _die_with_parent() -> None:
 
 
 class EtcdLab:
-    """`members` etcd processes forming one cluster on 127.0.0.1."""
+    """`members` etcd processes forming one cluster, serving clients on `host` (127.0.0.1, or
+    the address netlab gives this machine on its bridge: reachable from the lab's hosts)."""
 
-    def __init__(self, members: int = 3, token: str = "ftrun-lab", tls: bool = False) -> None:
+    def __init__(self, members: int = 3, token: str = "ftrun-lab", tls: bool = False,
+                 host: str = "127.0.0.1") -> None:
+        self.host = host
         binary = etcd_binary()
         if binary is None:
             raise LabError(unavailable() or "no etcd binary")
@@ -147,11 +150,11 @@ class EtcdLab:
 
     # -- addresses ------------------------------------------------------------------------
     def endpoint(self, i: int) -> str:
-        return f"127.0.0.1:{self.client_ports[i]}"
+        return f"{self.host}:{self.client_ports[i]}"
 
     @property
     def endpoints(self) -> str:
-        """`127.0.0.1:p1,127.0.0.1:p2,...`: what --rdzv-endpoint takes."""
+        """`host:p1,host:p2,...`: what --rdzv-endpoint takes."""
         return ",".join(self.endpoint(i) for i in range(self.count))
 
     def _peer_url(self, i: int) -> str:

@@ -51,7 +51,9 @@ def unavailable() -> str | None:
 class NetLab:
     """`nodes` namespaces on one bridge; node i has address `addr(i)` on its `eth0`."""
 
-    def __init__(self, nodes: int) -> None:
+    def __init__(self, nodes: int, host_on_bridge: bool = False) -> None:
+        """`host_on_bridge`: this machine gets `host_addr` on the bridge, so a service it runs
+        (a test's etcd cluster) is reachable from every node whose cable is in."""
         self.tag = secrets.token_hex(2)
         self.subnet = f"10.{200 + secrets.randbelow(50)}.{secrets.randbelow(250)}"
         self.bridge = f"ftb{self.tag}"
@@ -60,6 +62,8 @@ class NetLab:
         try:
             _ip("link", "add", self.bridge, "type", "bridge")
             _ip("link", "set", self.bridge, "up")
+            if host_on_bridge:
+                _ip("addr", "add", f"{self.host_addr}/24", "dev", self.bridge)
             for i in range(nodes):
                 self._make_node(i)
         except BaseException:
@@ -68,6 +72,10 @@ class NetLab:
 
     def ns(self, i: int) -> str:
         return f"ftn{self.tag}{i}"
+
+    @property
+    def host_addr(self) -> str:
+        return f"{self.subnet}.1"
 
     def addr(self, i: int) -> str:
         return f"{self.subnet}.{10 + i}"

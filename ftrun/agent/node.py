@@ -34,6 +34,7 @@ from ftrun.agent.timeline import EVERY_S as TIMELINE_EVERY_S
 from ftrun.agent.watch import CHECK_EVERY_S, Finding, Kill, Rebuild
 from ftrun.agent.workers import NodeWorkers
 from ftrun.core import timeouts
+from ftrun.core.errors import Deposed
 from ftrun.core.events import Event, EventSink
 from ftrun.core.exits import signal_name
 from ftrun.core.policy import Action, Decision, Liveness
@@ -230,6 +231,15 @@ class Agent:
 
     def _supervise(self) -> Outcome:
         outcome = Outcome()
+        try:
+            return self._watch(outcome)
+        except Deposed as exc:  # etcd refused a generation: no worker saw it; they stop
+            if self.uses_api():  # else _attempt tells it
+                self.emit(Event.FAILURE, {"reason": exc.one_line(), "rank": None})
+            outcome.decision = Decision(Action.FAIL, exc.one_line())
+            return outcome
+
+    def _watch(self, outcome: Outcome) -> Outcome:
         control = self.services.control_plane
         with self.workers.watching() as sel:
             while outcome.decision is None:

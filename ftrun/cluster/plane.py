@@ -22,7 +22,7 @@ from typing import Any, Protocol
 from ftrun.adapters.etcd_conf import EtcdConf
 from ftrun.cluster.link import Endpoint
 from ftrun.core import timeouts
-from ftrun.core.errors import FtrunError, first_line
+from ftrun.core.errors import Deposed, FtrunError, first_line
 
 STORE_KEY = "store"  # under the job's prefix: the agents' store of the leader in office
 LEADER_PREFIX = "leader/"  # the election's keys
@@ -146,14 +146,14 @@ class EtcdPlane:
             try:
                 if self.election.write({self.conf.prefix + GENERATION_KEY: record}):
                     return
-                raise FtrunError(f"this agent lost the leadership before generation {number} "
-                                 "was written (another agent coordinates the job)",
-                                 hint="its workers stop; the job goes on under the new leader")
+                raise Deposed(f"this agent lost the leadership before generation {number} "
+                              "was written: etcd refused it (another agent coordinates the job)",
+                              hint="its workers stop; the job goes on under the new leader")
             except EtcdError as exc:
                 if time.monotonic() >= deadline:
-                    raise FtrunError(f"etcd did not take generation {number} within "
-                                     f"{self.deposed_after_s:g} s ({exc.message})",
-                                     hint="bring the etcd majority back") from None
+                    raise Deposed(f"etcd did not take generation {number} within "
+                                  f"{self.deposed_after_s:g} s ({exc.message})",
+                                  hint="bring the etcd majority back") from None
             time.sleep(timeouts.ETCD_RETRY_S)
 
     def held_generation(self) -> str | None:

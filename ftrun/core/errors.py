@@ -38,6 +38,11 @@ class StoreError(FtrunError):
     """The rendezvous store could not be hosted or reached."""
 
 
+class Deposed(FtrunError):
+    """This agent may no longer decide for the job: etcd refused its write (another agent
+    leads) or did not take it within the outage timeout. Its workers stop in order."""
+
+
 class WorkerApiError(FtrunError):
     """The worker library was used in a way it cannot honour."""
 
