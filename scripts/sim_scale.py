@@ -105,9 +105,10 @@ class Coordinator:
                                        (line.split() for line in lines if line.count(" ") == 1)}
         return out
 
-    def detected(self, reason: str) -> float | None:
-        """When the coordinator saw the fault that the generation for `reason` answers (its
-        event log's `detected_at`), or None if not logged yet."""
+    def decided(self, reason: str) -> float | None:
+        """When the coordinator decided on the fault that the generation for `reason` answers
+        (its journal's fault event: its own clock; `detected_at` is the report's, a worker
+        exit's wall time), or None if not journaled yet."""
         try:  # the live run's journal is in its log folder, named in last-run
             log_dir = json.loads((self.dir / "run" / "last-run").read_text())["log_dir"]
         except (OSError, ValueError, KeyError):
@@ -116,7 +117,7 @@ class Coordinator:
             for line in path.read_text().splitlines():
                 event = json.loads(line) if line.startswith("{") else {}
                 if event.get("event") == "fault" and event.get("reason") == reason:
-                    return float(event["detected_at"])
+                    return float(event["t"])
         return None
 
     def stop(self, timeout_s: float) -> int | None:
@@ -245,10 +246,11 @@ def _await_generation(row: dict[str, Any], key: str, coord: Coordinator, sims: A
     row[f"{key}_publish_ms"] = round(1000 * (published[0] - t0), 1)
     row[f"{key}_all_ms"] = round(1000 * (max(times + real) - t0), 1)
     row[f"{key}_reason"] = published[1]
-    # how much of it is the report's way to the coordinator (the simulator's side included)
+    # split: the report's way to the coordinator and its decision, then the generation written
+    # (etcd: the fenced write) and published
     with contextlib.suppress(TimeoutError):
-        detected = until(lambda: coord.detected(published[1]), 5, "the fault's event", 0.05)
-        row[f"{key}_detect_ms"] = round(1000 * (detected - t0), 1)
+        decided = until(lambda: coord.decided(published[1]), 5, "the fault's event", 0.05)
+        row[f"{key}_decided_ms"] = round(1000 * (decided - t0), 1)
     return published
 
 
@@ -302,7 +304,7 @@ def run_child(ranks: int, args: argparse.Namespace) -> dict[str, Any]:
 
 
 COLUMNS = ("ranks", "nodes", "up_s", "coord_cpu_pct", "coord_ops_s", "sim_ops_s", "etcd_req_s",
-           "fault_detect_ms", "fault_publish_ms", "fault_all_ms", "loss_publish_ms", "loss_all_ms",
+           "fault_decided_ms", "fault_publish_ms", "fault_all_ms", "loss_publish_ms", "loss_all_ms",
            "quiet_loss_publish_ms", "max_beat_gap_s", "exit_code")
 
 
