@@ -180,3 +180,7 @@ def test_the_recovery_reports_the_work_it_redid(runs: Runs) -> None:
     (first, *_) = [e for e in events if e["event"] == "recovered" and e["generation"] == 1]
     assert first["redone_samples"] == 8  # the lost rank's 4 of each of two micro-batches
     assert first["redone_fraction"] == pytest.approx(8 / 28, abs=1e-4)
+    rep = run_ftrun("report", str(out / "logs"), "--json")
+    assert rep.returncode == 0, rep.stderr
+    (redone,) = [x for x in json.loads(rep.stdout)["redone"] if x["generation"] == 1]
+    assert (redone["samples"], redone["step"]) == (8, 5)

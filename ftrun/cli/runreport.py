@@ -2,7 +2,8 @@
 
 Owns: finding the run (a log directory, a --log-dir base, or the last run on this host),
 reading it, and `build_report`: faults by kind, recovery percentiles per phase, time lost,
-goodput, stragglers, GPU events, restarts and snapshots. Fault records come from replaying
+goodput, the work each in-process recovery redid (--redo), stragglers, GPU events, restarts
+and snapshots. Fault records come from replaying
 the event log through the agent's own journal, so the report, `ftrun status` and the
 end-of-run summary agree by construction. Only lines that `loglines` accepts, and whose
 fields read into their kind's `core.events` record, are read (the report reads those
@@ -172,6 +173,7 @@ def build_report(run: RunRecord) -> dict[str, Any]:
         "summary": summarize(run.faults, seconds),
         "faults_by_kind": dict(sorted(Counter(f.kind for f in run.faults).items())),
         "phases_ms": phase_table(run.faults),
+        "redone": redone(run),
         "stragglers": [{"t": round(t - t0, 3), "worker": f.worker, "reason": f.reason,
                         "evicted": f.evicted} for t, f in run.fields(ev.StragglerFields)],
         "gpu_events": [{"t": round(t - t0, 3), "uuid": f.uuid, "health": f.health,
@@ -203,6 +205,15 @@ def phase_table(faults: Sequence[FaultRecord]) -> dict[str, dict[str, float | in
             table[phase] = {"count": len(values), "p50": percentile(values, 50),
                             "p95": percentile(values, 95), "max": values[-1]}
     return table
+
+
+def redone(run: RunRecord) -> list[dict[str, Any]]:
+    """Per in-process recovery (its generation's first commit): the work of the broken step
+    it redid, job-wide: samples (-1: the script cut its batches itself) and the fraction of
+    the step (--redo lost: the lost ranks' share; --redo step: 1.0; 0: no step broke)."""
+    return [{"generation": e.get("generation"), "step": e.get("step"),
+             "samples": e["redone_samples"], "fraction": e.get("redone_fraction")}
+            for e in run.of_kind("recovered") if "redone_samples" in e]
 
 
 def _gpu_changes(events: Sequence[tuple[float, ev.GpuFields]]

@@ -232,9 +232,9 @@ class Suspect:
 @dataclass(frozen=True)
 class Recovered:
     """A worker's first commit in generation `generation`, with its recovery's phases (wall
-    clock), and the work of the broken step it redid, job-wide: samples (-1: not known, the
-    script cut its batches itself) and the fraction of the step (--redo lost: the lost share;
-    --redo step: 1.0; 0 when no step broke)."""
+    clock), and the work of the broken step it redid, job-wide: samples (-1: not known: the
+    script cut its batches itself, or the worker entered in this recovery) and the fraction of
+    the step (--redo lost: the lost share; --redo step: 1.0; 0 when no step broke)."""
 
     kind: ClassVar[str] = "recovered"
     worker: int

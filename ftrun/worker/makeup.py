@@ -97,7 +97,8 @@ class Redo:
         self._weight: float | None = None
         self._samples = 0  # this rank's samples of the lost share, this pass
         self._cuts: list[tuple[int, int]] = []  # (pool, batch) per cut since the step broke
-        self._redo: tuple[int, float] | None = None  # what the recovery's first commit reports
+        self._ran = False  # this worker ran a pass of some step
+        self._newcomer = False  # it entered in this recovery: it knows nothing of a break
 
     # ---------------------------------------------------------------- a step breaks
     def broke(self, step: int, gen: Generation, sync: Any) -> None:
@@ -117,6 +118,7 @@ class Redo:
         """A pass of `step` begins (a make-up keeps its plan)."""
         self._samples = 0
         self._cuts = []
+        self._ran = True
         if self._broken is not None and self._broken[0] != step:
             self._broken = None  # committed since (a peer healed this rank forward)
 
@@ -125,6 +127,7 @@ class Redo:
         """In the new generation at `step`: agree with every member on a make-up, or not
         (--redo step: nothing to agree on, no collective)."""
         self.plan, self._weight = None, None
+        self._newcomer = not self._ran
         if not self.lost:
             return
         broken = self._broken if self._broken is not None and self._broken[0] == step else None
@@ -207,8 +210,11 @@ class Redo:
     def committed(self) -> tuple[int, float]:
         """A step committed: what it redid, job-wide (samples, fraction of the step): the
         lost share after a make-up, the whole batch after a repeat, 0 when no step broke;
-        -1 samples when the script cut its batches without ft.batch_slice or ft.loader."""
-        if self._broken is None:
+        -1 samples when the script cut its batches without ft.batch_slice or ft.loader, and
+        (-1, -1.0) on a worker that entered in this recovery (it cannot know)."""
+        if self._newcomer and self._broken is None:
+            done = (-1, -1.0)
+        elif self._broken is None:
             done = (0, 0.0)
         elif not self._cuts:
             done = (-1, 1.0)
@@ -216,6 +222,7 @@ class Redo:
             redone, total = sum(c[0] for c in self._cuts), sum(c[1] for c in self._cuts)
             done = (redone, round(redone / total, 4) if total else 1.0)
         self._broken, self.plan, self._weight, self._cuts = None, None, None, []
+        self._newcomer = False
         return done
 
 
