@@ -2,7 +2,9 @@
 (seed, step), split by the live membership, read ahead in reader processes.
 
 Owns: the epoch-seeded index order (drop_last), a micro-batch's share for (rank, world size)
-cut exactly as `batch_slice` cuts it, and which micro-batches to read ahead and keep. The
+cut exactly as `batch_slice` cuts it (in a --redo lost make-up pass: the part of the lost
+share worker/makeup.py names, read here, never ahead), and which micro-batches to read ahead
+and keep. The
 reader processes that read them (forked, never outliving the training process) and the
 collation are `ftrun.worker.readers`.
 Nothing here needs checkpointing: a batch depends only on the constructor's arguments, the
