@@ -122,6 +122,8 @@ def test_spawn_starts_a_worker_on_the_device_the_health_watch_picks(
     assert follower.reports() == [
         Spawned(node=1, worker=10_002, pid=moved.spawned.pid, local_rank=2),
         Spawned(node=1, worker=10_003, pid=kept.spawned.pid, local_rank=3)]
+    # should this node coordinate later (etcd), its own ids start past those it was given
+    assert node.workers.allocate_id() == 10_004
 
 
 def test_kill_kills_the_named_worker_and_its_exit_is_reported(follower: Follower) -> None:

@@ -82,6 +82,9 @@ class NodeWorkers:
         self.guardian.watch(spawned.pid)
         worker = Worker(rank, local_rank, worker_id, spawned, streams)
         self.all.append(worker)
+        # ids a coordinator gave this node are used: if this node coordinates later (etcd),
+        # its own allocations start past them
+        self.next_id = max(self.next_id, worker_id + 1)
         if self._sel is not None and spawned.pidfd is not None:
             self._sel.register(spawned.pidfd, selectors.EVENT_READ, worker)
         self.emit(Event.SPAWNED, {"worker": worker_id, "rank": rank, "local_rank": local_rank,
