@@ -9,8 +9,9 @@ SIGKILLed with its workers instead, on the etcd control plane (a real 3-member e
 loopback, tests/etcdlab.py) and, beside it, on c10d (where that ends the job: its store host
 is its single point of failure). Reported: kill -> a new leader in etcd, kill -> the next
 generation written, kill -> first step committed by the smaller job, committed steps lost.
-torchrun's etcd-v2 backend is not run: it needs the python-etcd client (2017) and etcd's v2
-API, which etcd 3.6 removed.
+With --pyetcd DIR (python-etcd, 2017, installed there), torchrun's etcd-v2 backend runs the
+same kill against the same etcd 3.5 with its v2 API on (etcd 3.6 removed it): whole-group
+restart.
 
 Each "node" is one launcher process on loopback (c10d rendezvous on 127.0.0.1), with
 --nproc workers running scripts/bench_recovery_worker.py (~10 M-parameter MLP, gloo).
@@ -53,6 +54,9 @@ def launcher(kind: str, a: argparse.Namespace, port: int, out: str) -> list[str]
         rdzv = ["--nnodes", nnodes, "--nproc-per-node", str(a.nproc), "--rdzv-backend", "etcd",
                 "--rdzv-endpoint", a.etcd, "--rdzv-id", a.rdzv_id, "--local-addr",
                 "127.0.0.1"]
+    if kind == "torchrun" and a.etcd_v2:  # its etcd-v2 backend: one member's endpoint
+        rdzv = ["--nnodes", nnodes, "--nproc-per-node", str(a.nproc), "--rdzv-backend",
+                "etcd-v2", "--rdzv-endpoint", a.etcd_v2, "--rdzv-id", a.rdzv_id]
     if kind == "ftrun" and a.spares:
         rdzv += ["--spares", str(a.spares)]
     head = [sys.executable, "-m", "ftrun"] if kind == "ftrun" else [
@@ -79,6 +83,9 @@ def measure(kind: str, a: argparse.Namespace) -> dict[str, float | str]:
             # the documented workaround for restarts hanging on the shared store
             # (pytorch#135712); --shared-store measures torchrun's default
             env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+        if kind == "torchrun" and a.etcd_v2:
+            env["PYTHONPATH"] = os.pathsep.join(filter(None, [a.pyetcd,
+                                                               env.get("PYTHONPATH")]))
         procs = []
         for i in range(a.nodes):
             node_env = {**env, "FTRUN_RUN_DIR": os.path.join(out, f"run{i}")}
@@ -208,11 +215,15 @@ def coordinator_report(a: argparse.Namespace) -> None:
     sys.path.insert(0, os.path.join(HERE, "..", "tests"))
     from etcdlab import EtcdLab
 
-    with EtcdLab() as lab:
+    with EtcdLab(v2=True) as lab:
         a.etcd = lab.endpoints
         a.rdzv_id = "bench"
         ft = measure("ftrun", a)
-    a.etcd = ""
+        a.etcd, a.etcd_v2, a.rdzv_id = "", lab.endpoint(0), "bench-v2"
+        tr = measure("torchrun", a) if _python_etcd(a.pyetcd) else {
+            "error": "not run: torchrun's etcd-v2 backend needs python-etcd (pip install "
+                     "--target DIR python-etcd, then --pyetcd DIR)"}
+        a.etcd_v2 = ""
     c10d = measure("ftrun", a)
     print(f"{a.nodes} nodes x {a.nproc} workers (+{a.spares} spare) on loopback, gloo, ~10 "
           f"M-param MLP; the coordinator's launcher and workers SIGKILLed after step "
@@ -224,6 +235,21 @@ def coordinator_report(a: argparse.Namespace) -> None:
               f"{ft['generation_s']:.3f} s, first commit {ft['recovery_s']:.3f} s after the "
               f"kill; committed steps lost {ft['lost_steps']:.0f}")
     print(f"c10d    : {c10d.get('error') or 'recovered (unexpected)'}")
+    if "error" in tr:
+        print(f"torchrun etcd-v2: {tr['error']}")
+    else:
+        print(f"torchrun etcd-v2: whole-group restart, first commit {tr['recovery_s']:.3f} s "
+              f"after the kill; committed steps lost {tr['lost_steps']:.0f}")
+        if "error" not in ft:
+            ratio = float(ft["recovery_s"]) / float(tr["recovery_s"])
+            print(f"ratio ftrun etcd / torchrun etcd-v2 {ratio:.4f}")
+
+
+def _python_etcd(path: str) -> bool:
+    """Whether torchrun's etcd-v2 backend can import its client (python-etcd, 2017)."""
+    env = {**os.environ, "PYTHONPATH": path} if path else None
+    return subprocess.run([sys.executable, "-c", "import etcd"], env=env,
+                          capture_output=True, timeout=60).returncode == 0
 
 
 def main() -> None:
@@ -248,8 +274,11 @@ def main() -> None:
     ap.add_argument("--coordinator", action="store_true",
                     help="kill the coordinator's node (etcd, and c10d beside it)")
     ap.add_argument("--spares", type=int, default=0, help="ftrun --spares per node")
+    ap.add_argument("--pyetcd", default="", metavar="DIR",
+                    help="--coordinator: a PYTHONPATH directory holding python-etcd, for "
+                         "torchrun's etcd-v2 backend beside ftrun's")
     a = ap.parse_args()
-    a.etcd = ""
+    a.etcd = a.etcd_v2 = ""
     if a.coordinator:
         coordinator_report(a)
         return

@@ -123,8 +123,10 @@ class EtcdLab:
     the address netlab gives this machine on its bridge: reachable from the lab's hosts)."""
 
     def __init__(self, members: int = 3, token: str = "ftrun-lab", tls: bool = False,
-                 host: str = "127.0.0.1") -> None:
+                 host: str = "127.0.0.1", v2: bool = False) -> None:
+        """`v2`: etcd's v2 API on too (torchrun's etcd-v2 backend needs it; etcd 3.6 dropped it)."""
         self.host = host
+        self.v2 = v2
         binary = etcd_binary()
         if binary is None:
             raise LabError(unavailable() or "no etcd binary")
@@ -172,7 +174,8 @@ class EtcdLab:
                 "--initial-cluster", cluster, "--initial-cluster-token", self.token,
                 "--initial-cluster-state", "new",
                 # a test's data is thrown away: no fsync (a loaded disk stalls elections)
-                "--unsafe-no-fsync", "--log-level", "error", "--logger", "zap"]
+                "--unsafe-no-fsync", "--log-level", "error", "--logger", "zap",
+                *(["--enable-v2"] if self.v2 else [])]
 
     # -- life cycle -----------------------------------------------------------------------
     def start(self, timeout: float = START_S) -> EtcdLab:
