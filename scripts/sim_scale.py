@@ -96,6 +96,15 @@ class Coordinator:
         t = psutil.Process(self.proc.pid).cpu_times()
         return float(t.user + t.system)
 
+    def runq_wait_s(self) -> float:
+        """Seconds its threads have spent runnable but waiting for a core (the kernel's
+        schedstat run_delay, summed over threads): how much this host starved it."""
+        total = 0
+        for task in Path(f"/proc/{self.proc.pid}/task").iterdir():
+            with contextlib.suppress(OSError, ValueError, IndexError):
+                total += int((task / "schedstat").read_text().split()[1])
+        return total / 1e9
+
     def seen(self) -> dict[int, dict[int, float]]:
         """Node 0's workers: worker id -> generation -> when its watcher saw it."""
         out: dict[int, dict[int, float]] = {}
@@ -215,14 +224,15 @@ def _steady(row: dict[str, Any], coord: Coordinator, sims: Any, plane: JobPlane,
             steady_s: float) -> None:
     time.sleep(1.5)  # a status published after every node is up
     doc0, ops0, req0 = status(store), sims.ops(), plane.requests()
-    cpu0, t0 = coord.cpu_s(), time.monotonic()
+    cpu0, wait0, t0 = coord.cpu_s(), coord.runq_wait_s(), time.monotonic()
     time.sleep(steady_s)
     until(lambda: status(store)["uptime_s"] > doc0["uptime_s"] + steady_s - 1.0, 5,
           "a fresh status")
-    cpu1, t1 = coord.cpu_s(), time.monotonic()
+    cpu1, wait1, t1 = coord.cpu_s(), coord.runq_wait_s(), time.monotonic()
     doc1, ops1, req1 = status(store), sims.ops(), plane.requests()
     span = doc1["uptime_s"] - doc0["uptime_s"]
     row["coord_cpu_pct"] = round(100 * (cpu1 - cpu0) / (t1 - t0), 1)
+    row["coord_runq_wait_pct"] = round(100 * (wait1 - wait0) / (t1 - t0), 1)
     row["coord_ops_s"] = round((doc1["rdzv_store_ops"] - doc0["rdzv_store_ops"]) / span)
     row["sim_ops_s"] = round((ops1 - ops0) / (t1 - t0))
     if plane.lab is not None:
@@ -303,9 +313,10 @@ def run_child(ranks: int, args: argparse.Namespace) -> dict[str, Any]:
         out.unlink(missing_ok=True)
 
 
-COLUMNS = ("ranks", "nodes", "up_s", "coord_cpu_pct", "coord_ops_s", "sim_ops_s", "etcd_req_s",
-           "fault_decided_ms", "fault_publish_ms", "fault_all_ms", "loss_publish_ms", "loss_all_ms",
-           "quiet_loss_publish_ms", "max_beat_gap_s", "exit_code")
+COLUMNS = ("ranks", "nodes", "up_s", "coord_cpu_pct", "coord_runq_wait_pct", "coord_ops_s",
+           "sim_ops_s", "etcd_req_s", "fault_decided_ms", "fault_publish_ms", "fault_all_ms",
+           "loss_publish_ms", "loss_all_ms", "quiet_loss_publish_ms", "max_beat_gap_s",
+           "exit_code")
 
 
 def print_table(rows: list[dict[str, Any]]) -> None:
