@@ -61,6 +61,12 @@ class JobStore:
         self._main: Any = self.connect()
         self._c10d: Any = None
 
+    @property
+    def moves(self) -> bool:
+        """Whether a generation may name another store (a node with a relay: etcd's new
+        coordinator serves one); else a broken store is gone for good."""
+        return bool(self._relay)
+
     # ---------------------------------------------------------------- connections
     def connect(self) -> Any:
         """A connection of its own to the store as it is now (each blocking user has one)."""

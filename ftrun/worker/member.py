@@ -246,7 +246,8 @@ class Member:
             return
         link = self._require()
         self.tell("ended", committed())
-        watch = ReleaseWatch(link.connect, link.interrupt)
+        watch = ReleaseWatch(link.connect, link.interrupt, lambda: link.store.addr,
+                             timeouts.STORE_MOVE_S if link.store.moves else 0.0)
         phase = (link.progress.long_phase("script ended") if link.progress is not None
                  else contextlib.nullcontext())
         try:

@@ -26,33 +26,57 @@ from ftrun.core import timeouts
 from ftrun.protocol.rendezvous import RELEASE_KEY, Generation, Store
 from ftrun.worker.comm import Interrupt
 
+MOVE_POLL_S = 0.05  # a broken store: how often the job's store address is read again
+
 
 class ReleaseWatch:
     """A thread blocked on the release key, with its own connection: sets the interrupt's
-    wake when the agent releases the members (or when its store is gone)."""
+    wake when the agent releases the members (or when its store is gone). `where` is the
+    job's store address now: a store that breaks is waited for to move (etcd: a new
+    coordinator's generation names another) for `move_s` before it counts as gone."""
 
-    def __init__(self, connect: Callable[[], Store], interrupt: Interrupt) -> None:
+    def __init__(self, connect: Callable[[], Store], interrupt: Interrupt,
+                 where: Callable[[], str] = str, move_s: float = 0.0) -> None:
         self.released = threading.Event()
         self._connect = connect
+        self._where = where
+        self._move_s = move_s
         self._interrupt = interrupt
         self._thread = threading.Thread(target=self._loop, name="ftrun-release-watch",
                                         daemon=True)
         self._thread.start()
 
     def _loop(self) -> None:
-        try:
-            store = self._connect()
-            while True:
-                try:
-                    store.wait([RELEASE_KEY], timedelta(seconds=timeouts.WATCH_POLL_S))
+        while True:
+            at = self._where()
+            try:
+                self._wait_release(self._connect())
+                break
+            except Exception as exc:
+                if not self._moved_from(at):  # the agent is gone: nothing left to wait for
+                    lost = self._interrupt.store_lost
+                    self._interrupt.store_lost = lost or str(exc)[:200] or "lost"
                     break
-                except Exception as exc:
-                    if not is_timeout(exc):
-                        raise
-        except Exception as exc:  # the agent is gone: nothing is left to wait for
-            self._interrupt.store_lost = self._interrupt.store_lost or str(exc)[:200] or "lost"
         self.released.set()
         self._interrupt.wake.set()
+
+    @staticmethod
+    def _wait_release(store: Store) -> None:
+        while True:
+            try:
+                store.wait([RELEASE_KEY], timedelta(seconds=timeouts.WATCH_POLL_S))
+                return
+            except Exception as exc:
+                if not is_timeout(exc):
+                    raise
+
+    def _moved_from(self, at: str) -> bool:
+        deadline = time.monotonic() + self._move_s
+        while time.monotonic() < deadline:
+            if self._where() != at:
+                return True
+            time.sleep(MOVE_POLL_S)
+        return False
 
 
 def wait_at_end(interrupt: Interrupt, watch: ReleaseWatch, worker_id: int,
