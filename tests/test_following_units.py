@@ -8,8 +8,10 @@ relay, a TCPStore of its own, which needs torch; the commands are obeyed the sam
 from __future__ import annotations
 
 import signal
+import socket
 from collections.abc import Iterator
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -219,3 +221,28 @@ def test_uses_api_follows_the_live_workers_progress_slots(follower: Follower) ->
         assert not cluster.uses_api(False)  # only live workers count
     finally:
         reporter.slot.close()
+
+
+def test_a_fenced_etcd_follower_rejoins_the_store_the_new_leader_published(
+        follower: Follower) -> None:
+    """The coordinator's process died (its store refuses connections): with c10d that is the
+    job's end; with etcd the node joins the store of the leader elected meanwhile."""
+    import torch.distributed as dist
+
+    from ftrun.cluster.rejoin import Rejoin
+
+    with socket.socket() as s:  # a port nothing serves: the dead coordinator's
+        s.bind(("127.0.0.1", 0))
+        dead = Endpoint("127.0.0.1", s.getsockname()[1])
+    new = dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=10),
+                        wait_for_workers=False)
+    published: list[Endpoint | None] = [None, None, Endpoint("127.0.0.1", new.port)]
+    c10d = Rejoin(follower.node, dead, rejoin_s=5.0)
+    ended = c10d.connect(Fenced("no answer from the store for 3.0 s", 0))
+    assert isinstance(ended, RunResult) and "nothing serves the endpoint" in ended.reason
+    etcd = Rejoin(follower.node, dead, rejoin_s=20.0,
+                  resolve=lambda: published.pop(0) if len(published) > 1 else published[0])
+    link = etcd.connect(Fenced("no answer from the store for 3.0 s", 0))
+    assert not isinstance(link, RunResult) and etcd.ep == Endpoint("127.0.0.1", new.port)
+    link.set("joined", "1")
+    assert new.get("joined") == b"1"

@@ -92,8 +92,8 @@ class Following(NoOtherNodes):
         self._outbox: Outbox | None = None
         self._payload = NodePayload(host.services)
         self.fence_after_s = conf_float(spec, "fence_timeout", timeouts.NODE_FENCE_S)
-        self.rejoin = Rejoin(host, ep, conf_float(spec, "rejoin_timeout",
-                                                  timeouts.NODE_REJOIN_S))
+        self.rejoin = Rejoin(host, ep, conf_float(spec, "rejoin_timeout", timeouts.NODE_REJOIN_S),
+                             self.plane.store_now if self.plane.backend == "etcd" else None)
         self._leaderless: Leaderless | None = None  # the coordinator's store lost, workers kept
         self.net: NetDrills | None = None
         self._relay: GenerationRelay | None = None
@@ -133,6 +133,7 @@ class Following(NoOtherNodes):
                     self.rejoin.ep = outcome.ep
                     continue
                 link = self.rejoin.connect(outcome)
+                self.ep = self.rejoin.ep  # etcd: maybe another leader's store
             return link
         finally:
             self.net.close()

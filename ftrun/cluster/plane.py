@@ -38,6 +38,8 @@ class Plane(Protocol):
         """The coordinator serves the agents' store at `ep` now: say where."""
     def register(self, index: int) -> None:
         """This agent is node `index` of the job."""
+    def store_now(self) -> Endpoint | None:
+        """The store of the coordinator in office (None: none published, or it never moves)."""
     def record(self, number: int, record: str) -> None:
         """Before generation `number` is published: write it under this agent's leadership
         (etcd: a fenced write, retried through an outage; a deposed leader's raises)."""
@@ -66,6 +68,9 @@ class C10dPlane:
 
     def register(self, index: int) -> None:
         pass
+
+    def store_now(self) -> Endpoint | None:
+        return None
 
     def record(self, number: int, record: str) -> None:
         pass

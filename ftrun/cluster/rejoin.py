@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,10 +41,14 @@ class Fenced:
 class Rejoin:
     """A fenced follower's way back: a new connection, or the run's end (held by it)."""
 
-    def __init__(self, host: NodeHost, ep: Endpoint, rejoin_s: float) -> None:
+    def __init__(self, host: NodeHost, ep: Endpoint, rejoin_s: float,
+                 resolve: Callable[[], Endpoint | None] | None = None) -> None:
+        """`resolve`: where the job's store is now (etcd: the leader in office publishes it;
+        a refused old store is then a coordinator being replaced, not the job's end)."""
         self.host = host
         self.ep = ep
         self.rejoin_s = rejoin_s
+        self.resolve = resolve
 
     def first_connect(self, join_s: float) -> Any:
         """Reach the store for the first time (a connection, or the run's result after a
@@ -70,10 +75,13 @@ class Rejoin:
                         f"for up to {self.rejoin_s:g} s"})
         start, stable_since = time.monotonic(), None
         while (sig := self.host.wakeup.pop_signal()) is None:
+            if self._moved():
+                stable_since = None
             failed = reach(self.ep, timeouts.CONNECT_TRY_S) if self.rejoin_s > 0 else None
             now = time.monotonic()
             stable_since = None if failed else stable_since or now
-            step = rejoin_step(failed is None, failed.errno if failed else None,
+            err = failed.errno if failed and self.resolve is None else None
+            step = rejoin_step(failed is None, err,
                                now - (stable_since or now), now - start, self.rejoin_s,
                                timeouts.NODE_SETTLE_S)
             if step.action is Next.END:
@@ -84,6 +92,17 @@ class Rejoin:
                 stable_since = None
             self.host.wakeup.wait(REJOIN_RETRY_S)
         return self.host.signal_result(sig, self.host.restarts)
+
+    def _moved(self) -> bool:
+        """etcd: another leader's store is published: rejoin there (as a new node)."""
+        try:
+            ep = self.resolve() if self.resolve is not None else None
+        except FtrunError:  # etcd away: try the store we know
+            return False
+        if ep is None or ep == self.ep:
+            return False
+        self.ep = ep
+        return True
 
     def _store_lost(self, fenced: Fenced) -> str:
         return (f"the rendezvous store at {self.ep} ({fenced.why}); stopped {fenced.stopped} "
