@@ -127,7 +127,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--kill-step", type=int, default=6)
-    ap.add_argument("--batch", type=int, default=1536)
+    ap.add_argument("--batch", type=int, default=2560)
     ap.add_argument("--width", type=int, default=1024)
     ap.add_argument("--depth", type=int, default=3)
     ap.add_argument("--steady", type=int, default=0)
