@@ -1,6 +1,6 @@
 """`--redo step` versus `--redo lost`: what a fault costs when only the lost work is redone.
 
-    python scripts/bench_redo.py [--nproc 4] [--reps 3] [--steps 12] [--kill-step 6]
+    python scripts/bench_redo.py [--nproc 4] [--spares 0] [--reps 3] [--steps 12] [--kill-step 6]
 
 Each repetition runs the same job twice, `--redo step` then `--redo lost` (4 gloo workers, an
 MLP whose step is >= 0.5 s of compute here, the loader's global batch). Worker 1 SIGKILLs
@@ -71,9 +71,9 @@ def worker(a: argparse.Namespace) -> None:
 def run_once(a: argparse.Namespace, redo: str) -> dict[str, float]:
     with tempfile.TemporaryDirectory() as out:
         cmd = [sys.executable, "-m", "ftrun", "--nproc", str(a.nproc), "--redo", redo,
-               __file__, "--worker", "--out", out, "--steps", str(a.steps), "--kill-step",
-               str(a.kill_step), "--batch", str(a.batch), "--width", str(a.width),
-               "--depth", str(a.depth)]
+               "--spares", str(a.spares), __file__, "--worker", "--out", out,
+               "--steps", str(a.steps), "--kill-step", str(a.kill_step), "--batch", str(a.batch),
+               "--width", str(a.width), "--depth", str(a.depth)]
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
         if r.returncode != 0:
@@ -125,6 +125,8 @@ def main() -> None:
     ap.add_argument("--out", default="")
     ap.add_argument("--nproc", type=int, default=4)
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--spares", type=int, default=0,
+                    help="hot spares (not awaited: one still starting is called in too)")
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--kill-step", type=int, default=6)
     ap.add_argument("--batch", type=int, default=2560)

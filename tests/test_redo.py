@@ -17,7 +17,7 @@ from test_recovery_core import exit_, hello, make, recovered
 from ftrun.core.membership import WorkerRole
 from ftrun.protocol.rendezvous import Generation
 from ftrun.worker.loader import Loader
-from ftrun.worker.makeup import Plan, plan_for
+from ftrun.worker.makeup import Plan, Redo, plan_for
 
 LOOP = str(FIXTURES / "redo_loop.py")
 OLD = Generation(0, (10, 11, 12, 13))
@@ -61,6 +61,22 @@ def test_cases_the_make_up_cannot_do_exactly_say_why() -> None:
     lone = plan_for(3, OLD, Generation(1, (10, 11, 12)), 10)
     assert isinstance(lone, Plan) and lone.part(4) == \
         "the lost share of 4 is smaller than the 3 survivors"
+
+
+def test_a_repeated_step_reports_its_whole_batch_and_shard_groups_say_they_repeat(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    step_mode = Redo(False, 10)
+    step_mode.start_pass(3)
+    step_mode.broke(3, OLD, None)
+    step_mode.start_pass(3)  # the repeat: a full pass, its batch cut through ft
+    assert step_mode.cut(24, 3) is None and step_mode.cut(24, 3) is None
+    assert step_mode.committed() == (48, 1.0)
+    assert step_mode.committed() == (0, 0.0)  # the next step broke nothing
+    sharded = Redo(True, 10, "--shard-size groups")
+    assert not sharded.lost
+    sharded.broke(3, OLD, None)
+    assert "--redo lost: step 3 is repeated in full (--shard-size groups are not supported" \
+        in capsys.readouterr().err
 
 
 # ------------------------------------------------------------------ the agent (fakes)
