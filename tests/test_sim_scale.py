@@ -49,6 +49,7 @@ def check_every_scenario(row: dict[str, Any], ranks: int, node_size: int, procs:
     assert f"lost with {node_size} members" in row["quiet_loss_reason"]
 
 
+@pytest.mark.slow  # 27 s on this 2-core host: two simulator processes each import torch
 def test_sim_scale_runs_every_scenario_end_to_end(tmp_path: Path) -> None:
     row, stdout = run_sim(tmp_path, 32, "--sim-procs", "2")
     check_every_scenario(row, 32, 8, 2)
