@@ -24,7 +24,8 @@ def fault(**over: Any) -> dict[str, Any]:
         "id": 1, "kind": "kill", "worker": 0, "rank": 0, "at": 100.0, "decision": "replace",
         "reason": "r", "injected": True, "generation": 1, "recovered": True,
         "recovery_ms": 100.0, "phases_ms": {"detected": 1.0}, "lost_steps": 0,
-        "committed_before": 10, "lost_from": None, "resumed_step": None}
+        "committed_before": 10, "lost_from": None, "resumed_step": None,
+        "redone_samples": 8, "redone_fraction": 0.2857}
     doc.update(over)
     return doc
 

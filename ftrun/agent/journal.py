@@ -45,6 +45,8 @@ class FaultRecord:
     lost_from: float | None = None  # wall clock where lost work starts (a restart: the attempt;
     # a restart that resumed from a snapshot: when the snapshot was taken)
     resumed_step: int | None = None  # a whole-group restart resumed from this snapshot step
+    redone_samples: int | None = None  # --redo: samples its recovery recomputed (-1: unknown)
+    redone_fraction: float | None = None  # ...as a fraction of the step's global batch
 
 
 class Journal:
@@ -212,6 +214,9 @@ class Journal:
                     rec.lost_steps = max(0, rec.committed_before - int(str(f["step"])))
                 rec.recovered = True
                 rec.recovery_ms = phases.get("first_commit")
+                if f.get("redone_samples") is not None:
+                    rec.redone_samples = int(str(f["redone_samples"]))
+                    rec.redone_fraction = float(str(f.get("redone_fraction", 0.0)))
 
 
 def summarize(faults: list[FaultRecord], run_seconds: float) -> dict[str, Any]:

@@ -78,6 +78,8 @@ class Fault(Record):
     committed_before: int
     lost_from: float | None
     resumed_step: int | None
+    redone_samples: int | None = None  # --redo: samples recomputed (-1: not known)
+    redone_fraction: float | None = None  # ...as a fraction of the step's global batch
 
 
 @dataclass(frozen=True)
