@@ -5,10 +5,11 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 
 from conftest import wait_for
 
-from ftrun.adapters.zygote import memory_kb, thread_count
+from ftrun.adapters.zygote import MemorySampler, memory_kb, rss_kb, thread_count
 from ftrun.agent.watch import _cpu_seconds, _stopped
 
 
@@ -47,3 +48,20 @@ def test_memory_and_threads_of_this_process() -> None:
     finally:
         stop.set()
         t.join()
+
+
+def test_the_memory_split_is_read_again_only_after_its_interval() -> None:
+    reads: list[int] = []
+
+    def read(pid: int) -> dict[str, int]:
+        reads.append(pid)
+        return {"rss_kb": len(reads)}
+
+    sampler = MemorySampler(every_s=0.3, read=read)
+    assert sampler.of([5, 6]) == [{"rss_kb": 1}, {"rss_kb": 2}]
+    assert sampler.of([6, 5]) == [{"rss_kb": 2}, {"rss_kb": 1}] and reads == [5, 6]
+    assert sampler.of([6]) == [{"rss_kb": 2}]  # 5 is gone: forgotten
+    assert sampler.of([5]) == [{"rss_kb": 3}]
+    time.sleep(0.35)
+    assert sampler.of([5, 6]) == [{"rss_kb": 4}, {"rss_kb": 5}]
+    assert rss_kb(os.getpid()) > 0 and rss_kb(2 ** 22 + 7) == 0

@@ -16,11 +16,11 @@ from typing import IO, Any
 from ftrun.adapters.procs import Spawned, become_subreaper, reap_strays, spawn
 from ftrun.adapters.wakeup import Wakeup
 from ftrun.adapters.zygote import (
+    MemorySampler,
     Target,
     Zygote,
     ZygoteGone,
     ZygoteState,
-    memory_kb,
     wants_torch,
 )
 from ftrun.core.errors import UsageError
@@ -42,6 +42,7 @@ class WorkerStarter:
         self.subreaper = False
         self.state = "off"  # what `ftrun status` shows: off | starting | ready | gone | refused
         self.why_not = "--no-zygote" if not spec.zygote else ""
+        self._memory = MemorySampler()  # the forked workers' memory, for `ftrun status`
 
     def open(self, env: Mapping[str, str]) -> None:
         """Start the zygote now: it imports torch while the agent sets up the run."""
@@ -155,7 +156,8 @@ class WorkerStarter:
         return {"state": self.state, "pid": z.pid, "rss_kb": z.rss_kb(), "forks": z.forks,
                 "preloaded": list(z.ready.preloaded) if z.ready else [],
                 "preload_s": z.ready.seconds if z.ready else None,
-                "workers": [{"pid": pid, **memory_kb(pid)} for pid in forked]}
+                "workers": [{"pid": pid, **mem}
+                            for pid, mem in zip(forked, self._memory.of(forked), strict=True)]}
 
     def close(self) -> None:
         if self.zygote is not None:

@@ -23,7 +23,7 @@ import socket
 import sys
 import time
 
-from ftrun.adapters.zygote import memory_kb, thread_count
+from ftrun.adapters.zygote import rss_kb, thread_count
 from ftrun.core import timeouts
 from ftrun.protocol.zygote import (
     ChannelClosed,
@@ -85,7 +85,7 @@ def preload(modules: list[str], with_torch: bool, sock: socket.socket) -> Ready 
     gc.collect()
     gc.freeze()  # the collector then leaves these objects' pages shared with the workers
     return Ready(os.getpid(), tuple(names), round(time.monotonic() - started, 3),
-                 memory_kb(os.getpid()).get("rss_kb", 0))
+                 rss_kb(os.getpid()))
 
 
 def _unsafe_after(name: str) -> Refused | None:
