@@ -150,6 +150,7 @@ def _observe(kind: str, a: argparse.Namespace, out: str,
     else:
         return {"error": "never reached the kill step"}
     watch = _LeaderWatch(a) if a.etcd else None  # who leads before the kill
+    before = {e["pid"] for e in read_events(out) if e["ev"] == "step"}
     killed_at = time.time()
     victim = procs[0] if a.coordinator else procs[-1]
     _kill_session(victim)  # launcher and workers together
@@ -159,15 +160,14 @@ def _observe(kind: str, a: argparse.Namespace, out: str,
     deadline = time.monotonic() + a.timeout
     while time.monotonic() < deadline:
         steps = [e for e in read_events(out) if e["ev"] == "step"]
-        # a step is recovered once the smaller job commits it: steps committed just after
-        # the kill by the old membership (its all-reduce had finished) do not count
-        after = [e for e in steps if e["world"] < world]
+        # a step is recovered once the smaller job commits it, or a spare that took a lost
+        # rank (a process that had committed nothing): steps committed just after the kill
+        # by the old membership (its all-reduce had finished) do not count
+        after = [e for e in steps if e["world"] < world or e["pid"] not in before]
         if after:
             first = min(after, key=lambda e: e["t"])
-            reached = max(e["step"] for e in steps if e["world"] == world)
-            resumed = min(e["step"] for e in after)
             return {"recovery_s": first["t"] - killed_at,
-                    "lost_steps": float(max(0, reached - resumed + 1)),
+                    "lost_steps": float(_lost_steps(steps, after, before, world)),
                     **(watch.figures() if watch else {})}
         if watch:
             watch.poll()
@@ -176,6 +176,22 @@ def _observe(kind: str, a: argparse.Namespace, out: str,
                              f"{time.time() - killed_at:.1f} s after the kill"}
         time.sleep(0.05)
     return {"error": f"no recovery within {a.timeout:.0f} s of the kill"}
+
+
+def _lost_steps(steps: list[dict[str, float]], after: list[dict[str, float]],
+                before: set[float], world: int) -> int:
+    """Committed steps done again: the full job's newest commit down to where the smaller
+    job resumed; with a spare in the lost rank (the world unchanged, the survivors' commits
+    go on) the steps a survivor committed twice."""
+    resumed = min(e["step"] for e in after)
+    if any(e["world"] < world for e in after):
+        reached = max(e["step"] for e in steps if e["world"] == world)
+        return int(max(0, reached - resumed + 1))
+    by_pid: dict[float, list[float]] = {}
+    for e in steps:
+        if e["pid"] in before:
+            by_pid.setdefault(e["pid"], []).append(e["step"])
+    return max((len(v) - len(set(v)) for v in by_pid.values()), default=0)
 
 
 class _LeaderWatch:
