@@ -24,6 +24,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
+from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
@@ -76,7 +78,7 @@ def alive(pid: int) -> bool:
         return False
 
 
-def wait_until(cond, timeout_s: float):  # noqa: ANN001, ANN201
+def wait_until(cond: Callable[[], Any], timeout_s: float) -> Any:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         value = cond()
