@@ -7,10 +7,10 @@ A real 3-member etcd on loopback (tests/etcdlab.py); `--nodes` ftrun agents with
 MLP, gloo). Runs alternate: a run whose etcd raft leader is SIGKILLed once every rank has
 committed `--kill-after` steps, and a run without a kill, `--reps` of each. Each run's figure
 is the mean step time of rank 0 over the `--window` steps after that point (the kill, or the
-same step without one). Printed: every run, the median of each kind and their ratio (the
-issue's goal: within 2%), and the generations after the first that the killed runs
-published (a fault makes one; goal: none). etcd's own election after the kill happens inside
-the window.
+same step without one), beside its own before the point (`before_s`). Printed: every run,
+the median of each kind and their ratio (the issue's goal: within 2%), and the generations
+after the first that the killed runs published (a fault makes one; goal: none). etcd's own
+election after the kill happens inside the window.
 """
 from __future__ import annotations
 
@@ -87,6 +87,7 @@ def _observe(a: argparse.Namespace, lab: object, out: str,
     logs = "".join(Path(out, f"launcher{i}.log").read_text() for i in range(a.nodes))
     worlds = {int(e["world"]) for e in read_events(out) if e["ev"] == "step"}
     return {"step_s": step_times(out, 0, a.kill_after, a.window),
+            "before_s": step_times(out, 0, a.kill_after // 4, a.kill_after * 3 // 4),
             "codes": [p.returncode for p in procs], "worlds": sorted(worlds),
             "new_generations": logs.count("ftrun: generation ")}  # each fault makes one
 
@@ -95,7 +96,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--nodes", type=int, default=2)
     ap.add_argument("--reps", type=int, default=2)
-    ap.add_argument("--kill-after", type=int, default=20)
+    ap.add_argument("--kill-after", type=int, default=60)
     ap.add_argument("--window", type=int, default=60)
     ap.add_argument("--timeout", type=float, default=300.0)
     a = ap.parse_args()
