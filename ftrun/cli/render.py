@@ -289,8 +289,18 @@ def print_run_summary(faults: Sequence[Any], run_seconds: float,
                f"{s.lost_steps} committed steps recomputed)")
     print(f"ftrun: survived {s.recovered}/{s.faults} faults{how}; recovery p50 "
           f"{_fmt(s.p50_ms, ' ms')}, p95 {_fmt(s.p95_ms, ' ms')}, max "
-          f"{_fmt(s.max_ms, ' ms')}; time lost {s.time_lost_s} s; goodput "
+          f"{_fmt(s.max_ms, ' ms')}{_redone(faults)}; time lost {s.time_lost_s} s; goodput "
           f"{_fmt(s.goodput)}", file=stream, flush=True)
+
+
+def _redone(faults: Sequence[Any]) -> str:
+    """`; redone 640 samples (0.25 of a step)` over the faults whose recovery said (--redo)."""
+    told = [f for f in faults if getattr(f, "redone_samples", None) is not None
+            and f.redone_samples >= 0]
+    if not told:
+        return ""
+    steps = sum(f.redone_fraction or 0.0 for f in told)
+    return f"; redone {sum(f.redone_samples for f in told)} samples ({steps:.2f} of a step)"
 
 
 def _unfinished_summary(faults: Sequence[Any], open_faults: Sequence[Any],
