@@ -1,7 +1,6 @@
-import re
-
 """What the launcher reports after faults: summary figures, restarts, root causes, hints."""
 import os
+import re
 import subprocess
 import sys
 
