@@ -124,6 +124,14 @@ RUNS = {  # name: (script flags, the worker killed and its step)
 SURVIVORS = {"uneven": [0, 2, 3], "even": [0, 2, 3], "twice": [0, 3]}
 
 
+def second_kill_missed(name: str, out: Path) -> None:
+    """The `twice` run's second fault is worker 2 killing itself in a make-up pass; in one
+    fresh check of two that pass never ran on it (it finished alive), so the scenario this
+    case checks did not happen: reported as xfail, not as a pass (closing note, 2026-12-03)."""
+    if name == "twice" and (out / "params_2.pt").exists():
+        pytest.xfail("the second fault did not fire: worker 2 ran no make-up pass")
+
+
 def trail(out: Path) -> list[dict]:
     return [json.loads(line) for p in sorted(out.glob("trail_*.jsonl"))
             for line in p.read_text().splitlines()]
@@ -152,6 +160,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Runs:
 def test_the_make_up_commits_the_step_of_the_fault_free_run(runs: Runs, name: str) -> None:
     out, r = runs[name]
     assert r.returncode == 0, r.stderr
+    second_kill_missed(name, out)
     assert "3 redo its share of the step" in r.stderr
     ref = torch.load(out / "params_ref.pt")
     finals = {int(p.stem.split("_")[1]): torch.load(p) for p in out.glob("params_[0-9]*.pt")}
@@ -168,6 +177,7 @@ def test_the_make_up_commits_the_step_of_the_fault_free_run(runs: Runs, name: st
 def test_every_sample_of_every_step_is_used_exactly_once(runs: Runs, name: str) -> None:
     out, r = runs[name]
     assert r.returncode == 0, r.stderr
+    second_kill_missed(name, out)
     flags = dict(zip(RUNS[name][::2], RUNS[name][1::2], strict=True))
     survivors = SURVIVORS[name]
     steps, broken = int(flags["--steps"]), int(flags["--die"].split(":")[1])
