@@ -233,7 +233,7 @@ class Agent:
         outcome = Outcome()
         try:
             return self._watch(outcome)
-        except Deposed as exc:  # etcd refused a generation: no worker saw it; they stop
+        except Deposed as exc:  # its leadership ended (etcd refused a generation, or lapsed)
             if self.uses_api():  # else _attempt tells it
                 self.emit(Event.FAILURE, {"reason": exc.one_line(), "rank": None})
             outcome.decision = Decision(Action.FAIL, exc.one_line())

@@ -46,10 +46,10 @@ from ftrun.cluster.nodewatch import NodeWatch
 from ftrun.cluster.plane import C10dPlane, Plane
 from ftrun.cluster.remotes import RemoteWorkers
 from ftrun.core import timeouts
-from ftrun.core.errors import FtrunError
+from ftrun.core.errors import Deposed, FtrunError
 from ftrun.core.events import Event
 from ftrun.core.membership import WorkerRole
-from ftrun.core.policy import Action, Decision, Liveness, find_lost_nodes
+from ftrun.core.policy import Decision, Liveness, find_lost_nodes
 from ftrun.protocol.rendezvous import Generation, node_of
 
 
@@ -290,10 +290,7 @@ class Coordinating:
 
     def tick(self) -> Decision | None:
         if (why := self.plane.deposed()) is not None:  # another agent may lead by now
-            reason = f"the coordinator stopped deciding: {why}"
-            if (rec := self.host.recovery) is not None and rec.uses_api:  # no fault tells it
-                self.host.emit(Event.FAILURE, {"reason": reason, "rank": None})
-            return Decision(Action.FAIL, reason)
+            raise Deposed(f"the coordinator stopped deciding: {why}")  # the agent stops, once
         if self.pending is not None:
             pending, self.pending = self.pending, None
             return pending
