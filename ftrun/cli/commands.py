@@ -3,7 +3,8 @@ client and the run's files.
 
 Owns: the subcommands' arguments (checked with the job's own request checks), the drill
 schedule (--every/--count) and waiting for the drill's recoveries; a job that ends before
-its drill settles is an error. Rendering lives in render.py, the report's numbers in
+its drill settles is an error. `--chaos` is checked here and run by chaos_run.py (its plan
+and summary: chaos.py). Rendering lives in render.py, the report's numbers in
 runreport.py, its picture in picture.py.
 Must not import: torch (a status check must work, fast, on a node without CUDA).
 """
@@ -14,6 +15,7 @@ import json
 import math
 import os
 import time
+from dataclasses import replace
 from typing import Optional
 
 import typer
@@ -87,19 +89,32 @@ def report(run_dir: Optional[str] = typer.Argument(None, help="a run's log direc
 
 @app.command("inject-fault")
 def inject_fault(
-    kind: str = typer.Option(..., "--kind", help="one of " + ", ".join(ALL_KINDS)),
+    kind: Optional[str] = typer.Option(None, "--kind", help="one of " + ", ".join(ALL_KINDS)),  # noqa: UP045,E501
     rank: Optional[int] = typer.Option(None, "--rank", help="the rank to break"),  # noqa: UP045
     gpu: Optional[int] = typer.Option(None, "--gpu", help="the GPU to break (xid kinds)"),  # noqa: UP045,E501
     run_id: Optional[str] = typer.Option(None, "--run-id", help="the job (a prefix is enough)"),  # noqa: UP045,E501
     at_step: int = typer.Option(-1, "--at-step", help="let the worker fail when it reaches this step"),  # noqa: E501
-    every: float = typer.Option(0.0, "--every", help="seconds between repeated faults"),
-    count: int = typer.Option(1, "--count", help="how many faults"),
+    every: float = typer.Option(0.0, "--every", help="seconds between repeated faults (--chaos: their mean)"),  # noqa: E501
+    count: int = typer.Option(0, "--count", help="how many faults (default 1; --chaos: no limit)"),  # noqa: E501
     delay: float = typer.Option(0.5, "--delay", help="slow: extra seconds per step"),
     xid: Optional[int] = typer.Option(None, "--xid", help="the XID for --kind xid"),  # noqa: UP045
     node: Optional[int] = typer.Option(None, "--node", help="the node whose link to cut (net-down)"),  # noqa: UP045,E501
-    duration: float = typer.Option(0.0, "--duration", help="net-down: seconds the link stays down"),  # noqa: E501
+    duration: float = typer.Option(0.0, "--duration", help="net-down: seconds the link stays down; --chaos: seconds of chaos"),  # noqa: E501
+    chaos_mode: bool = typer.Option(False, "--chaos", help="random faults of mixed kinds, one at a time (--every, --duration or --count)"),  # noqa: E501
+    kinds: Optional[str] = typer.Option(None, "--kinds", help="--chaos: the kinds to draw from, a,b,c (default: all the job supports)"),  # noqa: UP045,E501
+    seed: int = typer.Option(0, "--seed", help="--chaos: the plan's seed (same seed, same plan)"),  # noqa: E501
+    spread: str = typer.Option("exponential", "--spread", help="--chaos: gaps exponential or uniform"),  # noqa: E501
 ) -> None:
     """Break a running job on purpose and print how it recovered, phase by phase."""
+    if chaos_mode:
+        if kind is not None or rank is not None or gpu is not None or node is not None:
+            raise UsageError("--chaos draws kinds and ranks itself: drop --kind, --rank, --gpu "
+                             "and --node", hint="choose kinds with --kinds kill,exit")
+        _chaos(run_id, every, count, duration, kinds, seed, spread)
+        return
+    if kind is None:
+        raise UsageError("Missing option '--kind'", hint="e.g. --kind kill --rank 1, or --chaos")
+    count = count or 1
     if kind not in ALL_KINDS:
         raise UsageError(f"unknown fault kind {kind!r}", hint="use " + ", ".join(ALL_KINDS))
     if not math.isfinite(every) or every < 0:
@@ -154,6 +169,33 @@ def inject_fault(
         raise control.JobGone(f"job {info.run_id[:8]} ended before the drill completed "
                               f"({settled}/{count} faults settled)",
                               hint="see its log directory for why")
+
+
+def _chaos(run_id: str | None, every: float, count: int, duration: float, kinds: str | None,
+           seed: int, spread: str) -> None:
+    """`--chaos`: the plan checked, run against the job, summed up (chaos.py, chaos_run.py)."""
+    from ftrun.cli import chaos, chaos_run
+
+    spec = chaos.ChaosSpec(every, spread, seed, chaos.parse_kinds(kinds), duration, count)
+    chaos.check_spec(spec)
+    info = control.find_job(run_id)[0]
+    if len(control.find_job(run_id)) > 1:
+        raise UsageError("--chaos drills a job with one agent on this host",
+                         hint="run it against a single-node job")
+    spec = replace(spec, kinds=chaos.kinds_for(control.status(info), spec.kinds))
+    print(f"ftrun: chaos on job {info.run_id[:8]}: {','.join(spec.kinds)}, every "
+          f"{every:g} s ({spread}), seed {seed}", flush=True)
+    result = chaos_run.run(info, spec, lambda line: print(line, flush=True))
+    rows, overall = chaos.summary(result.faults, result.injected, result.window_s)
+    print("\n".join(chaos.summary_lines(rows, overall, result.window_s)), flush=True)
+    if result.error is not None:
+        raise result.error
+    if result.unsettled or (result.stopped and count and len(result.injected) < count):
+        raise control.JobGone(f"job {info.run_id[:8]} ended before the chaos completed "
+                              f"({len(result.injected)} drills sent, {result.unsettled} "
+                              "faults not settled)", hint="see its log directory for why")
+    if result.stopped:
+        print(f"ftrun: chaos: {result.stopped}; every fault it sent had settled", flush=True)
 
 
 def _agent_for_drill(agents: list[control.RunInfo], rank: int | None
