@@ -90,12 +90,6 @@ def _seen(out: Path) -> list[dict]:
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=False, reason=(
-    "known defect (closing note of 2026-12-03), ~1 run in 6: after the fresh group's worker "
-    "dies while healing, the live group's two shard ranks disagree about one step: one "
-    "commits it, the other's step vote fails and it waits FAULT_CONFIRM_S for a rebuild; "
-    "the step is then committed in two generations and the FSDP collectives of two "
-    "different steps pair up"))
 def test_a_lost_rank_takes_its_group_out_and_a_fresh_group_heals_and_rejoins(
         tmp_path: Path) -> None:
     out, logs = tmp_path / "out", tmp_path / "logs"

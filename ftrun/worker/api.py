@@ -199,6 +199,11 @@ class FaultTolerant:
                     self._trained()
                     return
                 continue
+            if self._behind_in_group():  # follow the group's newest generation first
+                self._member.escalate(RecoveryMode.SWITCH)
+                self._reconcile()
+                if self.committed >= total:
+                    continue
             self._start_step()
             yield self.committed
             if self._state in (StepState.RUNNING, StepState.SYNCED):
@@ -317,6 +322,18 @@ class FaultTolerant:
             return False
         self._streams.load_state_dict(self._replay[1])
         return True
+
+    def _behind_in_group(self) -> bool:
+        """Under --shard-size, at a step's start: a rank of this replica group is in a newer
+        generation (its watcher saw it first). Asked once per attempt by every rank."""
+        sharding = self._replicas.sharding
+        if not self._managed or sharding is None:
+            return False
+        try:
+            return sharding.group().agree(self.generation) > self.generation
+        except CommError as exc:  # a peer died: the agent takes the group out
+            self._member.broke(str(exc))
+            return True
 
     def _wants_switch(self) -> bool:
         return (newest := self._interrupt.newest) is not None and newest.number > self.generation

@@ -21,7 +21,7 @@ from ftrun.worker.comm import Abandoned, CommError, Group, Interrupt
 class Voter(Protocol):
     """A replica group's shard group, as far as the vote goes (`sharded.ShardGroup`)."""
 
-    def vote(self, ok: bool, switch: bool) -> tuple[bool, bool]: ...
+    def vote(self, ok: bool, switch: bool, generation: int) -> tuple[bool, bool]: ...
 
 
 class ReplicaSync:
@@ -39,6 +39,7 @@ class ReplicaSync:
         self.before_wait = before_wait  # where a stall or wedge drill waits
         self.params: list[Any] = []
         self.enabled = True  # no_sync(): FSDP's own set_requires_gradient_sync decides
+        self.generation = -1  # the step's: what the group's vote carries
 
     def add(self, params: list[Any], bucket_mb: float) -> None:
         for p in params:
@@ -49,7 +50,8 @@ class ReplicaSync:
         """Nothing to allocate ahead: buffers are made per step."""
 
     def next_step(self, group: Group) -> None:
-        """Nothing carries over from a step to the next."""
+        """Nothing carries over from a step to the next but the generation it runs in."""
+        self.generation = group.gen.number
 
     def drop(self) -> None:
         for p in self.params:
@@ -60,7 +62,7 @@ class ReplicaSync:
     def abstain(self) -> None:
         """This rank cannot finish the step: its group must not wait for its vote."""
         with contextlib.suppress(CommError):
-            self.shard().vote(False, False)
+            self.shard().vote(False, False, self.generation)
 
     def finish(self, group: Group, interrupt: Interrupt) -> bool:
         """Raises CommError or Abandoned when the step failed on any rank of the group;
@@ -86,11 +88,12 @@ class ReplicaSync:
                 switch = bool(flats[0][-1].item() > 0)
         except (CommError, Abandoned) as exc:
             failure = exc
-        ok, switch = self.shard().vote(failure is None, switch)
+        ok, switch = self.shard().vote(failure is None, switch, group.gen.number)
         if failure is not None:
             raise failure
         if not ok:
-            raise CommError("another rank of this replica group failed the step")
+            raise CommError("another rank of this replica group failed the step, or ran it in "
+                            "another generation")
         if flats:
             flats[0] = flats[0][:-1]
             _scatter_back(grads, flats, group.size)

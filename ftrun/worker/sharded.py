@@ -132,20 +132,38 @@ class ShardGroup:
             raise WorkerApiError(f"generation {gen.number} split replica group "
                                  f"{list(self.members)} into {list(found)}")
 
-    def vote(self, ok: bool, switch: bool) -> tuple[bool, bool]:
-        """(every rank of the group succeeded, some rank voted to switch). Not abandoned for
-        a newer generation: a rank that left early could see a failure where its peers
-        committed. A peer that died makes it raise at once; the agent stops this group then."""
-        import torch
+    def vote(self, ok: bool, switch: bool, generation: int) -> tuple[bool, bool]:
+        """(every rank of the group succeeded in the same generation, some rank voted to
+        switch). Not abandoned for a newer generation: a rank that left early could see a
+        failure where its peers committed. A peer that died makes it raise at once; the agent
+        stops this group then. The group's ranks pair their votes by order on a process
+        group that outlives generations: a vote cast in another generation than a peer's is
+        a failure for both, never a commit in two generations."""
+        failed, switches, newest, oldest = self._max([0.0 if ok else 1.0, 1.0 if switch else 0.0,
+                                                      generation, -generation], "step vote")
+        return failed == 0 and newest == -oldest, switches > 0
 
-        votes = torch.tensor([0.0 if ok else 1.0, 1.0 if switch else 0.0], device=self.device)
+    def agree(self, generation: int) -> int:
+        """The newest generation any rank of the group is in, at a step's start: a rank that
+        has not seen it yet moves there first, so that the group's ranks attempt each step
+        in one generation (their FSDP collectives pair on this group whatever the
+        generation)."""
+        return int(self._max([float(generation)], "generation check")[0])
+
+    def _max(self, values: list[float], what: str) -> list[float]:
+        import torch
+        import torch.distributed as dist
+
+        # float64: generation numbers stay exact
+        tensor = torch.tensor(values, dtype=torch.float64, device=self.device)
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp.MAX
         try:
-            self.pg.allreduce([votes]).wait(timedelta(seconds=timeouts.COLLECTIVE_S))
+            self.pg.allreduce([tensor], opts).wait(timedelta(seconds=timeouts.COLLECTIVE_S))
         except RuntimeError as exc:
-            raise CommError(f"the replica group's step vote failed: "
+            raise CommError(f"the replica group's {what} failed: "
                             f"{first_line(exc, 160)}") from None
-        failed, switches = votes.tolist()
-        return failed == 0, switches > 0
+        return [float(v) for v in tensor.tolist()]
 
 
 def join_shard_group(store: Store, gen: Generation, worker_id: int, shard_size: int,
