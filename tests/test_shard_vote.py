@@ -14,7 +14,8 @@ FIXTURE = "shard_vote.py"
 
 
 def _cast(fixture_path: Callable[[str], str], tmp_path: Path,
-          calls: tuple[list[object], list[object]]) -> tuple[list[object], list[object]]:
+          calls: tuple[list[list[object]], list[list[object]]]
+          ) -> tuple[list[object], list[object]]:
     init = tmp_path / "init"
     procs = [subprocess.Popen([sys.executable, fixture_path(FIXTURE), str(rank), str(init),
                                json.dumps(calls[rank])], stdout=subprocess.PIPE, text=True)
@@ -26,7 +27,7 @@ def _cast(fixture_path: Callable[[str], str], tmp_path: Path,
 
 def test_a_vote_commits_only_one_generation_and_the_check_finds_the_newest(
         fixture_path: Callable[[str], str], tmp_path: Path) -> None:
-    calls = (
+    calls: tuple[list[list[object]], list[list[object]]] = (
         [["vote", 1, 0, 3], ["vote", 1, 0, 3], ["vote", 1, 1, 4], ["agree", 2], ["agree", 6]],
         [["vote", 1, 0, 3], ["vote", 1, 0, 4], ["vote", 0, 0, 4], ["agree", 5], ["agree", 6]],
     )
