@@ -77,6 +77,10 @@ def test_the_kinds_a_job_supports() -> None:
     assert FaultKind.XID not in chaos.kinds_for(real, ())
     with pytest.raises(UsageError, match="does not use the ftrun worker API"):
         chaos.kinds_for(status(ft_api=False), ())
+    nodes = [{"node": i, "host": "h", "pid": 1, "alive": True, "role": "r", "snapshot": None}
+             for i in range(2)]
+    with pytest.raises(UsageError, match="single-node job \\(this one has 2 nodes\\)"):
+        chaos.kinds_for(status(nodes=nodes), ())
 
 
 def test_a_planned_fault_becomes_a_drill_on_a_live_rank() -> None:

@@ -112,6 +112,9 @@ def supported_kinds(doc: Status) -> dict[str, str]:
 def kinds_for(doc: Status, asked: tuple[str, ...]) -> tuple[str, ...]:
     """The kinds to draw from: those asked (each one this job supports, or a UsageError), or
     every default kind the job supports."""
+    if doc.nodes and len(doc.nodes) > 1:  # a drill reaches only the ranks of its own node
+        raise UsageError("--chaos drills a single-node job (this one has "
+                         f"{len(doc.nodes)} nodes)", hint="drill one rank at a time with --rank")
     why = supported_kinds(doc)
     if not asked:
         kinds = [k for k in DEFAULT_KINDS if not why[k]]

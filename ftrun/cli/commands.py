@@ -178,10 +178,11 @@ def _chaos(run_id: str | None, every: float, count: int, duration: float, kinds:
 
     spec = chaos.ChaosSpec(every, spread, seed, chaos.parse_kinds(kinds), duration, count)
     chaos.check_spec(spec)
-    info = control.find_job(run_id)[0]
-    if len(control.find_job(run_id)) > 1:
+    agents = control.find_job(run_id)
+    if len(agents) > 1:
         raise UsageError("--chaos drills a job with one agent on this host",
                          hint="run it against a single-node job")
+    info = agents[0]
     spec = replace(spec, kinds=chaos.kinds_for(control.status(info), spec.kinds))
     print(f"ftrun: chaos on job {info.run_id[:8]}: {','.join(spec.kinds)}, every "
           f"{every:g} s ({spread}), seed {seed}", flush=True)
