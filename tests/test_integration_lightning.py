@@ -6,6 +6,7 @@ import os
 import re
 import subprocess
 from pathlib import Path
+from typing import cast
 
 import pytest
 from conftest import FIXTURES, ftrun_cmd, run_ftrun, wait_for
@@ -34,7 +35,7 @@ def status_workers() -> list[dict]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)  # two runs, each worker importing Lightning on 2 shared cores
-def test_lightning_kill(tmp_path, private_run_dir) -> None:
+def test_lightning_kill(tmp_path: Path, private_run_dir: Path) -> None:
     ref = tmp_path / "ref"
     r = run_ftrun("--nproc", "2", DIE, EXAMPLE, *ARGS, "--out", str(ref), timeout=300)
     assert r.returncode == 0, r.stderr
@@ -54,8 +55,8 @@ def test_lightning_kill(tmp_path, private_run_dir) -> None:
             assert job.poll() is None, job.communicate()[1]
             workers = status_workers()
             return workers if any(w.get("role") == "spare" for w in workers) else None
-        workers = wait_for(spare_ready, 240, "a ready spare")
-        pids = {w["worker_id"]: w["pid"] for w in workers}  # type: ignore[union-attr]
+        workers = cast(list[dict], wait_for(spare_ready, 240, "a ready spare"))
+        pids = {w["worker_id"]: w["pid"] for w in workers}
         go.touch()
         _, err = job.communicate(timeout=300)
     finally:
