@@ -40,14 +40,31 @@ class WriteFailed(Exception):
 
 
 class _Slice:
-    """A tensor's place in a slot: (part, element offset, shape)."""
+    """A tensor's place in a slot: (part, element offset, shape); for a DTensor's local shard,
+    also where it sits in the global tensor (`dist`: global shape, offset, placements)."""
+
+    dist: tuple[tuple[int, ...], tuple[int, ...], tuple[Any, ...]] | None = None
 
     def __init__(self, part: int, offset: int, shape: tuple[int, ...]) -> None:
         self.part, self.offset, self.shape = part, offset, shape
 
 
+class LocalShard:
+    """A DTensor's local shard read back from a slot: the shard, the global tensor's shape,
+    where the shard starts in it, and the placements it had (no mesh: a mesh is a live
+    process group's, rebuilt by whoever loads it)."""
+
+    def __init__(self, tensor: Any, global_shape: tuple[int, ...], offset: tuple[int, ...],
+                 placements: tuple[Any, ...]) -> None:
+        self.tensor, self.global_shape = tensor, global_shape
+        self.offset, self.placements = offset, placements
+
+
 class _Path:
-    """A tensor's place in a disk snapshot: its path in the state tree (DCP's key)."""
+    """A tensor's place in a disk snapshot: its path in the state tree (DCP's key); for a
+    sharded snapshot's DTensor, the placements it was saved with."""
+
+    placements: tuple[Any, ...] | None = None
 
     def __init__(self, path: tuple[str, ...]) -> None:
         self.path = path
@@ -182,6 +199,10 @@ class Plan:
         self.offsets, self.total_bytes = _layout(len(self.meta), self.dtypes, self.counts)
 
     def _strip(self, t: Any, _path: tuple[str, ...]) -> _Slice:
+        dist = None
+        if hasattr(t, "to_local"):  # a DTensor: its local shard only, never gathered
+            dist = dtensor_place(t)
+            t = t.to_local()
         dtypes, counts = self.dtypes, self.counts
         part = dtypes.index(t.dtype) if t.dtype in dtypes else len(dtypes)
         if part == len(dtypes):
@@ -189,7 +210,18 @@ class Plan:
             counts.append(0)
         self.tensors.append((part, counts[part], t))
         counts[part] += t.numel()
-        return _Slice(part, counts[part] - t.numel(), tuple(t.shape))
+        ref = _Slice(part, counts[part] - t.numel(), tuple(t.shape))
+        ref.dist = dist
+        return ref
+
+
+def dtensor_place(t: Any) -> tuple[tuple[int, ...], tuple[int, ...], tuple[Any, ...]]:
+    """A DTensor's (global shape, this rank's offset in it, placements): local arithmetic on
+    the mesh's coordinate, no collective."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    _, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    return tuple(t.shape), tuple(int(o) for o in offset), tuple(t.placements)
 
 
 def reserved_size(state: Mapping[str, Any]) -> int:
@@ -224,10 +256,13 @@ def _drill_kill(worker: int, step: int) -> bool:
             and os.environ.get("FTRUN_ATTEMPT") == "0")
 
 
-def read_slot(path: str, rec: SlotRecord, owned: bool = False) -> dict[str, Any]:
+def read_slot(path: str, rec: SlotRecord, owned: bool = False,
+              shards: bool = False) -> dict[str, Any]:
     """The state tree a slot holds, as views of the mapped slot (kept alive by them), or
     with `owned`, of one private copy per part: a state that is loaded must own its tensors
-    (an optimizer keeps what it is given, and the slot is overwritten by the next snapshot)."""
+    (an optimizer keeps what it is given, and the slot is overwritten by the next snapshot).
+    With `shards`, a DTensor's local shard comes back as a `LocalShard` (where it sits in
+    the global tensor), else as the bare local tensor."""
     import torch
 
     with open(path, "rb") as f:
@@ -247,7 +282,9 @@ def read_slot(path: str, rec: SlotRecord, owned: bool = False) -> dict[str, Any]
         n = 1
         for d in ref.shape:
             n *= d
-        return flats[ref.part][ref.offset:ref.offset + n].view(ref.shape)
+        t = flats[ref.part][ref.offset:ref.offset + n].view(ref.shape)
+        dist = getattr(ref, "dist", None)
+        return LocalShard(t, *dist) if shards and dist is not None else t
 
     state: dict[str, Any] = map_leaves(skeleton, lambda v: isinstance(v, _Slice), fill)
     return state

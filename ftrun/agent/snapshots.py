@@ -4,7 +4,8 @@ Owns: `SnapshotKeeper`: the node's shared-memory directory (made when the run st
 when the agent ends: it outlives every worker, not the agent), what each worker is told
 (where the slots are, how often to fill one, whether it starts with no live replica and must
 resume), a writer thread that copies each newly published slot to `--snapshot-dir` in torch's
-Distributed Checkpoint format (atomically: a temporary directory, a manifest of checksums
+Distributed Checkpoint format (with --shard-size, the newest complete set of shards as one
+checkpoint, adapters/sharded_io.py; atomically: a temporary directory, a manifest of checksums
 last, then a rename; the newest `--snapshot-keep` kept), what it reports (an event per
 snapshot written, a `snapshot_failed` event for one that could not be, the status line), the
 newest step a total loss can resume from, and the safety rules on its side: the default
@@ -26,14 +27,17 @@ import tempfile
 import threading
 import time
 import uuid
+from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
-from ftrun.adapters import snapshot_io
+from ftrun.adapters import sharded_io, snapshot_io
 from ftrun.core import timeouts
 from ftrun.core.errors import FtrunError, first_line
 from ftrun.core.events import Event, EventSink
 from ftrun.core.spec import RunSpec
 from ftrun.protocol.rendezvous import WORKER_ID_STRIDE
+from ftrun.protocol.shard_sets import complete_sets
 from ftrun.protocol.snapshots import (
     SlotRecord,
     disk_snapshots,
@@ -56,6 +60,7 @@ from ftrun.protocol.snapshots import (
 )
 
 SHM_ROOT = "/dev/shm"
+STREAMS = "ftrun.random_streams"  # the worker's name for its random streams (aligning.STREAMS)
 WRITER_NICENESS = 10
 
 
@@ -142,11 +147,16 @@ class SnapshotKeeper:
         return fields
 
     def newest_step(self) -> int:
-        """The newest step a total loss could resume from on this node (-1: none)."""
+        """The newest step a total loss could resume from on this node (-1: none): with
+        --shard-size, a complete set of shards."""
         if not self.on:
             return -1
-        slots = [s[1].step for d in self.private_dirs if (s := newest_slot(d))]
-        return max([*slots, self._written_step])
+        return max([*self._slot_steps(), self._written_step])
+
+    def _slot_steps(self) -> list[int]:
+        if self.spec.shard_size > 1:
+            return [s.step for s in complete_sets(self.private_dirs, self.spec.shard_size)[:1]]
+        return [s[1].step for d in self.private_dirs if (s := newest_slot(d))]
 
     def resumable(self) -> tuple[int, int]:
         """(the newest step a total loss resumes from or -1, restarts already resumed from
@@ -173,7 +183,7 @@ class SnapshotKeeper:
             return None
         doc: dict[str, Any] = {"dir": self.disk, "every": self.spec.snapshot_every,
                                "interval_s": self.spec.snapshot_interval}
-        slots = [s[1].step for d in self.private_dirs if (s := newest_slot(d))]
+        slots = self._slot_steps()
         if slots:
             doc["shm_step"] = max(slots)
         if self.last is not None:
@@ -214,6 +224,9 @@ class SnapshotKeeper:
                 return
 
     def _write_newest(self) -> None:
+        if self.spec.shard_size > 1:
+            self._write_newest_set()
+            return
         found = [(s[1].step, d, s[0]) for d in self.private_dirs if (s := newest_slot(d))]
         if not found or max(found)[0] <= self._written_step:
             return
@@ -229,11 +242,45 @@ class SnapshotKeeper:
             rec = read_slot_record(where, slot)  # under the lock: what the slot holds now
             if rec is None or rec.step <= self._written_step:
                 return
-            self._write(data, rec)
+            self._write(lambda tmp: snapshot_io.save_disk(snapshot_io.read_slot(data, rec),
+                                                          tmp), rec, {})
         finally:
             os.close(fd)
 
-    def _write(self, data: str, rec: SlotRecord) -> None:
+    def _write_newest_set(self) -> None:
+        """The newest complete set of shards, each shard's slot read under its lock: a set
+        that a shard began to overwrite meanwhile is left for the next poll."""
+        sets = complete_sets(self.private_dirs, self.spec.shard_size)
+        if not sets or sets[0].step <= self._written_step:
+            return
+        newest = sets[0]
+        fds: list[int] = []
+        try:
+            for where, slot, _ in newest.parts:
+                fds.append(os.open(slot_paths(where, slot)[0], os.O_RDONLY))
+                if not try_lock(fds[-1], shared=True):
+                    return  # a shard is filling it: the next poll sees the result
+            recs = [read_slot_record(where, slot) for where, slot, _ in newest.parts]
+            if any(r is None or r.step != newest.step for r in recs):
+                return
+            paths = [slot_paths(where, slot)[0] for where, slot, _ in newest.parts]
+
+            def save(tmp: str) -> None:
+                shards = [snapshot_io.read_slot(path, rec, shards=True)
+                          for path, rec in zip(paths, recs, strict=True) if rec is not None]
+                sharded_io.save_shard_set(shards, tmp, STREAMS)
+
+            rec = replace(newest.parts[0][2], total_bytes=newest.total_bytes,
+                          blocking_ms=newest.blocking_ms)
+            self._write(save, rec, {"shards": len(newest.parts)})
+        except OSError:
+            return  # a slot that went meanwhile (a stopped group's): the next poll
+        finally:
+            for fd in fds:
+                os.close(fd)
+
+    def _write(self, save: Callable[[str], None], rec: SlotRecord,
+               extra: dict[str, Any]) -> None:
         started = time.time()
         final, tmp = step_dir(self.disk, rec.step), temp_dir(self.disk, rec.step)
         try:
@@ -243,9 +290,9 @@ class SnapshotKeeper:
             shutil.rmtree(tmp, ignore_errors=True)
             os.makedirs(self.disk, mode=0o700, exist_ok=True)
             os.makedirs(tmp, mode=0o700)
-            snapshot_io.save_disk(snapshot_io.read_slot(data, rec), tmp)
+            save(tmp)
             write_manifest(tmp, rec.step, rec.taken_at, {"run": self.run, "worker": rec.worker,
-                                                         "generation": rec.generation})
+                                                         "generation": rec.generation, **extra})
             if os.path.exists(final):
                 shutil.rmtree(final)  # this run's own, of the same step (after a restart)
             os.rename(tmp, final)

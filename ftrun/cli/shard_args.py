@@ -1,9 +1,8 @@
 """The sharding option: --shard-size, checked before anything starts.
 
 Owns: turning --shard-size into the `RunSpec` field, with a one-line error for each value or
-combination ftrun cannot run (replica groups must tile every node's workers; what does not
-work with sharded state yet is refused rather than half-run). With it, --spares counts hot
-spare groups of SIZE workers.
+combination ftrun cannot run (replica groups must tile every node's workers). With it,
+--spares counts hot spare groups of SIZE workers.
 Must not import: torch, typer, rich, the agent.
 """
 
@@ -17,6 +16,8 @@ from ftrun.core.errors import UsageError
 
 
 def shard_fields(ns: argparse.Namespace, nproc: int, snapshots: bool) -> dict[str, Any]:
+    """`snapshots` is kept for the callers: snapshots of sharded state are taken shard by
+    shard (docs/sharded.md), nothing about them is refused here any more."""
     size = int_value(ns.shard_size, "--shard-size", minimum=1)
     if size == 1:
         return {"shard_size": 1}
@@ -28,8 +29,4 @@ def shard_fields(ns: argparse.Namespace, nproc: int, snapshots: bool) -> dict[st
         raise UsageError("--shard-size needs in-process recovery, not --on-fault restart",
                          hint="drop --on-fault restart (a broken replica group is dropped, "
                               "then rejoins)")
-    if snapshots:
-        raise UsageError("snapshots of sharded state are not supported yet",
-                         hint="drop --snapshot-every/--snapshot-interval/--resume with "
-                              "--shard-size")
     return {"shard_size": size}

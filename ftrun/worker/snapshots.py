@@ -5,7 +5,9 @@ copies the registered state, its random streams and its committed step into the 
 shared-memory slot when one is due: the only synchronous part of a snapshot) and once when a
 worker starts with no live replica to heal from (load the newest complete snapshot: the
 node's shared-memory slots first, then the disk, skipping, with one line each, any that is
-partial or corrupt).
+partial or corrupt). With --shard-size every rank of the node's first replica group fills
+its own shard's slots, and a rank resumes from a complete set of shards (its own, from shared
+memory) or from disk through DCP, resharded to its shape (worker/sharded_snapshot.py).
 Must not import: typer, rich, NVML, the agent, worker.api. Torch is imported when it runs.
 """
 
@@ -19,11 +21,19 @@ from collections.abc import Callable, Mapping
 from dataclasses import replace
 from typing import Any
 
-from ftrun.adapters import snapshot_io
+from ftrun.adapters import sharded_io, snapshot_io
 from ftrun.core import timeouts
 from ftrun.core.errors import first_line
 from ftrun.core.spec import WorkerEnv
 from ftrun.protocol.rendezvous import Generation, Resumed
+from ftrun.protocol.shard_sets import (
+    ShardSet,
+    complete_sets,
+    read_due,
+    shard_dir,
+    snapshot_shard,
+    write_due,
+)
 from ftrun.protocol.snapshots import (
     EXIT_CANNOT_RESUME,
     SLOTS,
@@ -38,6 +48,8 @@ from ftrun.protocol.snapshots import (
     snapshots_this_node,
     verify,
 )
+from ftrun.worker import sharded_snapshot
+from ftrun.worker.aligning import STREAMS
 
 STEP = "ftrun.step"  # the committed step, beside the registered objects in a snapshot
 
@@ -53,6 +65,7 @@ class Snapshots:
         self.resume_dir = wenv.resume_dir
         self.resuming = wenv.resume  # started with no live replica: load the newest first
         self.worker_id = wenv.worker_id
+        self.shard_size = wenv.shard_size
         self._last_step = 0
         self._last_at = time.time()
         self.skipped = 0  # due, but the agent was still reading the slot to fill
@@ -67,13 +80,15 @@ class Snapshots:
                     final: bool) -> None:
         """A step boundary after a commit: take a snapshot of `objects` (what the script
         registered, and the random streams) if one is due on this replica. The `final` one
-        (every step committed) is always taken, waiting for the slot if the agent reads it."""
+        (every step committed) is always taken, waiting for the slot if the agent reads it.
+        With --shard-size, every rank of the node's first replica group copies its own
+        shards into its shard's slots."""
         now = time.time()
-        due = final and committed > self._last_step or is_due(
-            self.every, self.interval_s, committed, self._last_step, self._last_at, now)
-        if not snapshots_this_node(gen.members, self.worker_id):
+        sub = self._where(gen)
+        if sub is None:
             return
-        reserving = self._reserving or self._reserve(objects)
+        due = final and committed > self._last_step or self._due(committed, now, sub)
+        reserving = self._reserving or self._reserve(objects, sub)
         if not due:
             return
         self._last_step, self._last_at = committed, now
@@ -102,12 +117,36 @@ class Snapshots:
         finally:
             slot.unlock()
 
-    def _reserve(self, objects: Mapping[str, Any]) -> threading.Thread:
+    def _where(self, gen: Generation) -> str | None:
+        """The slot directory (below the slots' root) this worker fills, or None when
+        another replica of its node takes the snapshots."""
+        if self.shard_size <= 1:
+            return "" if snapshots_this_node(gen.members, self.worker_id) else None
+        shard = snapshot_shard(gen.members, self.worker_id, self.shard_size)
+        return None if shard is None else os.path.basename(shard_dir("", shard))
+
+    def _due(self, committed: int, now: float, sub: str) -> bool:
+        """By steps: the same boundary on every rank. By time, sharded: shard 0's clock
+        decides, one boundary ahead, through a marker every shard of the group reads (each
+        shard's own clock would split a set)."""
+        if self.shard_size <= 1 or self.every > 0 or self.interval_s <= 0:
+            return is_due(self.every, self.interval_s, committed, self._last_step,
+                          self._last_at, now)
+        marked = read_due(self.shm_dir)
+        due = committed > self._last_step and marked == committed
+        if not due and sub == "shard0" and marked < committed and is_due(
+                0, self.interval_s, committed, self._last_step, self._last_at, now):
+            write_due(self.shm_dir, committed + 1)
+        return due
+
+    def _reserve(self, objects: Mapping[str, Any], sub: str) -> threading.Thread:
         """The first boundary of the replica that snapshots: open every slot, then size them
         for this state and write their pages in a thread of their own, so that the first
         copies into them are as quick as the later ones (each was ~5x slower)."""
         size = snapshot_io.reserved_size({n: o.state_dict() for n, o in objects.items()})
-        self._dir = self._slot_dir(size)
+        self._dir = os.path.join(self._slot_dir(size, sub), sub) if sub else \
+            self._slot_dir(size, sub)
+        os.makedirs(self._dir, mode=0o700, exist_ok=True)
         self._slots = {i: snapshot_io.Slot(slot_paths(self._dir, i)[0]) for i in range(SLOTS)}
         slots = [(slot, slot_paths(self._dir, i)[1]) for i, slot in self._slots.items()]
 
@@ -120,11 +159,12 @@ class Snapshots:
         self._reserving.start()
         return self._reserving
 
-    def _slot_dir(self, size: int) -> str:
+    def _slot_dir(self, size: int, sub: str) -> str:
         """Shared memory if it has room for every slot, else the slots on disk: a tmpfs
         that runs out of pages kills the process that touches one (SIGBUS), and each
         replacement would die the same way."""
-        held = sum(_size(slot_paths(self.shm_dir, i)[0]) for i in range(SLOTS))
+        held = sum(_size(slot_paths(os.path.join(self.shm_dir, sub), i)[0])
+                   for i in range(SLOTS))
         try:
             free = snapshot_io.shm_free(self.shm_dir) + held
         except OSError:
@@ -143,9 +183,10 @@ class Snapshots:
         self.resuming = False
         started = time.time()
         skipped: list[str] = []
-        for where, taken_at, read in self._candidates():
+        for where, taken_at, read in self._candidates(objects):
             try:
                 state = read()
+                sharded_snapshot.own_streams(state, objects, STREAMS)
                 why = first_mismatch(state, objects)  # before any object is loaded: all or none
                 if why is not None:
                     raise Broken(why)
@@ -166,12 +207,21 @@ class Snapshots:
         _say(f"error: cannot resume from {what}: {why}")
         sys.exit(EXIT_CANNOT_RESUME)  # the agent ends the job: no replacement would fit
 
-    def _candidates(self) -> list[tuple[str, float, Callable[[], Mapping[str, Any]]]]:
-        """Newest first, shared memory before disk: this agent's slots, and the disk snapshots
-        of `resume_dir` (only this run's after a restart, none newer than the agent chose)."""
-        found = []
+    def _candidates(self, objects: Mapping[str, Any]
+                    ) -> list[tuple[str, float, Callable[[], dict[str, Any]]]]:
+        """Newest first, shared memory before disk: this agent's slots (complete sets of
+        shards, sharded), and the disk snapshots of `resume_dir` (only this run's after a
+        restart, none newer than the agent chose)."""
+        found: list[tuple[int, int, str, float, Callable[[], dict[str, Any]]]] = []
         newest = self.resume_step if self.resume_step >= 0 else None
-        for slots in (self.shm_dir, self.spill_dir):
+        for held in complete_sets((self.shm_dir, self.spill_dir), self.shard_size) \
+                if self.shard_size > 1 else ():
+            if newest is None or held.step <= newest:
+                label = "shared memory" if held.parts[0][0].startswith(self.shm_dir) else "disk"
+                found.append((held.step, 1, f"{label} slots of {self.shard_size} shards "
+                              f"(step {held.step})", max(r.taken_at for _, _, r in held.parts),
+                              _set_reader(held, objects)))
+        for slots in (self.shm_dir, self.spill_dir) if self.shard_size <= 1 else ():
             for slot in range(SLOTS) if slots else ():
                 rec = read_slot_record(slots, slot)
                 if rec is not None and (newest is None or rec.step <= newest):
@@ -190,7 +240,7 @@ class Snapshots:
                     step = man.step
                 if newest is None or step <= newest:
                     found.append((step, 0, path, man.taken_at if isinstance(man, Manifest)
-                                  else 0.0, _disk_reader(path)))
+                                  else 0.0, _disk_reader(path, objects)))
         found.sort(key=lambda c: (c[0], c[1]), reverse=True)  # newest; memory before disk
         return [(where, at, read) for _, _, where, at, read in found]
 
@@ -247,20 +297,32 @@ def _size(path: str) -> int:
         return 0
 
 
-def _reader(path: str, rec: Any) -> Callable[[], Mapping[str, Any]]:
+def _reader(path: str, rec: Any) -> Callable[[], dict[str, Any]]:
     return lambda: snapshot_io.read_slot(path, rec, owned=True)
+
+
+def _set_reader(held: ShardSet, objects: Mapping[str, Any]) -> Callable[[], dict[str, Any]]:
+    return lambda: sharded_snapshot.read_set(held, objects)
 
 
 class Broken(Exception):
     """A snapshot that is partial, corrupt or does not fit: said in one line, then skipped."""
 
 
-def _disk_reader(path: str) -> Callable[[], Mapping[str, Any]]:
-    def read() -> Mapping[str, Any]:
+def _disk_reader(path: str, objects: Mapping[str, Any]) -> Callable[[], dict[str, Any]]:
+    """Checksums first; then a rank with sharded state reads, through DCP, the part of each
+    tensor it holds now (any shape that wrote it), its shapes checked before any is read;
+    one without reads every tensor whole (a sharded snapshot's chunks put together)."""
+    def read() -> dict[str, Any]:
         why = verify(path)
         if why is not None:
             raise Broken(why)
-        return snapshot_io.load_disk(path)  # refuses another user's before unpickling
+        if sharded_snapshot.mesh_of(objects) is None:
+            return snapshot_io.load_disk(path)  # refuses another user's before unpickling
+        why = first_mismatch(sharded_io.saved_shapes(path), objects)
+        if why is not None:
+            raise Broken(why)
+        return sharded_io.load_resharded(path, sharded_snapshot.targets(objects))
     return read
 
 

@@ -1,0 +1,101 @@
+"""Snapshots of sharded state (--shard-size): which ranks take them, where each shard's slots
+are, and when a set of shards is complete. Shared by the agent (which writes the newest
+complete set to disk) and the worker (which fills its shard's slot and resumes from a set).
+
+Owns: the choice of the group that snapshots on a node (the node's first full replica group
+in rank order: every one of its ranks copies its own local shards), the per-shard slot
+directories (`<slots>/shard<k>/slot<i>.bin|json`, each shard's two slots as in
+protocol/snapshots.py), a complete set (every shard of one step published; a set missing a
+shard, one whose writer died mid-copy, is never used), and the due marker that makes every
+shard of a group agree on a time-based snapshot without a collective.
+Must not import: torch, typer, rich, the agent or the worker library.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from ftrun.core.replica_groups import replica_groups
+from ftrun.protocol.rendezvous import node_of
+from ftrun.protocol.snapshots import SLOTS, SlotRecord, read_slot_record
+
+DUE = "due"  # the step at whose boundary the next time-based snapshot is taken
+
+
+def shard_dir(slots: str, shard: int) -> str:
+    return os.path.join(slots, f"shard{shard}")
+
+
+def snapshot_shard(members: tuple[int, ...], worker_id: int, shard_size: int) -> int | None:
+    """This worker's shard rank if its replica group is the one that snapshots on its node
+    (the node's first full group in rank order), else None."""
+    node = node_of(worker_id)
+    for group in replica_groups(members, shard_size):
+        if len(group) == shard_size and all(node_of(m) == node for m in group):
+            return group.index(worker_id) if worker_id in group else None
+    return None
+
+
+@dataclass(frozen=True)
+class ShardSet:
+    """Every shard of one step, published: (slot directory, slot, record) per shard."""
+
+    step: int
+    parts: tuple[tuple[str, int, SlotRecord], ...]
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(rec.total_bytes for _, _, rec in self.parts)
+
+    @property
+    def blocking_ms(self) -> float:
+        """What the slowest shard's training thread spent copying it (they copy at once)."""
+        return max(rec.blocking_ms for _, _, rec in self.parts)
+
+
+def shard_count(dirs: tuple[str, ...]) -> int:
+    """How many shard directories the slot directories hold (0: not a sharded run's)."""
+    found = 0
+    for slots in dirs:
+        while os.path.isdir(shard_dir(slots, found)):
+            found += 1
+    return found
+
+
+def complete_sets(dirs: tuple[str, ...], shard_size: int) -> list[ShardSet]:
+    """The complete sets of `shard_size` shards in the slot directories `dirs` (shared
+    memory, then slots on disk), newest first."""
+    by_shard: list[dict[int, tuple[str, int, SlotRecord]]] = []
+    for shard in range(shard_size):
+        held: dict[int, tuple[str, int, SlotRecord]] = {}
+        for slots in dirs:
+            where = shard_dir(slots, shard) if slots else ""
+            for slot in range(SLOTS) if where else ():
+                rec = read_slot_record(where, slot)
+                if rec is not None:
+                    held.setdefault(rec.step, (where, slot, rec))
+        by_shard.append(held)
+    steps = set(by_shard[0]) if by_shard else set()
+    for held in by_shard[1:]:
+        steps &= set(held)
+    return [ShardSet(step, tuple(held[step] for held in by_shard))
+            for step in sorted(steps, reverse=True)]
+
+
+def read_due(slots: str) -> int:
+    try:
+        with open(os.path.join(slots, DUE)) as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return -1
+
+
+def write_due(slots: str, step: int) -> None:
+    """Shard 0 names the next boundary at which its group snapshots: written before it
+    enters that step's collectives, so every other shard reads it at the same boundary."""
+    path = os.path.join(slots, DUE)
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
+        f.write(str(step))
+    os.rename(tmp, path)
