@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import time
 from typing import Any
 
 import lightning as L
@@ -77,7 +78,7 @@ class BatchLog(L.Callback):
         loss = outputs["loss"] if isinstance(outputs, dict) else outputs
         self.rows.append({"step": trainer.global_step, "epoch": trainer.current_epoch,
                           "batch": batch_idx, "loss": float(loss),  # type: ignore[arg-type]
-                          "rank": trainer.global_rank})
+                          "rank": trainer.global_rank, "t": time.time()})
 
 
 def parse() -> argparse.Namespace:
@@ -90,6 +91,8 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--hidden", type=int, default=64)
     ap.add_argument("--lr", type=float, default=0.05)
     ap.add_argument("--ddp", action="store_true", help="Lightning's own DDPStrategy instead")
+    ap.add_argument("--ckpt-dir", help="a checkpoint every step, and resume from the last one "
+                    "(how torchrun's restart recovers: scripts/bench_integrations.py)")
     ap.add_argument("--out", help="final parameters and the batch log of every worker")
     return ap.parse_args()
 
@@ -100,12 +103,19 @@ def main() -> None:
     model = Regressor(args.dim, args.hidden, args.lr)
     strategy = "ddp" if args.ddp else FaultTolerantStrategy()
     log = BatchLog()
+    callbacks: list[L.Callback] = [log]
+    last = None
+    if args.ckpt_dir:
+        callbacks.append(L.pytorch.callbacks.ModelCheckpoint(
+            dirpath=args.ckpt_dir, every_n_train_steps=1, save_last=True))
+        last = os.path.join(args.ckpt_dir, "last.ckpt")
     trainer = L.Trainer(strategy=strategy, devices=args.devices, accelerator="cpu",
                         max_epochs=args.epochs, gradient_clip_val=1.0, limit_val_batches=2,
-                        num_sanity_val_steps=0, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False,
-                        callbacks=[log])
-    trainer.fit(model, datamodule=Data(args.samples, args.dim, args.batch))
+                        num_sanity_val_steps=0, logger=False,
+                        enable_checkpointing=bool(args.ckpt_dir), enable_progress_bar=False,
+                        enable_model_summary=False, callbacks=callbacks)
+    trainer.fit(model, datamodule=Data(args.samples, args.dim, args.batch),
+                ckpt_path=last if last and os.path.exists(last) else None)
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         wid = os.environ.get("FTRUN_WORKER_ID", str(trainer.global_rank))
