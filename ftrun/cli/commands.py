@@ -95,7 +95,7 @@ def inject_fault(
     run_id: Optional[str] = typer.Option(None, "--run-id", help="the job (a prefix is enough)"),  # noqa: UP045,E501
     at_step: int = typer.Option(-1, "--at-step", help="let the worker fail when it reaches this step"),  # noqa: E501
     every: float = typer.Option(0.0, "--every", help="seconds between repeated faults (--chaos: their mean)"),  # noqa: E501
-    count: int = typer.Option(0, "--count", help="how many faults (default 1; --chaos: no limit)"),  # noqa: E501
+    count: int = typer.Option(0, "--count", show_default=False, help="how many faults (default 1; --chaos: no limit)"),  # noqa: E501
     delay: float = typer.Option(0.5, "--delay", help="slow: extra seconds per step"),
     xid: Optional[int] = typer.Option(None, "--xid", help="the XID for --kind xid"),  # noqa: UP045
     node: Optional[int] = typer.Option(None, "--node", help="the node whose link to cut (net-down)"),  # noqa: UP045,E501
