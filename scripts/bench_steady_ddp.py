@@ -29,6 +29,7 @@ for name, default in (("steps", 40), ("batch", 32), ("accum", 2), ("block", 64),
     ap.add_argument(f"--{name}", type=int, default=default)
 ap.add_argument("--lr", type=float, default=3e-3)
 ap.add_argument("--bucket-mb", type=float, default=25.0)
+ap.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16", help="as the example's")
 ap.add_argument("--workers", type=int, default=0, help="accepted for train_gpt.py's flags")
 ap.add_argument("--out", required=True)
 a = ap.parse_args()
@@ -54,7 +55,7 @@ for step in range(a.steps):
         x, y = (t.to(device) for t in loader.batch(step, micro, a.accum))
         quiet = model.no_sync() if micro < a.accum - 1 else contextlib.nullcontext()
         with quiet:
-            with torch.autocast(device.type, dtype=torch.bfloat16):
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=a.dtype == "bf16"):
                 loss = F.cross_entropy(model(x).float().view(-1, VOCAB_SIZE), y.view(-1))
             (loss / a.accum).backward()
         total += loss.item() / a.accum  # as the example does (a sync per micro-batch)
@@ -65,5 +66,5 @@ for step in range(a.steps):
     log.append({"step": step, "loss": total, "ms": round((time.time() - t0) * 1000, 1)})
 os.makedirs(a.out, exist_ok=True)
 with open(os.path.join(a.out, f"log_{rank}.json"), "w") as f:
-    json.dump({"log": log}, f)
+    json.dump({"pid": os.getpid(), "log": log}, f)
 dist.destroy_process_group()
