@@ -4,6 +4,13 @@ model as bench_recovery.py (bench_recovery_worker's ~8.7 M-parameter MLP), same 
 invocation; every ratio comes from runs of this invocation.
 
     python scripts/bench_snapshot.py [--nproc 2] [--steps 250] [--every 50] [--kill-step 130]
+                                     [--shard-size 2]
+
+With --shard-size S the model is sharded with FSDP2 (bench_snapshot_worker.py): ftrun runs
+with --shard-size S (every rank of the snapshotting group copies its own shards), and the
+comparison is a torchrun FSDP2 job (HSDP with more ranks than S) whose every rank calls
+dcp.save of the same sharded state. The host is shared: each figure is printed with the
+1-minute load average (`uptime`) read as its runs ended.
 
   blocking   median of the snapshot events' blocking_ms (the copy into the shared-memory slot)
              beside the same state copied once in memory by the worker: into fresh tensors
@@ -48,7 +55,10 @@ class RunFailed(RuntimeError):
     pass
 
 
-def launch(cmd: list[str], work: str, timeout: float) -> None:
+LOADS: dict[str, list[float]] = {}  # what the host's load average was as each kind of run ended
+
+
+def launch(cmd: list[str], work: str, timeout: float, kind: str = "") -> None:
     """Run `cmd` in its own session so that a timeout ends the launcher and its workers."""
     with open(os.path.join(work, "stdout.log"), "w") as out, \
             open(os.path.join(work, "stderr.log"), "w") as err:
@@ -59,6 +69,7 @@ def launch(cmd: list[str], work: str, timeout: float) -> None:
         except subprocess.TimeoutExpired:
             _end(proc)
             raise RunFailed(f"timed out after {timeout:.0f} s: {' '.join(cmd)}") from None
+    LOADS.setdefault(kind, []).append(os.getloadavg()[0])
     if rc != 0:
         with open(os.path.join(work, "stderr.log")) as f:
             tail = f.read()[-3000:]
@@ -87,7 +98,8 @@ def worker_args(out: str, steps: int, *extra: str) -> list[str]:
     return [WORKER, "--out", out, "--steps", str(steps), *extra]
 
 
-def run_ftrun(a: argparse.Namespace, steps: int, every: int, *extra: str) -> tuple[Events, Events]:
+def run_ftrun(a: argparse.Namespace, steps: int, every: int, *extra: str,
+              kind: str = "overhead") -> tuple[Events, Events]:
     """(worker events, agent events) of one ftrun run; `every` 0: no snapshots."""
     with tempfile.TemporaryDirectory(prefix="bench_snapshot_") as work:
         out, logs = os.path.join(work, "out"), os.path.join(work, "logs")
@@ -96,8 +108,11 @@ def run_ftrun(a: argparse.Namespace, steps: int, every: int, *extra: str) -> tup
         if every:
             flags += ["--snapshot-every", str(every), "--snapshot-dir",
                       os.path.join(work, "snapshots")]
+        if a.shard_size > 1:
+            flags += ["--shard-size", str(a.shard_size)]
         launch([sys.executable, "-m", "ftrun", "--nproc", str(a.nproc), *flags,
-                *worker_args(out, steps, "--mode", "ftrun", *extra)], work, a.timeout)
+                *worker_args(out, steps, "--mode", "ftrun", "--shard-size", str(a.shard_size),
+                             *extra)], work, a.timeout, kind)
         agent = [e for p in glob.glob(os.path.join(logs, "*", "events.jsonl"))
                  for e in read_jsonl(p)]
         return read_jsonl(os.path.join(out, "events.jsonl")), agent
@@ -108,9 +123,10 @@ def run_ddp(a: argparse.Namespace) -> Events:
         out, ckpt = os.path.join(work, "out"), os.path.join(work, "dcp")
         os.makedirs(out)
         args = worker_args(out, a.steps, "--mode", "ddp", "--dcp-every", str(a.every),
-                           "--ckpt-dir", ckpt)
+                           "--ckpt-dir", ckpt, "--shard-size", str(a.shard_size))
         launch([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
-                str(a.nproc), "--log-dir", os.path.join(work, "logs"), *args], work, a.timeout)
+                str(a.nproc), "--log-dir", os.path.join(work, "logs"), *args], work, a.timeout,
+               "dcp")
         return read_jsonl(os.path.join(out, "events.jsonl"))
 
 
@@ -161,7 +177,8 @@ def dcp_blocking(events: Events) -> list[float]:
 
 def total_loss(a: argparse.Namespace) -> dict[str, Any]:
     steps = a.kill_step + a.every
-    ev, agent = run_ftrun(a, steps, a.every, "--die-all-at", str(a.kill_step))
+    ev, agent = run_ftrun(a, steps, a.every, "--die-all-at", str(a.kill_step),
+                          kind="total_loss")
     kills = [e for e in ev if e["ev"] == "kill"]
     after = [e for e in ev if e["ev"] == "step" and e["attempt"] > 0]
     resumed = sorted((e for e in agent if e["event"] == "resumed"), key=lambda e: e["t"])
@@ -191,7 +208,8 @@ def gbps(nbytes: float, ms: float) -> float:
 
 def summarize(a: argparse.Namespace, ov: dict[str, Any], dcp: list[float],
               loss: dict[str, Any]) -> dict[str, Any]:
-    nbytes = med([float(b) for b in ov["bytes"]])
+    # sharded: a snapshot's bytes are every shard's; each rank copies its own share at once
+    nbytes = med([float(b) for b in ov["bytes"]]) / a.shard_size
     clone = med([e["clone_ms"] for e in ov["memcpy"]])
     prealloc = med([e["prealloc_ms"] for e in ov["memcpy"]])
     blocking = med(ov["blocking_ms"])
@@ -199,8 +217,11 @@ def summarize(a: argparse.Namespace, ov: dict[str, Any], dcp: list[float],
     base_mean, snap_mean = mean(ov["base"]) * 1000, mean(ov["snap"]) * 1000
     stall = med(ov["marked"]) * 1000 - snap_med
     return {
-        "nproc": a.nproc, "steps": a.steps, "every": a.every, "repeats": a.repeats,
+        "nproc": a.nproc, "shard_size": a.shard_size, "steps": a.steps, "every": a.every,
+        "repeats": a.repeats,
+        "load_1min": {k: [round(x, 2) for x in v] for k, v in LOADS.items()},
         "snapshot_mb": round(nbytes / 1e6, 2), "snapshots": len(ov["blocking_ms"]),
+        "snapshot_mb_all_shards": round(nbytes * a.shard_size / 1e6, 2),
         "blocking_ms": round(blocking, 2), "blocking_gbps": round(gbps(nbytes, blocking), 2),
         "clone_ms": round(clone, 2), "clone_gbps": round(gbps(nbytes, clone), 2),
         "prealloc_copy_ms": round(prealloc, 2),
@@ -231,12 +252,18 @@ def verdict(ok: bool) -> str:
 
 def report(s: dict[str, Any], ov: dict[str, Any], dcp: list[float]) -> None:
     mb = s["snapshot_mb"]
-    print(f"{s['nproc']} workers, gloo on CPU, recovery benchmark model, {s['steps']} steps, "
-          f"snapshot every {s['every']} steps, {s['repeats']} run pair(s)")
+    sharding = f", FSDP2 in groups of {s['shard_size']}" if s["shard_size"] > 1 else ""
+    other = "FSDP2" if s["shard_size"] > 1 else "DDP"
+    loads = s["load_1min"]
+    print(f"{s['nproc']} workers, gloo on CPU, recovery benchmark model{sharding}, "
+          f"{s['steps']} steps, snapshot every {s['every']} steps, {s['repeats']} run pair(s)")
+    print(f"  load average (1 min, as each run ended): overhead runs {loads.get('overhead')}, "
+          f"torchrun {loads.get('dcp')}, total loss {loads.get('total_loss')}")
     print(f"  snapshot blocking_ms, every one: {[round(x, 1) for x in ov['blocking_ms']]}")
     print(f"  dcp.save blocking ms (slowest rank), every one: {[round(x, 1) for x in dcp]}")
     rows = [
-        ("1 blocking / snapshot (median)", f"{mb:.1f} MB  {s['blocking_ms']:8.2f} ms  "
+        ("1 blocking / snapshot (median)" if s["shard_size"] == 1 else
+         "1 blocking / snapshot, per rank", f"{mb:.1f} MB  {s['blocking_ms']:8.2f} ms  "
          f"{s['blocking_gbps']:6.2f} GB/s"),
         ("  copy into fresh tensors (clone)", f"{mb:.1f} MB  {s['clone_ms']:8.2f} ms  "
          f"{s['clone_gbps']:6.2f} GB/s"),
@@ -257,7 +284,7 @@ def report(s: dict[str, Any], ov: dict[str, Any], dcp: list[float]) -> None:
          f"{verdict(s['overhead_mean'] <= 1.01)}"),
         ("  in-run: 1 + stall / (every x step)", f"{s['overhead_stall']:.4f}  "
          f"{verdict(s['overhead_stall'] <= 1.01)}"),
-        ("3 torchrun + dcp.save, blocking", f"{s['dcp_blocking_ms']:.2f} ms median of "
+        (f"3 torchrun + {other} + dcp.save, blocking", f"{s['dcp_blocking_ms']:.2f} ms median of "
          f"{s['dcp_saves']} saves"),
         ("  ftrun / dcp (goal <= 0.1)", f"{s['blocking_over_dcp']:.4f}  "
          f"{verdict(s['blocking_over_dcp'] <= 0.1)}"),
@@ -304,6 +331,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2, help="pairs of overhead runs")
     ap.add_argument("--skip", type=int, default=10, help="warm-up steps left out of step times")
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds per launched run")
+    ap.add_argument("--shard-size", type=int, default=1,
+                    help="FSDP2 in replica groups of this size (ftrun --shard-size)")
     a = ap.parse_args()
     started, busy0 = time.time(), machine_busy_s()
     ov = overhead(a)

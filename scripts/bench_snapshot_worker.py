@@ -2,6 +2,10 @@
 `model()` and `batch()`, one model for both benchmarks), trained either with the ftrun API
 (--mode ftrun: snapshots are whatever the ftrun flags say) or as plain torchrun + DDP that
 calls `torch.distributed.checkpoint.save` on every rank every --dcp-every steps (--mode ddp).
+With --shard-size S > 1 the model is sharded with FSDP2 (`fully_shard` per Linear, then the
+root): under ftrun over `ft.shard_mesh` (ftrun's replica groups of S), under torchrun over a
+mesh of S (HSDP's (replicate, shard) mesh when there are more ranks than S), the state saved
+by dcp.save being the FSDP2 state dicts (DTensors) in both.
 
 Appends JSON lines to OUT/events.jsonl:
   {"ev": "step", "step", "t", "rank", "attempt"}   every committed step
@@ -63,7 +67,8 @@ def measure_memcpy(out: str, objects: Mapping[str, Any]) -> None:
     into buffers allocated beforehand, and into fresh tensors (clone). Every clone is kept
     until the end so that each repeat gets fresh pages (page faults included), as the first
     copy of a state into new memory does."""
-    tensors = [t.detach() for t in tensors_of({k: o.state_dict() for k, o in objects.items()})]
+    tensors = [t.to_local() if hasattr(t, "to_local") else t.detach()
+               for t in tensors_of({k: o.state_dict() for k, o in objects.items()})]
     size = sum(t.numel() * t.element_size() for t in tensors)
     bufs = [torch.empty_like(t) for t in tensors]
     for b, t in zip(bufs, tensors, strict=True):
@@ -82,11 +87,21 @@ def measure_memcpy(out: str, objects: Mapping[str, Any]) -> None:
         clone_ms=round(statistics.median(clone), 3))
 
 
+def sharded(m: Any, mesh: Any) -> Any:
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in m:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(m, mesh=mesh)
+    return m
+
+
 def run_ftrun(a: argparse.Namespace) -> None:
     import ftrun
 
     ft = ftrun.init()
-    m = ft.wrap(model())
+    m = ft.wrap(sharded(model(), ft.shard_mesh) if a.shard_size > 1 else model())
     opt = torch.optim.SGD(m.parameters(), lr=LR)
     ft.register(model=m, optimizer=opt)
     attempt = os.environ.get("FTRUN_ATTEMPT", "0")
@@ -96,7 +111,11 @@ def run_ftrun(a: argparse.Namespace) -> None:
         loss = torch.nn.functional.mse_loss(m(x[sl]), y[sl])
         maybe_die(a, step, attempt, ft.rank)
         loss.backward()
-        if ft.commit(opt):
+        if a.shard_size > 1:  # the sharded loop (docs/sharded.md): sync, step, commit
+            if not ft.sync():
+                continue
+            opt.step()
+        if ft.commit() if a.shard_size > 1 else ft.commit(opt):
             log(a.out, ev="step", step=step, t=time.time(), rank=ft.rank, attempt=int(attempt))
     if a.memcpy and ft.rank == 0:
         measure_memcpy(a.out, {"model": m, "optimizer": opt})
@@ -109,7 +128,14 @@ def run_ddp(a: argparse.Namespace) -> None:
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    m = torch.nn.parallel.DistributedDataParallel(model())
+    if a.shard_size > 1:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        shape = (a.shard_size,) if world == a.shard_size else (world // a.shard_size,
+                                                                a.shard_size)
+        m: Any = sharded(model(), init_device_mesh("cpu", shape))
+    else:
+        m = torch.nn.parallel.DistributedDataParallel(model())
     opt = torch.optim.SGD(m.parameters(), lr=LR)
     per = a.batch // world
     for step in range(a.steps):
@@ -120,7 +146,8 @@ def run_ddp(a: argparse.Namespace) -> None:
         opt.step()
         log(a.out, ev="step", step=step, t=time.time(), rank=rank, attempt=0)
         if a.dcp_every > 0 and (step + 1) % a.dcp_every == 0:
-            state = {"model": m.module.state_dict(), "optimizer": opt.state_dict()}
+            module = m if a.shard_size > 1 else m.module
+            state = {"model": module.state_dict(), "optimizer": opt.state_dict()}
             started = time.perf_counter()
             dcp.save(state, checkpoint_id=os.path.join(a.ckpt_dir, f"step-{step + 1:09d}"))
             log(a.out, ev="dcp", step=step + 1, rank=rank,
@@ -138,6 +165,7 @@ def main() -> None:
     ap.add_argument("--memcpy", action="store_true", help="rank 0 measures a copy in memory")
     ap.add_argument("--dcp-every", type=int, default=0)
     ap.add_argument("--ckpt-dir", default="")
+    ap.add_argument("--shard-size", type=int, default=1, help="FSDP2 over groups of this size")
     a = ap.parse_args()
     (run_ftrun if a.mode == "ftrun" else run_ddp)(a)
 
