@@ -11,6 +11,8 @@ import os
 import re
 import subprocess
 from pathlib import Path
+from types import SimpleNamespace
+from typing import cast
 
 import pytest
 import torch
@@ -20,10 +22,12 @@ from torch.distributed.tensor import Shard
 from ftrun.adapters import sharded_io, snapshot_io
 from ftrun.adapters.snapshot_io import LocalShard
 from ftrun.cli.launch_args import parse_run_args
+from ftrun.core.spec import WorkerEnv
 from ftrun.protocol import shard_sets
 from ftrun.protocol import snapshots as snap
-from ftrun.protocol.rendezvous import WORKER_ID_STRIDE
+from ftrun.protocol.rendezvous import WORKER_ID_STRIDE, Generation
 from ftrun.worker.aligning import STREAMS
+from ftrun.worker.snapshots import Snapshots
 
 SCRIPT = str(FIXTURES / "sharded_snap.py")
 
@@ -58,6 +62,27 @@ def test_a_set_is_complete_only_with_every_shard_and_one_group_per_node_takes_it
     assert shard_sets.read_due(str(shm)) == -1
     shard_sets.write_due(str(shm), 17)
     assert shard_sets.read_due(str(shm)) == 17
+
+
+def test_every_shard_of_a_group_takes_a_timed_snapshot_at_the_same_boundary(
+        tmp_path: Path) -> None:
+    """By time, shard 0's clock decides one boundary ahead; the other shards follow its
+    marker, never their own clocks (a set split between two steps is never complete)."""
+    def shard(worker: int) -> Snapshots:
+        env = SimpleNamespace(snapshot_shm=str(tmp_path), snapshot_spill="", resume_run="",
+                              resume_step=-1, snapshot_every=0, snapshot_interval=10.0,
+                              resume_dir="", resume=False, worker_id=worker, shard_size=2)
+        taker = Snapshots(cast(WorkerEnv, env))
+        taker._last_at = 0.0
+        return taker
+
+    first, second = shard(0), shard(1)
+    gen = Generation(number=0, members=(0, 1, 2, 3), reason="start")
+    assert first._where(gen) == "shard0" and second._where(gen) == "shard1"
+    assert shard(2)._where(gen) is None  # the node's second group leaves it to the first
+    assert not second._due(5, 100.0, "shard1")  # its own clock says due: not its call
+    assert not first._due(5, 100.0, "shard0")  # due: marks the next boundary
+    assert first._due(6, 100.5, "shard0") and second._due(6, 100.5, "shard1")
 
 
 def test_shards_are_written_as_one_checkpoint_that_torch_loads_whole(tmp_path: Path) -> None:
