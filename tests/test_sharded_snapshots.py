@@ -9,6 +9,7 @@ the load, so the state dumped whole must be the snapshot's bit for bit)."""
 import json
 import os
 import re
+import socket
 import subprocess
 from pathlib import Path
 from types import SimpleNamespace
@@ -16,7 +17,7 @@ from typing import cast
 
 import pytest
 import torch
-from conftest import FIXTURES, run_ftrun
+from conftest import FIXTURES, ftrun_cmd, run_ftrun, wait_for
 from torch.distributed.tensor import Shard
 
 from ftrun.adapters import sharded_io, snapshot_io
@@ -177,16 +178,54 @@ def test_a_total_loss_of_every_group_resumes_from_the_newest_complete_set(
     assert all(same(s, reference) for s in states(tmp_path / "k").values())
 
 
-@pytest.mark.timeout(600)
+def listening(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def two_nodes(tmp: Path, out: Path, *flags: str, steps: int) -> list[str]:
+    """Two agents on loopback (c10d), 2 workers each; their stderr once both ended."""
+    out.mkdir(parents=True, exist_ok=True)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = []
+    for node in ("a", "b"):
+        cmd = ftrun_cmd("--nnodes", "2", "--nproc", "2", "--rdzv-backend", "c10d",
+                        "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "shards2x2",
+                        *flags, SCRIPT, "--out", str(out), "--noise", "--steps", str(steps))
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "FTRUN_RUN_DIR": str(tmp / f"run_{node}")}
+        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL,
+                                      stderr=subprocess.PIPE, text=True,
+                                      start_new_session=True))
+        if node == "a":  # it binds the endpoint and coordinates
+            wait_for(lambda: listening(port), 60, "the coordinator listening")
+    try:
+        ends = [p.communicate(timeout=240) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, 9)
+    assert [p.returncode for p in procs] == [0, 0], [e[1] for e in ends]
+    return [e[1] for e in ends]
+
+
+@pytest.mark.timeout(700)
 @pytest.mark.slow
 def test_a_snapshot_resumes_on_another_shape(tmp_path: Path) -> None:
-    """2 groups of 2 -> 1 group of 4 -> 4 plain replicas (which snapshot) -> 2 groups of 2
-    again, each resumed at the snapshot's step; then a different model is refused."""
+    """2 groups of 2 -> 1 group of 4 -> 2 nodes of 2 groups of 2 -> 4 plain replicas (which
+    snapshot) -> 2 groups of 2 again, each resumed at the snapshot's step; then a different
+    model is refused."""
     first = tmp_path / "s22"
     r = run(tmp_path / "a", "--shard-size", "2", "--snapshot-every", "4", "--snapshot-dir",
             str(first), steps=12)
     assert r.returncode == 0, r.stderr
     want = states(tmp_path / "a")[0]
+    stderr = two_nodes(tmp_path / "nodes", tmp_path / "n", "--shard-size", "2", "--resume",
+                       str(first), steps=12)
+    assert resumed_steps("".join(stderr)) == {12}
+    found = states(tmp_path / "n")
+    assert len(found) == 4 and all(same(s, want) for s in found.values())
     one_group = run(tmp_path / "b", "--shard-size", "4", "--resume", str(first), steps=12)
     assert one_group.returncode == 0, one_group.stderr
     assert resumed_steps(one_group.stderr) == {12}
