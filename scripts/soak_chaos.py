@@ -152,9 +152,12 @@ def main() -> None:
     chaos_out, calm_out = os.path.join(work, "chaos"), os.path.join(work, "calm")
     os.makedirs(chaos_out)
     os.makedirs(calm_out)
+    load = [os.getloadavg()[0]]  # the walls compare only on a machine equally busy in both
     res = chaos_run(a, chaos_out)
+    load.append(os.getloadavg()[0])
     calm = launch(a, calm_out, res["steps"], "")
     calm_rc = calm.wait(a.minutes * 60 * 2 + STOP_S)
+    res["load"] = [*load, os.getloadavg()[0]]
     print_figures(a, res, calm_rc, chaos_out, calm_out, work)
 
 
@@ -166,11 +169,11 @@ def print_figures(a: argparse.Namespace, res: dict[str, Any], calm_rc: int, chao
     s = res["report"]["summary"]
     print(f"ftrun chaos soak: {a.nproc} workers + {a.spares} spare, --hang-timeout "
           f"{a.hang_timeout:g}, chaos for {a.minutes:g} min (--every {a.every:g}, seed "
-          f"{a.seed}), {res['steps']} steps; load average {os.getloadavg()[0]:.1f} on "
-          f"{os.cpu_count()} CPUs; files in {work}")
+          f"{a.seed}), {res['steps']} steps on {os.cpu_count()} CPUs; files in {work}")
     print(res["chaos_out"].rstrip())
     print(f"  goodput (fault-free wall / chaos wall): {calm_wall:.1f} s / {chaos_wall:.1f} s "
-          f"= {calm_wall / chaos_wall:.4f}")
+          f"= {calm_wall / chaos_wall:.4f} (1-minute load average at the chaos run's start, "
+          f"its end, the fault-free run's end: {', '.join(f'{x:.1f}' for x in res['load'])})")
     print(f"  faults {s['faults']}, recovered {s['recovered']}; committed steps lost "
           f"{s['lost_steps']} (ftrun report, whole run: goodput {s['goodput']})")
     print(f"  final replicas bitwise equal to the fault-free run: {equal} ({replicas} "
