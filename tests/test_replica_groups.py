@@ -30,7 +30,6 @@ def test_shard_size_reaches_the_spec_and_only_the_sharded_workers_environment() 
     (["--nproc", "4", "--shard-size", "3"], "does not divide"),
     (["--nproc", "4", "--shard-size", "0"], ">= 1"),
     (["--nproc", "4", "--shard-size", "x"], "not an integer"),
-    (["--nproc", "4", "--shard-size", "2", "--snapshot-every", "5"], "sharded state"),
     (["--nproc", "4", "--shard-size", "2", "--on-fault", "restart"], "in-process"),
 ])
 def test_shard_size_refuses_what_it_cannot_run_in_one_line(argv: list[str], says: str) -> None:
