@@ -14,13 +14,15 @@ LAYERS = [  # packages, lowest first; a package may import itself and those belo
     {"protocol", "gpu"},
     {"adapters"},
     {"worker"},
+    {"integrations"},  # inside a worker, over a framework's loop (Lightning, Transformers)
     {"agent"},
     {"cluster"},
     {"cli"},
 ]
 NEVER = {  # beside the layering: what a package must not import although it is lower
-    "agent": {"worker"},  # the agent never loads the worker library (nor torch with it)
-    "cluster": {"worker"},
+    "agent": {"worker", "integrations"},  # the agent never loads the worker library (nor
+    "cluster": {"worker", "integrations"},  # torch with it)
+    "cli": {"integrations"},
 }
 HEAVY_FOR_WORKERS = {"typer", "rich", "pynvml", "psutil"}
 # the zygote is a process of the launcher's: it may read itself through psutil (its threads,
@@ -196,8 +198,9 @@ def test_the_cli_face_does_not_load_the_worker_library() -> None:
 
 
 def test_worker_side_never_imports_launcher_or_ui() -> None:
+    """The worker library and the integrations run in a user's training process."""
     for name, path in modules().items():
-        if package_of(name) != "worker":
+        if package_of(name) not in ("worker", "integrations"):
             continue
         roots = {imp.split(".")[0] for imp in imports_of(path)}
         heavy = roots & HEAVY_FOR_WORKERS - ZYGOTE_MAY_USE.get(name, set())
