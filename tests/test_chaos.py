@@ -63,4 +63,5 @@ def test_chaos_on_a_running_job(tmp_path: Path, private_run_dir: Path) -> None:
     lines = [json.loads(x) for x in events.read_text().splitlines()]
     drills = [x for x in lines if x["event"] == "drill"]
     assert [d["kind"] for d in drills] == [f["kind"] for f in faults]
+    assert [d["chaos"] for d in drills] == list(range(1, COUNT + 1))  # tagged, numbered
     assert sum(x["event"] == "fault" for x in lines) == COUNT

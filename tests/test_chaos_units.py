@@ -93,11 +93,11 @@ def test_a_planned_fault_becomes_a_drill_on_a_live_rank() -> None:
               {"index": 2, "gpu": SIM + "2", "health": "healthy", "excluded": False}])
     assert [chaos.live_rank(doc, drawn) for drawn in range(4)] == [0, 2, 0, 2]
     assert chaos.live_rank(status(), 3) is None
-    op = chaos.drill_of(doc, chaos.Planned(1.0, "exit", 0), 2)
-    assert op is not None and (op.kind, op.rank, op.gpu, op.at_step) == ("exit", 2, None, -1)
-    xid = chaos.drill_of(doc, chaos.Planned(1.0, "xid", 0), 0)
+    op = chaos.drill_of(doc, chaos.Planned(1.0, "exit", 0), 2, 4)
+    assert op is not None and (op.kind, op.rank, op.gpu, op.chaos) == ("exit", 2, None, 4)
+    xid = chaos.drill_of(doc, chaos.Planned(1.0, "xid", 0), 0, 5)
     assert xid is not None and (xid.gpu, xid.rank, xid.xid) == (2, None, chaos.FATAL_XID)
-    assert chaos.drill_of(doc, chaos.Planned(1.0, "xid", 0), 2) is None  # its GPU is failed
+    assert chaos.drill_of(doc, chaos.Planned(1.0, "xid", 0), 2, 6) is None  # its GPU is failed
     assert chaos.slow_delay_s(doc) == pytest.approx(2 * 0.06)  # twice the median step
 
 

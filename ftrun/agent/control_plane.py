@@ -59,6 +59,7 @@ class Drill:
     kind: FaultKind
     at_step: int
     arg: float
+    chaos: int | None = None  # --chaos: the fault's number in its chaos run
 
 
 class ControlPlane:
@@ -116,7 +117,7 @@ class ControlPlane:
         if op.node is not None:  # the node's hook answers a JSON object: checked here
             return reply(read_reply(NetDowned, self.port.net_down(op.node, op.duration)))
         target = self._validate(op)
-        self.drills.put(Drill(target.worker_id, op.kind, op.at_step, op.arg))
+        self.drills.put(Drill(target.worker_id, op.kind, op.at_step, op.arg, op.chaos))
         self.port.wake()
         return reply(Injected(target.worker_id, target.spawned.pid, target.rank))
 
@@ -164,7 +165,8 @@ class ControlPlane:
             if worker is None or not worker.alive:
                 continue
             kind, at_step = drill.kind, drill.at_step  # checked by check_request
-            self.journal.drill_injected(worker.worker_id, kind, time.time())
+            if kind != FaultKind.SLOW:  # a slower rank is no fault: nothing to name
+                self.journal.drill_injected(worker.worker_id, kind, time.time())
             if kind in AGENT_SIGNALS and at_step < 0:
                 with contextlib.suppress(ProcessLookupError):  # it may have just exited
                     os.kill(worker.spawned.pid, AGENT_SIGNALS[kind])
@@ -173,7 +175,7 @@ class ControlPlane:
                 self.slots.write_drill(worker.worker_id, self._drill_seq, kind, at_step,
                                        drill.arg)
             self.port.emit(Event.DRILL, DrillFields(worker.worker_id, worker.rank, kind,
-                                                    at_step).to_fields())
+                                                    at_step, drill.chaos).to_fields())
 
     # ------------------------------------------------------------ status
     def status(self) -> Status:

@@ -151,7 +151,7 @@ def live_rank(doc: Status, drawn: int) -> int | None:
     return ranks[drawn % len(ranks)] if ranks else None
 
 
-def drill_of(doc: Status, planned: Planned, rank: int) -> InjectOp | None:
+def drill_of(doc: Status, planned: Planned, rank: int, number: int) -> InjectOp | None:
     """The request a planned fault becomes on `rank` (None: it cannot hit that rank now: an
     xid on a rank without a healthy simulated GPU)."""
     if planned.kind == FaultKind.XID:
@@ -161,7 +161,7 @@ def drill_of(doc: Status, planned: Planned, rank: int) -> InjectOp | None:
                     and g.health == "healthy"), None)
         return None if gpu is None else InjectOp(FaultKind.XID, None, gpu, xid=FATAL_XID)
     arg = slow_delay_s(doc) if planned.kind == FaultKind.SLOW else 0.0
-    return InjectOp(FaultKind(planned.kind), rank, None, arg=arg)
+    return InjectOp(FaultKind(planned.kind), rank, None, arg=arg, chaos=number)
 
 
 def slow_delay_s(doc: Status) -> float:

@@ -87,7 +87,7 @@ def _inject(info: control.RunInfo, doc: Status, planned: chaos.Planned, n: int,
             spec: chaos.ChaosSpec, result: ChaosRun, say: Say) -> bool:
     """Send one planned fault (a slow one: hold it, then give the rank its speed back)."""
     rank = chaos.live_rank(doc, planned.rank)
-    op = None if rank is None else chaos.drill_of(doc, planned, rank)
+    op = None if rank is None else chaos.drill_of(doc, planned, rank, n)
     of = f"/{spec.count}" if spec.count else ""
     if rank is None or op is None:
         result.skipped += 1

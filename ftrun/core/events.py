@@ -165,6 +165,7 @@ class DrillFields(Fields):
     rank: int
     kind: str
     at_step: int
+    chaos: int | None = absent()  # `inject-fault --chaos`: the fault's number in its run
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,8 @@ _MAX_INDEX = (1 << 31) - 1
 _MAX_STEP = (1 << 63) - 1  # the drill slot holds the step as an int64
 # each inject field and the `ftrun inject-fault` option that sets it
 _OPTIONS = {"kind": "--kind", "rank": "--rank", "gpu": "--gpu", "at_step": "--at-step",
-            "arg": "--delay", "xid": "--xid", "node": "--node", "duration": "--duration"}
+            "arg": "--delay", "xid": "--xid", "node": "--node", "duration": "--duration",
+            "chaos": "--chaos"}
 _SHOW = reprlib.Repr()
 _SHOW.maxstring, _SHOW.maxother, _SHOW.maxlevel = 40, 40, 2
 
@@ -49,9 +50,13 @@ class InjectOp:
     xid: int | None = None
     node: int | None = None
     duration: float = 0.0  # net-down: seconds the link stays down
+    chaos: int | None = None  # --chaos: the fault's number in its chaos run (None: a drill)
 
     def to_wire(self) -> dict[str, Any]:
-        return {"op": "inject", **asdict(self)}
+        fields = asdict(self)
+        if self.chaos is None:  # a plain drill reads as before to an agent without chaos
+            del fields["chaos"]
+        return {"op": "inject", **fields}
 
 
 ControlOp = StatusOp | InjectOp
@@ -96,7 +101,7 @@ def _check_inject(req: dict[str, Any]) -> InjectOp:
     at_step = _integer(req, "at_step", -1, _MAX_STEP)
     return InjectOp(FaultKind(kind), rank, gpu, -1 if at_step is None else at_step,
                     _delay(req.get("arg")), _integer(req, "xid", 0, _MAX_INDEX), node,
-                    duration)
+                    duration, _integer(req, "chaos", 1, _MAX_STEP))
 
 
 def _integer(req: dict[str, Any], field: str, lo: int, hi: int) -> int | None:
