@@ -63,6 +63,11 @@ def ftrun(*args: str) -> list[str]:
     return [sys.executable, "-m", "ftrun", *args]
 
 
+# with torchrun's default shared store its restarts hang on gloo (pytorch#135712): see
+# scripts/bench_recovery.py, which runs torchrun the same way
+TORCHRUN_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+
+
 def torchrun(*args: str) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", *args]
 
@@ -80,7 +85,7 @@ def steady(framework: str, work: Path) -> None:
     for name, cmd in (("ftrun", ftrun("--nproc", "2", script)),
                       ("ddp", torchrun(script, *ddp_flags))):
         out = work / f"{framework}-steady-{name}"
-        subprocess.run([*cmd, *STEADY[framework], "--out", str(out)], env=env(),
+        subprocess.run([*cmd, *STEADY[framework], "--out", str(out)], env=env(**TORCHRUN_ENV),
                        capture_output=True, text=True, timeout=RUN_S, check=True)
         figures[name] = step_ms(out)
     print(f"{framework} steady step: ftrun {figures['ftrun']:.1f} ms vs the framework's DDP "
@@ -97,7 +102,9 @@ def recover_ftrun(framework: str, work: Path) -> float:
     script, _ = SCRIPTS[framework]
     out, go, stamp = (work / f"{framework}-ft-{x}" for x in ("out", "go", "stamp"))
     run_dir = Path(tempfile.mkdtemp(prefix="ftrun-bench-", dir="/tmp")) / "run"
-    job = subprocess.Popen(ftrun("--nproc", "2", "--spares", "1", DIE, script, *FAULT,
+    # the victim waits for the spare in its step: the hang detector must not end it first
+    job = subprocess.Popen(ftrun("--nproc", "2", "--spares", "1", "--hang-timeout",
+                                 str(SPARE_WAIT_S), DIE, script, *FAULT,
                                  "--out", str(out)),
                            env=env(FTRUN_TEST_DIE=f"1:{KILLED_AT}:2", FTRUN_TEST_GO=str(go),
                                    FTRUN_TEST_KILL_STAMP=str(stamp), FTRUN_RUN_DIR=str(run_dir)),
@@ -123,7 +130,7 @@ def recover_torchrun(framework: str, work: Path) -> float:
     subprocess.run(torchrun("--max-restarts", "1", DIE, script, *ddp_flags, *FAULT,
                             "--ckpt-dir", str(ckpt), "--out", str(out)),
                    env=env(FTRUN_TEST_DIE=f"1:{KILLED_AT}:2",
-                           FTRUN_TEST_KILL_STAMP=str(stamp)),
+                           FTRUN_TEST_KILL_STAMP=str(stamp), **TORCHRUN_ENV),
                    capture_output=True, text=True, timeout=RUN_S, check=True)
     return first_step_after(out, stamp)
 
@@ -140,15 +147,20 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--framework", choices=["lightning", "transformers", "both"],
                     default="both")
-    ap.add_argument("--skip-steady", action="store_true")
+    ap.add_argument("--only", choices=["recovery", "steady"], help="one of the two figures")
+    ap.add_argument("--repeat", type=int, default=1, help="each figure this many times")
     args = ap.parse_args()
     frameworks = ["lightning", "transformers"] if args.framework == "both" \
         else [args.framework]
     with tempfile.TemporaryDirectory(prefix="bench-integ-") as tmp:
-        for framework in frameworks:
-            recovery(framework, Path(tmp))
-            if not args.skip_steady:
-                steady(framework, Path(tmp))
+        for i in range(args.repeat):
+            for framework in frameworks:
+                work = Path(tmp) / str(i)
+                work.mkdir(exist_ok=True)
+                if args.only != "steady":
+                    recovery(framework, work)
+                if args.only != "recovery":
+                    steady(framework, work)
 
 
 if __name__ == "__main__":
