@@ -68,8 +68,7 @@ def test_the_kinds_a_job_supports() -> None:
         chaos.kinds_for(plain, ("kill", "xid"))
     with pytest.raises(UsageError, match="--kinds net-down: chaos does not cut links"):
         chaos.kinds_for(plain, ("net-down",))
-    with pytest.raises(UsageError, match="--kinds slow: the agent would name"):
-        chaos.kinds_for(plain, ("slow",))
+    assert chaos.kinds_for(plain, ("slow",)) == ("slow",)  # a straggler, held a while
     assert chaos.kinds_for(plain, ("wedge", "kill")) == ("wedge", "kill")  # asked: allowed
     sim = status(gpus=[{"index": 0, "gpu": SIM + "0", "health": "healthy", "excluded": False}])
     assert chaos.kinds_for(sim, ())[-1] == FaultKind.XID

@@ -26,12 +26,7 @@ from ftrun.protocol.status import Fault, Status
 # summary lists them; xid joins them when the job's GPUs are simulated
 DEFAULT_KINDS = (FaultKind.KILL, FaultKind.EXCEPTION, FaultKind.EXIT, FaultKind.SEGV,
                  FaultKind.HANG, FaultKind.SPIN, FaultKind.DEADLOCK, FaultKind.COMM,
-                 FaultKind.STALL)
-# Not drawn yet: the agent names a worker's next fault after the last drill it was sent, and
-# a slow drill makes no fault of its own, so a later fault of that worker would be counted
-# as "slow", timed from the slow drill (a one-line fix in agent/control_plane.apply_drills)
-SLOW_REFUSED = ("the agent would name that worker's next fault 'slow' and time it from the "
-                "slow drill; chaos draws slow once the agent records no pending fault for it")
+                 FaultKind.STALL, FaultKind.SLOW)
 FATAL_XID = 79  # "GPU has fallen off the bus": the GPU is failed, its worker replaced
 SIM_GPU_PREFIX = "GPU-5157-"  # gpu.monitor.SimBackend's UUIDs (a real GPU's never start so)
 GPU_FAULT_PREFIX = "gpu:"  # how the agent names the fault of a GPU it failed
@@ -92,8 +87,6 @@ def supported_kinds(doc: Status) -> dict[str, str]:
     for kind in ALL_KINDS:
         if kind in DEFAULT_KINDS:
             why[kind] = ""
-        elif kind == FaultKind.SLOW:
-            why[kind] = SLOW_REFUSED
         elif kind == FaultKind.XID:
             why[kind] = "" if sim_gpus else "xid needs the job started with --gpu-backend sim"
         elif kind == FaultKind.WEDGE:
