@@ -1,13 +1,19 @@
 """Gradient sync overlapped with backward: buckets of gradients all-reduced as they are ready.
 
 Owns: laying the wrapped parameters' gradients out in buckets of about `bucket_mb` (reverse
-parameter order, as autograd produces them; one flat buffer per bucket, `param.grad` a view
-into it so autograd accumulates in place), the post-accumulate-grad hooks that start each
-bucket's all-reduce as soon as its last gradient arrives, `no_sync` (gradients accumulate
+parameter order, as autograd produces them; sized as DDP sizes them, the first closed at
+FIRST_BUCKET_BYTES so the first all-reduce starts early in backward; one flat buffer per
+bucket, `param.grad` a view into it so autograd accumulates in place and nothing is copied
+in or out in a steady step), the post-accumulate-grad hooks that start each bucket's
+all-reduce as soon as its last gradient arrives (divided by the world size first, as DDP
+does, so nothing is left to average after the wait), `no_sync` (gradients accumulate
 locally), and finishing a step's sync: start what is left, wait for every bucket while
-watching for a newer generation, average, and hand the result back to every `param.grad`.
+watching for a newer generation, and hand the result back to any `param.grad` not a view.
 Buckets are always started in index order, so every rank issues the same collectives in the
-same order whatever order its gradients arrive in. The step-boundary vote (a planned
+same order whatever order its gradients arrive in. The layout is a function of the parameters
+and `bucket_mb` alone, never of an observed arrival order: a replacement lays out exactly the
+buckets its peers use, and a replaced run reduces every element in the same order as the
+fault-free run (bitwise-equal results with 3 or more ranks). The step-boundary vote (a planned
 generation seen by some rank) is one extra element at the end of the last bucket. Under
 `--redo lost` (`keep`): a copy of each bucket's local gradients, taken as it starts (an
 all-reduce writes in place, and an abandoned one goes on writing), and in a make-up pass
@@ -25,6 +31,10 @@ from ftrun.core import timeouts
 from ftrun.core.errors import WorkerApiError, first_line
 from ftrun.worker.comm import REAPER, CommError, Group, Interrupt
 
+# DDP's first bucket (torch.distributed's _DEFAULT_FIRST_BUCKET_BYTES): the gradients that
+# arrive first start their all-reduce without waiting for a full bucket behind them
+FIRST_BUCKET_BYTES = 2**20
+
 
 class Bucket:
     def __init__(self, params: list[Any], device: Any, flag: bool) -> None:
@@ -39,6 +49,7 @@ class Bucket:
         for p in params:
             self.views.append(self.flat[offset:offset + p.numel()].view_as(p))
             offset += p.numel()
+        self.size = len(params)  # parameters; the bucket is complete when ready == size
         self.ready = 0
         self.work: Any = None
         self.started = False
@@ -50,8 +61,8 @@ class Bucket:
     def take(self, p: Any, view: Any) -> None:
         """Make the bucket hold `p`'s gradient; bind the grad as a view where possible."""
         grad = p.grad
-        if grad is not None and grad.data_ptr() == view.data_ptr():
-            return
+        if grad is view or grad is not None and grad.data_ptr() == view.data_ptr():
+            return  # autograd accumulated into the view: the steady case
         if grad is None:
             view.zero_()
         else:
@@ -74,7 +85,7 @@ class GradSync:
         self.enabled = True  # False inside no_sync()
         self.group: Group | None = None  # the step's group; None: do not start anything
         self._buckets: list[Bucket] | None = None
-        self._where: dict[int, tuple[int, int]] = {}  # id(param) -> (bucket, index)
+        self._slots: dict[int, tuple[Bucket, Any]] = {}  # id(param) -> (bucket, its view)
         self._next = 0  # the next bucket to start
         self.keep = False  # --redo lost: copy each bucket's local gradients as it starts
         self.kept: list[Any] = []  # the copies, by bucket index
@@ -93,20 +104,11 @@ class GradSync:
 
     def _layout(self) -> list[Bucket]:
         if self._buckets is None:
-            groups: list[list[Any]] = []
-            size = self.bucket_bytes
-            for p in reversed(self.params):
-                nbytes = p.numel() * p.element_size()
-                same = groups and groups[-1][0].dtype == p.dtype
-                if not same or size + nbytes > self.bucket_bytes:
-                    groups.append([])
-                    size = 0
-                groups[-1].append(p)
-                size += nbytes
+            groups = bucket_groups(self.params, self.bucket_bytes)
             self._buckets = [Bucket(ps, self.device, i == len(groups) - 1)
                              for i, ps in enumerate(groups)]
-            self._where = {id(p): (b, i) for b, ps in enumerate(groups)
-                           for i, p in enumerate(ps)}
+            self._slots = {id(p): (b, view) for b in self._buckets
+                           for p, view in zip(b.params, b.views, strict=True)}
             self._next = 0
         return self._buckets
 
@@ -126,24 +128,31 @@ class GradSync:
         for p in self.params:
             p.grad = None
         self._buckets = None
+        self._slots = {}
 
     # ---------------------------------------------------------------- during backward
     def _on_ready(self, p: Any) -> None:
+        """Runs once per parameter per backward: kept to a dict look-up and a few checks."""
         if not self.enabled or self.group is None or self.group.pg is None:
             return
-        buckets = self._layout()
-        b, i = self._where[id(p)]
-        bucket = buckets[b]
+        slot = self._slots.get(id(p)) if self._buckets is not None else None
+        if slot is None:
+            self._layout()
+            slot = self._slots[id(p)]
+        bucket, view = slot
         if bucket.started:
             raise WorkerApiError("a gradient changed after its bucket's all-reduce started "
                                  "(a second backward in one step)",
                                  hint="run the backward of every micro-batch but the last "
                                       "inside `with ft.no_sync():`")
-        bucket.take(p, bucket.views[i])
+        if p.grad is not view:
+            bucket.take(p, view)
         bucket.ready += 1
-        while self._next < len(buckets) and buckets[self._next].ready == \
-                len(buckets[self._next].params):
-            self._start(buckets[self._next])
+        if bucket.ready == bucket.size:
+            buckets = self._buckets or []
+            while self._next < len(buckets) and buckets[self._next].ready == \
+                    buckets[self._next].size:
+                self._start(buckets[self._next])
 
     def _start(self, bucket: Bucket) -> None:
         assert self.group is not None
@@ -153,7 +162,9 @@ class GradSync:
         self._next += 1
         if self._next == len(self._buckets or ()):
             bucket.flat[-1:].fill_(1.0 if self.want_switch() else 0.0)
-        self._keep_or_blend(bucket, self._next - 1)
+        divisor = self._keep_or_blend(bucket, self._next - 1)
+        if divisor > 1:  # averaged before the sum, as DDP does: no pass over the buckets
+            bucket.grads().div_(divisor)  # after the wait, the step's exposed tail
         if self._held or self.group.pg is None or self.group.size == 1:
             return
         try:
@@ -161,12 +172,15 @@ class GradSync:
         except RuntimeError as exc:  # the group broke: sync() reports it
             bucket.work = _Failed(first_line(exc))
 
-    def _keep_or_blend(self, bucket: Bucket, index: int) -> None:
+    def _keep_or_blend(self, bucket: Bucket, index: int) -> int:
+        """Keep or blend the bucket's local gradients (--redo lost); the divisor of its
+        average: the group's size, or in a make-up the broken pass's world size."""
         blend = self.blend() if self.keep else None
         if blend is not None:  # a make-up: its share of the lost work joins the kept pass
             grads = bucket.grads()
             grads.mul_(blend[0]).add_(self.kept[index][:grads.numel()])
-        elif self.keep:
+            return blend[1]
+        if self.keep:
             if len(self.kept) <= index:
                 self.kept.append(None)
             held = self.kept[index]
@@ -175,6 +189,7 @@ class GradSync:
             else:
                 held.copy_(bucket.flat)
             self._kept_now += 1
+        return self.group.size if self.group is not None else 1
 
     def keep_rest(self) -> bool:
         """The step broke: copy the local gradients of the buckets that never started. True
@@ -209,15 +224,11 @@ class GradSync:
             if b.work is not None:
                 work, b.work = b.work, None
                 group.wait(work, interrupt)
-        blend = self.blend() if self.keep else None
-        size = group.size if blend is None else blend[1]
-        for b in buckets:
-            grads = b.flat[:-1] if b is buckets[-1] else b.flat
-            if size > 1:
-                grads.div_(size)
+        for b in buckets:  # averaged as each started: bind the grads that are not views
             for p, view in zip(b.params, b.views, strict=True):
-                if p.grad is None or p.grad.data_ptr() != view.data_ptr():
-                    p.grad = view.to(p.dtype).clone() if p.grad is None else p.grad.copy_(view)
+                grad = p.grad  # a view of its bucket but where it cannot be (another device)
+                if grad is not view and (grad is None or grad.data_ptr() != view.data_ptr()):
+                    p.grad = view.to(p.dtype).clone() if grad is None else grad.copy_(view)
         return bool(buckets[-1].flat[-1].item() > 0)
 
     def next_step(self, group: Group) -> None:
@@ -237,6 +248,26 @@ class GradSync:
         if self._buckets is not None:
             for b in self._buckets:
                 b.flat.zero_()
+
+
+def bucket_groups(params: list[Any], bucket_bytes: int) -> list[list[Any]]:
+    """The parameters of each bucket: reverse parameter order, one dtype per bucket, each
+    closed once it holds `bucket_bytes` (DDP's rule: a bias next to a large weight joins it
+    instead of costing an all-reduce of its own), the first once it holds FIRST_BUCKET_BYTES.
+    Depends on nothing but its arguments: every rank, and every replacement, lays out the
+    same buckets."""
+    groups: list[list[Any]] = []
+    cap, size, closed = min(bucket_bytes, FIRST_BUCKET_BYTES), 0, True
+    for p in reversed(params):
+        if closed or groups[-1][0].dtype != p.dtype:
+            if groups:
+                cap = bucket_bytes
+            groups.append([])
+            size = 0
+        groups[-1].append(p)
+        size += p.numel() * p.element_size()
+        closed = size >= cap
+    return groups
 
 
 class _Failed:
