@@ -12,6 +12,7 @@ Must not import: any framework (Lightning, transformers), typer, rich, NVML, the
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
@@ -49,6 +50,7 @@ class StepDriver:
         self.step = -1  # the step open now (or last committed)
         self.loop_step: int | None = None  # the step the framework's loop is at, if known
         self.repeats = 0  # steps run again after a broken sync, in this process
+        self.world: int | None = None  # the live group's size at the first step
 
     def begin(self) -> int:
         """The open step: recovery and healing happen here when one is due."""
@@ -60,7 +62,20 @@ class StepDriver:
                     f"ftrun: this rank healed to step {self.step} while its loop is at step "
                     f"{self.loop_step}; ending it so that a replacement heals at that batch")
             self.loop_step = self.step
+            self._check_world()
         return self.step
+
+    def _check_world(self) -> None:
+        """The frameworks' samplers keep the replica count they started with: a shrink
+        (`--on-fault shrink`) trains on, but no longer on exactly each step's data."""
+        world = int(self.ft.world_size)
+        if self.world is None:
+            self.world = world
+        elif world != self.world:
+            print(f"ftrun: the live group has {world} ranks where the data sampler was built "
+                  f"for {self.world}: steps now differ from a fault-free run's (keep the world "
+                  "size: --on-fault replace, the default)", file=sys.stderr, flush=True)
+            self.world = world
 
     def synced(self) -> bool:
         """After the framework's backward: wait for every gradient bucket."""
