@@ -17,6 +17,7 @@ Prints one line per figure with the ratio and the host's load average (`uptime`)
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -72,6 +73,24 @@ def torchrun(*args: str) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", *args]
 
 
+def run_all(cmd: list[str], environ: dict[str, str]) -> None:
+    """Run a job to its end; whatever it leaves (torchrun's workers outlive a launcher killed
+    at the timeout: they were seen training on 38 minutes later) is killed with it."""
+    import psutil
+
+    job = subprocess.Popen(cmd, env=environ, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                           text=True)
+    try:
+        out, _ = job.communicate(timeout=RUN_S)
+    finally:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            for p in [*psutil.Process(job.pid).children(recursive=True), psutil.Process(job.pid)]:
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    p.kill()
+    if job.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd[:4])} ... failed ({job.returncode}):\n{out[-3000:]}")
+
+
 def step_ms(out: Path) -> float:
     """The median time between consecutive steps of one worker, after 5 warm-up steps."""
     log = json.loads(sorted(out.glob("log_*.json"))[0].read_text())["rows"]
@@ -85,8 +104,7 @@ def steady(framework: str, work: Path) -> None:
     for name, cmd in (("ftrun", ftrun("--nproc", "2", script)),
                       ("ddp", torchrun(script, *ddp_flags))):
         out = work / f"{framework}-steady-{name}"
-        subprocess.run([*cmd, *STEADY[framework], "--out", str(out)], env=env(**TORCHRUN_ENV),
-                       capture_output=True, text=True, timeout=RUN_S, check=True)
+        run_all([*cmd, *STEADY[framework], "--out", str(out)], env(**TORCHRUN_ENV))
         figures[name] = step_ms(out)
     print(f"{framework} steady step: ftrun {figures['ftrun']:.1f} ms vs the framework's DDP "
           f"{figures['ddp']:.1f} ms: {figures['ftrun'] / figures['ddp']:.3f}x  [{load()}]",
@@ -127,11 +145,10 @@ def recover_torchrun(framework: str, work: Path) -> float:
     script, ddp_flags = SCRIPTS[framework]
     out, ckpt, stamp = (work / f"{framework}-tr-{x}" for x in ("out", "ckpt", "stamp"))
     ckpt.mkdir()
-    subprocess.run(torchrun("--max-restarts", "1", DIE, script, *ddp_flags, *FAULT,
-                            "--ckpt-dir", str(ckpt), "--out", str(out)),
-                   env=env(FTRUN_TEST_DIE=f"1:{KILLED_AT}:2",
-                           FTRUN_TEST_KILL_STAMP=str(stamp), **TORCHRUN_ENV),
-                   capture_output=True, text=True, timeout=RUN_S, check=True)
+    run_all(torchrun("--max-restarts", "1", DIE, script, *ddp_flags, *FAULT,
+                     "--ckpt-dir", str(ckpt), "--out", str(out)),
+            env(FTRUN_TEST_DIE=f"1:{KILLED_AT}:2", FTRUN_TEST_KILL_STAMP=str(stamp),
+                **TORCHRUN_ENV))
     return first_step_after(out, stamp)
 
 
