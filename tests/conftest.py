@@ -4,7 +4,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -51,13 +51,13 @@ def fixture_path() -> Callable[[str], str]:
 
 
 @pytest.fixture(autouse=True)
-def _private_tmpdir(tmp_path, monkeypatch) -> None:
+def _private_tmpdir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Launchers started by a test keep their temporary log directories inside the test's."""
     monkeypatch.setenv("TMPDIR", str(tmp_path))
 
 
 @pytest.fixture
-def private_run_dir(monkeypatch):
+def private_run_dir(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     """A run directory of the test's own: `ftrun status` sees only the test's jobs. Not under
     tmp_path: pytest's numbered base directories grow past what a Unix socket path allows."""
     d = Path(tempfile.mkdtemp(prefix="ftrun-test-", dir="/tmp")) / "run"

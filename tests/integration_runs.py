@@ -5,13 +5,14 @@ import json
 import os
 import re
 import subprocess
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
 import torch
 from conftest import FIXTURES, ftrun_cmd, run_ftrun, wait_for
-from replicas import params
+from replicas import bitwise_equal, params
 
 DIE = str(FIXTURES / "die_in_backward.py")
 
@@ -65,3 +66,26 @@ def killed(out: Path, script: str, *args: str, at_step: int) -> Run:
     assert took, err
     return Run(params(out), _logs(out), err, {w["worker_id"]: w["pid"] for w in workers},
                int(took.group(1)))
+
+
+def check_a_kill_heals_bitwise(tmp: Path, script: str, args: tuple[str, ...], killed_at: int,
+                               positions: Callable[[list[dict[str, Any]]], list[Any]]) -> None:
+    """A fault-free run, then the same run with worker 1 killed mid-backward after `killed_at`
+    steps: the spare takes its rank; the run ends bit for bit where the fault-free one ends
+    (CPU, gloo, world size held, random streams healed), the survivor keeps its process and
+    runs the broken step once more, and no step is repeated or skipped: the survivor logs
+    every step once, the spare goes on from the step after the last committed one at the
+    position (`positions`: step, epoch, batch as the framework counts) rank 1 had."""
+    ref = fault_free(tmp / "ref", script, *args)
+    assert sorted(ref.params) == [0, 1] and bitwise_equal(ref.params[0], ref.params[1])
+    total = len(ref.logs[0]["rows"])
+    assert [r["step"] for r in ref.logs[0]["rows"]] == list(range(1, total + 1))
+
+    run = killed(tmp / "o", script, *args, at_step=killed_at)
+    assert sorted(run.params) == [0, run.spare]
+    assert all(bitwise_equal(p, ref.params[0]) for p in run.params.values())
+    survivor, joiner = run.logs[0], run.logs[run.spare]
+    assert run.pids is not None and survivor["pid"] == run.pids[0]  # kept its process
+    assert survivor["repeats"] == 1 and joiner["repeats"] == 0  # the broken step ran again
+    assert positions(survivor["rows"]) == positions(ref.logs[0]["rows"])
+    assert positions(joiner["rows"]) == positions(ref.logs[1]["rows"])[killed_at:]
