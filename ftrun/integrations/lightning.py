@@ -24,11 +24,16 @@ from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
-from lightning.pytorch.strategies import DDPStrategy
-from lightning.pytorch.strategies.strategy import Strategy
-from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_only
-from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+
+try:  # an optional extra: without it, one line that says how to get it
+    from lightning.pytorch.strategies import DDPStrategy
+    from lightning.pytorch.strategies.strategy import Strategy
+    from lightning.pytorch.trainer.states import TrainerFn
+    from lightning.pytorch.utilities.rank_zero import rank_zero_only
+    from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+except ImportError as exc:
+    raise ImportError(f"ftrun.integrations.lightning needs Lightning ({exc}): "
+                      "pip install 'ftrun[lightning]'") from None
 
 from ftrun.integrations.lightning_state import LoopRecorder, LoopState, ResumingLoader
 from ftrun.integrations.stepping import StepBroke, StepDriver, under_ftrun

@@ -15,7 +15,12 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-from lightning.pytorch.callbacks import Callback
+
+try:  # an optional extra: without it, one line that says how to get it
+    from lightning.pytorch.callbacks import Callback
+except ImportError as exc:
+    raise ImportError(f"ftrun.integrations.lightning needs Lightning ({exc}): "
+                      "pip install 'ftrun[lightning]'") from None
 
 
 class LoopState:

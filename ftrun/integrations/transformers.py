@@ -27,7 +27,12 @@ import os
 from typing import Any
 
 import torch
-from transformers import Trainer, TrainerCallback
+
+try:  # an optional extra: without it, one line that says how to get it
+    from transformers import Trainer, TrainerCallback
+except ImportError as exc:
+    raise ImportError(f"ftrun.integrations.transformers needs Transformers ({exc}): "
+                      "pip install 'ftrun[transformers]'") from None
 
 from ftrun.integrations.stepping import StepDriver, under_ftrun
 from ftrun.worker.rng import RandomStreams
