@@ -14,22 +14,20 @@ Must not import: typer, rich, NVML, the agent, the worker library. Torch is impo
 from __future__ import annotations
 
 import dataclasses
-import os
-import pickle
-import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from ftrun.adapters.snapshot_io import (
     LocalShard,
-    Unreadable,
-    WriteFailed,
-    _first_cause,
     _is_tensor,
     _Path,
+    fqn_of,
+    is_ref,
     map_leaves,
+    open_checkpoint,
+    read_checkpoint,
+    write_checkpoint,
 )
-from ftrun.protocol.snapshots import SKELETON, unsafe
 
 SHARDS = "ftrun.shards"  # each shard's own copy of what differs between ranks (the streams)
 
@@ -44,9 +42,6 @@ def _leaf(v: Any) -> bool:
 def save_shard_set(shards: Sequence[Mapping[str, Any]], path: str, per_shard: str) -> None:
     """The state trees of every shard of a group (shard k's at index k, DTensors as
     `LocalShard`s) as one DCP checkpoint in the new, empty directory `path`."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.api import CheckpointException
-
     first = dict(shards[0])
     if all(per_shard in s for s in shards):
         first[SHARDS] = {str(k): s[per_shard] for k, s in enumerate(shards)}
@@ -57,16 +52,7 @@ def save_shard_set(shards: Sequence[Mapping[str, Any]], path: str, per_shard: st
     tree = map_leaves(first, _leaf, lambda v, _p: v.tensor if isinstance(v, LocalShard) else v)
     skeleton = map_leaves(first, _leaf, lambda v, p: _ref(
         p, v.placements if isinstance(v, LocalShard) else None))
-    fd = os.open(os.path.join(path, SKELETON), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with open(fd, "wb") as f:
-        pickle.dump(skeleton, f)
-    try:
-        with warnings.catch_warnings():  # "assuming the intent is to save in a single process"
-            warnings.simplefilter("ignore", UserWarning)
-            dcp.save(tree, storage_writer=dcp.FileSystemWriter(path, sync_files=True),
-                     planner=_set_planner(chunks), no_dist=True)
-    except CheckpointException as exc:
-        raise WriteFailed(_first_cause(exc)) from None
+    write_checkpoint(path, tree, skeleton, _set_planner(chunks))
 
 
 def _ref(path: tuple[str, ...], placements: tuple[Any, ...] | None) -> _Path:
@@ -123,43 +109,19 @@ def _set_planner(chunks: dict[tuple[str, ...], list[LocalShard]]) -> Any:
     return ShardSetPlanner()
 
 
-def _open(path: str) -> tuple[Any, Any, Any]:
-    """(reader, metadata, skeleton) of a disk snapshot, refused before anything in it is
-    unpickled unless it is this user's own and no one else's to write."""
-    why = unsafe(path)
-    if why is not None:
-        raise Unreadable(why)
-    import torch.distributed.checkpoint as dcp
-
-    reader = dcp.FileSystemReader(path)
-    meta = reader.read_metadata()
-    with open(os.path.join(path, SKELETON), "rb") as f:
-        skeleton = pickle.load(f)  # noqa: S301 - this user's own (checked above), checksummed
-    return reader, meta, skeleton
-
-
-def _fqn(meta: Any) -> Callable[[tuple[str, ...]], str]:
-    by_path = {tuple(str(k) for k in p): fqn for fqn, p in (meta.planner_data or {}).items()}
-    return lambda path: by_path.get(path, ".".join(path))
-
-
-def _is_ref(v: Any) -> bool:
-    return isinstance(v, _Path)
-
-
 def saved_shapes(path: str) -> dict[str, Any]:
     """The snapshot's state tree with a meta tensor of each tensor's global shape at its
     leaves: what a mismatch check reads, before any byte of the tensors is."""
     import torch
 
-    _, meta, skeleton = _open(path)
-    fqn = _fqn(meta)
+    _, meta, skeleton = open_checkpoint(path)
+    fqn = fqn_of(meta)
 
     def shape(ref: Any, _p: tuple[str, ...]) -> Any:
         md = meta.state_dict_metadata[fqn(ref.path)]
         return torch.empty(tuple(md.size), dtype=md.properties.dtype, device="meta")
 
-    state: dict[str, Any] = map_leaves(skeleton, _is_ref, shape)
+    state: dict[str, Any] = map_leaves(skeleton, is_ref, shape)
     return state
 
 
@@ -168,11 +130,8 @@ def load_resharded(path: str, target: Target) -> dict[str, Any]:
     each tensor read into `target(path, global shape, dtype, placements)`: a plain tensor of
     the global shape, or a DTensor over the caller's mesh, of which DCP reads only the part
     this rank holds."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.api import CheckpointException
-
-    reader, meta, skeleton = _open(path)
-    fqn = _fqn(meta)
+    reader, meta, skeleton = open_checkpoint(path)
+    fqn = fqn_of(meta)
     flat: dict[str, Any] = {}
 
     def fill(ref: Any, _p: tuple[str, ...]) -> Any:
@@ -182,11 +141,6 @@ def load_resharded(path: str, target: Target) -> dict[str, Any]:
                             getattr(ref, "placements", None))
         return flat[name]
 
-    state: dict[str, Any] = map_leaves(skeleton, _is_ref, fill)
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)
-            dcp.load(flat, storage_reader=reader, no_dist=True)
-    except CheckpointException as exc:  # a BaseException: the caller's `except` would miss it
-        raise OSError(_first_cause(exc)) from None
+    state: dict[str, Any] = map_leaves(skeleton, is_ref, fill)
+    read_checkpoint(reader, flat)
     return state

@@ -297,18 +297,26 @@ def prepare() -> None:
 
 def save_disk(state: Mapping[str, Any], path: str) -> None:
     """`state` as a DCP checkpoint in the (new, empty) directory `path`, plus the skeleton."""
+    write_checkpoint(path, dict(state), map_leaves(dict(state), _is_tensor,
+                                                    lambda _t, p: _Path(p)))
+
+
+def write_checkpoint(path: str, tree: dict[str, Any], skeleton: Any, planner: Any = None
+                     ) -> None:
+    """The skeleton (where each tensor sits in the tree) and `tree` as a DCP checkpoint, by
+    this one process, in the new, empty directory `path`; a failed write is WriteFailed with
+    its first cause (a full disk, say)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
-    skeleton = map_leaves(dict(state), _is_tensor, lambda _t, p: _Path(p))
     fd = os.open(os.path.join(path, SKELETON), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with open(fd, "wb") as f:
         pickle.dump(skeleton, f)
     try:
         with warnings.catch_warnings():  # "assuming the intent is to save in a single process"
             warnings.simplefilter("ignore", UserWarning)
-            dcp.save(dict(state), storage_writer=dcp.FileSystemWriter(path, sync_files=True),
-                     no_dist=True)
+            dcp.save(tree, storage_writer=dcp.FileSystemWriter(path, sync_files=True),
+                     planner=planner, no_dist=True)
     except CheckpointException as exc:
         raise WriteFailed(_first_cause(exc)) from None
 
@@ -331,19 +339,37 @@ def shm_free(path: str) -> int:
 def load_disk(path: str) -> dict[str, Any]:
     """The state tree of a disk snapshot (its checksums verified by the caller). Nothing in
     it is unpickled unless it is this user's own, and no one else's to write."""
-    why = unsafe(path)
-    if why is not None:
-        raise Unreadable(why)
     import torch
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    reader = dcp.FileSystemReader(path)
-    meta = reader.read_metadata()
-    by_path = {tuple(str(k) for k in p): fqn for fqn, p in (meta.planner_data or {}).items()}
+    reader, meta, skeleton = open_checkpoint(path)
     flat = {fqn: torch.empty(tuple(md.size), dtype=md.properties.dtype)
             for fqn, md in meta.state_dict_metadata.items()
             if isinstance(md, TensorStorageMetadata)}
+    read_checkpoint(reader, flat)
+    fqn = fqn_of(meta)
+    state: dict[str, Any] = map_leaves(skeleton, is_ref, lambda ref, _p: flat[fqn(ref.path)])
+    return state
+
+
+def open_checkpoint(path: str) -> tuple[Any, Any, Any]:
+    """(reader, metadata, skeleton) of a disk snapshot, refused before anything in it is
+    unpickled unless it is this user's own and no one else's to write."""
+    why = unsafe(path)
+    if why is not None:
+        raise Unreadable(why)
+    import torch.distributed.checkpoint as dcp
+
+    reader = dcp.FileSystemReader(path)
+    meta = reader.read_metadata()
+    with open(os.path.join(path, SKELETON), "rb") as f:
+        skeleton = pickle.load(f)  # noqa: S301 - this user's own (checked above), checksummed
+    return reader, meta, skeleton
+
+
+def read_checkpoint(reader: Any, flat: dict[str, Any]) -> None:
+    """Read the tensors named in `flat` (by DCP's fully qualified name) into them."""
+    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
     try:
@@ -352,11 +378,14 @@ def load_disk(path: str) -> dict[str, Any]:
             dcp.load(flat, storage_reader=reader, no_dist=True)
     except CheckpointException as exc:  # a BaseException: the caller's `except` would miss it
         raise OSError(_first_cause(exc)) from None
-    with open(os.path.join(path, SKELETON), "rb") as f:
-        skeleton = pickle.load(f)  # noqa: S301 - this user's own (checked above), checksummed
 
-    def fill(ref: _Path, _p: tuple[str, ...]) -> Any:
-        return flat[by_path.get(ref.path, ".".join(ref.path))]
 
-    state: dict[str, Any] = map_leaves(skeleton, lambda v: isinstance(v, _Path), fill)
-    return state
+def fqn_of(meta: Any) -> Callable[[tuple[str, ...]], str]:
+    """A skeleton path's name in the checkpoint's metadata."""
+    by_path = {tuple(str(k) for k in p): fqn for fqn, p in (meta.planner_data or {}).items()}
+    return lambda path: by_path.get(path, ".".join(path))
+
+
+def is_ref(v: Any) -> bool:
+    """A skeleton's leaf: where a tensor of the checkpoint goes."""
+    return isinstance(v, _Path)
