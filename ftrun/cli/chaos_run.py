@@ -45,12 +45,7 @@ class ChaosRun:
 
     @property
     def unsettled(self) -> int:
-        return sum(not settled(f) for f in self.faults)
-
-
-def settled(fault: Fault) -> bool:
-    """Recovered, or decided in a way that ends the job."""
-    return fault.recovered or fault.decision in ("fail", "restart-group")
+        return sum(not f.settled for f in self.faults)
 
 
 def run(info: control.RunInfo, spec: chaos.ChaosSpec, say: Say) -> ChaosRun:
@@ -119,10 +114,10 @@ def _wait_settled(info: control.RunInfo, first: int, mark: int,
     while True:
         faults = control.status(info).faults
         new = faults[mark:]
-        if (new or not expect_fault) and all(settled(f) for f in new):
+        if (new or not expect_fault) and all(f.settled for f in new):
             return faults[first:]
         if time.monotonic() >= deadline:
-            what = (f"{sum(not settled(f) for f in new)} fault(s) not recovered" if new
+            what = (f"{sum(not f.settled for f in new)} fault(s) not recovered" if new
                     else "the drill made no fault")
             raise FtrunError(f"chaos stopped: {what} after {SETTLE_WAIT_S:g} s",
                              hint="see `ftrun status` and the run's events.jsonl")

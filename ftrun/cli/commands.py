@@ -165,7 +165,7 @@ def inject_fault(
     faults, ended = _wait_for_recoveries(info, before, count)
     render.print_drill(faults)
     if ended:
-        settled = sum(1 for f in faults if _settled(f))
+        settled = sum(1 for f in faults if f.settled)
         raise control.JobGone(f"job {info.run_id[:8]} ended before the drill completed "
                               f"({settled}/{count} faults settled)",
                               hint="see its log directory for why")
@@ -228,15 +228,10 @@ def _wait_for_recoveries(info: control.RunInfo, before: int,
         except FtrunError:
             pass  # busy or shutting down: the next try tells which
         else:
-            if len(faults) >= count and all(_settled(f) for f in faults):
+            if len(faults) >= count and all(f.settled for f in faults):
                 return faults, False
         time.sleep(0.2)
     return faults, False
-
-
-def _settled(fault: Fault) -> bool:
-    """Recovered, or decided in a way that ends the job (a drill can: that is the report)."""
-    return fault.recovered or fault.decision in ("fail", "restart-group")
 
 
 def xid_is_benign(xid: int | None) -> bool:

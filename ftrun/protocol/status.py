@@ -81,6 +81,11 @@ class Fault(Record):
     redone_samples: int | None = None  # --redo: samples recomputed (-1: not known)
     redone_fraction: float | None = None  # ...as a fraction of the step's global batch
 
+    @property
+    def settled(self) -> bool:
+        """Recovered, or decided in a way that ends the job (a drill can: that is the report)."""
+        return self.recovered or self.decision in ("fail", "restart-group")
+
 
 @dataclass(frozen=True)
 class Summary(Record):
