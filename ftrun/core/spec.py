@@ -211,6 +211,13 @@ class WorkerEnv:
         return {_env_name(f.name): _to_str(getattr(self, f.name)) for f in fields(self)
                 if f.name not in _OMITTED_AT_DEFAULT or getattr(self, f.name) != f.default}
 
+    @staticmethod
+    def recovers_in_process(env: Mapping[str, str] | None = None) -> bool:
+        """This process is a worker of an ftrun agent that recovers in-process (not
+        torchrun, not python alone, not `--on-fault restart`)."""
+        env = os.environ if env is None else env
+        return env.get(_env_name("ft_mode")) == "inprocess" and _env_name("worker_id") in env
+
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> WorkerEnv:
         env = os.environ if env is None else env

@@ -11,17 +11,18 @@ Must not import: any framework (Lightning, transformers), typer, rich, NVML, the
 
 from __future__ import annotations
 
-import os
 import sys
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
+
+from ftrun.core.spec import WorkerEnv
 
 T = TypeVar("T")
 
 
 def under_ftrun() -> bool:
     """Run by an ftrun agent with in-process recovery (the condition `ftrun.init()` uses)."""
-    return os.environ.get("FTRUN_FT_MODE") == "inprocess" and "FTRUN_WORKER_ID" in os.environ
+    return WorkerEnv.recovers_in_process()
 
 
 class HealedAhead(RuntimeError):

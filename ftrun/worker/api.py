@@ -48,7 +48,7 @@ def init(backend: str | None = None, seed: int = 0) -> FaultTolerant:
     import torch
 
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
-    if os.environ.get("FTRUN_FT_MODE") == "inprocess" and "FTRUN_WORKER_ID" in os.environ:
+    if WorkerEnv.recovers_in_process():
         return FaultTolerant(backend, seed, WorkerEnv.from_env())
     return FaultTolerant(backend, seed, None)
 
