@@ -261,6 +261,8 @@ class Recovery:
             self.membership.move(wid, R.STARTING_SPARE)
 
     def _grow_if_ready(self, node: int) -> None:
+        if self.groups.spanning:  # a group spanning nodes enters whole, whatever the node
+            return self.groups.grow_ready()
         if any(node_of(w) == node for w in self.membership.with_role(R.JOINING)):
             return  # the rest of its node is still starting
         batch = tuple(w for w in self.membership.with_role(R.READY) if node_of(w) == node)
@@ -281,12 +283,16 @@ class Recovery:
         if not lost_members:
             return None
         self.faults += 1
-        d: FaultDecision = decide_node_loss(self._snapshot(nodes_left=nodes_left), label,
-                                            lost_members)
+        snap = self._snapshot(nodes_left=nodes_left)
+        d: FaultDecision = self.groups.decide_node_loss(snap, label, lost_members) \
+            if self.groups.spanning else decide_node_loss(snap, label, lost_members)
         now = time.time()
         self._emit_fault({"worker": lost_members[0], "rank": live.index(lost_members[0]),
                           "why": f"{label} lost", "decision": d.action.value,
                           "reason": d.reason, "detected_at": now, "node": node})
+        if self.groups.spanning and d.action is FaultAction.SHRINK:
+            self.groups.act_on_node_loss(d, min(last_seen, now))
+            return None
         if d.action in (FaultAction.SHRINK, FaultAction.REPLACE):
             # spares that take a rank leave the pool for good: the lost node's devices are
             # gone, so there is none to start a new spare on

@@ -6,10 +6,13 @@ a member of a sharded job (publish without the lost group, stop the rest of it, 
 others' first commit call a ready spare group in or start a fresh group), starting spare
 groups (S workers whose group is named in the store, under `spare_group_key`, before they
 need it, so they shard their model while they wait) and replacing one whose member died, and
-the back-in-service notice. Past training (a group lost in its post-training code) no commit
-will come to call the replacement in: it enters as soon as it is ready, owing the lost
-group's post-training work (`ScriptEnds`). It publishes and starts workers through the
-`Generations` and `Respawns` it is handed, the same ones `Recovery` uses.
+the back-in-service notice; with groups that span nodes, a lost node (its groups out, their
+ranks on other nodes stopped and started again after the others' first commit), which ready
+workers enter together as whole groups, and when a joining node waits. Past training (a
+group lost in its post-training code) no commit will come to call the replacement in: it
+enters as soon as it is ready, owing the lost group's post-training work (`ScriptEnds`). It
+publishes and starts workers through the `Generations` and `Respawns` it is handed, the same
+ones `Recovery` uses.
 Must not import: typer, rich, the CLI, the worker library, the agent's node.
 """
 
@@ -23,7 +26,11 @@ from ftrun.agent.script_ends import ScriptEnds
 from ftrun.core.events import Event
 from ftrun.core.membership import Membership, WorkerRole
 from ftrun.core.policy import FaultDecision, Snapshot
-from ftrun.core.replica_groups import decide_group_fault
+from ftrun.core.replica_groups import (
+    decide_group_fault,
+    decide_group_node_loss,
+    entering_groups,
+)
 from ftrun.core.spec import RunSpec
 from ftrun.protocol.rendezvous import Recovered, node_of, spare_group_key
 
@@ -50,6 +57,11 @@ class ReplicaGroups:
         # (node, local rank) of a lost group's members, restarted after the others' commit
         self.joiners_to_start: list[tuple[int, int]] = []
 
+    @property
+    def spanning(self) -> bool:
+        """A group spans nodes (--shard-size a multiple of the workers per node)."""
+        return self.spec.shard_size > self.spec.nproc
+
     # ------------------------------------------------------------ a member lost
     def decide(self, snap: Snapshot, lost: int, why: str, loop: int
                             ) -> FaultDecision:
@@ -71,6 +83,40 @@ class ReplicaGroups:
             self.joiners_to_start += [self._place_of(m) for m in (lost, *d.evicted)]
         for m in d.evicted:  # its group cannot step without it: stop them now
             self.port.kill_worker(m)
+
+    def decide_node_loss(self, snap: Snapshot, label: str, lost: tuple[int, ...]
+                         ) -> FaultDecision:
+        return decide_group_node_loss(snap, label, lost, self.spec.shard_size)
+
+    def act_on_node_loss(self, d: FaultDecision, fault_at: float) -> None:
+        """SHRINK: publish without the lost node's groups and stop their ranks on the other
+        nodes; those ranks start again after the others' first commit, and enter with the
+        workers of a node that joins for the lost ones (`grow_ready`)."""
+        self.gens.publish(d.members, d.reason, True, fault_at)
+        if self.out_since is None:
+            self.out_since = fault_at
+        if d.regrow:
+            self.joiners_to_start += [self._place_of(m) for m in d.evicted]
+        for m in d.evicted:
+            self.port.kill_worker(m)
+
+    def grow_ready(self) -> None:
+        """Groups that span nodes: ready workers enter once they make whole groups."""
+        batch = entering_groups(self.membership.with_role(R.READY),
+                                len(self.membership.with_role(R.JOINING)), self.spec.shard_size)
+        if batch:
+            self.gens.grow(batch)
+
+    def node_waits(self, first_size: int) -> str | None:
+        """Groups that span nodes have no spare workers: a node joining the running job
+        waits while the members, the workers starting and those owed a start already make
+        the first world size (`first_size`); None: it may enter."""
+        ms = self.membership
+        coming = len(ms.members) + len(ms.with_role(R.JOINING, R.READY)) + len(
+            self.joiners_to_start)
+        if not self.spanning or coming < first_size:
+            return None
+        return "the replica groups are whole (they span nodes); it enters when a node is lost"
 
     def lost_late(self, d: FaultDecision, lost: int, live: tuple[int, ...],
                          why: str) -> None:
@@ -157,7 +203,7 @@ class ReplicaGroups:
     def back_in_service(self, req: Recovered) -> None:
         """Replica groups out since a fault are all back: the job's first commit at full
         strength, timed from that fault."""
-        full = len(self.membership.live()) >= self.spec.nproc * self.spec.nnodes_min
+        full = len(self.membership.live()) >= len(self.port.initial_members())
         if self.out_since is None or not full or req.fault_at:
             return
         ms = (req.first_commit - self.out_since) * 1000

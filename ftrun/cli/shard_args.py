@@ -1,8 +1,10 @@
 """The sharding option: --shard-size, checked before anything starts.
 
 Owns: turning --shard-size into the `RunSpec` field, with a one-line error for each value or
-combination ftrun cannot run (replica groups must tile every node's workers). With it,
---spares counts hot spare groups of SIZE workers.
+combination ftrun cannot run. Replica groups tile the workers: SIZE divides the workers per
+node (a group inside one node; --spares counts hot spare groups of SIZE workers), or SIZE is
+a multiple of them (a group spans SIZE / nproc whole nodes: --nnodes counts whole groups, and
+spare groups and snapshots are refused).
 Must not import: torch, typer, rich, the agent.
 """
 
@@ -16,17 +18,40 @@ from ftrun.core.errors import UsageError
 
 
 def shard_fields(ns: argparse.Namespace, nproc: int, snapshots: bool) -> dict[str, Any]:
-    """`snapshots` is kept for the callers: snapshots of sharded state are taken shard by
-    shard (docs/sharded.md), nothing about them is refused here any more."""
+    """`snapshots`: --snapshot-every, --snapshot-interval or --resume asked for (taken shard
+    by shard inside one node, docs/sharded.md; refused for groups that span nodes)."""
     size = int_value(ns.shard_size, "--shard-size", minimum=1)
     if size == 1:
         return {"shard_size": 1}
-    if nproc % size:
-        raise UsageError(f"--shard-size {size} does not divide --nproc-per-node {nproc}",
-                         hint="replica groups are SIZE consecutive ranks of one node: pick a "
-                              "divisor of the workers per node")
+    if nproc % size and size % nproc:
+        divisors = ", ".join(str(d) for d in range(2, nproc + 1) if nproc % d == 0)
+        inside = f"a divisor ({divisors}: a group inside one node) or " if divisors else ""
+        raise UsageError(f"--shard-size {size} does not divide --nproc-per-node {nproc}, nor "
+                         f"is it a multiple of it",
+                         hint=f"pick {inside}a multiple ({2 * nproc}, {3 * nproc}, ...: a "
+                              f"group spanning whole nodes)")
     if ns.on_fault == "restart":
         raise UsageError("--shard-size needs in-process recovery, not --on-fault restart",
                          hint="drop --on-fault restart (a broken replica group is dropped, "
                               "then rejoins)")
+    if size > nproc:
+        _check_spanning(ns, size, size // nproc, snapshots)
     return {"shard_size": size}
+
+
+def _check_spanning(ns: argparse.Namespace, size: int, span: int, snapshots: bool) -> None:
+    """A group of `size` ranks spans `span` whole nodes."""
+    what = f"--shard-size {size} spans {span} nodes"
+    nnodes = [int_value(n, "--nnodes", minimum=1) for n in str(ns.nnodes).split(":")]
+    if any(n % span for n in nnodes):
+        raise UsageError(f"{what}: --nnodes {ns.nnodes} does not count whole replica groups",
+                         hint=f"pick node counts that are multiples of {span} (e.g. --nnodes "
+                              f"{span}:{2 * span})")
+    if int_value(ns.spares, "--spares", minimum=0):
+        raise UsageError(f"{what}: --spares (spare groups inside one node) cannot serve it",
+                         hint="drop --spares; start a spare node instead (it waits, and "
+                              "enters when a node is lost)")
+    if snapshots:
+        raise UsageError(f"{what}: snapshots and --resume take groups inside one node",
+                         hint="drop --snapshot-every/--snapshot-interval/--resume, or pick "
+                              "a --shard-size that divides --nproc-per-node")

@@ -130,6 +130,8 @@ class Coordinating:
         self._gather_nodes()
         # in join order, up to --nnodes MAX; the rest wait for room (a node lost)
         order = sorted(self._alive(), key=lambda n: n.index)[:self.spec.nnodes_max - 1]
+        span = max(1, self.spec.shard_size // self.spec.nproc)  # nodes a replica group spans
+        order = order[:len(order) - (1 + len(order)) % span]  # whole groups; the rest wait
         host = self.host
         host.group_world_size = 1 + len(order)
         host.world_size = self.spec.nproc + sum(n.nproc for n in order)
@@ -248,7 +250,8 @@ class Coordinating:
         for node in sorted((n for n in self._alive() if not n.in_attempt),
                            key=lambda n: n.index):
             why = why_wait(1 + sum(n.in_attempt for n in self._alive()), self.spec.nnodes_max,
-                           rec is not None, rec is not None and rec.uses_api)
+                           rec is not None, rec is not None and rec.uses_api) or (
+                rec.groups.node_waits(len(self.members)) if rec is not None else None)
             if why is not None:
                 if self._waiting.news(node.index, why):
                     self.host.emit(Event.NOTICE, {"text": f"{node.label} waits: {why}"})

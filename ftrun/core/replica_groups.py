@@ -6,7 +6,10 @@ the rows `ftrun status` shows for them, and `decide_group_fault`: a lost member 
 whole group out at once, since no rank of it can step without the lost shard, so the other
 groups go on without waiting (smaller on the replicate dimension), and a fresh group is
 started to rejoin and heal shard by shard, unless no complete, healed group is left (a total
-loss) or a budget says stop.
+loss) or a budget says stop. Groups that span nodes (`--shard-size` a multiple of the workers
+per node): `decide_group_node_loss`, a lost node takes every group it held a rank of out at
+once (their ranks on other nodes are stopped, to come back as a fresh group with a new node's
+workers), and `entering_groups`, which ready workers enter together as whole groups.
 Pure: no I/O, no clock.
 Must not import: anything but the standard library, `ftrun.core.policy` and
 `ftrun.core.membership`.
@@ -74,6 +77,52 @@ def decide_group_fault(s: Snapshot, lost: int, why: str, shard_size: int,
         FaultAction.SHRINK,
         f"{head}; replica group {index} out ({stopped}), continuing with {groups} of "
         f"{shard_size}; {then}", survivors, regrow=regrow, evicted=evicted)
+
+
+def decide_group_node_loss(s: Snapshot, node: str, lost: tuple[int, ...], shard_size: int,
+                           ) -> FaultDecision:
+    """A whole node is gone and replica groups span nodes: every group that held one of its
+    members is out at once (`evicted`: those groups' members on other nodes, stopped), the
+    other groups go on without waiting, smaller on the replicate dimension. A fresh group
+    comes back (`regrow`) once the evicted ranks are started again and a node joins for the
+    lost ones; unless no complete, healed group is left (a total loss), the nodes left are
+    below --nnodes MIN, or a budget says stop."""
+    groups = replica_groups(s.members, shard_size)
+    out = [i for i, g in enumerate(groups) if set(g) & set(lost)]
+    broken = {m for i in out for m in groups[i]}
+    survivors = tuple(m for m in s.members if m not in broken)
+    evicted = tuple(m for m in s.members if m in broken and m not in lost)
+    gone = len(s.members) - len(survivors) - len(evicted)
+    head = f"{node} lost with {gone} member{_s(gone)}"
+    if s.over_budget:
+        return _give_up(f"{head}; fault budget exhausted ({s.max_faults}, --max-faults)", s)
+    if s.nodes_left < s.min_nodes:
+        return _give_up(f"{head}; {s.nodes_left} node{_s(s.nodes_left)} left is below "
+                        f"--nnodes minimum {s.min_nodes}", s)
+    healthy = [g for g in replica_groups(survivors, shard_size)
+               if len(g) == shard_size and not set(g) & s.unhealed]
+    named = ", ".join(map(str, out))
+    head = f"{head}; replica group{_s(len(out))} {named} out"
+    if not healthy:
+        return _total_loss(f"{head}, no other replica group holds the model", s)
+    if len(survivors) < s.min_nproc:
+        return _give_up(f"{head}; {len(survivors)} left is below --min-nproc {s.min_nproc}", s)
+    left = len(survivors) // shard_size
+    stopped = f"{len(evicted)} rank{_s(len(evicted))} on other nodes stopped"
+    return FaultDecision(
+        FaultAction.SHRINK, f"{head} ({stopped}), continuing with {left} group{_s(left)} of "
+        f"{shard_size}; a fresh group heals and rejoins once a node joins for the lost ranks",
+        survivors, regrow=True, evicted=evicted)
+
+
+def entering_groups(ready: list[int], joining: int, shard_size: int) -> tuple[int, ...]:
+    """Groups that span nodes: the ready workers (said hello, not members yet) that enter
+    now, as whole groups in worker-id order (node by node, as ranks are assigned); none
+    while `joining` workers are still starting, since they may complete a group."""
+    if joining:
+        return ()
+    ordered = sorted(ready)
+    return tuple(ordered[:len(ordered) - len(ordered) % shard_size])
 
 
 def group_rows(ms: Membership, shard_size: int) -> list[dict[str, Any]]:

@@ -3,7 +3,8 @@ are, and when a set of shards is complete. Shared by the agent (which writes the
 complete set to disk) and the worker (which fills its shard's slot and resumes from a set).
 
 Owns: the choice of the group that snapshots on a node (the node's first full replica group
-in rank order: every one of its ranks copies its own local shards), the per-shard slot
+in rank order: every one of its ranks copies its own local shards; groups that span nodes
+have none, and the CLI refuses snapshots for them), the per-shard slot
 directories (`<slots>/shard<k>/slot<i>.bin|json`, each shard's two slots as in
 protocol/snapshots.py), a complete set (every shard of one step published; a set missing a
 shard, one whose writer died mid-copy, is never used), and the due marker that makes every
