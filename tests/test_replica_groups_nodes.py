@@ -182,3 +182,29 @@ def test_the_first_attempt_takes_whole_groups_and_a_node_left_over_waits(
     assert job.coord.tick() is None and job.sent(2) == []
     assert job.node.notices()[-1] == ("node 2 (h2) waits: the replica groups are whole (they "
                                       "span nodes); it enters when a node is lost")
+
+
+def test_without_a_node_the_stopped_ranks_wait_and_start_when_one_enters(
+        make: Callable[..., Job]) -> None:  # noqa: F811
+    job = make(nproc=2, shard_size=4, nnodes_min=2, nnodes_max=4)
+    job.start(1, 2, 3)
+    rec = job.recovery()
+    for n in (1, 2, 3):
+        job.sent(n)
+    job.report(Left(node=1, reason="received SIGKILL"))  # group 0: the coordinator's node's
+    job.coord.remote_exits()
+    assert job.coord.tick() is None
+    assert generation(job.worker_store).members == (20_000, 20_001, 30_000, 30_001)
+    assert job.node.workers.signals == [(0, 9), (1, 9)]  # its ranks here were stopped
+    job.node.workers.reap()
+    recovered(rec, 20_000, fault_at=1000.0)
+    assert job.node.workers.all[2:] == []  # no node for the lost ranks: nothing started yet
+    assert rec.membership.with_role(R.JOINING) == []
+    job.report(join(4))  # a node joins later: it enters, and the stopped ranks start at once
+    job.coord.remote_exits()
+    assert job.coord.tick() is None
+    assert [w.worker_id for w in job.node.workers.all[2:]] == [2, 3]
+    assert rec.membership.with_role(R.JOINING) == [40_000, 40_001, 2, 3]
+    hello(job, 2, 3, 40_000, 40_001)
+    assert generation(job.worker_store).members == (20_000, 20_001, 30_000, 30_001, 2, 3,
+                                                    40_000, 40_001)

@@ -254,6 +254,7 @@ class Recovery:
         """A node joined a running job: its workers enter together once each said hello."""
         for wid in wids:
             self.membership.move(wid, R.JOINING)
+        self.groups.node_entered()  # groups spanning nodes: their stopped ranks meet it
 
     def add_spares(self, wids: list[int]) -> None:
         """A node joined a job already at its size: its workers wait as spares once ready."""

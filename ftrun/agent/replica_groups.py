@@ -56,6 +56,10 @@ class ReplicaGroups:
         self._calling_in: list[tuple[int, ...]] = []  # spare groups to enter after a commit
         # (node, local rank) of a lost group's members, restarted after the others' commit
         self.joiners_to_start: list[tuple[int, int]] = []
+        # groups that span nodes: (node, local rank) of ranks stopped with a lost node's
+        # groups, started again once a node enters for the lost ranks
+        self.partners: list[tuple[int, int]] = []
+        self._committed = True  # the live groups committed since the last node loss
 
     @property
     def spanning(self) -> bool:
@@ -90,15 +94,28 @@ class ReplicaGroups:
 
     def act_on_node_loss(self, d: FaultDecision, fault_at: float) -> None:
         """SHRINK: publish without the lost node's groups and stop their ranks on the other
-        nodes; those ranks start again after the others' first commit, and enter with the
-        workers of a node that joins for the lost ones (`grow_ready`)."""
+        nodes; those ranks start again once a node enters for the lost ones (`node_entered`),
+        and enter with its workers as whole groups (`grow_ready`)."""
         self.gens.publish(d.members, d.reason, True, fault_at)
         if self.out_since is None:
             self.out_since = fault_at
+        self._committed = False
         if d.regrow:
-            self.joiners_to_start += [self._place_of(m) for m in d.evicted]
+            self.partners += [self._place_of(m) for m in d.evicted]
         for m in d.evicted:
             self.port.kill_worker(m)
+
+    def node_entered(self) -> None:
+        """A node entered the running job: the stopped ranks start again to meet its workers
+        (after the live groups' first commit, if it has not come yet); started earlier they
+        would wait for it past their first generation's timeout."""
+        partners, self.partners = self.partners, []
+        if not self._committed:
+            self.joiners_to_start += partners
+            return
+        for node, local_rank in partners:
+            if node in self.port.live_nodes():
+                self.gens.spawn(node, local_rank, R.JOINING)
 
     def grow_ready(self) -> None:
         """Groups that span nodes: ready workers enter once they make whole groups."""
@@ -113,7 +130,7 @@ class ReplicaGroups:
         the first world size (`first_size`); None: it may enter."""
         ms = self.membership
         coming = len(ms.members) + len(ms.with_role(R.JOINING, R.READY)) + len(
-            self.joiners_to_start)
+            self.joiners_to_start) + len(self.partners)
         if not self.spanning or coming < first_size:
             return None
         return "the replica groups are whole (they span nodes); it enters when a node is lost"
@@ -142,6 +159,9 @@ class ReplicaGroups:
             if self._all_ready(group):
                 self.gens.grow(group)
         self._refill()
+        self._committed = True
+        live = self.port.live_nodes()
+        self.joiners_to_start = [p for p in self.joiners_to_start if p[0] in live]
 
     def _ready_spare_group(self, node: int) -> tuple[int, ...]:
         """The oldest spare group whose every member is ready, on `node` first."""
