@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import glob
 import json
 import os
 import signal
@@ -88,7 +89,9 @@ def measure(kind: str, a: argparse.Namespace) -> dict[str, float | str]:
                                                                env.get("PYTHONPATH")]))
         procs = []
         for i in range(a.nodes):
-            node_env = {**env, "FTRUN_RUN_DIR": os.path.join(out, f"run{i}")}
+            node_env = {**env, "FTRUN_RUN_DIR": os.path.join(out, f"run{i}"),
+                        "TMPDIR": os.path.join(out, f"tmp{i}")}  # its logs, events.jsonl
+            os.makedirs(node_env["TMPDIR"])
             log = open(os.path.join(out, f"launcher{i}.log"), "w")  # noqa: SIM115
             procs.append(subprocess.Popen(launcher(kind, a, port, out), env=node_env,
                                           stdout=log, stderr=subprocess.STDOUT,
@@ -168,7 +171,8 @@ def _observe(kind: str, a: argparse.Namespace, out: str,
             first = min(after, key=lambda e: e["t"])
             return {"recovery_s": first["t"] - killed_at,
                     "lost_steps": float(_lost_steps(steps, after, before, world)),
-                    **(watch.figures() if watch else {})}
+                    **(watch.figures() if watch else {}),
+                    **({"lease": _lease_notices(out)} if watch else {})}
         if watch:
             watch.poll()
         if all(p.poll() is not None for p in survivors):
@@ -176,6 +180,22 @@ def _observe(kind: str, a: argparse.Namespace, out: str,
                              f"{time.time() - killed_at:.1f} s after the kill"}
         time.sleep(0.05)
     return {"error": f"no recovery within {a.timeout:.0f} s of the kill"}
+
+
+def _lease_notices(out: str) -> str:
+    """What the survivors did about the dead coordinator's etcd lease (revoked, or left to
+    lapse, and why): the difference between a fast and a slow succession."""
+    texts = []
+    for log in glob.glob(os.path.join(out, "tmp*", "**", "events.jsonl"), recursive=True):
+        with open(log) as f:
+            for line in f:
+                with contextlib.suppress(ValueError):
+                    event = json.loads(line)
+                    if event.get("event") == "notice":
+                        texts.append(str(event.get("text", "")))
+    head = "the coordinator's store at "
+    return "; ".join(sorted({t[len(head):].split(" ", 1)[-1] for t in texts
+                             if t.startswith(head)})) or "none"
 
 
 def _lost_steps(steps: list[dict[str, float]], after: list[dict[str, float]],
@@ -233,8 +253,11 @@ def coordinator_report(a: argparse.Namespace) -> None:
 
     with EtcdLab(v2=True) as lab:
         a.etcd = lab.endpoints
-        a.rdzv_id = "bench"
-        ft = measure("ftrun", a)
+        runs = []
+        for rep in range(a.reps):
+            a.rdzv_id = f"bench{rep}"
+            runs.append(measure("ftrun", a))
+        ft = runs[-1]
         a.etcd, a.etcd_v2, a.rdzv_id = "", lab.endpoint(0), "bench-v2"
         tr = measure("torchrun", a) if _python_etcd(a.pyetcd) else {
             "error": "not run: torchrun's etcd-v2 backend needs python-etcd (pip install "
@@ -244,12 +267,14 @@ def coordinator_report(a: argparse.Namespace) -> None:
     print(f"{a.nodes} nodes x {a.nproc} workers (+{a.spares} spare) on loopback, gloo, ~10 "
           f"M-param MLP; the coordinator's launcher and workers SIGKILLed after step "
           f"{a.kill_after}")
-    if "error" in ft:
-        print(f"etcd    : {ft['error']}")
-    else:
-        print(f"etcd    : new leader {ft['leader_s']:.3f} s, generation written "
-              f"{ft['generation_s']:.3f} s, first commit {ft['recovery_s']:.3f} s after the "
-              f"kill; committed steps lost {ft['lost_steps']:.0f}")
+    for run in runs:
+        if "error" in run:
+            print(f"etcd    : {run['error']}")
+        else:
+            print(f"etcd    : new leader {run['leader_s']:.3f} s, generation written "
+                  f"{run['generation_s']:.3f} s, first commit {run['recovery_s']:.3f} s after "
+                  f"the kill; committed steps lost {run['lost_steps']:.0f}; the old lease: "
+                  f"{run['lease']}")
     print(f"c10d    : {c10d.get('error') or 'recovered (unexpected)'}")
     if "error" in tr:
         print(f"torchrun etcd-v2: {tr['error']}")
@@ -290,6 +315,8 @@ def main() -> None:
     ap.add_argument("--coordinator", action="store_true",
                     help="kill the coordinator's node (etcd, and c10d beside it)")
     ap.add_argument("--spares", type=int, default=0, help="ftrun --spares per node")
+    ap.add_argument("--reps", type=int, default=1,
+                    help="--coordinator: the etcd kill this many times (c10d's once)")
     ap.add_argument("--pyetcd", default="", metavar="DIR",
                     help="--coordinator: a PYTHONPATH directory holding python-etcd, for "
                          "torchrun's etcd-v2 backend beside ftrun's")

@@ -198,19 +198,27 @@ class EtcdPlane:
             return None
         return Endpoint(str(doc["host"]), int(doc["port"]))
 
-    def revoke_leader_of(self, ep: Endpoint) -> bool:
+    def revoke_leader_of(self, ep: Endpoint) -> str:
         """The leader that published `ep` is gone (its port refuses connections: its process
         died, its host answers): end its lease now rather than wait for it to lapse. Never
-        another leader's: only the one whose published store is `ep`. True if revoked."""
+        another leader's: only the one whose published store is `ep`. Returns what was done."""
+        from ftrun.adapters.etcd import EtcdError
+
         leader = self.election.leader()
         kv = self.client.get(self.conf.prefix + STORE_KEY)
-        if leader is None or kv is None or leader.key == self.election.key:
-            return False
+        if leader is None or kv is None:
+            return "no leader holds office, nothing to revoke"
         doc = json.loads(kv.value or b"{}")
-        if doc.get("leader") != leader.key or Endpoint(str(doc["host"]), int(doc["port"])) != ep:
-            return False
-        self.client.request("lease/revoke", {"ID": leader.lease})
-        return True
+        if (leader.key == self.election.key or doc.get("leader") != leader.key
+                or Endpoint(str(doc["host"]), int(doc["port"])) != ep):
+            return "another agent leads already, nothing to revoke"
+        try:
+            self.client.request("lease/revoke", {"ID": leader.lease})
+        except EtcdError as exc:
+            if "lease not found" not in exc.message:
+                raise
+            return "its lease has ended already (another survivor revoked it)"
+        return "its lease is revoked"
 
     def deposed(self) -> str | None:
         """Lapsed for a while (not at the first unanswered refresh: while etcd elects a

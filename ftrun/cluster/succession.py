@@ -82,16 +82,36 @@ def _end_a_dead_leaders_lease(host: NodeHost, plane: EtcdPlane, old: Endpoint) -
     """A refused connection means the coordinator's process is gone while its host answers
     (a crash, a kill): nobody is left to hold its lease, so it is revoked at once and the
     election goes on without waiting out the TTL. A silent host (or a cut link) is not
-    proven dead: its lease lapses on its own."""
-    failed = reach(old, timeouts.CONNECT_TRY_S)
+    proven dead: its lease lapses on its own. Every outcome is a notice: which of the two
+    a succession took explains its time."""
+    failed = probe_refusal(old)
     if failed is None or failed.errno != errno.ECONNREFUSED:
+        how = "accepts connections" if failed is None else f"does not answer ({failed})"
+        host.emit(Event.NOTICE, {"text": f"the coordinator's store at {old} {how}: its etcd "
+                                         "lease is left to lapse"})
         return
     try:
-        if plane.revoke_leader_of(old):
-            host.emit(Event.NOTICE, {"text": f"the coordinator's store at {old} refuses "
-                                             "connections: its lease is revoked"})
-    except FtrunError:
-        pass  # etcd busy or away: the lease lapses on its own
+        outcome = plane.revoke_leader_of(old)
+    except FtrunError as exc:  # etcd busy or away: the lease lapses on its own
+        host.emit(Event.NOTICE, {"text": f"the coordinator's store at {old} refuses "
+                                         f"connections; revoking its lease failed: {exc.message}"})
+        return
+    host.emit(Event.NOTICE, {"text": f"the coordinator's store at {old} refuses connections: "
+                                     f"{outcome}"})
+
+
+def probe_refusal(old: Endpoint) -> OSError | None:
+    """The first refusal at `old` within DEAD_STORE_PROBE_S, else the last probe's outcome
+    (None: it accepted every probe). A dying process's listening socket may outlive its
+    connections by a moment, so one accepted probe does not prove it alive."""
+    deadline = time.monotonic() + timeouts.DEAD_STORE_PROBE_S
+    while True:
+        failed = reach(old, timeouts.CONNECT_TRY_S)
+        if failed is not None and failed.errno == errno.ECONNREFUSED:
+            return failed
+        if failed is not None or time.monotonic() >= deadline:
+            return failed  # silent (a timeout, unreachable), or alive all along
+        time.sleep(timeouts.DEAD_STORE_PROBE_GAP_S)
 
 
 def running(host: NodeHost) -> str:

@@ -65,6 +65,10 @@ ETCD_OUTAGE_FOLLOWER_GRACE_S = 3.0  # ...and a follower this much longer: the co
 ETCD_SUCCESSION_S = 10.0  # the coordinator gone: a new one elected and its store found
 ETCD_REJOIN_WAIT_S = 5.0  # a new coordinator waits this long for the survivors' nodes
 ETCD_CAMPAIGN_TRY_S = 0.2  # one try for the leadership during a succession (then: who leads?)
+DEAD_STORE_PROBE_S = 0.5  # the lost coordinator's store port probed this long for a refusal (a
+# killed process closes its connections before its listening socket: a first probe may still
+# be accepted by the dying process's backlog)
+DEAD_STORE_PROBE_GAP_S = 0.05  # ...a probe this often
 ETCD_FIRST_CAMPAIGN_S = 0.3  # an agent starting: leads at once (first in line), else follows
 ETCD_HEALTH_EVERY_S = 5.0  # `ftrun status` asks each etcd member's health at most this often
 
