@@ -11,6 +11,7 @@ import sys
 import time
 import uuid
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 from conftest import FIXTURES, wait_for
@@ -196,7 +197,7 @@ def test_watch_delivers_every_change_in_order_across_a_member_loss(
         etcd_cluster.kill(etcd_cluster.endpoints.split(",").index(serving))
         for i in range(20, 30):
             client.put(f"{prefix}k{i:02d}", str(i))
-        seen = []
+        seen: list[Any] = []
         while len(seen) < 31:
             event = watch.get(timeout=30)
             assert event is not None, f"{len(seen)} events came, then none ({watch.broken})"
@@ -248,11 +249,35 @@ def _free_port() -> int:
 
 
 def test_no_member_process_outlives_the_lab() -> None:
-    if unavailable():
-        pytest.skip(unavailable())
+    if (why := unavailable()) is not None:
+        pytest.skip(why)
     lab = EtcdLab(1).start()
     pids = [p.pid for p in lab.procs if p is not None]
     lab.close()
     for pid in pids:
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
+
+
+def test_a_frozen_member_never_holds_the_coordinators_status(etcd_cluster: EtcdLab,
+                                                             prefix: str) -> None:
+    """The members' health (in `ftrun status`) is asked from a thread of the plane's own: a
+    frozen member costs its timeout there, while the coordinator's loop, which publishes the
+    status and decides faults, gets the last answer at once."""
+    from ftrun.cluster.plane import EtcdPlane
+
+    conf = EtcdConf.parse(tuple(etcd_cluster.endpoints.split(",")), {}, prefix.strip("/"))
+    plane = EtcdPlane(conf, "health-probe", "127.0.0.1")
+    frozen = etcd_cluster.procs[2]
+    assert frozen is not None
+    os.killpg(frozen.pid, signal.SIGSTOP)
+    try:
+        assert plane.describe()["members"] == []  # asked, not answered yet: no wait here
+        rows = wait_for(lambda: plane.describe()["members"], 15, "the members' health")
+        assert isinstance(rows, list)
+        assert [r["up"] for r in rows] == [True, True, False]
+        assert rows[2]["endpoint"] == etcd_cluster.endpoint(2) and rows[2]["error"]
+    finally:
+        os.killpg(frozen.pid, signal.SIGCONT)
+        plane.close()
+        ensure_all_up(etcd_cluster)

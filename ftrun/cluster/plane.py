@@ -13,10 +13,12 @@ Must not import: the agent's node, typer, rich, the CLI, the worker library.
 from __future__ import annotations
 
 import json
+import math
 import os
 import socket
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Protocol
 
 from ftrun.adapters.etcd_conf import EtcdConf
@@ -110,7 +112,9 @@ class EtcdPlane:
         self.index: int | None = None  # this agent's node, once it joined the job
         self.deposed_after_s = conf.outage_timeout
         self._lapsed_at: float | None = None
-        self._health: tuple[float, list[dict[str, Any]]] = (0.0, [])
+        self._health: tuple[float, list[dict[str, Any]]] = (-math.inf, [])
+        self._health_pool = ThreadPoolExecutor(1, thread_name_prefix="etcd-health")
+        self._health_asked: Future[tuple[float, list[dict[str, Any]]]] | None = None
 
     def lead(self, timeout: float) -> bool:
         """Stand for the leadership; True once this agent leads (within `timeout`)."""
@@ -254,18 +258,26 @@ class EtcdPlane:
                 "members": self._members()}
 
     def _members(self) -> list[dict[str, Any]]:
-        """Each member's health, asked at most every few seconds (a status per second)."""
-        at, rows = self._health
-        if time.monotonic() - at >= timeouts.ETCD_HEALTH_EVERY_S:
-            try:
-                rows = [{"endpoint": h.endpoint, "up": h.up, "leader": h.is_leader,
-                         "raft_term": h.raft_term, "error": h.error}
-                        for h in self.client.health(timeouts.ETCD_STATUS_S)]
-            except Exception as exc:  # a status never fails on the control plane's state
-                rows = [{"endpoint": e, "up": False, "leader": False, "raft_term": 0,
-                         "error": first_line(exc)} for e in self.conf.endpoints]
-            self._health = (time.monotonic(), rows)
-        return rows
+        """Each member's health, asked at most every few seconds (a status per second) from a
+        thread of its own: a silent member costs its timeout there, not in the coordinator's
+        loop, which decides faults. The rows are the newest answer (empty before the first)."""
+        if self._health_asked is not None and self._health_asked.done():
+            self._health = self._health_asked.result()
+            self._health_asked = None
+        if (self._health_asked is None
+                and time.monotonic() - self._health[0] >= timeouts.ETCD_HEALTH_EVERY_S):
+            self._health_asked = self._health_pool.submit(self._ask_health)
+        return self._health[1]
+
+    def _ask_health(self) -> tuple[float, list[dict[str, Any]]]:
+        try:
+            rows = [{"endpoint": h.endpoint, "up": h.up, "leader": h.is_leader,
+                     "raft_term": h.raft_term, "error": h.error}
+                    for h in self.client.health(timeouts.ETCD_STATUS_S)]
+        except Exception as exc:  # a status never fails on the control plane's state
+            rows = [{"endpoint": e, "up": False, "leader": False, "raft_term": 0,
+                     "error": first_line(exc)} for e in self.conf.endpoints]
+        return time.monotonic(), rows
 
     def close(self) -> None:
         try:
@@ -275,6 +287,7 @@ class EtcdPlane:
         except Exception:  # etcd gone: the lease lapses on its own within its TTL
             self.lease.stop()
         finally:
+            self._health_pool.shutdown(wait=False, cancel_futures=True)
             self.client.close()
 
 
