@@ -110,5 +110,6 @@ GPU_POLL_DEADLINE_S = 20.0  # an NVML call longer than this marks its GPU unresp
 LOADER_RESULT_S = 300.0  # one read-ahead micro-batch arriving from a loader reader process
 LOADER_CLOSE_S = 2.0  # loader reader processes leaving after close(), before they are killed
 LOADER_PARENT_POLL_S = 1.0  # an idle loader reader checks that the training process lives
-MEMORY_SAMPLE_S = 10.0  # a forked worker's memory split (resident, proportional, shared) is
-# read again at most this often for `ftrun status` (reading it costs ~9 ms a process)
+MEMORY_SAMPLE_S = 60.0  # a forked worker's memory split (resident, proportional, shared) is
+# read again at most this often for `ftrun status` (reading it costs 8-30 ms a process, and the
+# timeline asks for the status twice a second: at 10 s it was most of the agent's steady CPU)
