@@ -19,7 +19,8 @@ torch are imported here (this module is only imported by a script that uses Ligh
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import functools
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -146,6 +147,7 @@ class FaultTolerantStrategy(DDPStrategy):
         if scaler is not None:
             objects["scaler"] = scaler
         self.ft.register(**objects, fit_loop=self.loop_state)
+        _zero_in_place(self.optimizers)
         self.driver = StepDriver(self.ft, _total_steps(trainer))
         self.driver.begin()
         self._rank_zero_follows()
@@ -237,6 +239,16 @@ class FaultTolerantStrategy(DDPStrategy):
             self._finished = True
             self.ft.close()
         super().teardown()
+
+
+def _zero_in_place(optimizers: Sequence[Any]) -> None:
+    """Lightning zeroes the gradients before each backward with torch's default
+    (`set_to_none=True`): autograd then allocates every gradient afresh and ftrun's bucket
+    hooks copy each one into its bucket, every step. Zeroed in place, the gradients stay the
+    views of the buckets that `ft.commit()` leaves them, and backward accumulates into them
+    (no allocation, no copy). A `zero_grad(set_to_none=True)` the user asks for is kept."""
+    for opt in optimizers:
+        opt.zero_grad = functools.partial(opt.zero_grad, set_to_none=False)
 
 
 def _sigterm_here(trainer: Any) -> None:

