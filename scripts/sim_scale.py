@@ -1,8 +1,9 @@
 """How ftrun's control plane scales: a real coordinator against many simulated nodes and workers.
 
 For each job size N (ranks, in nodes of `--node-size`), a real `ftrun` coordinator (node 0, with
-its own workers: `sim_worker.py`, real processes) serves the rendezvous and worker stores, and
-`--sim-procs` processes (`sim_proc`) play the other N/size - 1 nodes and their workers with
+its own workers: `sim_worker.py`, real processes) serves the rendezvous and worker stores,
+`--real-followers` real follower agents (real workers behind a real relay) join it, and
+`--sim-procs` processes (`sim_proc`) play the other nodes and their workers with
 `sim_cluster` (the real follower channel code and the real generation watcher; no torch, no
 collective), a share each, so that no one simulator process's GIL is what is measured.
 With `--rdzv-backend etcd` the script starts a real 3-member etcd on loopback (tests/etcdlab),
@@ -74,14 +75,18 @@ def until(cond: Any, timeout_s: float, what: str, poll_s: float = 0.005) -> Any:
 
 
 class Coordinator:
-    """The real `ftrun` coordinator process (node 0) and what it shows."""
+    """A real `ftrun` agent with real workers (`sim_worker.py`) and what it shows: the
+    coordinator (node 0), or with `name` another a real follower (its workers watch its
+    relay, as on a real cluster). Every real node's workers write into the same folder."""
 
     def __init__(self, nodes: int, node_size: int, rdzv: list[str], workdir: Path,
-                 conf: str = "") -> None:
+                 conf: str = "", name: str = "coordinator") -> None:
         """`rdzv`: the backend's arguments (--rdzv-backend, --rdzv-endpoint, ...)."""
         self.dir = workdir
-        self.log = open(workdir / "coordinator.log", "w")  # noqa: SIM115 (closed in stop)
+        self.log = open(workdir / f"{name}.log", "w")  # noqa: SIM115 (closed in stop)
         env = {**os.environ, "OMP_NUM_THREADS": "1", "FTRUN_RUN_DIR": str(workdir / "run")}
+        if name != "coordinator":
+            env["FTRUN_RUN_DIR"] = str(workdir / f"run-{name}")
         cmd = [sys.executable, "-m", "ftrun", "--nnodes", f"2:{nodes}", "--nproc", str(node_size),
                *rdzv, "--rdzv-id", RDZV_ID, "--rdzv-conf",
                ",".join(filter(None, ("join_timeout=300,last_call_timeout=300", conf))),
@@ -106,7 +111,7 @@ class Coordinator:
         return total / 1e9
 
     def seen(self) -> dict[int, dict[int, float]]:
-        """Node 0's workers: worker id -> generation -> when its watcher saw it."""
+        """The real nodes' workers: worker id -> generation -> when its watcher saw it."""
         out: dict[int, dict[int, float]] = {}
         for path in self.dir.glob("seen-*"):
             lines = path.read_text().splitlines()
@@ -128,6 +133,9 @@ class Coordinator:
                 if event.get("event") == "fault" and event.get("reason") == reason:
                     return float(event["t"])
         return None
+
+    def kill(self) -> None:
+        os.killpg(self.proc.pid, signal.SIGKILL)
 
     def stop(self, timeout_s: float) -> int | None:
         try:
@@ -163,7 +171,7 @@ def give_up() -> None:
 
 def measure(ranks: int, node_size: int, steady_s: float, watchers: int,
             relays: bool, conf: str = "", backend: str = "c10d",
-            sim_procs: int = 1, keep: bool = False) -> dict[str, Any]:
+            sim_procs: int = 1, keep: bool = False, real_followers: int = 0) -> dict[str, Any]:
     """One job size, end to end; figures in ms and percent."""
     from sim_etcd import JobPlane
     from sim_proc import SimProcs
@@ -175,23 +183,31 @@ def measure(ranks: int, node_size: int, steady_s: float, watchers: int,
         raise SystemExit(f"--ranks {ranks}: needs at least 4 nodes of {node_size}, whole nodes")
     sim_procs = max(1, min(sim_procs, nodes - 1))
     workdir = Path(tempfile.mkdtemp(prefix="ftrun-sim-"))
+    simulated = nodes - 1 - real_followers
     row: dict[str, Any] = {"ranks": ranks, "nodes": nodes, "errors": [],
-                           "watchers": watchers * (nodes - 1) + node_size, "relays": relays,
-                           "rdzv_conf": conf, "backend": backend, "sim_procs": sim_procs}
+                           "watchers": watchers * simulated + node_size * (1 + real_followers),
+                           "relays": relays, "rdzv_conf": conf, "backend": backend,
+                           "sim_procs": sim_procs, "real_nodes": 1 + real_followers}
     plane = JobPlane(backend, RDZV_ID)
     CLEANUPS.append(plane.close)
     coord = Coordinator(nodes, node_size, plane.coordinator_args(), workdir, conf)
     CLEANUPS.append(lambda: os.killpg(coord.proc.pid, signal.SIGKILL))
     sims: Any = None
+    followers: list[Coordinator] = []
     try:
         store = until(plane.store, 120, "the coordinator's store", 0.1)
+        for i in range(real_followers):
+            followers.append(Coordinator(nodes, node_size, plane.coordinator_args(), workdir,
+                                         conf, name=f"follower{i}"))
+            CLEANUPS.append(followers[-1].kill)
         sims = SimProcs(sim_procs, str(HERE), None if plane.lab else store, RDZV_ID,
                         watchers, relays, plane.lab.endpoints.split(",") if plane.lab else None)
         CLEANUPS.append(sims.kill)
-        sims.add_nodes(nodes - 1, node_size)
+        sims.add_nodes(simulated, node_size)
         if not sims.wait_up(300):
             raise TimeoutError("the simulated workers were not all up within 300 s")
-        until(lambda: len(coord.seen()) == node_size, 300, "node 0's workers", 0.05)
+        until(lambda: len(coord.seen()) == node_size * (1 + real_followers), 300,
+              "the real nodes' workers", 0.05)
         row["up_s"] = round(time.time() - coord.started, 1)
         _steady(row, coord, sims, plane, connect(Endpoint(*store), 30), steady_s)
         _fault(row, coord, sims, node_size)
@@ -200,6 +216,9 @@ def measure(ranks: int, node_size: int, steady_s: float, watchers: int,
         sims.everywhere("end")
         (workdir / "end").touch()
         row["exit_code"] = coord.stop(60)
+        for f in followers:
+            if (code := f.stop(60)) != 0:
+                row["errors"].append(f"a real follower ended with {code}")
         return row
     except Exception as exc:
         row["errors"].append(f"{type(exc).__name__}: {exc}")
@@ -211,8 +230,9 @@ def measure(ranks: int, node_size: int, steady_s: float, watchers: int,
                 row["errors"] += errors
                 row["max_beat_gap_s"] = round(gap, 2)
             sims.close()
-        if coord.proc.poll() is None:
-            coord.stop(0)
+        for agent in (coord, *followers):
+            if agent.proc.poll() is None:
+                agent.stop(0)
         plane.close()
         if row.get("exit_code") == 0 and not row.get("errors") and not keep:
             shutil.rmtree(workdir, ignore_errors=True)
@@ -246,17 +266,19 @@ def _steady(row: dict[str, Any], coord: Coordinator, sims: Any, plane: JobPlane,
 def _await_generation(row: dict[str, Any], key: str, coord: Coordinator, sims: Any,
                       number: int, t0: float) -> tuple[float, str]:
     """Every simulated watcher's receive time (gathered from every simulator process) and
-    node 0's real workers'; the figures are from the fault's time `t0`."""
+    the real nodes' workers'; the figures are from the fault's time `t0`."""
     times = sims.wait_hold(number, 60)
     if times is None:
         raise TimeoutError(f"generation {number} not held by every simulated worker in 60 s")
-    real = until(lambda: _node0_holds(coord, number), 60, f"generation {number} on node 0")
+    real = until(lambda: _real_hold(coord, number), 60,
+                 f"generation {number} on the real nodes")
     times.sort()
     published = sims.published(number)
     assert published is not None  # a watcher saw it
     row[f"{key}_p50_ms"] = round(1000 * (times[len(times) // 2] - t0), 1)
     row[f"{key}_publish_ms"] = round(1000 * (published[0] - t0), 1)
     row[f"{key}_all_ms"] = round(1000 * (max(times + real) - t0), 1)
+    row[f"{key}_real_ms"] = round(1000 * (max(real) - t0), 1)  # the real nodes' workers
     row[f"{key}_reason"] = published[1]
     # split: the report's way to the coordinator and its decision, then the generation written
     # (etcd: the fenced write) and published
@@ -266,8 +288,8 @@ def _await_generation(row: dict[str, Any], key: str, coord: Coordinator, sims: A
     return published
 
 
-def _node0_holds(coord: Coordinator, number: int) -> list[float] | None:
-    """When node 0's real workers saw generation `number` (None: not all yet)."""
+def _real_hold(coord: Coordinator, number: int) -> list[float] | None:
+    """When the real nodes' workers saw generation `number` (None: not all yet)."""
     seen = coord.seen().values()
     return [s[number] for s in seen] if all(number in s for s in seen) else None
 
@@ -302,6 +324,7 @@ def run_child(ranks: int, args: argparse.Namespace) -> dict[str, Any]:
            "--steady-s", str(args.steady_s), "--json", str(out), "--watchers",
            str(args.watchers), "--rdzv-conf", args.rdzv_conf, "--timeout-s", str(args.timeout_s),
            "--rdzv-backend", args.rdzv_backend, "--sim-procs", str(args.sim_procs),
+           "--real-followers", str(args.real_followers),
            *(["--no-relay"] if args.no_relay else []), *(["--keep"] if args.keep else [])]
     try:  # the child's own watchdog (and its coordinator's end) comes first
         done = subprocess.run(cmd, timeout=args.timeout_s + CHILD_GRACE_S, capture_output=True,
@@ -356,6 +379,11 @@ def main() -> int:
                     help="etcd: a real 3-member etcd on loopback is the control plane")
     ap.add_argument("--sim-procs", type=int, default=min(4, os.cpu_count() or 1),
                     help="processes that play the simulated nodes, a share each")
+    ap.add_argument("--real-followers", type=int, default=0,
+                    help="real follower agents with --node-size real workers each, beside the "
+                         "simulated nodes: their workers are notified through a real relay "
+                         "(with --watchers 1, the simulated nodes stand for their relay and "
+                         "one worker, and a real node shows the rest of a node's fan-out)")
     ap.add_argument("--keep", action="store_true",
                     help="keep each size's work folder (the coordinator's log, its run dir)")
     ap.add_argument("--no-relay", action="store_true",
@@ -379,7 +407,7 @@ def main() -> int:
         threading.Timer(args.timeout_s, give_up).start()
         row = measure(args.one, args.node_size, args.steady_s, args.watchers,
                       not args.no_relay, args.rdzv_conf, args.rdzv_backend, args.sim_procs,
-                      args.keep)
+                      args.keep, args.real_followers)
         Path(args.json).write_text(json.dumps(row))
         sys.stdout.flush()
         sys.stderr.flush()

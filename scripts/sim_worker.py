@@ -1,4 +1,5 @@
-"""A simulated worker on the coordinator's own node, for `sim_scale.py`: a real process the
+"""A simulated worker on a real node (the coordinator's, or a real follower's), for
+`sim_scale.py`: a real process the
 real agent starts, speaking the worker protocol (hello, its first generation, a generation
 watcher, its progress slot) with no collective. It writes each generation it sees, with the
 wall clock, to `<dir>/seen-<worker id>`, and ends (exit 0) once `<dir>/end` exists.
@@ -18,6 +19,7 @@ from ftrun.core.spec import WorkerEnv
 from ftrun.protocol.progress import Reporter
 from ftrun.protocol.rendezvous import Generation, Hello, send_request
 from ftrun.worker.comm import GenerationWatcher, Interrupt
+from ftrun.worker.joining import watch_connect
 from ftrun.worker.waits import first_generation
 
 STEP_S = 0.5
@@ -43,7 +45,8 @@ def main() -> int:
     gen = first_generation(store, wenv.worker_id)
     saw(gen)
     intr = Interrupt()
-    GenerationWatcher(connect, gen.number, intr, saw)  # type: ignore[arg-type]
+    # as a real worker: on a follower, its watcher waits on the node's relay
+    GenerationWatcher(lambda: watch_connect(wenv), gen.number, intr, saw)
     progress = Reporter(wenv.progress_dir, wenv.worker_id) if wenv.progress_dir else None
     deadline = time.monotonic() + args.max_s
     step = 0

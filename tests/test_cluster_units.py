@@ -324,3 +324,39 @@ def test_close_ends_every_live_node_and_joins_its_reader(
     assert job.sent(1) == [End(code=code, reason=reason, lost=False, refused=False)]
     assert job.sent(2) == []
     assert "ftrun-agents" not in [t.name for t in threading.enumerate()]
+
+
+def test_a_nodes_payload_is_parsed_again_only_when_it_changed(
+        make: Callable[..., Job]) -> None:
+    """At hundreds of nodes, parsing every payload at every beat took most of a core: an
+    unchanged payload keeps its parsed rows; a changed one is read as it is now."""
+    import json
+    import time
+
+    from ftrun.cluster.jobnodes import PAYLOAD_READ_SHARE, read_period
+    from ftrun.cluster.link import heartbeat_key, payload_key
+    from ftrun.cluster.messages import Payload
+    from ftrun.core.detectors import Liveness
+
+    job = make()
+    job.start(1)
+
+    def beat(step: int) -> None:
+        row = Liveness(worker=10000, rank=2, step=step, idle_s=0.0, waiting_s=None,
+                       stopped=False, compute_s=0.01, step_s=0.02)
+        job.store.set(payload_key(1), json.dumps(Payload(liveness=(row,)).to_json()))
+        job.store.add(heartbeat_key(1), 1)
+        job.coord.watch.beats.ages(job.store)
+
+    beat(5)
+    first = job.coord.table.remote_liveness()
+    time.sleep(job.coord.beat_s * 1.5)  # the next read is due
+    again = job.coord.table.remote_liveness()
+    assert [r.step for r in first] == [5] and again[0] is first[0]  # not parsed again
+    beat(6)
+    deadline = time.monotonic() + 10  # the next read: a beat, or later on a loaded host
+    while [r.step for r in job.coord.table.remote_liveness()] != [6]:
+        assert time.monotonic() < deadline, "the changed payload was never read"
+        time.sleep(job.coord.beat_s)
+    assert read_period(0.1, 0.001) == 0.1  # a small job: every beat
+    assert read_period(0.1, 0.06) == 0.06 / PAYLOAD_READ_SHARE  # a large one: less often

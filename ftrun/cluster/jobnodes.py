@@ -1,7 +1,9 @@
 """The coordinator's table of the other nodes and what it shows of them.
 
 Owns: the node table's reads (live nodes, their heartbeat payloads, read at most once per
-beat), the whole job's status (`ftrun status` on any node: published in the store every
+beat, and less often in a job so large that reading them would take more than
+PAYLOAD_READ_SHARE of the coordinator's time; a payload unchanged since the last read is not
+parsed again), the whole job's status (`ftrun status` on any node: published in the store every
 second), a remote worker's last committed step and liveness for the health watch, and the
 net-down drill: node 0's acted out here, another node's checked against what it said when
 it joined, then sent to it. `NodeTable` is an object the coordinating cluster holds; it
@@ -30,6 +32,9 @@ from ftrun.core.policy import Liveness
 from ftrun.protocol.rendezvous import node_of
 from ftrun.protocol.status import Status
 
+PAYLOAD_READ_SHARE = 0.1  # of the coordinator's time, at most, reading every node's payload
+# (at 512 nodes, reading and checking them at every beat took most of a core)
+
 
 class NodeTable:
     def __init__(self, host: NodeHost, rdzv: HostedStore, ep: Endpoint, nodes: dict[int, Node],
@@ -41,6 +46,8 @@ class NodeTable:
         self.watch = watch
         self.beat_s = beat_s
         self._payloads: dict[int, tuple[float, Payload]] = {}
+        self._parsed: dict[int, tuple[bytes, Payload | str]] = {}  # node -> last raw, parsed
+        self._read_every_s = beat_s
         self._refused: dict[int, str] = {}  # node -> why its payload was refused (said once)
         self._told: set[int] = set()
         self._next_status = 0.0
@@ -122,7 +129,7 @@ class NodeTable:
         the health watch or a status asks for every member's."""
         now = time.monotonic()
         seen_at, payload = self._payloads.get(node, (-1.0, Payload()))
-        if now - seen_at >= self.beat_s:
+        if now - seen_at >= self._read_every_s:
             self._read_payloads(now)
             payload = self._payloads.get(node, (now, Payload()))[1]
         return payload
@@ -134,12 +141,22 @@ class NodeTable:
         live = {n.index for n in self.alive()}
         nodes = [n for n in self.watch.beats.beaten() if n in live]
         self._payloads = {n: (now, Payload()) for n in live}
-        for node, doc in zip(nodes, read_payloads(self.rdzv.store, nodes), strict=True):
-            payload = parse_payload(doc)
+        for node, raw in zip(nodes, read_payloads(self.rdzv.store, nodes), strict=True):
+            payload = self._parse(node, raw)
             if isinstance(payload, str):
                 self._refused.setdefault(node, payload)  # said from the main loop
             else:
                 self._payloads[node] = (now, payload)
+        self._read_every_s = read_period(self.beat_s, time.monotonic() - now)
+
+    def _parse(self, node: int, raw: bytes) -> Payload | str:
+        """The node's payload, parsed only when it changed since the last read."""
+        last = self._parsed.get(node)
+        if last is not None and last[0] == raw:
+            return last[1]
+        payload = parse_raw_payload(raw)
+        self._parsed[node] = (raw, payload)
+        return payload
 
     def _say_refused(self) -> None:
         """Main loop: a node whose payload is refused shows no workers; say why, once."""
@@ -161,3 +178,19 @@ class NodeTable:
             self.rdzv.store.set(STATUS_KEY, json.dumps(doc))
         except Exception as exc:  # a status snapshot must never stop the job
             self.host.emit(Event.NOTICE, {"text": f"could not publish the job status: {exc}"})
+
+
+def read_period(beat_s: float, cost_s: float) -> float:
+    """How often every node's payload may be read: once a beat, unless a read costs more than
+    PAYLOAD_READ_SHARE of the time between two reads."""
+    return max(beat_s, cost_s / PAYLOAD_READ_SHARE)
+
+
+def parse_raw_payload(raw: bytes) -> Payload | str:
+    """A payload as read from the store (b"": none could be read; junk reads as an empty
+    object, as it did before: `parse_payload` says whether that is refused)."""
+    try:
+        doc = json.loads(raw) if raw else {}
+    except ValueError:
+        doc = {}
+    return parse_payload(doc if isinstance(doc, dict) else {})

@@ -153,22 +153,15 @@ def connect(ep: Endpoint, timeout_s: float) -> Any:
                               "check --rdzv-endpoint / --master-addr and the firewall") from None
 
 
-def read_payloads(store: Any, nodes: list[int]) -> list[dict[str, Any]]:
-    """The nodes' last heartbeat payloads in one request; each must have beaten once (a
-    missing key blocks a multi-get). One that cannot be read shows as {}."""
+def read_payloads(store: Any, nodes: list[int]) -> list[bytes]:
+    """The nodes' last heartbeat payloads, raw, in one request; each must have beaten once
+    (a missing key blocks a multi-get). One that cannot be read shows as b"" (none)."""
     if not nodes:
         return []
     try:
-        raws = store.multi_get([payload_key(n) for n in nodes])
+        return [bytes(raw) for raw in store.multi_get([payload_key(n) for n in nodes])]
     except Exception:
-        return [{} for _ in nodes]
-    out: list[dict[str, Any]] = []
-    for raw in raws:
-        try:
-            out.append(dict(json.loads(raw)))
-        except (ValueError, TypeError):
-            out.append({})
-    return out
+        return [b"" for _ in nodes]
 
 
 class Heartbeat:
