@@ -127,7 +127,8 @@ def serve(conn: Connection, scripts_dir: str, store: tuple[str, int] | None, rdz
     from ftrun.adapters.etcd_conf import EtcdConf
     from ftrun.cluster.link import Endpoint
 
-    conf = None if etcd is None else EtcdConf.parse(tuple(etcd["endpoints"]), {}, rdzv_id)
+    conf = None if etcd is None else EtcdConf.parse(tuple(etcd["endpoints"]), etcd["conf"],
+                                                    rdzv_id)
     ep = None if store is None else Endpoint(*store)
     played = Played(Sim(ep, rdzv_id, watchers, relays, conf))
     while True:
@@ -152,9 +153,13 @@ class SimProcs:
 
     def __init__(self, count: int, scripts_dir: str, store: tuple[str, int] | None,
                  rdzv_id: str, watchers: int, relays: bool,
-                 etcd_endpoints: list[str] | None) -> None:
+                 etcd_endpoints: list[str] | None, conf: dict[str, str] | None = None
+                 ) -> None:
+        """`conf`: the job's --rdzv-conf keys, which a simulated node's etcd seat reads as a
+        real follower's does (its lease's TTL)."""
         ctx = multiprocessing.get_context("spawn")
-        etcd = None if etcd_endpoints is None else {"endpoints": etcd_endpoints}
+        etcd = None if etcd_endpoints is None else {"endpoints": etcd_endpoints,
+                                                    "conf": conf or {}}
         self.conns: list[Connection] = []
         self.procs: list[Any] = []
         for _ in range(count):

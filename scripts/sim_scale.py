@@ -201,7 +201,8 @@ def measure(ranks: int, node_size: int, steady_s: float, watchers: int,
                                          conf, name=f"follower{i}"))
             CLEANUPS.append(followers[-1].kill)
         sims = SimProcs(sim_procs, str(HERE), None if plane.lab else store, RDZV_ID,
-                        watchers, relays, plane.lab.endpoints.split(",") if plane.lab else None)
+                        watchers, relays, plane.lab.endpoints.split(",") if plane.lab else None,
+                        dict(kv.split("=", 1) for kv in conf.split(",") if "=" in kv))
         CLEANUPS.append(sims.kill)
         sims.add_nodes(simulated, node_size)
         if not sims.wait_up(300):
