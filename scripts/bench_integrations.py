@@ -9,6 +9,7 @@
   DDP under torchrun (Lightning's DDPStrategy, Accelerate's DDP), same script, same sizes.
 
     python scripts/bench_integrations.py [--framework lightning|transformers|both]
+                                         [--only recovery|steady] [--repeat N] [--epochs N]
 
 Prints one line per figure with the ratio and the host's load average (`uptime`): on a
 2-core host shared with other work, step times move by several percent from run to run.
@@ -98,13 +99,17 @@ def step_ms(out: Path) -> float:
     return statistics.median(gaps)
 
 
-def steady(framework: str, work: Path) -> None:
+def steady(framework: str, work: Path, epochs: int = 1) -> None:
+    """`epochs`: more steps per figure (a longer window: a burst of other work on the host
+    moves the median less)."""
     script, ddp_flags = SCRIPTS[framework]
+    sizes = [*STEADY[framework]]
+    sizes[sizes.index("--epochs") + 1] = str(epochs)
     figures = {}
     for name, cmd in (("ftrun", ftrun("--nproc", "2", script)),
                       ("ddp", torchrun(script, *ddp_flags))):
         out = work / f"{framework}-steady-{name}"
-        run_all([*cmd, *STEADY[framework], "--out", str(out)], env(**TORCHRUN_ENV))
+        run_all([*cmd, *sizes, "--out", str(out)], env(**TORCHRUN_ENV))
         figures[name] = step_ms(out)
     print(f"{framework} steady step: ftrun {figures['ftrun']:.1f} ms vs the framework's DDP "
           f"{figures['ddp']:.1f} ms: {figures['ftrun'] / figures['ddp']:.3f}x  [{load()}]",
@@ -166,6 +171,7 @@ def main() -> None:
                     default="both")
     ap.add_argument("--only", choices=["recovery", "steady"], help="one of the two figures")
     ap.add_argument("--repeat", type=int, default=1, help="each figure this many times")
+    ap.add_argument("--epochs", type=int, default=1, help="epochs of the steady-state runs")
     args = ap.parse_args()
     frameworks = ["lightning", "transformers"] if args.framework == "both" \
         else [args.framework]
@@ -177,7 +183,7 @@ def main() -> None:
                 if args.only != "steady":
                     recovery(framework, work)
                 if args.only != "recovery":
-                    steady(framework, work)
+                    steady(framework, work, args.epochs)
 
 
 if __name__ == "__main__":
