@@ -25,6 +25,25 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+# Tests poll `ftrun status` in loops: each call is a new Python process (~0.25 s of CPU).
+# Back to back they took most of a core of a 2-core host from the jobs under test; at least
+# this much idle time between two calls (from any test helper) bounds that.
+STATUS_PAUSE_S = 0.5
+_status_done_at = [0.0]
+
+
+def ftrun_status(env: dict[str, str] | None = None) -> dict[str, Any] | None:
+    """`ftrun status --json` (the job of the run directory `env` names), paced; None if it
+    fails (no job there yet, or gone)."""
+    time.sleep(max(0.0, _status_done_at[0] + STATUS_PAUSE_S - time.monotonic()))
+    try:
+        r = subprocess.run(ftrun_cmd("status", "--json"), env=env, capture_output=True,
+                           text=True, timeout=60)
+    finally:
+        _status_done_at[0] = time.monotonic()
+    return json.loads(r.stdout) if r.returncode == 0 else None
+
+
 class Node:
     """One `ftrun` agent process, as if on its own machine (own FTRUN_RUN_DIR)."""
 
@@ -43,9 +62,7 @@ class Node:
                                      start_new_session=True)
 
     def status(self) -> dict[str, Any] | None:
-        r = subprocess.run(ftrun_cmd("status", "--json"), env=self.env, capture_output=True,
-                           text=True, timeout=30)
-        return json.loads(r.stdout) if r.returncode == 0 else None
+        return ftrun_status(self.env)
 
     def wait(self, timeout: float) -> int:
         return self.proc.wait(timeout)
@@ -96,12 +113,14 @@ def two_nodes(nodes, port: int, args: list[str], b_args: list[str] | None = None
 
 
 def ft_job(port: int, *flags: str, nnodes: str = "2", nproc: int = 2, steps: int = 100000,
-           step_time: float = 0.05, out: Path | None = None) -> list[str]:
+           step_time: float = 0.05, out: Path | None = None,
+           end_file: Path | None = None) -> list[str]:
     """An ftrun command line (c10d on loopback) for the ft_train fixture; the defaults train
-    two nodes of two workers until stopped."""
+    two nodes of two workers until stopped (`end_file`: see end_soon)."""
     return ["--nnodes", nnodes, "--nproc", str(nproc), *flags, "--rdzv-backend", "c10d",
             "--rdzv-endpoint", f"127.0.0.1:{port}", str(FIXTURES / "ft_train.py"), "--steps",
-            str(steps), "--step-time", str(step_time), *(["--out", str(out)] if out else [])]
+            str(steps), "--step-time", str(step_time), *(["--out", str(out)] if out else []),
+            *(["--end-file", str(end_file)] if end_file else [])]
 
 
 @pytest.fixture
@@ -118,14 +137,24 @@ def nodes(tmp_path: Path):
         node.kill()
 
 
+def end_soon(end_file: Path, doc: object, ahead: int = 40) -> int:
+    """Every worker of an ft_train job run with --end-file ends before the step returned: a
+    margin `ahead` of the furthest step the status `doc` shows (the job steps on meanwhile)."""
+    assert isinstance(doc, dict)
+    end = max(w["step"] or 0 for w in doc["workers"]) + ahead
+    end_file.write_text(str(end))
+    return end
+
+
 @pytest.mark.slow
 def test_node_lost_then_replaced_without_restart(tmp_path: Path, nodes) -> None:
-    port, out = free_port(), tmp_path / "out"
+    port, out, end_file = free_port(), tmp_path / "out", tmp_path / "end_at"
     out.mkdir()
-    args = ft_job(port, "--rdzv-id", "mn", nnodes="2:3", steps=260, step_time=0.03, out=out)
+    args = ft_job(port, "--rdzv-id", "mn", nnodes="2:3", step_time=0.03, out=out,
+                  end_file=end_file)
     metrics_port = free_port()  # the coordinator's view of every node, as Prometheus sees it
     a = nodes("a", ft_job(port, "--rdzv-id", "mn", "--metrics-port", str(metrics_port),
-                          nnodes="2:3", steps=260, step_time=0.03, out=out))
+                          nnodes="2:3", step_time=0.03, out=out, end_file=end_file))
     wait_listening(port, 30)
     b, c = nodes("b", args), nodes("c", args)
     doc = wait_for(lambda: stepping(a, 6, 10), 120, "6 workers on 3 nodes stepping")
@@ -153,8 +182,9 @@ def test_node_lost_then_replaced_without_restart(tmp_path: Path, nodes) -> None:
     assert scraped[("ftrun_node_up", "1" if c_node == 2 else "2")] == 1
 
     d = nodes("d", args)
-    wait_for(lambda: (s := a.status()) and s["world_size"] == 6 and s["generation"] >= 2, 120,
-             "the late node's workers joining")
+    grown = wait_for(lambda: (s := a.status()) and s["world_size"] == 6 and s["generation"] >= 2
+                     and s, 120, "the late node's workers joining")
+    end = end_soon(end_file, grown)
 
     for node in (a, b, d):
         assert node.wait(180) == 0, node.stderr
@@ -169,11 +199,11 @@ def test_node_lost_then_replaced_without_restart(tmp_path: Path, nodes) -> None:
         assert steps == sorted(set(steps)), f"worker {wid} committed a step twice"
         # the step the node died in: its gradient buckets may have been reduced on some
         # survivors and not on others; those behind heal past it from a peer (design.md)
-        assert len(set(range(260)) - set(steps)) <= 1, f"worker {wid} skipped steps"
+        assert len(set(range(end)) - set(steps)) <= 1, f"worker {wid} skipped steps"
         committed |= set(steps)
         worlds = [e["world"] for e in logs[wid]["log"]]
         assert 4 in worlds and worlds[0] == 6 and worlds[-1] == 6
-    assert committed == set(range(260))  # every step committed, by the job, once per worker
+    assert committed == set(range(end))  # every step committed, by the job, once per worker
     import torch
 
     finals = [torch.load(out / f"params_{w}.pt") for w in logs]  # the lost node wrote none
@@ -260,14 +290,17 @@ def test_losing_a_node_below_the_minimum_ends_the_job(tmp_path: Path, nodes) -> 
 def test_hung_worker_on_another_node_is_found_and_replaced(tmp_path: Path, nodes) -> None:
     """Hangs are judged over the whole job: the coordinator sees node b's worker stopped
     (through b's heartbeat) and has b kill it; b starts its replacement."""
-    port, out = free_port(), tmp_path / "out"
+    port, out, end_file = free_port(), tmp_path / "out", tmp_path / "end_at"
     out.mkdir()
-    args = ft_job(port, "--hang-timeout", "1", steps=300, step_time=0.03, out=out)
+    args = ft_job(port, "--hang-timeout", "1", step_time=0.03, out=out, end_file=end_file)
     a, b = two_nodes(nodes, port, args)
     doc = wait_for(lambda: stepping(a, 4, 10), 120, "4 workers stepping")
     victim = next(w for w in doc["workers"] if w["node"] == 1 and w["local_rank"] == 1)
     os.kill(victim["pid"], signal.SIGSTOP)
     wait_for(lambda: not pid_alive(victim["pid"]), 60, "the stopped worker killed")
+    replaced = wait_for(lambda: (d := stepping(a, 4, 1)) and victim["worker_id"] not in {
+        w["worker_id"] for w in d["workers"]} and d, 60, "its replacement stepping")
+    end_soon(end_file, replaced)
     assert a.wait(180) == 0, a.stderr
     assert b.wait(30) == 0, b.stderr
     assert "is stopped" in a.stderr and f"killing worker {victim['worker_id']}" in a.stderr
@@ -296,9 +329,9 @@ def test_a_remote_rank_failure_is_reported_with_its_traceback(tmp_path: Path, no
 @pytest.mark.slow
 def test_spares_on_other_nodes_hold_the_world_size_when_a_node_is_lost(tmp_path: Path,
                                                                       nodes) -> None:
-    port, out = free_port(), tmp_path / "out"
+    port, out, end_file = free_port(), tmp_path / "out", tmp_path / "end_at"
     out.mkdir()
-    args = ft_job(port, "--spares", "1", nnodes="2:3", nproc=1, steps=600, out=out)
+    args = ft_job(port, "--spares", "1", nnodes="2:3", nproc=1, out=out, end_file=end_file)
     a, b = two_nodes(nodes, port, args)
     c = nodes("c", args)
 
@@ -319,6 +352,7 @@ def test_spares_on_other_nodes_hold_the_world_size_when_a_node_is_lost(tmp_path:
         w["node"] == 3 and w["role"] == "spare" for w in d["workers"]) and d, 90,
         "the late node's worker waiting as a spare")
     assert refilled["world_size"] == 3
+    end = end_soon(end_file, refilled)
     assert a.wait(150) == 0, a.stderr
     assert b.wait(30) == 0, b.stderr
     assert "take their ranks" in a.stderr
@@ -327,7 +361,7 @@ def test_spares_on_other_nodes_hold_the_world_size_when_a_node_is_lost(tmp_path:
     assert len(finishers) == 3  # two first members and the spare that took the lost rank
     for wid in finishers:
         steps = [e["step"] for e in logs[wid]["log"] if e["ok"]]
-        assert steps == sorted(set(steps)) and steps[-1] == 599
+        assert steps == sorted(set(steps)) and steps[-1] == end - 1
         assert all(e["world"] == 3 for e in logs[wid]["log"])
     import torch
 
