@@ -17,18 +17,16 @@ from typing import Any
 
 import pytest
 from etcdlab import EtcdLab, ensure_all_up, etcd_cluster_fixture  # noqa: F401
-from test_multinode import Node
+from test_multinode import Node, end_soon
 
 from tests.conftest import FIXTURES, wait_for
 
-STEPS = 400
 
-
-def etcd_job(lab: EtcdLab, run_id: str, out: Path) -> list[str]:
+def etcd_job(lab: EtcdLab, run_id: str, out: Path, end_file: Path) -> list[str]:
     return ["--nnodes", "2:3", "--nproc", "1", "--spares", "1", "--rdzv-backend", "etcd",
             "--rdzv-endpoint", lab.endpoints, "--rdzv-id", run_id, "--local-addr",
-            "127.0.0.1", str(FIXTURES / "ft_train.py"), "--steps", str(STEPS),
-            "--step-time", "0.04", "--out", str(out)]
+            "127.0.0.1", str(FIXTURES / "ft_train.py"), "--steps", "100000",
+            "--step-time", "0.04", "--out", str(out), "--end-file", str(end_file)]
 
 
 def members_stepping(node: Node, step: int) -> dict[str, Any] | None:
@@ -48,7 +46,7 @@ def test_the_coordinators_host_dies_and_a_survivor_carries_the_job_on(
     lab = etcd_cluster
     out = tmp_path / "out"
     out.mkdir()
-    args = etcd_job(lab, "takeover", out)
+    args = etcd_job(lab, "takeover", out, tmp_path / "end_at")
     started: list[Node] = []
     try:
         a = Node(tmp_path, "a", args)  # first in line: elected
@@ -81,6 +79,10 @@ def test_the_coordinators_host_dies_and_a_survivor_carries_the_job_on(
         led = wait_for(lambda: (d := b.status()) and d.get("control_plane", {}).get(
             "leader_changes") == 1 and d, 90, "a new leader in the status")
         assert isinstance(led, dict) and led["control_plane"]["leader"]["node"] in (1, 2)
+        top = max(w["step"] or 0 for w in led["workers"])
+        going = wait_for(lambda: members_stepping(b, top + 5), 90,
+                         "3 members stepping under the new leader")
+        end = end_soon(tmp_path / "end_at", going)
         for node in (b, c):
             assert node.wait(240) == 0, node.stderr
         took_over = [n for n in (b, c) if "coordinates the job now" in n.stderr]
@@ -99,9 +101,9 @@ def test_the_coordinators_host_dies_and_a_survivor_carries_the_job_on(
         assert logs[wid]["pid"] == pid
         steps = [e["step"] for e in logs[wid]["log"] if e["ok"]]
         assert steps == sorted(set(steps)), f"worker {wid} committed a step twice"
-        assert len(set(range(STEPS)) - set(steps)) <= 1, f"worker {wid} skipped steps"
+        assert len(set(range(end)) - set(steps)) <= 1, f"worker {wid} skipped steps"
         committed |= set(steps)
-    assert committed == set(range(STEPS))
+    assert committed == set(range(end))
     import torch
 
     finals = [torch.load(out / f"params_{w}.pt") for w in logs]
