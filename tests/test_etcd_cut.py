@@ -24,6 +24,10 @@ from tests import netlab
 from tests.conftest import FIXTURES, pid_alive, wait_for
 
 pytestmark = pytest.mark.slow
+# The deposed coordinator stops its workers (SIGTERM, then SIGKILL after this grace) and waits
+# for the nodes it still counts (when the cut froze it before it dropped both, it waits for
+# one that follows the new leader already: up to grace + 5 s twice, 70 s at the default 30 s)
+SHUTDOWN = ("--shutdown-timeout", "5")
 
 
 @pytest.fixture
@@ -59,7 +63,7 @@ def test_a_cut_off_coordinator_is_replaced_and_its_late_write_refused(
     def start(i: int) -> Node:
         return Node(tmp_path, f"host{i}", [
             "--nnodes", "1:3", "--nproc", "1", "--spares", "1", "--rdzv-backend", "etcd",
-            "--rdzv-endpoint", etcd.endpoints, "--rdzv-id", "cut",
+            "--rdzv-endpoint", etcd.endpoints, "--rdzv-id", "cut", *SHUTDOWN,
             "--rdzv-conf", "outage_timeout=120,last_call_timeout=60", "--local-addr", net.addr(i),
             str(FIXTURES / "ft_train.py"), "--steps", "100000", "--step-time", "0.04",
             "--end-file", str(end_file)],
