@@ -17,6 +17,7 @@ import pytest
 import torch
 from conftest import FIXTURES, ftrun_cmd, run_ftrun, wait_for
 from replicas import bitwise_equal, params
+from test_multinode import ftrun_status
 
 from ftrun.agent.journal import Journal
 from ftrun.core.policy import (
@@ -255,9 +256,7 @@ def start_job(*args: str) -> subprocess.Popen[str]:
 
 
 def status() -> dict:
-    r = subprocess.run(ftrun_cmd("status", "--json"), capture_output=True, text=True,
-                       timeout=60, env=os.environ.copy())
-    return json.loads(r.stdout) if r.returncode == 0 else {}
+    return ftrun_status(os.environ.copy()) or {}
 
 
 def by_rank(doc: dict) -> dict[int, dict]:
