@@ -360,3 +360,20 @@ def test_a_nodes_payload_is_parsed_again_only_when_it_changed(
         time.sleep(job.coord.beat_s)
     assert read_period(0.1, 0.001) == 0.1  # a small job: every beat
     assert read_period(0.1, 0.06) == 0.06 / PAYLOAD_READ_SHARE  # a large one: less often
+
+
+def test_an_ending_coordinator_does_not_wait_the_grace_out_for_a_silent_node(
+        make: Callable[..., Job]) -> None:
+    """A node that stopped beating (it follows another leader, or is cut off) will not report
+    its workers stopped: past the node timeout it is not waited for (a deposed coordinator
+    waited the whole grace, then as long again for its goodbye)."""
+    import time
+
+    conf = tuple((k, "0.3" if k == "node_timeout" else v) for k, v in CONF)
+    job = make(nnodes_max=2, rdzv_conf=conf)
+    job.start(1)
+    job.sent(1)
+    began = time.monotonic()
+    job.coord.stop_workers(signal.SIGTERM, 30.0, job.node.workers.stop)
+    assert time.monotonic() - began < 30.0  # well before the grace: it never answers
+    assert not job.coord.nodes[1].alive

@@ -14,6 +14,7 @@ Must not import: typer, rich, the CLI or the worker library.
 
 from __future__ import annotations
 
+import math
 import queue
 import time
 from collections.abc import Callable
@@ -113,6 +114,7 @@ class Coordinating:
             try:
                 msg = self._inbox.get(timeout=0.05)
             except queue.Empty:
+                nodes -= self._drop_silent()
                 continue
             if isinstance(msg, (Bye, Left)):
                 nodes.discard(msg.node)
@@ -393,5 +395,18 @@ class Coordinating:
         while time.monotonic() < deadline and any(
                 w.alive and self.nodes[w.node].alive for w in self.workers.by_id.values()):
             self.drain_inbox(running=False)
+            self._drop_silent()
             time.sleep(0.02)
         return received
+
+    def _drop_silent(self) -> set[int]:
+        """Ending: a node whose heartbeat is silent past the node timeout will not answer (it
+        follows another leader, or is cut off), so it is not waited for; the silent ones."""
+        try:
+            ages = self.watch.beats.ages(self.rdzv.store)
+        except Exception:  # the store itself is gone: nothing to wait for through it
+            ages = {n.index: math.inf for n in self._alive()}
+        silent = {i for i, age in ages.items() if age > self.lost_after_s}
+        for index in silent & set(self.nodes):
+            self.nodes[index].alive = False
+        return silent
