@@ -17,6 +17,8 @@ import os
 import queue
 from dataclasses import dataclass
 
+import psutil
+
 from ftrun.adapters.slots import ProgressSlots
 from ftrun.agent.ports import WatchPort
 from ftrun.core.errors import FtrunError
@@ -234,31 +236,19 @@ class HealthWatch:
         return [Kill(found[0], "straggler")] if evict else []
 
 
-_TICKS_PER_S = os.sysconf("SC_CLK_TCK")
-_STOPPED_STATES = ("T", "t")  # stopped by a signal, stopped by a tracer
-
-
-def _proc_stat(pid: int) -> list[str] | None:
-    """The fields of /proc/<pid>/stat after the command name (state first); None once the
-    process is gone. One read: the main loop asks every worker this four times a second,
-    and psutil's objects cost three times as much."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            raw = f.read()
-    except OSError:
-        return None
-    return raw[raw.rfind(b")") + 2:].decode().split()  # the name may hold spaces and ")"
-
-
 def _cpu_seconds(pid: int) -> float:
     """The process's user + system CPU time; -1 once it is gone."""
-    fields = _proc_stat(pid)
-    if fields is None:
+    try:
+        times = psutil.Process(pid).cpu_times()
+    except psutil.Error:
         return -1.0
-    return (int(fields[11]) + int(fields[12])) / _TICKS_PER_S  # utime, stime
+    return float(times.user + times.system)
 
 
 def _stopped(pid: int) -> bool:
     """SIGSTOPped or stopped by a tracer (a frozen peer raises nothing on its peers)."""
-    fields = _proc_stat(pid)
-    return fields is not None and fields[0] in _STOPPED_STATES
+    try:
+        return psutil.Process(pid).status() in (psutil.STATUS_STOPPED,
+                                                psutil.STATUS_TRACING_STOP)
+    except psutil.Error:
+        return False
