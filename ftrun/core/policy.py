@@ -197,6 +197,17 @@ def _crash_loop(head: str, count: int, rank: int, survivors: tuple[int, ...],
                          f"--min-nproc {min_nproc}: stopping")
 
 
+def node_loss_stops(head: str, s: Snapshot) -> FaultDecision | None:
+    """A node loss that ends the job before anything else is weighed: the fault budget spent,
+    or fewer nodes left than --nnodes' minimum (None: neither)."""
+    if s.over_budget:
+        return _give_up(f"{head}; fault budget exhausted ({s.max_faults}, --max-faults)", s)
+    if s.nodes_left < s.min_nodes:
+        return _give_up(f"{head}; {s.nodes_left} node{_s(s.nodes_left)} left is below "
+                        f"--nnodes minimum {s.min_nodes}", s)
+    return None
+
+
 def decide_node_loss(s: Snapshot, node: str, lost: tuple[int, ...]) -> FaultDecision:
     """A whole node is gone (agent dead or unreachable): its workers leave together, in one
     generation. Spares on the other nodes take their ranks, ready ones first, then starting
@@ -204,11 +215,8 @@ def decide_node_loss(s: Snapshot, node: str, lost: tuple[int, ...]) -> FaultDeci
     survivors = tuple(m for m in s.members if m not in lost)
     gone = len(s.members) - len(survivors)
     head = f"{node} lost with {gone} member{_s(gone)}"
-    if s.over_budget:
-        return _give_up(f"{head}; fault budget exhausted ({s.max_faults}, --max-faults)", s)
-    if s.nodes_left < s.min_nodes:
-        return _give_up(f"{head}; {s.nodes_left} node{_s(s.nodes_left)} left is below "
-                        f"--nnodes minimum {s.min_nodes}", s)
+    if (stop := node_loss_stops(head, s)) is not None:
+        return stop
     if not [m for m in survivors if m not in s.unhealed]:
         return _total_loss(head, s)
     pool, new, joiners = list(s.spares + s.starting_spares), [], []

@@ -28,6 +28,7 @@ from ftrun.core.policy import (
     _give_up,
     _s,
     _total_loss,
+    node_loss_stops,
 )
 
 
@@ -94,11 +95,8 @@ def decide_group_node_loss(s: Snapshot, node: str, lost: tuple[int, ...], shard_
     evicted = tuple(m for m in s.members if m in broken and m not in lost)
     gone = len(s.members) - len(survivors) - len(evicted)
     head = f"{node} lost with {gone} member{_s(gone)}"
-    if s.over_budget:
-        return _give_up(f"{head}; fault budget exhausted ({s.max_faults}, --max-faults)", s)
-    if s.nodes_left < s.min_nodes:
-        return _give_up(f"{head}; {s.nodes_left} node{_s(s.nodes_left)} left is below "
-                        f"--nnodes minimum {s.min_nodes}", s)
+    if (stop := node_loss_stops(head, s)) is not None:
+        return stop
     healthy = [g for g in replica_groups(survivors, shard_size)
                if len(g) == shard_size and not set(g) & s.unhealed]
     named = ", ".join(map(str, out))
