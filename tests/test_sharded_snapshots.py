@@ -72,7 +72,8 @@ def test_every_shard_of_a_group_takes_a_timed_snapshot_at_the_same_boundary(
     def shard(worker: int) -> Snapshots:
         env = SimpleNamespace(snapshot_shm=str(tmp_path), snapshot_spill="", resume_run="",
                               resume_step=-1, snapshot_every=0, snapshot_interval=10.0,
-                              resume_dir="", resume=False, worker_id=worker, shard_size=2)
+                              resume_dir="", resume=False, worker_id=worker, shard_size=2,
+                              local_world_size=4)
         taker = Snapshots(cast(WorkerEnv, env))
         taker._last_at = 0.0
         return taker

@@ -5,9 +5,11 @@ Owns: the write of a complete set of shards (read from the shards' slots as `Loc
 one process, the agent's writer thread, with no process group: each DTensor is one global
 tensor in DCP's metadata with one chunk per shard (so `torch.distributed.checkpoint.load`
 reads it into any sharding, or none), the other values from shard 0, and each shard's own
-random streams beside them (`ftrun.shards`); the saved shapes of a snapshot (checked against
-the registered objects before anything is loaded); and the resharded read, into targets the
-caller makes (a DTensor over its own mesh: DCP reads the parts of the chunks it now owns).
+random streams beside them (`ftrun.shards`); a node's part of a set (groups that span nodes:
+the same, with the chunks of the shards the node holds); the saved shapes of a snapshot
+(checked against the registered objects before anything is loaded); and the resharded read,
+into targets the caller makes (a DTensor over its own mesh: DCP reads the parts of the
+chunks it now owns), of one checkpoint or of the parts that make a set together.
 Must not import: typer, rich, NVML, the agent, the worker library. Torch is imported lazily.
 """
 
@@ -39,12 +41,14 @@ def _leaf(v: Any) -> bool:
     return isinstance(v, LocalShard) or _is_tensor(v)
 
 
-def save_shard_set(shards: Sequence[Mapping[str, Any]], path: str, per_shard: str) -> None:
-    """The state trees of every shard of a group (shard k's at index k, DTensors as
-    `LocalShard`s) as one DCP checkpoint in the new, empty directory `path`."""
+def save_shard_set(shards: Sequence[Mapping[str, Any]], path: str, per_shard: str,
+                   first_shard: int = 0) -> None:
+    """The state trees of every shard of a group (shard k's at index k - `first_shard`,
+    DTensors as `LocalShard`s; a node's part of a group that spans nodes: its shards from
+    `first_shard` on) as one DCP checkpoint in the new, empty directory `path`."""
     first = dict(shards[0])
     if all(per_shard in s for s in shards):
-        first[SHARDS] = {str(k): s[per_shard] for k, s in enumerate(shards)}
+        first[SHARDS] = {str(first_shard + k): s[per_shard] for k, s in enumerate(shards)}
     chunks: dict[tuple[str, ...], list[LocalShard]] = {}
     for state in shards:
         map_leaves(dict(state), lambda v: isinstance(v, LocalShard),
@@ -130,17 +134,35 @@ def load_resharded(path: str, target: Target) -> dict[str, Any]:
     each tensor read into `target(path, global shape, dtype, placements)`: a plain tensor of
     the global shape, or a DTensor over the caller's mesh, of which DCP reads only the part
     this rank holds."""
-    reader, meta, skeleton = open_checkpoint(path)
-    fqn = fqn_of(meta)
-    flat: dict[str, Any] = {}
+    return load_parts([path], target)
 
-    def fill(ref: Any, _p: tuple[str, ...]) -> Any:
-        name = fqn(ref.path)
-        md = meta.state_dict_metadata[name]
-        flat[name] = target(ref.path, tuple(md.size), md.properties.dtype,
-                            getattr(ref, "placements", None))
-        return flat[name]
 
-    state: dict[str, Any] = map_leaves(skeleton, is_ref, fill)
-    read_checkpoint(reader, flat)
+def load_parts(paths: Sequence[str], target: Target) -> dict[str, Any]:
+    """`load_resharded` of the parts of one set (groups that span nodes: each node wrote the
+    chunks of its shards; the caller checked that they cover every shard), each tensor's
+    target made once and filled from every part that holds a chunk of it. The tree is the
+    first part's (shard 0's: its values besides the chunks), with every part's streams."""
+    made: dict[str, Any] = {}
+    states: list[dict[str, Any]] = []
+    for path in paths:
+        reader, meta, skeleton = open_checkpoint(path)
+        fqn = fqn_of(meta)
+        flat: dict[str, Any] = {}
+
+        def fill(ref: Any, _p: tuple[str, ...], meta: Any = meta, fqn: Any = fqn,
+                 flat: dict[str, Any] = flat) -> Any:
+            name = fqn(ref.path)
+            md = meta.state_dict_metadata[name]
+            if name not in made:
+                made[name] = target(ref.path, tuple(md.size), md.properties.dtype,
+                                    getattr(ref, "placements", None))
+            flat[name] = made[name]
+            return flat[name]
+
+        states.append(map_leaves(skeleton, is_ref, fill))
+        read_checkpoint(reader, flat)
+    state = states[0]
+    streams = [s[SHARDS] for s in states if isinstance(s.get(SHARDS), dict)]
+    if len(streams) > 1:
+        state[SHARDS] = {k: v for part in streams for k, v in part.items()}
     return state

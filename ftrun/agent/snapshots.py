@@ -5,8 +5,9 @@ when the agent ends: it outlives every worker, not the agent), what each worker 
 (where the slots are, how often to fill one, whether it starts with no live replica and must
 resume), a writer thread that copies each newly published slot to `--snapshot-dir` in torch's
 Distributed Checkpoint format (with --shard-size, the newest complete set of shards as one
-checkpoint, adapters/sharded_io.py; atomically: a temporary directory, a manifest of checksums
-last, then a rename; the newest `--snapshot-keep` kept), what it reports (an event per
+checkpoint, adapters/sharded_io.py; groups that span nodes: this node's part of one;
+atomically: a temporary directory, a manifest of checksums last, then a rename; the newest
+`--snapshot-keep` kept), what it reports (an event per
 snapshot written, a `snapshot_failed` event for one that could not be, the status line), the
 newest step a total loss can resume from, and the safety rules on its side: the default
 directory is this user's alone, the snapshot directory is checked writable at launch, a
@@ -155,7 +156,8 @@ class SnapshotKeeper:
 
     def _slot_steps(self) -> list[int]:
         if self.spec.shard_size > 1:
-            return [s.step for s in complete_sets(self.private_dirs, self.spec.shard_size)[:1]]
+            return [s.step for s in complete_sets(self.private_dirs, self.spec.shard_size,
+                                                  self.spec.nproc)[:1]]
         return [s[1].step for d in self.private_dirs if (s := newest_slot(d))]
 
     def resumable(self) -> tuple[int, int]:
@@ -250,7 +252,7 @@ class SnapshotKeeper:
     def _write_newest_set(self) -> None:
         """The newest complete set of shards, each shard's slot read under its lock: a set
         that a shard began to overwrite meanwhile is left for the next poll."""
-        sets = complete_sets(self.private_dirs, self.spec.shard_size)
+        sets = complete_sets(self.private_dirs, self.spec.shard_size, self.spec.nproc)
         if not sets or sets[0].step <= self._written_step:
             return
         newest = sets[0]
@@ -268,11 +270,12 @@ class SnapshotKeeper:
             def save(tmp: str) -> None:
                 shards = [snapshot_io.read_slot(path, rec, shards=True)
                           for path, rec in zip(paths, recs, strict=True) if rec is not None]
-                sharded_io.save_shard_set(shards, tmp, STREAMS)
+                sharded_io.save_shard_set(shards, tmp, STREAMS, newest.first)
 
             rec = replace(newest.parts[0][2], total_bytes=newest.total_bytes,
                           blocking_ms=newest.blocking_ms)
-            self._write(save, rec, {"shards": len(newest.parts)})
+            part = {"first": newest.first, "of": newest.of} if newest.of else {}
+            self._write(save, rec, {"shards": len(newest.parts), **part})
         except OSError:
             return  # a slot that went meanwhile (a stopped group's): the next poll
         finally:

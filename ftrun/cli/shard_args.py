@@ -3,8 +3,9 @@
 Owns: turning --shard-size into the `RunSpec` field, with a one-line error for each value or
 combination ftrun cannot run. Replica groups tile the workers: SIZE divides the workers per
 node (a group inside one node; --spares counts hot spare groups of SIZE workers), or SIZE is
-a multiple of them (a group spans SIZE / nproc whole nodes: --nnodes counts whole groups, and
-spare groups and snapshots are refused).
+a multiple of them (a group spans SIZE / nproc whole nodes: --nnodes counts whole groups;
+spare groups are refused, and time-based snapshots: a group's shards on other nodes cannot
+read shard 0's clock, so --snapshot-every serves).
 Must not import: torch, typer, rich, the agent.
 """
 
@@ -19,7 +20,7 @@ from ftrun.core.errors import UsageError
 
 def shard_fields(ns: argparse.Namespace, nproc: int, snapshots: bool) -> dict[str, Any]:
     """`snapshots`: --snapshot-every, --snapshot-interval or --resume asked for (taken shard
-    by shard inside one node, docs/sharded.md; refused for groups that span nodes)."""
+    by shard, docs/sharded.md; by time only inside one node)."""
     size = int_value(ns.shard_size, "--shard-size", minimum=1)
     if size == 1:
         return {"shard_size": 1}
@@ -51,7 +52,7 @@ def _check_spanning(ns: argparse.Namespace, size: int, span: int, snapshots: boo
         raise UsageError(f"{what}: --spares (spare groups inside one node) cannot serve it",
                          hint="drop --spares; start a spare node instead (it waits, and "
                               "enters when a node is lost)")
-    if snapshots:
-        raise UsageError(f"{what}: snapshots and --resume take groups inside one node",
-                         hint="drop --snapshot-every/--snapshot-interval/--resume, or pick "
-                              "a --shard-size that divides --nproc-per-node")
+    if snapshots and float(ns.snapshot_interval or 0) > 0:
+        raise UsageError(f"{what}: --snapshot-interval needs a group inside one node (its "
+                         f"shards agree on the time through a file of the node)",
+                         hint="snapshot by committed steps: --snapshot-every N")

@@ -7,7 +7,9 @@ worker starts with no live replica to heal from (load the newest complete snapsh
 node's shared-memory slots first, then the disk, skipping, with one line each, any that is
 partial or corrupt). With --shard-size every rank of the node's first replica group fills
 its own shard's slots, and a rank resumes from a complete set of shards (its own, from shared
-memory) or from disk through DCP, resharded to its shape (worker/sharded_snapshot.py).
+memory) or from disk through DCP, resharded to its shape (worker/sharded_snapshot.py); a
+group that spans nodes fills each node's part, and its ranks agree over their shard group on
+a step every one of them holds before any loads (a node holds only its own shards).
 Must not import: typer, rich, NVML, the agent, worker.api. Torch is imported when it runs.
 """
 
@@ -52,6 +54,8 @@ from ftrun.worker import sharded_snapshot
 from ftrun.worker.aligning import STREAMS
 
 STEP = "ftrun.step"  # the committed step, beside the registered objects in a snapshot
+# (step, where, taken at, read): a snapshot a worker may resume from
+Candidate = tuple[int, str, float, Callable[[], dict[str, Any]]]
 
 
 class Snapshots:
@@ -66,6 +70,9 @@ class Snapshots:
         self.resuming = wenv.resume  # started with no live replica: load the newest first
         self.worker_id = wenv.worker_id
         self.shard_size = wenv.shard_size
+        self.nproc = wenv.local_world_size
+        # groups that span nodes
+        self.spans = wenv.shard_size > max(1, wenv.local_world_size)
         self._last_step = 0
         self._last_at = time.time()
         self.skipped = 0  # due, but the agent was still reading the slot to fill
@@ -122,7 +129,7 @@ class Snapshots:
         another replica of its node takes the snapshots."""
         if self.shard_size <= 1:
             return "" if snapshots_this_node(gen.members, self.worker_id) else None
-        shard = snapshot_shard(gen.members, self.worker_id, self.shard_size)
+        shard = snapshot_shard(gen.members, self.worker_id, self.shard_size, self.spans)
         return None if shard is None else os.path.basename(shard_dir("", shard))
 
     def _due(self, committed: int, now: float, sub: str) -> bool:
@@ -183,7 +190,23 @@ class Snapshots:
         self.resuming = False
         started = time.time()
         skipped: list[str] = []
-        for where, taken_at, read in self._candidates(objects):
+        found = self._candidates(objects)
+        resumed = self._agreed(found, objects, skipped, started) if self.spans else \
+            self._load_first(found, objects, skipped, started)
+        if resumed is not None:
+            for line in skipped:  # worth saying only now: an older one served instead
+                _say(f"skipping snapshot {line}")
+            return resumed
+        what = f"--resume {self.resume_dir}" if not self.resume_run else \
+            f"the snapshot of step {self.resume_step}"
+        why = f"no snapshot fits (the newest, {skipped[0]})" if skipped else "none is left"
+        _say(f"error: cannot resume from {what}: {why}")
+        sys.exit(EXIT_CANNOT_RESUME)  # the agent ends the job: no replacement would fit
+
+    def _load_first(self, found: list[Candidate], objects: Mapping[str, Any],
+                    skipped: list[str], started: float) -> Resumed | None:
+        """Load the first of `found` that fits into `objects`; why each before it did not."""
+        for _, where, taken_at, read in found:
             try:
                 state = read()
                 sharded_snapshot.own_streams(state, objects, STREAMS)
@@ -193,30 +216,42 @@ class Snapshots:
                 for name, obj in objects.items():
                     obj.load_state_dict(state[name])
                 now = time.time()
-                for line in skipped:  # worth saying only now: an older one served instead
-                    _say(f"skipping snapshot {line}")
                 return Resumed(self.worker_id, int(state[STEP]), where, taken_at, now,
                                round((now - started) * 1000, 1))
             except (Broken, snapshot_io.Unreadable) as exc:
                 skipped.append(f"{where}: {exc}")
             except Exception as exc:  # a snapshot that cannot be loaded is skipped, said once
                 skipped.append(first_line(f"{where}: {type(exc).__name__}: {exc}", 300))
-        what = f"--resume {self.resume_dir}" if not self.resume_run else \
-            f"the snapshot of step {self.resume_step}"
-        why = f"no snapshot fits (the newest, {skipped[0]})" if skipped else "none is left"
-        _say(f"error: cannot resume from {what}: {why}")
-        sys.exit(EXIT_CANNOT_RESUME)  # the agent ends the job: no replacement would fit
+        return None
 
-    def _candidates(self, objects: Mapping[str, Any]
-                    ) -> list[tuple[str, float, Callable[[], dict[str, Any]]]]:
+    def _agreed(self, found: list[Candidate], objects: Mapping[str, Any],
+                skipped: list[str], started: float) -> Resumed | None:
+        """A group that spans nodes: each node holds its own shards only, so the group's
+        ranks agree on the newest step every one of them holds (and then loaded: one that
+        failed makes them all try the next older), over the shard group."""
+        cap = 1 << 62
+        while True:
+            mine = [c for c in found if c[0] <= cap]
+            step = sharded_snapshot.agree_min(objects, max((c[0] for c in mine), default=-1))
+            if step < 0:
+                return None
+            resumed = self._load_first([c for c in mine if c[0] == step], objects, skipped,
+                                       started)
+            if sharded_snapshot.agree_min(objects, 0 if resumed else -1) == 0:
+                return resumed
+            cap = step - 1
+
+    def _candidates(self, objects: Mapping[str, Any]) -> list[Candidate]:
         """Newest first, shared memory before disk: this agent's slots (complete sets of
         shards, sharded), and the disk snapshots of `resume_dir` (only this run's after a
         restart, none newer than the agent chose)."""
         found: list[tuple[int, int, str, float, Callable[[], dict[str, Any]]]] = []
         newest = self.resume_step if self.resume_step >= 0 else None
-        for held in complete_sets((self.shm_dir, self.spill_dir), self.shard_size) \
-                if self.shard_size > 1 else ():
-            if newest is None or held.step <= newest:
+        mesh = sharded_snapshot.mesh_of(objects) if self.spans else None
+        own = mesh.get_local_rank() if mesh is not None else 0
+        for held in complete_sets((self.shm_dir, self.spill_dir), self.shard_size,
+                                  self.nproc) if self.shard_size > 1 else ():
+            if (newest is None or held.step <= newest) and held.holds(own):
                 label = "shared memory" if held.parts[0][0].startswith(self.shm_dir) else "disk"
                 found.append((held.step, 1, f"{label} slots of {self.shard_size} shards "
                               f"(step {held.step})", max(r.taken_at for _, _, r in held.parts),
@@ -242,7 +277,7 @@ class Snapshots:
                     found.append((step, 0, path, man.taken_at if isinstance(man, Manifest)
                                   else 0.0, _disk_reader(path, objects)))
         found.sort(key=lambda c: (c[0], c[1]), reverse=True)  # newest; memory before disk
-        return [(where, at, read) for _, _, where, at, read in found]
+        return [(step, where, at, read) for step, _, where, at, read in found]
 
 
 def first_mismatch(saved: Mapping[str, Any], objects: Mapping[str, Any]) -> str | None:
@@ -314,15 +349,22 @@ def _disk_reader(path: str, objects: Mapping[str, Any]) -> Callable[[], dict[str
     tensor it holds now (any shape that wrote it), its shapes checked before any is read;
     one without reads every tensor whole (a sharded snapshot's chunks put together)."""
     def read() -> dict[str, Any]:
-        why = verify(path)
-        if why is not None:
-            raise Broken(why)
-        if sharded_snapshot.mesh_of(objects) is None:
+        paths = sharded_snapshot.disk_parts(path, objects)  # a node's part: with the others?
+        if isinstance(paths, str):
+            raise Broken(paths)
+        for part in paths:
+            why = verify(part)
+            if why is not None:
+                raise Broken(why)
+        if sharded_snapshot.mesh_of(objects) is None and paths == [path]:
             return snapshot_io.load_disk(path)  # refuses another user's before unpickling
         why = first_mismatch(sharded_io.saved_shapes(path), objects)
         if why is not None:
             raise Broken(why)
-        return sharded_io.load_resharded(path, sharded_snapshot.targets(objects))
+        state = sharded_io.load_parts(paths, sharded_snapshot.targets(objects))
+        if (own := sharded_snapshot.part_of(path)) is not None and len(paths) == 1:
+            state[sharded_snapshot.SHARDS_OF] = own[2]  # its own shard's part, same shape
+        return state
     return read
 
 
