@@ -184,30 +184,35 @@ def listening(port: int) -> bool:
         return s.connect_ex(("127.0.0.1", port)) == 0
 
 
-def two_nodes(tmp: Path, out: Path, *flags: str, steps: int) -> list[str]:
-    """Two agents on loopback (c10d), 2 workers each; their stderr once both ended."""
+def two_nodes(tmp: Path, out: Path, *flags: str, steps: int, rdzv_id: str = "shards2x2",
+              per_node: tuple[list[str], list[str]] = ([], []), script_args: tuple[str, ...] = (),
+              env: dict[str, str] | None = None, timeout: float = 240) -> list[str]:
+    """Two agents on loopback (c10d), 2 workers each; their stderr once both ended.
+    `per_node`: flags for the coordinator (node 0) and for the other node, after `flags`."""
     out.mkdir(parents=True, exist_ok=True)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     procs = []
-    for node in ("a", "b"):
+    for node, own in zip(("a", "b"), per_node, strict=True):
         cmd = ftrun_cmd("--nnodes", "2", "--nproc", "2", "--rdzv-backend", "c10d",
-                        "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "shards2x2",
-                        *flags, SCRIPT, "--out", str(out), "--noise", "--steps", str(steps))
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "FTRUN_RUN_DIR": str(tmp / f"run_{node}")}
-        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL,
+                        "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", rdzv_id,
+                        *flags, *own, SCRIPT, "--out", str(out), "--noise", "--steps",
+                        str(steps), *script_args)
+        full_env = {**os.environ, "OMP_NUM_THREADS": "1",
+                    "FTRUN_RUN_DIR": str(tmp / f"run_{node}"), **(env or {})}
+        procs.append(subprocess.Popen(cmd, env=full_env, stdout=subprocess.DEVNULL,
                                       stderr=subprocess.PIPE, text=True,
                                       start_new_session=True))
-        if node == "a":  # it binds the endpoint and coordinates
+        if node == "a":  # it binds the endpoint and coordinates: node 0
             wait_for(lambda: listening(port), 60, "the coordinator listening")
     try:
-        ends = [p.communicate(timeout=240) for p in procs]
+        ends = [p.communicate(timeout=timeout) for p in procs]
     finally:
         for p in procs:
             if p.poll() is None:
                 os.killpg(p.pid, 9)
-    assert [p.returncode for p in procs] == [0, 0], [e[1] for e in ends]
+    assert [p.returncode for p in procs] == [0, 0], [e[1][-3000:] for e in ends]
     return [e[1] for e in ends]
 
 

@@ -11,17 +11,15 @@ other node, which holds the newer part, must not use it); `--resume` of node-loc
 one of which lacks the newer part; `--resume` of a directory holding every node's part on
 another shape (one node, a group of 2; plain replicas); a node-local part alone on another
 shape is refused with one line."""
-import os
 import re
 import shutil
-import socket
-import subprocess
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import ftrun_cmd, run_ftrun, wait_for
+from conftest import run_ftrun
 from test_sharded_snapshots import SCRIPT, _publish, resumed_steps, same, states
+from test_sharded_snapshots import two_nodes as sharded_two_nodes
 from torch.distributed.tensor import Shard
 
 from ftrun.adapters import sharded_io
@@ -111,41 +109,13 @@ def test_a_part_keeps_its_shards_streams_for_the_same_group_size() -> None:
 
 
 # ---------------------------------------------------------------- training runs
-def listening(port: int) -> bool:
-    with socket.socket() as s:
-        return s.connect_ex(("127.0.0.1", port)) == 0
-
-
 def two_nodes(tmp: Path, out: Path, flags: tuple[list[str], list[str]], steps: int = 16,
               script_args: tuple[str, ...] = (), env: dict[str, str] | None = None
               ) -> list[str]:
     """Two agents on loopback (c10d), 2 workers each, one replica group of 4 over both
     (node-specific flags: `flags[0]` for the coordinator, node 0); their stderr."""
-    out.mkdir(parents=True, exist_ok=True)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = []
-    for node, own in zip(("a", "b"), flags, strict=True):
-        cmd = ftrun_cmd("--nnodes", "2", "--nproc", "2", "--shard-size", "4", "--rdzv-backend",
-                        "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "span4",
-                        *own, SCRIPT, "--out", str(out), "--noise", "--steps", str(steps),
-                        *script_args)
-        full_env = {**os.environ, "OMP_NUM_THREADS": "1", "FTRUN_RUN_DIR": str(tmp / node),
-                    **(env or {})}
-        procs.append(subprocess.Popen(cmd, env=full_env, stdout=subprocess.DEVNULL,
-                                      stderr=subprocess.PIPE, text=True,
-                                      start_new_session=True))
-        if node == "a":  # it binds the endpoint and coordinates: node 0
-            wait_for(lambda: listening(port), 60, "the coordinator listening")
-    try:
-        ends = [p.communicate(timeout=300) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, 9)
-    assert [p.returncode for p in procs] == [0, 0], [e[1][-3000:] for e in ends]
-    return [e[1] for e in ends]
+    return sharded_two_nodes(tmp, out, "--shard-size", "4", steps=steps, rdzv_id="span4",
+                             per_node=flags, script_args=script_args, env=env, timeout=300)
 
 
 def both(flags: list[str]) -> tuple[list[str], list[str]]:
