@@ -2,7 +2,8 @@
 
 Owns: remembering the exit status a script asked for, writing torch's error file for an
 uncaught exception, and, at interpreter exit, ending the process with it through os._exit
-once stdio is flushed. An FT worker has threads blocked in
+once every open file's buffer is flushed (stdio, and files a script never closed, as the
+interpreter's teardown would). An FT worker has threads blocked in
 C++ calls (the generation watcher's store wait, waits on abandoned ops) and may hold leaked
 gloo groups whose C++ threads still run; tearing C++ statics down under them crashed exits
 here (SIGSEGV, or SIGABRT "terminate called without an active exception"), which the agent
@@ -19,6 +20,8 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import gc
+import io
 import json
 import os
 import sys
@@ -108,7 +111,20 @@ def _leave() -> None:
     for func in (*_LATER, _leave):  # these ran (or are running): not twice
         _unregister(func)
     atexit._run_exitfuncs()  # the handlers registered before ftrun.init(), as exit runs them
+    flush_open_files()
+    os._exit(_state["code"])
+
+
+def flush_open_files() -> None:
+    """What the interpreter's own teardown would write: the buffers of every file still
+    open (a script's log it never closed lost its lines at os._exit), text layers before
+    the binary ones below them, stdio included."""
+    found = [o for o in gc.get_objects() if isinstance(o, io.IOBase)]
+    for layer in (io.TextIOBase, io.BufferedIOBase, io.RawIOBase):
+        for stream in (o for o in found if isinstance(o, layer)):
+            with contextlib.suppress(Exception):  # closed, read-only, a broken pipe: nothing
+                if not stream.closed and stream.writable():
+                    stream.flush()
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(OSError, ValueError):
             stream.flush()
-    os._exit(_state["code"])
