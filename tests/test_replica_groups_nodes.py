@@ -47,8 +47,6 @@ def test_a_multiple_of_the_workers_per_node_is_accepted() -> None:
      "--nnodes 2:4"),
     (["--nproc", "1", "--nnodes", "2:4", *MULTI, "--shard-size", "2", "--spares", "1"],
      "--spares", "start a spare node instead"),
-    (["--nproc", "1", "--nnodes", "2:4", *MULTI, "--shard-size", "2", "--snapshot-interval",
-      "5"], "--snapshot-interval needs a group inside one node", "--snapshot-every N"),
 ])
 def test_what_spanning_groups_cannot_run_is_one_line_naming_what_to_pick(
         argv: list[str], says: str, hint: str) -> None:

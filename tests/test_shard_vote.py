@@ -1,6 +1,7 @@
 """A replica group's step vote and its step-start generation check (sharded.ShardGroup), on
 a real 2-rank gloo group: the group commits a step only when every rank succeeded in the same
-generation, and every rank learns the newest generation any of them is in."""
+generation, and every rank learns the newest generation any of them is in and the boundary
+of the next time-based snapshot that shard 0 named."""
 
 from __future__ import annotations
 
@@ -28,8 +29,10 @@ def _cast(fixture_path: Callable[[str], str], tmp_path: Path,
 def test_a_vote_commits_only_one_generation_and_the_check_finds_the_newest(
         fixture_path: Callable[[str], str], tmp_path: Path) -> None:
     calls: tuple[list[list[object]], list[list[object]]] = (
-        [["vote", 1, 0, 3], ["vote", 1, 0, 3], ["vote", 1, 1, 4], ["agree", 2], ["agree", 6]],
-        [["vote", 1, 0, 3], ["vote", 1, 0, 4], ["vote", 0, 0, 4], ["agree", 5], ["agree", 6]],
+        [["vote", 1, 0, 3], ["vote", 1, 0, 3], ["vote", 1, 1, 4], ["agree", 2, 9],
+         ["agree", 6, -1]],
+        [["vote", 1, 0, 3], ["vote", 1, 0, 4], ["vote", 0, 0, 4], ["agree", 5, -1],
+         ["agree", 6, -1]],
     )
     zero, one = _cast(fixture_path, tmp_path, calls)
     assert zero == one  # one collective: both ranks learn the same
@@ -37,6 +40,7 @@ def test_a_vote_commits_only_one_generation_and_the_check_finds_the_newest(
         [True, False],  # both succeeded in generation 3: commit
         [False, False],  # both succeeded, in generations 3 and 4: neither commits
         [False, True],  # one failed; the other's vote to switch still counts
-        5,  # the newest generation of the group, for the rank still in generation 2
-        6,
+        [5, 9],  # the newest generation of the group, for the rank still in generation 2;
+        # the boundary shard 0 named for a time-based snapshot, for its peer
+        [6, -1],
     ]

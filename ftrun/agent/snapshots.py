@@ -140,7 +140,8 @@ class SnapshotKeeper:
         if worker_id % WORKER_ID_STRIDE >= self.spec.nproc:
             return fields  # a replacement or a spare heals from a live replica
         chosen = self._chosen.setdefault(attempt, self.newest_step()) if attempt > 0 else -1
-        if chosen >= 0:
+        spans = self.spec.shard_size > self.spec.nproc  # its group agrees over every node:
+        if chosen >= 0 or (attempt > 0 and self.on and spans):  # one holding nothing too
             fields.update(resume=True, resume_dir=self.disk, resume_run=self.run,
                           resume_step=chosen)
         elif self.spec.resume:

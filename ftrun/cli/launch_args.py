@@ -218,9 +218,7 @@ def build_run_spec(
         _check_multinode(ns, nmin, nmax, endpoint_port)
     nproc = resolve_nproc(str(ns.nproc_per_node), gpu_count)
     snapshots = snapshot_fields(ns)
-    sharding = shard_fields(ns, nproc, bool(snapshots["snapshot_every"] or
-                                            snapshots["snapshot_interval"] or
-                                            snapshots["resume"]))
+    sharding = shard_fields(ns, nproc)
     return RunSpec(
         script=ns.training_script,
         script_args=tuple(ns.training_script_args),

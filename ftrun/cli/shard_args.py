@@ -4,8 +4,7 @@ Owns: turning --shard-size into the `RunSpec` field, with a one-line error for e
 combination ftrun cannot run. Replica groups tile the workers: SIZE divides the workers per
 node (a group inside one node; --spares counts hot spare groups of SIZE workers), or SIZE is
 a multiple of them (a group spans SIZE / nproc whole nodes: --nnodes counts whole groups;
-spare groups are refused, and time-based snapshots: a group's shards on other nodes cannot
-read shard 0's clock, so --snapshot-every serves).
+spare groups are refused: a spare node serves).
 Must not import: torch, typer, rich, the agent.
 """
 
@@ -18,9 +17,7 @@ from ftrun.cli.values import int_value
 from ftrun.core.errors import UsageError
 
 
-def shard_fields(ns: argparse.Namespace, nproc: int, snapshots: bool) -> dict[str, Any]:
-    """`snapshots`: --snapshot-every, --snapshot-interval or --resume asked for (taken shard
-    by shard, docs/sharded.md; by time only inside one node)."""
+def shard_fields(ns: argparse.Namespace, nproc: int) -> dict[str, Any]:
     size = int_value(ns.shard_size, "--shard-size", minimum=1)
     if size == 1:
         return {"shard_size": 1}
@@ -36,11 +33,11 @@ def shard_fields(ns: argparse.Namespace, nproc: int, snapshots: bool) -> dict[st
                          hint="drop --on-fault restart (a broken replica group is dropped, "
                               "then rejoins)")
     if size > nproc:
-        _check_spanning(ns, size, size // nproc, snapshots)
+        _check_spanning(ns, size, size // nproc)
     return {"shard_size": size}
 
 
-def _check_spanning(ns: argparse.Namespace, size: int, span: int, snapshots: bool) -> None:
+def _check_spanning(ns: argparse.Namespace, size: int, span: int) -> None:
     """A group of `size` ranks spans `span` whole nodes."""
     what = f"--shard-size {size} spans {span} nodes"
     nnodes = [int_value(n, "--nnodes", minimum=1) for n in str(ns.nnodes).split(":")]
@@ -52,7 +49,3 @@ def _check_spanning(ns: argparse.Namespace, size: int, span: int, snapshots: boo
         raise UsageError(f"{what}: --spares (spare groups inside one node) cannot serve it",
                          hint="drop --spares; start a spare node instead (it waits, and "
                               "enters when a node is lost)")
-    if snapshots and float(ns.snapshot_interval or 0) > 0:
-        raise UsageError(f"{what}: --snapshot-interval needs a group inside one node (its "
-                         f"shards agree on the time through a file of the node)",
-                         hint="snapshot by committed steps: --snapshot-every N")

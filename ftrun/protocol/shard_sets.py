@@ -9,8 +9,7 @@ the node holds), the per-shard slot directories (`<slots>/shard<k>/slot<i>.bin|j
 shard's two slots as in protocol/snapshots.py), a complete set (every shard of one step
 published; a set missing a shard, one whose writer died mid-copy, is never used) and a
 node's complete part of one (groups that span nodes: every shard the node holds, of one
-step; the union over the group's nodes is the set), and the due marker that makes every
-shard of a group inside one node agree on a time-based snapshot without a collective.
+step; the union over the group's nodes is the set).
 Must not import: torch, typer, rich, the agent or the worker library.
 """
 
@@ -22,8 +21,6 @@ from dataclasses import dataclass
 from ftrun.core.replica_groups import replica_groups
 from ftrun.protocol.rendezvous import node_of
 from ftrun.protocol.snapshots import SLOTS, SlotRecord, read_slot_record
-
-DUE = "due"  # the step at whose boundary the next time-based snapshot is taken
 
 
 def shard_dir(slots: str, shard: int) -> str:
@@ -107,21 +104,3 @@ def complete_sets(dirs: tuple[str, ...], shard_size: int, per_node: int = 0) -> 
         found += [ShardSet(step, tuple(held[step] for held in by_shard), first,
                            shard_size if span < shard_size else 0) for step in steps]
     return sorted(found, key=lambda s: (s.step, -s.first), reverse=True)
-
-
-def read_due(slots: str) -> int:
-    try:
-        with open(os.path.join(slots, DUE)) as f:
-            return int(f.read())
-    except (OSError, ValueError):
-        return -1
-
-
-def write_due(slots: str, step: int) -> None:
-    """Shard 0 names the next boundary at which its group snapshots: written before it
-    enters that step's collectives, so every other shard reads it at the same boundary."""
-    path = os.path.join(slots, DUE)
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
-        f.write(str(step))
-    os.rename(tmp, path)

@@ -329,8 +329,13 @@ class FaultTolerant:
         sharding = self._replicas.sharding
         if not self._managed or sharding is None:
             return False
+        snapshots = self._snapshots
         try:
-            return sharding.group().agree(self.generation) > self.generation
+            newest, due = sharding.group().agree(self.generation,
+                                                 snapshots.proposed if snapshots else -1)
+            if snapshots is not None:
+                snapshots.agreed_due = due
+            return newest > self.generation
         except CommError as exc:  # a peer died: the agent takes the group out
             self._member.broke(str(exc))
             return True

@@ -143,12 +143,15 @@ class ShardGroup:
                                                       generation, -generation], "step vote")
         return failed == 0 and newest == -oldest, switches > 0
 
-    def agree(self, generation: int) -> int:
-        """The newest generation any rank of the group is in, at a step's start: a rank that
-        has not seen it yet moves there first, so that the group's ranks attempt each step
-        in one generation (their FSDP collectives pair on this group whatever the
-        generation)."""
-        return int(self._max([float(generation)], "generation check")[0])
+    def agree(self, generation: int, due: int = -1) -> tuple[int, int]:
+        """At a step's start: (the newest generation any rank of the group is in, the
+        newest boundary any rank named `due` for a time-based snapshot). A rank that has
+        not seen that generation yet moves there first, so that the group's ranks attempt
+        each step in one generation (their FSDP collectives pair on this group whatever the
+        generation); shard 0's clock names the boundary, and every shard of the group,
+        on whichever node, hears it in the same collective."""
+        newest, boundary = self._max([float(generation), float(due)], "generation check")
+        return int(newest), int(boundary)
 
     def _max(self, values: list[float], what: str) -> list[float]:
         import torch

@@ -31,10 +31,8 @@ from ftrun.protocol.rendezvous import Generation, Resumed
 from ftrun.protocol.shard_sets import (
     ShardSet,
     complete_sets,
-    read_due,
     shard_dir,
     snapshot_shard,
-    write_due,
 )
 from ftrun.protocol.snapshots import (
     EXIT_CANNOT_RESUME,
@@ -76,6 +74,9 @@ class Snapshots:
         self._last_step = 0
         self._last_at = time.time()
         self.skipped = 0  # due, but the agent was still reading the slot to fill
+        # by time, sharded: the boundary shard 0's clock names, and the one its group heard
+        # at a step's start (api.py carries both in the group's generation check)
+        self.proposed = self.agreed_due = -1
         self._slots: dict[int, snapshot_io.Slot] = {}  # kept mapped from one snapshot to the next
         self._reserving: threading.Thread | None = None  # maps and writes every slot's pages
 
@@ -134,16 +135,16 @@ class Snapshots:
 
     def _due(self, committed: int, now: float, sub: str) -> bool:
         """By steps: the same boundary on every rank. By time, sharded: shard 0's clock
-        decides, one boundary ahead, through a marker every shard of the group reads (each
-        shard's own clock would split a set)."""
+        names the next boundary, which its group hears at that step's start (the group's
+        generation check carries it); the other shards follow it, never their own clocks
+        (a set split between two steps is never complete), wherever their nodes are."""
         if self.shard_size <= 1 or self.every > 0 or self.interval_s <= 0:
             return is_due(self.every, self.interval_s, committed, self._last_step,
                           self._last_at, now)
-        marked = read_due(self.shm_dir)
-        due = committed > self._last_step and marked == committed
-        if not due and sub == "shard0" and marked < committed and is_due(
-                0, self.interval_s, committed, self._last_step, self._last_at, now):
-            write_due(self.shm_dir, committed + 1)
+        due = committed > self._last_step and self.agreed_due == committed
+        if not due and sub == "shard0" and is_due(0, self.interval_s, committed,
+                                                  self._last_step, self._last_at, now):
+            self.proposed = committed + 1
         return due
 
     def _reserve(self, objects: Mapping[str, Any], sub: str) -> threading.Thread:
@@ -182,24 +183,34 @@ class Snapshots:
              f"snapshotting to disk only ({self.spill_dir})")
         return self.spill_dir
 
-    def resume(self, objects: Mapping[str, Any]) -> Resumed:
+    def resume(self, objects: Mapping[str, Any]) -> Resumed | None:
         """Load the newest snapshot this worker may use into `objects`; what to tell the
         agent. None loaded ends the worker with EXIT_CANNOT_RESUME after one line (the agent
         chose a snapshot, or --resume named one): training from step 0 instead would be
-        silent, and would overwrite what it was given."""
+        silent, and would overwrite what it was given. A group that spans nodes none of
+        whose ranks holds a snapshot after a restart (a loss before the first) starts from
+        step 0 (None), as a node without a snapshot does."""
         self.resuming = False
         started = time.time()
         skipped: list[str] = []
         found = self._candidates(objects)
-        resumed = self._agreed(found, objects, skipped, started) if self.spans else \
-            self._load_first(found, objects, skipped, started)
+        if self.spans:
+            resumed, none_held = self._agreed(found, objects, skipped, started)
+            if none_held and self.resume_run:
+                return None
+        else:
+            resumed = self._load_first(found, objects, skipped, started)
         if resumed is not None:
             for line in skipped:  # worth saying only now: an older one served instead
                 _say(f"skipping snapshot {line}")
             return resumed
         what = f"--resume {self.resume_dir}" if not self.resume_run else \
-            f"the snapshot of step {self.resume_step}"
+            f"the snapshot of step {self.resume_step}" if self.resume_step >= 0 else \
+            "a snapshot"
         why = f"no snapshot fits (the newest, {skipped[0]})" if skipped else "none is left"
+        if self.spans and not skipped:
+            why = ("its replica group's ranks hold no step in common (a node of the group "
+                   "holds no part of one: a node new since, or its snapshots gone)")
         _say(f"error: cannot resume from {what}: {why}")
         sys.exit(EXIT_CANNOT_RESUME)  # the agent ends the job: no replacement would fit
 
@@ -225,20 +236,23 @@ class Snapshots:
         return None
 
     def _agreed(self, found: list[Candidate], objects: Mapping[str, Any],
-                skipped: list[str], started: float) -> Resumed | None:
+                skipped: list[str], started: float) -> tuple[Resumed | None, bool]:
         """A group that spans nodes: each node holds its own shards only, so the group's
         ranks agree on the newest step every one of them holds (and then loaded: one that
-        failed makes them all try the next older), over the shard group."""
+        failed makes them all try the next older), over the shard group. Every rank of the
+        group enters, one whose node holds nothing included (the agent tells each to after a
+        restart): (what was loaded, whether no rank held any snapshot at all)."""
         cap = 1 << 62
         while True:
             mine = [c for c in found if c[0] <= cap]
             step = sharded_snapshot.agree_min(objects, max((c[0] for c in mine), default=-1))
             if step < 0:
-                return None
+                return None, cap == 1 << 62 and sharded_snapshot.agree_min(
+                    objects, 0 if found else 1) == 1
             resumed = self._load_first([c for c in mine if c[0] == step], objects, skipped,
                                        started)
             if sharded_snapshot.agree_min(objects, 0 if resumed else -1) == 0:
-                return resumed
+                return resumed, False
             cap = step - 1
 
     def _candidates(self, objects: Mapping[str, Any]) -> list[Candidate]:
