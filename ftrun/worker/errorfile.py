@@ -125,6 +125,6 @@ def flush_open_files() -> None:
             with contextlib.suppress(Exception):  # closed, read-only, a broken pipe: nothing
                 if not stream.closed and stream.writable():
                     stream.flush()
-    for stream in (sys.stdout, sys.stderr):
+    for std in (sys.stdout, sys.stderr):
         with contextlib.suppress(OSError, ValueError):
-            stream.flush()
+            std.flush()

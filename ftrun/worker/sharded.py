@@ -26,6 +26,7 @@ from ftrun.core import timeouts
 from ftrun.core.errors import WorkerApiError, first_line
 from ftrun.core.replica_groups import replica_groups
 from ftrun.protocol.rendezvous import PREFIX, Generation, Store, spare_group_key
+from ftrun.worker import errorfile
 from ftrun.worker.comm import CommError, Group, Interrupt
 from ftrun.worker.joining import reconfigurable_default_group
 from ftrun.worker.replica_sync import ReplicaSync
@@ -269,6 +270,10 @@ def shard_plainly(size: int, group: Group, rank: int, wrapped: bool, backend: st
                              hint="fully_shard over ft.shard_mesh first, then ft.wrap")
     world = group.gen.world_size
     shard, replicate = plain_shard_groups(size, world, rank, backend, device)
+    # these groups are ftrun's and alive at exit: their C++ teardown aborted a torchrun
+    # worker once ("terminate called without an active exception"); leave as FT workers do
+    errorfile.install()
+    errorfile.arm()
     sharding = Sharding(size, made=shard)
     regrouped = Group(group.gen, rank // size, replicate if world > size else None,
                       members=tuple(range(rank % size, world, size)))
