@@ -120,7 +120,8 @@ def flush_open_files() -> None:
     open (a script's log it never closed lost its lines at os._exit), text layers before
     the binary ones below them, stdio included."""
     found = [o for o in gc.get_objects() if isinstance(o, io.IOBase)]
-    for layer in (io.TextIOBase, io.BufferedIOBase, io.RawIOBase):
+    # twice over the binary layer: one over another (a GzipFile over a file) in either order
+    for layer in (io.TextIOBase, io.BufferedIOBase, io.BufferedIOBase, io.RawIOBase):
         for stream in (o for o in found if isinstance(o, layer)):
             with contextlib.suppress(Exception):  # closed, read-only, a broken pipe: nothing
                 if not stream.closed and stream.writable():
