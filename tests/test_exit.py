@@ -14,6 +14,8 @@ PROLOGUE = ("from ftrun.worker import errorfile\nerrorfile.install()\nerrorfile.
     ("import sys; sys.exit(3)", 3),
     ("raise ValueError('x')", 1),
     ("import sys; sys.exit('bye')", 1),
+    ("exit(6)", 6),  # the site builtins, which raise SystemExit themselves
+    ("quit(7)", 7),
 ])
 def test_exit_status_is_kept(body: str, code: int) -> None:
     late = "atexit.register(lambda: print('user atexit ran', flush=True))\n"
@@ -58,15 +60,19 @@ def test_handlers_registered_before_ftrun_run_once_as_at_a_normal_exit(tmp_path)
 def test_files_a_script_never_closed_keep_what_it_wrote(tmp_path) -> None:
     """The interpreter's teardown flushes the buffers of files still open; os._exit would
     not: a script's log it never closed lost its last lines. Text over binary, binary alone,
-    an exception on the way out, a read-only file and a closed one beside them."""
+    an exception on the way out, a read-only file, a closed one and a dead weak proxy
+    beside them."""
     text, raw, seen = (tmp_path / n for n in ("log.txt", "data.bin", "read.txt"))
     seen.write_text("x")
     code = (PROLOGUE +
             f"log = open({str(text)!r}, 'w')\nlog.write('step 1\\n' * 1000 + 'last line')\n"
             f"data = open({str(raw)!r}, 'wb')\ndata.write(b'\\x01' * 10)\n"
             f"keep = [open({str(seen)!r}), open({str(seen)!r}, 'a')]\nkeep[1].close()\n"
+            "import weakref\nclass Gone: pass\n"
+            "dead = [weakref.proxy(Gone())]\n"  # tracked by the gc, raises on __class__
             "raise RuntimeError('on the way out')\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30)
     assert r.returncode == 1 and "on the way out" in r.stderr, r.stderr
+    assert "ReferenceError" not in r.stderr  # the exit went through os._exit, not teardown
     assert text.read_text().endswith("step 1\nlast line")
     assert raw.read_bytes() == b"\x01" * 10

@@ -24,7 +24,9 @@ from torch.distributed.tensor import Shard
 
 from ftrun.adapters import sharded_io
 from ftrun.adapters.snapshot_io import LocalShard
+from ftrun.agent.snapshots import SnapshotKeeper
 from ftrun.cli.launch_args import parse_run_args
+from ftrun.core.spec import RunSpec
 from ftrun.protocol import shard_sets
 from ftrun.protocol import snapshots as snap
 from ftrun.protocol.rendezvous import WORKER_ID_STRIDE
@@ -41,6 +43,31 @@ def test_the_cli_takes_snapshots_by_steps_and_by_time_and_resume_for_spanning_gr
     span = ["--nproc", "2", "--nnodes", "2", *MULTI, "--shard-size", "4"]
     assert parse_run_args([*span, "--snapshot-every", "5", "t.py"]).snapshot_every == 5
     assert parse_run_args([*span, "--snapshot-interval", "30", "t.py"]).snapshot_interval == 30
+
+
+def test_after_a_restart_every_first_worker_of_a_spanning_group_enters_the_agreement(
+        tmp_path: Path) -> None:
+    """A node holding no part still sends its ranks into the group's step agreement (its
+    peers would wait for them the collective timeout); a --resume run's DIR stays what a
+    node without a snapshot of its own resumes from (else it would start from step 0)."""
+    def keeper(**extra: object) -> SnapshotKeeper:
+        spec = RunSpec(script="x.py", nproc=2, shard_size=4, nnodes_min=2, nnodes_max=2,
+                       snapshot_every=4, snapshot_dir=str(tmp_path / "s"), **extra)
+        return SnapshotKeeper(spec, "unit", 0, lambda kind, f: None)
+
+    plain, resumed = keeper(), keeper(resume=str(tmp_path / "old"))
+    try:
+        assert not plain.worker_fields(0, attempt=0).get("resume")  # a fresh start
+        told = plain.worker_fields(0, attempt=1)  # nothing held on this node
+        assert (told.get("resume"), told.get("resume_run"), told.get("resume_step", -1)) == \
+            (True, plain.run, -1)
+        told = resumed.worker_fields(1, attempt=1)
+        assert (told.get("resume"), told.get("resume_dir"), told.get("resume_run", "")) == \
+            (True, str(tmp_path / "old"), "")
+        assert not plain.worker_fields(2, attempt=1).get("resume")  # a replacement heals
+    finally:
+        plain.close()
+        resumed.close()
 
 
 def test_a_node_holds_a_part_of_its_spanning_group_and_its_parts_are_complete_per_step(
@@ -213,7 +240,7 @@ def test_a_restart_starts_over_when_no_node_holds_a_part_and_ends_when_one_lacks
         ["--snapshot-every", "100", "--snapshot-dir", str(tmp_path / "ms")]),
         script_args=("--die-all-at", "10"), check=False)
     said = "".join(ends)
-    assert "replica group's ranks hold no step in common" in said, said[-3000:]
+    assert "no step that every rank of its replica group holds" in said, said[-3000:]
     assert "Traceback" not in said and not states(tmp_path / "mo")
 
 

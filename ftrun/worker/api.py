@@ -325,7 +325,8 @@ class FaultTolerant:
 
     def _behind_in_group(self) -> bool:
         """Under --shard-size, at a step's start: a rank of this replica group is in a newer
-        generation (its watcher saw it first). Asked once per attempt by every rank."""
+        generation (its watcher saw it first). Asked once per attempt by every rank; the
+        same collective tells the group the boundary of the next time-based snapshot."""
         sharding = self._replicas.sharding
         if not self._managed or sharding is None:
             return False

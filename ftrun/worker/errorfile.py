@@ -8,8 +8,9 @@ C++ calls (the generation watcher's store wait, waits on abandoned ops) and may 
 gloo groups whose C++ threads still run; tearing C++ statics down under them crashed exits
 here (SIGSEGV, or SIGABRT "terminate called without an active exception"), which the agent
 would take for a new fault.
-Known limit: the status of `sys.exit(n)` and of an uncaught exception is kept; a bare
-`raise SystemExit(n)` at top level is not visible to Python code at exit and leaves with 0.
+Known limit: the status of `sys.exit(n)`, `exit(n)`, `quit(n)` and of an uncaught exception is
+kept; a bare `raise SystemExit(n)` at top level is not visible to Python code at exit and
+leaves with 0.
 Every atexit handler runs, as at a normal exit: those registered after `ftrun.init()` before
 `_leave` (atexit runs the last registered first), the earlier ones (multiprocessing's clean-up
 of its semaphores, logging's flush, the script's own) from `_leave`, each once.
@@ -19,6 +20,7 @@ Must not import: torch, typer, rich, other ftrun modules.
 from __future__ import annotations
 
 import atexit
+import builtins
 import contextlib
 import gc
 import io
@@ -61,6 +63,9 @@ def install() -> None:
         real_hook(kind, value, tb)
 
     sys.exit = exit_  # type: ignore[assignment]
+    for name in ("exit", "quit"):  # the site builtins raise SystemExit themselves
+        if callable(getattr(builtins, name, None)):
+            setattr(builtins, name, exit_)
     sys.excepthook = hook
     _register(_leave)
     atexit.register = _register_later  # type: ignore[assignment]
@@ -111,7 +116,8 @@ def _leave() -> None:
     for func in (*_LATER, _leave):  # these ran (or are running): not twice
         _unregister(func)
     atexit._run_exitfuncs()  # the handlers registered before ftrun.init(), as exit runs them
-    flush_open_files()
+    with contextlib.suppress(Exception):  # whatever a file does, the process still leaves
+        flush_open_files()
     os._exit(_state["code"])
 
 
@@ -119,7 +125,8 @@ def flush_open_files() -> None:
     """What the interpreter's own teardown would write: the buffers of every file still
     open (a script's log it never closed lost its lines at os._exit), text layers before
     the binary ones below them, stdio included."""
-    found = [o for o in gc.get_objects() if isinstance(o, io.IOBase)]
+    # by type: isinstance reads __class__, which a dead weakref.proxy raises on
+    found = [o for o in gc.get_objects() if issubclass(type(o), io.IOBase)]
     # twice over the binary layer: one over another (a GzipFile over a file) in either order
     for layer in (io.TextIOBase, io.BufferedIOBase, io.BufferedIOBase, io.RawIOBase):
         for stream in (o for o in found if isinstance(o, layer)):

@@ -194,6 +194,7 @@ class Snapshots:
         started = time.time()
         skipped: list[str] = []
         found = self._candidates(objects)
+        none_held = False
         if self.spans:
             resumed, none_held = self._agreed(found, objects, skipped, started)
             if none_held and self.resume_run:
@@ -208,9 +209,9 @@ class Snapshots:
             f"the snapshot of step {self.resume_step}" if self.resume_step >= 0 else \
             "a snapshot"
         why = f"no snapshot fits (the newest, {skipped[0]})" if skipped else "none is left"
-        if self.spans and not skipped:
-            why = ("its replica group's ranks hold no step in common (a node of the group "
-                   "holds no part of one: a node new since, or its snapshots gone)")
+        if self.spans and not skipped and not none_held:
+            why = ("no step that every rank of its replica group holds and could load (a "
+                   "node of the group without its part: new since, or its snapshots gone)")
         _say(f"error: cannot resume from {what}: {why}")
         sys.exit(EXIT_CANNOT_RESUME)  # the agent ends the job: no replacement would fit
 
