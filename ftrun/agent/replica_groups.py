@@ -64,7 +64,7 @@ class ReplicaGroups:
     @property
     def spanning(self) -> bool:
         """A group spans nodes (--shard-size a multiple of the workers per node)."""
-        return self.spec.shard_size > self.spec.nproc
+        return self.spec.groups_span_nodes
 
     # ------------------------------------------------------------ a member lost
     def decide(self, snap: Snapshot, lost: int, why: str, loop: int

@@ -140,14 +140,14 @@ class SnapshotKeeper:
         if worker_id % WORKER_ID_STRIDE >= self.spec.nproc:
             return fields  # a replacement or a spare heals from a live replica
         chosen = self._chosen.setdefault(attempt, self.newest_step()) if attempt > 0 else -1
-        spans = self.spec.shard_size > self.spec.nproc
         if chosen >= 0:
             fields.update(resume=True, resume_dir=self.disk, resume_run=self.run,
                           resume_step=chosen)
         elif self.spec.resume:
             fields.update(resume=True, resume_dir=self.spec.resume)
-        elif attempt > 0 and self.on and spans:  # its group agrees over every node, one
-            fields.update(resume=True, resume_dir=self.disk, resume_run=self.run)  # with none
+        elif attempt > 0 and self.on and self.spec.groups_span_nodes:  # its group agrees
+            # over every node, one holding nothing included
+            fields.update(resume=True, resume_dir=self.disk, resume_run=self.run)
         return fields
 
     def newest_step(self) -> int:

@@ -107,6 +107,11 @@ class RunSpec:
         return self.snapshot_every > 0 or self.snapshot_interval > 0
 
     @property
+    def groups_span_nodes(self) -> bool:
+        """A replica group spans whole nodes (--shard-size a multiple of the workers per node)."""
+        return self.shard_size > self.nproc
+
+    @property
     def entry_name(self) -> str:
         """What torchrun calls the entrypoint in its failure title."""
         return self.script

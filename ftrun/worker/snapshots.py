@@ -51,6 +51,7 @@ from ftrun.protocol.snapshots import (
 from ftrun.worker import sharded_snapshot
 from ftrun.worker.aligning import STREAMS
 
+NO_CAP = 1 << 62  # any step: the first round of a spanning group's agreement
 STEP = "ftrun.step"  # the committed step, beside the registered objects in a snapshot
 # (step, where, taken at, read): a snapshot a worker may resume from
 Candidate = tuple[int, str, float, Callable[[], dict[str, Any]]]
@@ -243,12 +244,12 @@ class Snapshots:
         failed makes them all try the next older), over the shard group. Every rank of the
         group enters, one whose node holds nothing included (the agent tells each to after a
         restart): (what was loaded, whether no rank held any snapshot at all)."""
-        cap = 1 << 62
+        cap = NO_CAP
         while True:
             mine = [c for c in found if c[0] <= cap]
             step = sharded_snapshot.agree_min(objects, max((c[0] for c in mine), default=-1))
             if step < 0:
-                return None, cap == 1 << 62 and sharded_snapshot.agree_min(
+                return None, cap == NO_CAP and sharded_snapshot.agree_min(
                     objects, 0 if found else 1) == 1
             resumed = self._load_first([c for c in mine if c[0] == step], objects, skipped,
                                        started)
