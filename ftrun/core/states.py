@@ -2,8 +2,9 @@
 
 Owns: `WorkerState` (a worker process as the agent sees it), its allowed-transition table and
 `check_transition`; `Phase` (where a worker is in its step, as its progress slot says) and
-the phases the hang detector pauses in; `RecoveryMode` (what a worker must do at its next step
-boundary) and how two due recoveries combine; `TextEnum`, the str enum they print with.
+the phases the hang detector pauses in; `StepState` (a training step as the worker API sees
+it); `RecoveryMode` (what a worker must do at its next step boundary) and how two due
+recoveries combine; `TextEnum`, the str enum they print with.
 Must not import: anything beyond the standard library.
 """
 
@@ -98,3 +99,15 @@ class RecoveryMode(enum.Enum):
     @property
     def switch_voted(self) -> bool:
         return self in (RecoveryMode.SWITCH, RecoveryMode.SWITCH_BROKEN)
+
+
+class StepState(enum.Enum):
+    """Where a worker's current step is (worker/api.py): ft.steps() yields RUNNING; ft.sync()
+    goes from RUNNING to SYNCED or FAILED; ft.commit() from SYNCED (or RUNNING, syncing
+    itself) to COMMITTED; a FAILED step is repeated."""
+
+    IDLE = "not started"
+    RUNNING = "running"  # yielded by steps(): forward and backward
+    SYNCED = "synced"  # gradients averaged: the user steps, then commit()
+    FAILED = "failed"  # sync() failed: steps() repeats the step
+    COMMITTED = "committed"

@@ -16,7 +16,6 @@ Must not import: typer, rich, NVML, the agent or the CLI. Torch is imported when
 from __future__ import annotations
 
 import contextlib
-import enum
 import os
 import time
 from collections.abc import Iterator
@@ -24,7 +23,7 @@ from typing import Any
 
 from ftrun.core.errors import WorkerApiError
 from ftrun.core.spec import WorkerEnv
-from ftrun.core.states import RecoveryMode
+from ftrun.core.states import RecoveryMode, StepState
 from ftrun.protocol.progress import Reporter
 from ftrun.protocol.rendezvous import CommFailed, Generation, Request
 from ftrun.worker import errorfile
@@ -51,16 +50,6 @@ def init(backend: str | None = None, seed: int = 0) -> FaultTolerant:
     if WorkerEnv.recovers_in_process():
         return FaultTolerant(backend, seed, WorkerEnv.from_env())
     return FaultTolerant(backend, seed, None)
-
-
-class StepState(enum.Enum):
-    """Where the current step is: sync() and commit() are allowed from the states below."""
-
-    IDLE = "not started"
-    RUNNING = "running"  # yielded by steps(): forward and backward
-    SYNCED = "synced"  # gradients averaged: the user steps, then commit()
-    FAILED = "failed"  # sync() failed: steps() repeats the step
-    COMMITTED = "committed"
 
 
 class FaultTolerant:
