@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from ftrun.cluster.admission import Waiting, why_wait
+from ftrun.cluster.admission import Waiting, why_refused, why_wait
 from ftrun.core import timeouts
 from tests.conftest import FIXTURES, pid_alive, wait_for
 from tests.test_multinode import Node, free_port, ft_job, nodes, wait_listening  # noqa: F401
@@ -28,6 +28,18 @@ def test_a_node_waits_while_the_job_is_full_and_enters_when_there_is_room() -> N
     assert restart is not None and "--on-fault restart" in restart
     early = why_wait(2, 3, recovers_in_process=True, uses_api=False)
     assert early is not None and "ftrun API" in early
+
+
+def test_a_join_is_refused_for_another_job_a_taken_index_or_other_flags_in_that_order(
+        ) -> None:
+    ours, lost = '{"--redo": "step"}', '{"--redo": "lost"}'
+    assert why_refused("job", ours, "job", ours, 1, False) is None
+    assert why_refused("job", ours, "job", "", 1, False) is None  # an agent before the check
+    assert why_refused("job", ours, "other", lost, 1, True) == \
+        "this store serves --rdzv-id 'job', not 'other'"
+    assert why_refused("job", ours, "job", lost, 1, True) == "node index 1 is taken"
+    flags = why_refused("job", ours, "job", lost, 1, False)
+    assert flags is not None and flags.startswith("this node was started with --redo lost")
 
 
 def test_a_waiting_node_is_told_each_reason_once() -> None:
@@ -121,16 +133,21 @@ def test_waiting_nodes_enter_when_a_node_is_lost_or_the_coordinator_pauses(
     assert "enters the running job" in a.stderr
 
 
-def test_a_node_of_another_rdzv_id_is_refused_and_the_job_goes_on(tmp_path: Path,
-                                                                  nodes) -> None:  # noqa: F811
+def test_a_node_of_another_rdzv_id_or_other_flags_is_refused_and_the_job_goes_on(
+        tmp_path: Path, nodes) -> None:  # noqa: F811
     port = free_port()
     job = ["--nnodes", "1:2", "--nproc", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint",
            f"127.0.0.1:{port}", str(FIXTURES / "behave.py"), "--sleep", "4"]
     a = nodes("a", ["--rdzv-id", "ours", *job])
     wait_listening(port, 30)
     stranger = nodes("b", ["--rdzv-id", "theirs", *job])
+    other = nodes("c", ["--rdzv-id", "ours", "--redo", "lost", *job])  # its flags differ
     assert stranger.wait(60) == 1
     assert "the coordinator refused this node: this store serves --rdzv-id 'ours', not " \
            "'theirs' (the job goes on without it)" in stranger.stderr, stranger.stderr
     assert "ended the job" not in stranger.stderr
+    assert other.wait(60) == 1
+    assert "the coordinator refused this node: this node was started with --redo lost (the " \
+           "job's: step); start every node with the same " in other.stderr, other.stderr
     assert a.wait(60) == 0, a.stderr
+    assert ") refused: this node was started with --redo lost" in a.stderr, a.stderr

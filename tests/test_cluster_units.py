@@ -37,6 +37,7 @@ from ftrun.cluster.messages import (
 )
 from ftrun.core.events import Event
 from ftrun.core.membership import WorkerRole
+from ftrun.core.node_flags import shared_flags
 from ftrun.core.spec import RunSpec
 from ftrun.protocol.rendezvous import Hello, encode
 
@@ -88,9 +89,9 @@ class Job:
         return rec
 
 
-def join(node: int, rdzv_id: str = "job", host: str = "") -> Join:
+def join(node: int, rdzv_id: str = "job", host: str = "", flags: str = "") -> Join:
     return message(Join, node=node, host=host or f"h{node}", pid=100 + node, nproc=2,
-                   rdzv_id=rdzv_id)
+                   rdzv_id=rdzv_id, flags=flags)
 
 
 def exited(worker: int, code: int, attempt: int = 0, error: str = "") -> Exited:
@@ -146,10 +147,28 @@ def test_a_join_of_another_job_or_under_a_taken_index_is_refused_on_its_queue(
     assert job.sent(1) == [End(code=1, reason="node index 1 is taken", lost=False,
                                refused=True)]
     assert job.coord.nodes[1].host == "h1"
-    assert job.node.notices() == ["node 1 (h1) joined with 2 workers"]
+    assert job.node.notices() == [
+        "node 1 (h1) refused: this store serves --rdzv-id 'job', not 'other'",
+        "node 1 (h1) joined with 2 workers", "node 1 (intruder) refused: node index 1 is taken"]
     job.report(Bye(node=1), join(1, host="again"))  # an index whose node ended is free
     job.coord.remote_exits()
     assert job.sent(1) == [] and job.coord.nodes[1].host == "again"
+
+
+def test_a_node_started_with_other_shared_flags_is_refused_and_one_with_the_same_enters(
+        make: Callable[..., Job]) -> None:
+    job = make(shard_size=4)
+    job.report(join(1, flags=shared_flags(spec(shard_size=2, redo="lost"))))
+    job.coord.remote_exits()
+    [end] = job.sent(1)
+    assert end.refused and end.code == 1 and end.reason.startswith(
+        "this node was started with --shard-size 2 (the job's: 4), --redo lost (the job's: "
+        "step); start every node with the same --shard-size, ")
+    assert job.coord.nodes == {}
+    assert job.node.notices() == [f"node 1 (h1) refused: {end.reason}"]
+    job.report(join(1, flags=shared_flags(spec(shard_size=4, nproc=3, spares=1))))
+    job.coord.remote_exits()  # its own --nproc and --spares are its own
+    assert job.sent(1) == [] and job.coord.nodes[1].host == "h1"
 
 
 def test_nodes_joining_a_running_job_enter_in_join_order_as_joiners_then_as_spares(

@@ -5,12 +5,27 @@ the coordinator's table, in join order, and enters (its workers as joiners, or a
 the world size is whole) as soon as a node is lost and the job has room again. Nothing but
 the first in line is considered: nodes enter in the order they came.
 
-Owns: `why_wait` (None: admit now; else the one-line reason it waits) and `Waiting`, which
-says each reason once per node instead of at every pass of the coordinator's loop.
-Must not import: anything beyond the standard library.
+Owns: `why_refused` (a join the coordinator turns away for good: another job's, an index in
+use, other shared flags), `why_wait` (None: admit now; else the one-line reason it waits)
+and `Waiting`, which says each reason once per node instead of at every pass of the
+coordinator's loop.
+Must not import: anything beyond the standard library and `ftrun.core.node_flags`.
 """
 
 from __future__ import annotations
+
+from ftrun.core.node_flags import flags_differ
+
+
+def why_refused(rdzv_id: str, flags: str, joining_rdzv_id: str, joining_flags: str,
+                index: int, index_taken: bool) -> str | None:
+    """Why a joining node is turned away (it ends), or None: it may join. `flags` is the
+    coordinator's text of the shared flags (core/node_flags.py), `joining_flags` the node's."""
+    if joining_rdzv_id != rdzv_id:
+        return f"this store serves --rdzv-id {rdzv_id!r}, not {joining_rdzv_id!r}"
+    if index_taken:
+        return f"node index {index} is taken"
+    return flags_differ(flags, joining_flags)
 
 
 def why_wait(nodes_in_job: int, nnodes_max: int, recovers_in_process: bool,

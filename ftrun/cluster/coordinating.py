@@ -24,7 +24,7 @@ from ftrun.adapters.store import CountingStore, HostedStore, QueueReader
 from ftrun.agent.cluster import StopLocal
 from ftrun.agent.jobview import Node
 from ftrun.agent.roster import RemoteWorker, RunResult, Worker
-from ftrun.cluster.admission import Waiting, why_wait
+from ftrun.cluster.admission import Waiting, why_refused, why_wait
 from ftrun.cluster.host import NodeHost
 from ftrun.cluster.jobnodes import NodeTable
 from ftrun.cluster.link import AGENT_QUEUE, Endpoint, conf_float, connect
@@ -50,6 +50,7 @@ from ftrun.core import timeouts
 from ftrun.core.errors import Deposed, FtrunError
 from ftrun.core.events import Event
 from ftrun.core.membership import WorkerRole
+from ftrun.core.node_flags import shared_flags
 from ftrun.core.policy import Decision, Liveness, find_lost_nodes
 from ftrun.protocol.rendezvous import Generation, node_of
 
@@ -215,14 +216,12 @@ class Coordinating:
 
     def _on_join(self, msg: Join) -> None:
         node = Node(msg.node, msg.host, msg.pid, msg.nproc, net_drill=msg.net_drill)
-        if msg.rdzv_id != self.spec.rdzv_id:
-            self.table.send(node, End(code=1, reason=f"this store serves --rdzv-id "
-                                 f"{self.spec.rdzv_id!r}, not {msg.rdzv_id!r}", lost=False,
-                                 refused=True))
-            return
-        if node.index in self.nodes and self.nodes[node.index].alive:
-            self.table.send(node, End(code=1, reason=f"node index {node.index} is taken",
-                                 lost=False, refused=True))
+        taken = node.index in self.nodes and self.nodes[node.index].alive
+        refused = why_refused(self.spec.rdzv_id, shared_flags(self.spec), msg.rdzv_id,
+                              msg.flags, node.index, taken)
+        if refused is not None:
+            self.table.send(node, End(code=1, reason=refused, lost=False, refused=True))
+            self.host.emit(Event.NOTICE, {"text": f"{node.label} refused: {refused}"})
             return
         self.nodes[node.index] = node
         self.watch.watch(node.index)  # a node waiting to be used can die too

@@ -68,6 +68,7 @@ from ftrun.core import timeouts
 from ftrun.core.errors import FtrunError
 from ftrun.core.events import Event
 from ftrun.core.fencing import cut_off
+from ftrun.core.node_flags import shared_flags
 
 MAX_ERROR_FILE_BYTES = 64 * 1024
 
@@ -158,7 +159,8 @@ class Following(NoOtherNodes):
         assert self.net is not None
         self._report(Join(node=self.index, host=socket.gethostname(), pid=os.getpid(),
                           nproc=self.spec.nproc, rdzv_id=self.spec.rdzv_id,
-                          net_drill=self.net.refusal, running=running))
+                          net_drill=self.net.refusal, running=running,
+                          flags=shared_flags(self.spec)))
         self.plane.register(self.index)
         self.host.emit(Event.NOTICE,
                        {"text": f"joined the rendezvous at {self.ep} as node {self.index}"})

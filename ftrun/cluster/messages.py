@@ -101,7 +101,8 @@ class NetDown:
 @dataclass(frozen=True)
 class Join:
     """A node's agent joining. `net_drill`: why a net-down drill cannot run there ("" if it
-    can), so that the coordinator refuses one at once."""
+    can), so that the coordinator refuses one at once. `flags`: its values of the flags every
+    node must share (core/node_flags.py; "" from an agent older than the field)."""
 
     kind: ClassVar[str] = "join"
     node: int
@@ -111,6 +112,7 @@ class Join:
     rdzv_id: str
     net_drill: str
     running: str  # its coordinator gone (etcd), it keeps its workers: "id:local_rank:pid,..."
+    flags: str = ""
 
 
 @dataclass(frozen=True)
