@@ -16,6 +16,8 @@ import pytest
 
 from ftrun.cluster.admission import Waiting, why_refused, why_wait
 from ftrun.core import timeouts
+from ftrun.core.node_flags import shared_flags
+from ftrun.core.spec import RunSpec
 from tests.conftest import FIXTURES, pid_alive, wait_for
 from tests.test_multinode import Node, free_port, ft_job, nodes, wait_listening  # noqa: F401
 
@@ -32,13 +34,16 @@ def test_a_node_waits_while_the_job_is_full_and_enters_when_there_is_room() -> N
 
 def test_a_join_is_refused_for_another_job_a_taken_index_or_other_flags_in_that_order(
         ) -> None:
-    ours, lost = '{"--redo": "step"}', '{"--redo": "lost"}'
-    assert why_refused("job", ours, "job", ours, 1, False) is None
-    assert why_refused("job", ours, "job", "", 1, False) is None  # an agent before the check
-    assert why_refused("job", ours, "other", lost, 1, True) == \
-        "this store serves --rdzv-id 'job', not 'other'"
-    assert why_refused("job", ours, "job", lost, 1, True) == "node index 1 is taken"
-    flags = why_refused("job", ours, "job", lost, 1, False)
+    ours, lost = shared_flags(RunSpec("t.py")), shared_flags(RunSpec("t.py", redo="lost"))
+
+    def refused(joining_rdzv_id: str, joining_flags: str, index_taken: bool) -> str | None:
+        return why_refused(rdzv_id="job", flags=ours, joining_rdzv_id=joining_rdzv_id,
+                           joining_flags=joining_flags, index=1, index_taken=index_taken)
+    assert refused("job", ours, False) is None
+    assert refused("job", "", False) is None  # an agent before the check
+    assert refused("other", lost, True) == "this store serves --rdzv-id 'job', not 'other'"
+    assert refused("job", lost, True) == "node index 1 is taken"
+    flags = refused("job", lost, False)
     assert flags is not None and flags.startswith("this node was started with --redo lost")
 
 
@@ -137,17 +142,34 @@ def test_a_node_of_another_rdzv_id_or_other_flags_is_refused_and_the_job_goes_on
         tmp_path: Path, nodes) -> None:  # noqa: F811
     port = free_port()
     job = ["--nnodes", "1:2", "--nproc", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint",
-           f"127.0.0.1:{port}", str(FIXTURES / "behave.py"), "--sleep", "4"]
+           f"127.0.0.1:{port}", str(FIXTURES / "behave.py"), "--sleep", "7"]
     a = nodes("a", ["--rdzv-id", "ours", *job])
     wait_listening(port, 30)
     stranger = nodes("b", ["--rdzv-id", "theirs", *job])
     other = nodes("c", ["--rdzv-id", "ours", "--redo", "lost", *job])  # its flags differ
     assert stranger.wait(60) == 1
     assert "the coordinator refused this node: this store serves --rdzv-id 'ours', not " \
-           "'theirs' (the job goes on without it)" in stranger.stderr, stranger.stderr
+           "'theirs'" in stranger.stderr, stranger.stderr
     assert "ended the job" not in stranger.stderr
     assert other.wait(60) == 1
     assert "the coordinator refused this node: this node was started with --redo lost (the " \
-           "job's: step); start every node with the same " in other.stderr, other.stderr
+           "coordinator's: step); start every node with the same " in other.stderr, other.stderr
     assert a.wait(60) == 0, a.stderr
     assert ") refused: this node was started with --redo lost" in a.stderr, a.stderr
+
+
+def test_a_fixed_size_job_whose_missing_node_was_refused_says_so_when_it_gives_up(
+        nodes) -> None:  # noqa: F811
+    port = free_port()
+    job = ["--nnodes", "2", "--nproc", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint",
+           f"127.0.0.1:{port}", "--rdzv-conf", "join_timeout=4", str(FIXTURES / "behave.py")]
+    a = nodes("a", job)
+    wait_listening(port, 30)
+    other = nodes("b", ["--redo", "lost", *job])
+    assert other.wait(60) == 1
+    assert "the coordinator refused this node" in other.stderr, other.stderr
+    assert a.wait(60) == 1
+    assert "only 1 of 2 nodes joined the rendezvous at" in a.stderr, a.stderr
+    assert "was refused: this node was started with --redo lost" in a.stderr, a.stderr
+    assert "Traceback" not in a.stderr + other.stderr
+

@@ -157,18 +157,33 @@ def test_a_join_of_another_job_or_under_a_taken_index_is_refused_on_its_queue(
 
 def test_a_node_started_with_other_shared_flags_is_refused_and_one_with_the_same_enters(
         make: Callable[..., Job]) -> None:
-    job = make(shard_size=4)
-    job.report(join(1, flags=shared_flags(spec(shard_size=2, redo="lost"))))
+    job = make(shard_size=2)
+    job.report(join(1, flags=shared_flags(spec(shard_size=4, redo="lost"))))
     job.coord.remote_exits()
     [end] = job.sent(1)
     assert end.refused and end.code == 1 and end.reason.startswith(
-        "this node was started with --shard-size 2 (the job's: 4), --redo lost (the job's: "
-        "step); start every node with the same --shard-size, ")
+        "this node was started with --shard-size 4 (the coordinator's: 2), --redo lost (the "
+        "coordinator's: step); start every node with the same --shard-size, ")
     assert job.coord.nodes == {}
     assert job.node.notices() == [f"node 1 (h1) refused: {end.reason}"]
-    job.report(join(1, flags=shared_flags(spec(shard_size=4, nproc=3, spares=1))))
-    job.coord.remote_exits()  # its own --nproc and --spares are its own
+    job.report(join(1, flags=shared_flags(spec(shard_size=2, nproc=4, spares=1,
+                                               resume="/mine"))))
+    job.coord.remote_exits()  # groups inside a node: --nproc, --spares, --resume its own
     assert job.sent(1) == [] and job.coord.nodes[1].host == "h1"
+
+
+def test_when_groups_span_nodes_a_joining_node_needs_the_same_nproc_and_resume_given(
+        make: Callable[..., Job]) -> None:
+    job = make(shard_size=4, resume="/ckpt")
+    job.report(join(1, flags=shared_flags(spec(shard_size=4, nproc=4))))
+    job.report(join(2, flags=shared_flags(spec(shard_size=4, nproc=2, resume="/other"))))
+    job.coord.remote_exits()
+    [end] = job.sent(1)
+    assert end.refused and end.reason.startswith(
+        "this node was started with --nproc 4 (the coordinator's: 2), --resume not given (the "
+        "coordinator's: given); start every node with the same --shard-size, ")
+    assert end.reason.endswith("--heal-sources, --nproc, --resume")
+    assert job.sent(2) == [] and list(job.coord.nodes) == [2]  # its --resume path is its own
 
 
 def test_nodes_joining_a_running_job_enter_in_join_order_as_joiners_then_as_spares(

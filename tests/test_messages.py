@@ -83,6 +83,10 @@ def test_unknown_fields_are_dropped_and_an_int_is_a_float() -> None:
     got = parse_request(raw)
     assert isinstance(got, Recovered) and got.fault_at == 0 and "x" not in to_fields(got)
     assert got.redone_samples == 0  # a field the sender did not know: its default
+    old_join = ('{"kind": "join", "node": 1, "host": "h", "pid": 7, "nproc": 2, "rdzv_id": "j",'
+                ' "net_drill": "", "running": ""}')
+    join = cluster.parse_report(old_join)  # an agent older than the shared flags
+    assert isinstance(join, cluster.Join) and join.flags == ""
 
 
 @pytest.mark.parametrize("parse, raw, why", [

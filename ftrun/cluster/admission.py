@@ -17,7 +17,7 @@ from __future__ import annotations
 from ftrun.core.node_flags import flags_differ
 
 
-def why_refused(rdzv_id: str, flags: str, joining_rdzv_id: str, joining_flags: str,
+def why_refused(*, rdzv_id: str, flags: str, joining_rdzv_id: str, joining_flags: str,
                 index: int, index_taken: bool) -> str | None:
     """Why a joining node is turned away (it ends), or None: it may join. `flags` is the
     coordinator's text of the shared flags (core/node_flags.py), `joining_flags` the node's."""

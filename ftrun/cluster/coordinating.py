@@ -78,6 +78,7 @@ class Coordinating:
         self._reader: QueueReader | None = None
         self._lost_nodes: list[tuple[int, str, float]] = []  # node, why, silent for (s)
         self._waiting = Waiting()  # nodes that joined a running job and wait for room
+        self._last_refusal = ""  # named when too few nodes joined: a refused one may be why
         self.table = NodeTable(host, rdzv, ep, self.nodes, self.watch, self.beat_s)
 
     # ----------------------------------------------------------------- lifecycle
@@ -178,9 +179,10 @@ class Coordinating:
                     return
             elif now - start > join_s:
                 raise FtrunError(f"only {count} of {self.spec.nnodes_min} nodes joined the "
-                                 f"rendezvous at {self.ep} within {join_s:g} s",
+                                 f"rendezvous at {self.ep} within {join_s:g} s"
+                                 + (f" ({self._last_refusal})" if self._last_refusal else ""),
                                  hint="start ftrun on the other nodes with the same "
-                                      "--rdzv-endpoint, or lower --nnodes")
+                                      "--rdzv-endpoint and flags, or lower --nnodes")
             if self.host.wakeup.pop_signal() is not None:
                 raise FtrunError("interrupted while waiting for nodes to join")
             self.host.wakeup.wait(self.beat_s)  # a join wakes it at once
@@ -217,10 +219,12 @@ class Coordinating:
     def _on_join(self, msg: Join) -> None:
         node = Node(msg.node, msg.host, msg.pid, msg.nproc, net_drill=msg.net_drill)
         taken = node.index in self.nodes and self.nodes[node.index].alive
-        refused = why_refused(self.spec.rdzv_id, shared_flags(self.spec), msg.rdzv_id,
-                              msg.flags, node.index, taken)
+        refused = why_refused(rdzv_id=self.spec.rdzv_id, flags=shared_flags(self.spec),
+                              joining_rdzv_id=msg.rdzv_id, joining_flags=msg.flags,
+                              index=node.index, index_taken=taken)
         if refused is not None:
             self.table.send(node, End(code=1, reason=refused, lost=False, refused=True))
+            self._last_refusal = f"{node.label} was refused: {refused}"
             self.host.emit(Event.NOTICE, {"text": f"{node.label} refused: {refused}"})
             return
         self.nodes[node.index] = node

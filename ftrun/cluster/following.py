@@ -351,8 +351,8 @@ class Following(NoOtherNodes):
         workers.close_streams()
         code = cmd.code
         exits = workers.exits()
-        reason = (f"the coordinator refused this node: {cmd.reason} (the job goes on "
-                  "without it)" if cmd.refused else f"the coordinator ended the job: {cmd.reason}")
+        reason = (f"the coordinator refused this node: {cmd.reason}" if cmd.refused
+                  else f"the coordinator ended the job: {cmd.reason}")
         if code:
             self.host.emit(Event.FAILURE, {"reason": reason, "rank": None})
         return RunResult(code, reason,

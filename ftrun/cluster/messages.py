@@ -73,7 +73,7 @@ class End:
     """The job is over (or this node is out of it): stop and exit with `code`. `lost`: the
     coordinator dropped this node (a cut link seen from its side); the node fences, and may
     come back as a new node. `refused`: the coordinator turned this node away when it joined
-    (another job's --rdzv-id, a node index taken); the job goes on without it."""
+    (another job's --rdzv-id, a node index taken, other shared flags); the node ends."""
 
     kind: ClassVar[str] = "end"
     code: int

@@ -2,13 +2,17 @@
 
 Owns: which `RunSpec` fields shape what the workers of different nodes do together (the
 collectives of a replica group, the snapshot agreement and its boundaries, the step a fault
-repeats or makes up, the heal plan every member computes, how communicators are rebuilt),
-the text of them a joining node sends (`shared_flags`), and the pure decision whether a
-joining node's text differs from the coordinator's, with the reason (`flags_differ`).
-A node started with other values would enter collectives its peers never run, or skip
-theirs, and the job would wait out a collective timeout instead of saying why at the join.
-Flags that are a node's own stay out: --nproc, --spares, --snapshot-dir, --resume (a path
-each node reads locally), logs and metrics.
+repeats or makes up, the heal plan every member computes, how communicators are rebuilt,
+what a fault does to the job), the text of them a joining node sends (`shared_flags`), and
+the pure decision whether a joining node's text differs from the coordinator's, with the
+reason (`flags_differ`). A node started with other values would enter collectives its peers
+never run, or skip theirs, and the job would wait out a collective timeout instead of
+saying why at the join.
+Two more must match only when a replica group spans nodes (--shard-size above a node's
+--nproc): --nproc (a group is whole nodes) and whether --resume is given (the group agrees
+on the step to resume from). The path --resume names, --spares, --snapshot-dir, logs and
+metrics stay each node's own. Flags the coordinator alone acts on (--nnodes, --max-faults,
+--min-nproc, --hang-timeout) govern from the coordinator whatever a joining node says.
 Must not import: anything but the standard library and `ftrun.core.spec`.
 """
 
@@ -29,12 +33,17 @@ SHARED_FLAGS: tuple[tuple[str, str], ...] = (
     ("heal_chunk_mb", "--heal-chunk-mb"),
     ("heal_sources", "--heal-sources"),
 )
+# shared only when a replica group spans nodes: (RunSpec field, flag)
+SPAN_FLAGS: tuple[tuple[str, str], ...] = (("nproc", "--nproc"), ("resume", "--resume"))
+_SHOWN_MAX = 40  # a value shown in a refusal is cut here: the line stays one line
 
 
 def shared_flags(spec: RunSpec) -> str:
-    """This node's values of the shared flags, as its join carries them."""
-    return json.dumps({flag: getattr(spec, name) for name, flag in SHARED_FLAGS},
-                      sort_keys=True)
+    """This node's values of the shared flags, as its join carries them (of --resume, only
+    whether it is given: the path is the node's own)."""
+    values: dict[str, object] = {flag: getattr(spec, name) for name, flag in SHARED_FLAGS}
+    values.update({"--nproc": spec.nproc, "--resume": bool(spec.resume)})
+    return json.dumps(values, sort_keys=True)
 
 
 def flags_differ(coordinator: str, joining: str) -> str | None:
@@ -48,16 +57,33 @@ def flags_differ(coordinator: str, joining: str) -> str | None:
     except (ValueError, RecursionError):
         theirs = None
     if not isinstance(theirs, dict):
-        return "its launch flags are unreadable"
-    differing = [f"{flag} {_shown(theirs.get(flag))} (the job's: {_shown(ours.get(flag))})"
-                 for _, flag in SHARED_FLAGS if theirs.get(flag) != ours.get(flag)]
+        return "its launch flags are unreadable; run the same ftrun version on every node"
+    flags = [flag for _, flag in SHARED_FLAGS]
+    if _spans(ours) or _spans(theirs):
+        flags += [flag for _, flag in SPAN_FLAGS]
+    missing = [flag for flag in flags if flag not in theirs]
+    if missing:
+        return (f"its join lacks {', '.join(missing)}: it runs another ftrun version; run the "
+                "same ftrun version on every node")
+    differing = [f"{flag} {_shown(flag, theirs[flag])} (the coordinator's: "
+                 f"{_shown(flag, ours.get(flag))})"
+                 for flag in flags if theirs[flag] != ours.get(flag)]
     if not differing:
         return None
     return (f"this node was started with {', '.join(differing)}; start every node with the "
-            "same " + ", ".join(flag for _, flag in SHARED_FLAGS))
+            "same " + ", ".join(flags))
 
 
-def _shown(value: object) -> str:
+def _spans(values: dict[str, object]) -> bool:
+    """A replica group of these values spans nodes (RunSpec.groups_span_nodes)."""
+    shard, nproc = values.get("--shard-size"), values.get("--nproc")
+    return isinstance(shard, int) and isinstance(nproc, int) and shard > nproc
+
+
+def _shown(flag: str, value: object) -> str:
+    if flag == "--resume":
+        return "given" if value else "not given"
     if value is None:
         return "unset"
-    return format(value, "g") if isinstance(value, float) else str(value)
+    text = format(value, "g") if isinstance(value, float) else str(value)
+    return text if len(text) <= _SHOWN_MAX else text[:_SHOWN_MAX - 3] + "..."
