@@ -16,7 +16,15 @@ from fakes import fake_worker
 from ftrun.adapters.slots import ProgressSlots
 from ftrun.agent.ports import WatchPort
 from ftrun.agent.roster import Worker
-from ftrun.agent.watch import CHECK_EVERY_S, STRAGGLER_CHECKS, HealthWatch, Kill, Rebuild
+from ftrun.agent.watch import (
+    CHECK_EVERY_S,
+    HANG_CHECK_MARGIN_S,
+    STRAGGLER_CHECKS,
+    HealthWatch,
+    Kill,
+    Rebuild,
+    next_hang_check_s,
+)
 from ftrun.core.events import Event
 from ftrun.core.membership import Membership
 from ftrun.core.policy import Liveness
@@ -104,18 +112,32 @@ def in_collective(w: Watched, at: float, *ranks: int) -> None:
 
 
 # ------------------------------------------------------------------ hangs
-def test_a_rank_its_peers_wait_for_is_killed_once_past_the_timeout_at_check_pace(
+def test_a_rank_its_peers_wait_for_is_killed_when_their_wait_crosses_the_timeout(
         watched: Watched) -> None:
     ms = api()
     in_step(watched, 5, 0.0)
     in_collective(watched, 0.1, 0, 2)  # rank 1 never gets there
-    assert watched.tick(ms, 5.0) == []  # they have waited 4.9 s of 5
-    assert watched.tick(ms, 5.0 + CHECK_EVERY_S - 0.05) == []  # hung by now, not checked yet
-    assert watched.tick(ms, 6.0) == [Kill(1, "hang", "hang: rank 1 made no progress for 6.0s "
-                                              "(in step 5's own code) while 2 of its peers "
-                                              "wait for it in collective 1 of step 5; killing "
-                                              "worker 1")]
+    assert watched.tick(ms, 1.0) == []  # they have waited 0.9 s of 5
+    assert watched.watch.wait_s(T + 1.0) == CHECK_EVERY_S  # far from it: the usual pace
+    assert watched.tick(ms, 5.0) == []  # 4.9 s of 5: the next check is when it crosses
+    assert watched.watch.wait_s(T + 5.0) == pytest.approx(0.1 + HANG_CHECK_MARGIN_S)
+    assert watched.tick(ms, 5.05) == []  # not due yet
+    assert watched.tick(ms, 5.0 + 0.1 + HANG_CHECK_MARGIN_S) == [
+        Kill(1, "hang", "hang: rank 1 made no progress for 5.1s (in step 5's own code) while "
+                        "2 of its peers wait for it in collective 1 of step 5; killing worker 1")]
     assert watched.watch.timeout_s == 5.0
+
+
+def test_waits_already_past_the_timeout_keep_the_usual_check_pace() -> None:
+    def waiting(s: float | None) -> Liveness:
+        return Liveness(worker=0, rank=0, step=5, idle_s=9.0, waiting_s=s, stopped=False,
+                        compute_s=0.0, step_s=0.0)
+
+    assert next_hang_check_s([waiting(None)], 5.0) == CHECK_EVERY_S
+    assert next_hang_check_s([waiting(9.0)], 5.0) == CHECK_EVERY_S  # judged: a long phase?
+    assert next_hang_check_s([waiting(9.0), waiting(4.95)], 5.0) == pytest.approx(
+        0.05 + HANG_CHECK_MARGIN_S)
+    assert next_hang_check_s([waiting(0.01)], 0.6) == CHECK_EVERY_S
 
 
 def test_the_whole_job_is_judged_here_other_nodes_members_included(watched: Watched) -> None:

@@ -31,7 +31,7 @@ from ftrun.agent.roster import Outcome, RemoteWorker, RunResult, Worker
 from ftrun.agent.services import RunServices
 from ftrun.agent.starter import WorkerStarter
 from ftrun.agent.timeline import EVERY_S as TIMELINE_EVERY_S
-from ftrun.agent.watch import CHECK_EVERY_S, Finding, Kill, Rebuild
+from ftrun.agent.watch import Finding, Kill, Rebuild
 from ftrun.agent.workers import NodeWorkers
 from ftrun.core import timeouts
 from ftrun.core.errors import Deposed
@@ -263,7 +263,8 @@ class Agent:
         return outcome
 
     def _idle_wait(self) -> float | None:
-        return self.cluster.idle_wait(CHECK_EVERY_S if self.recovery else TIMELINE_EVERY_S)
+        return self.cluster.idle_wait(self.services.health.wait_s(time.time())
+                                      if self.recovery else TIMELINE_EVERY_S)
 
     def _tick(self) -> Decision | None:
         membership = self.recovery.membership if self.recovery is not None else None

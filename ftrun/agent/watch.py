@@ -56,6 +56,7 @@ class Rebuild:
 
 Finding = Kill | Rebuild
 CHECK_EVERY_S = 0.25
+HANG_CHECK_MARGIN_S = 0.01  # a check due when a wait crosses the timeout comes this much later
 STRAGGLER_CHECKS = 8  # consecutive checks (2 s) before a rank is called a straggler
 CPU_IDLE_S = 1.0  # `ftrun status` calls a worker idle after this long without CPU time
 
@@ -157,6 +158,7 @@ class HealthWatch:
         failed = self._rebuild_failed(rows, membership.generation, now)
         if failed is not None or not members:
             return found + (failed or [])
+        self._next = min(self._next, now + next_hang_check_s(members, self.timeout_s))
         hang = find_hang(members, self.timeout_s, len(membership.members))
         if hang is not None and hang.worker is None:
             return [*found, Rebuild(hang.reason, max(m.step for m in members))]
@@ -164,6 +166,10 @@ class HealthWatch:
             return [*found, Kill(hang.worker, "hang", f"hang: {hang.reason}; killing worker "
                                                       f"{hang.worker}")]
         return found + (self._check_straggler(members) if len(members) > 1 else [])
+
+    def wait_s(self, now: float) -> float:
+        """How long the agent may wait before the next check is due."""
+        return min(CHECK_EVERY_S, max(0.0, self._next - now))
 
     def rebuilt(self, generation: int, stuck_at: int, now: float) -> None:
         """The agent rebuilt the communicator for a `Rebuild`: watch that it helps."""
@@ -252,3 +258,13 @@ def _stopped(pid: int) -> bool:
                                                 psutil.STATUS_TRACING_STOP)
     except psutil.Error:
         return False
+
+
+def next_hang_check_s(members: list[Liveness], timeout_s: float) -> float:
+    """How soon a hang could be decided: when the next wait in a collective crosses the
+    timeout (the evidence `find_hang` needs), at most CHECK_EVERY_S away. Without it a hang
+    would be found up to a whole check interval after the timeout. Waits past it already
+    were judged: a peer in a long phase may keep them there, not a reason to check sooner."""
+    before = [timeout_s - m.waiting_s for m in members
+              if m.waiting_s is not None and m.waiting_s < timeout_s]
+    return min(CHECK_EVERY_S, min(before, default=CHECK_EVERY_S) + HANG_CHECK_MARGIN_S)

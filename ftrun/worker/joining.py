@@ -26,7 +26,8 @@ from ftrun.worker.reaper import REAPER
 
 HANDLE_POLL_S = 0.01  # a native reconfigure polling for its members' handles
 BUSY = "ftrun:busy"  # published instead of a handle: an abandoned op still holds the group
-ABANDONED_OP_GRACE_S = 0.2  # a dead peer's abandoned ops fail within ms; a cut one's never
+ABANDONED_OP_GRACE_S = 0.02  # a dead peer's abandoned ops fail within ms; a cut one's never,
+# nor one's stuck on a live peer that gave up its side: waiting longer only delays the rebuild
 GLOO_THREADS = 2  # ProcessGroupGloo's default worker threads: this many stuck ops block it
 
 
