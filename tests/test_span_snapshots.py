@@ -225,8 +225,8 @@ def test_a_restart_starts_over_when_no_node_holds_a_part_and_ends_when_one_lacks
         reference: tuple[dict, Path], tmp_path: Path) -> None:
     """Every rank of the group enters the agreement after a restart, one whose node holds
     nothing included: none held anywhere (a loss before the first snapshot) is step 0 for
-    all; a node without its part ends the job with one line, at once (its ranks used to
-    stay out of the agreement, and the others waited for them the collective timeout)."""
+    all. A node started with another --snapshot-every (which would leave it without its
+    part) is refused at its join, with one line, and the job that lacks it ends naming it."""
     want, _ = reference
     stderr = "".join(two_nodes(tmp_path / "z", tmp_path / "zo", both(
         ["--snapshot-every", "8", "--snapshot-dir", str(tmp_path / "zs"), "--max-restarts",
@@ -234,13 +234,16 @@ def test_a_restart_starts_over_when_no_node_holds_a_part_and_ends_when_one_lacks
         script_args=("--die-all-at", "4")))
     assert "restarting all workers" in stderr and not RESUMED.findall(stderr), stderr[-3000:]
     assert all(same(s, want) for s in states(tmp_path / "zo").values())
-    # node 1 snapshots too seldom to hold a part of step 8 when every worker dies at step 10
+    # node 1 started to snapshot too seldom to hold a part of step 8: since the join checks
+    # the shared flags it is refused at once, and the job that lacks it says why
     ends = two_nodes(tmp_path / "m", tmp_path / "mo", (
-        ["--snapshot-every", "4", "--snapshot-dir", str(tmp_path / "ms")],
+        ["--snapshot-every", "4", "--snapshot-dir", str(tmp_path / "ms"), "--rdzv-conf",
+         "join_timeout=5"],
         ["--snapshot-every", "100", "--snapshot-dir", str(tmp_path / "ms")]),
         script_args=("--die-all-at", "10"), check=False)
     said = "".join(ends)
-    assert "no step that every rank of its replica group holds" in said, said[-3000:]
+    assert "only 1 of 2 nodes joined" in said and "was refused: this node was started with " \
+        "--snapshot-every 100 (the coordinator's: 4)" in said, said[-3000:]
     assert "Traceback" not in said and not states(tmp_path / "mo")
 
 
