@@ -245,6 +245,15 @@ def test_a_restart_starts_over_when_no_node_holds_a_part_and_ends_when_one_lacks
     assert "only 1 of 2 nodes joined" in said and "was refused: this node was started with " \
         "--snapshot-every 100 (the coordinator's: 4)" in said, said[-3000:]
     assert "Traceback" not in said and not states(tmp_path / "mo")
+    # node 1's first worker dies halfway through its copy of step 4, the first snapshot,
+    # then every worker dies: node 0 holds its part of step 4, node 1 lacks one
+    ends = two_nodes(tmp_path / "p", tmp_path / "po", both(
+        ["--snapshot-every", "4", "--snapshot-dir", str(tmp_path / "ps")]),
+        script_args=("--die-all-at", "6"), env={"FTRUN_DRILL_KILL_MID_SNAPSHOT": f"{N1}:4"},
+        check=False)
+    said = "".join(ends)
+    assert "no step that every rank of its replica group holds" in said, said[-3000:]
+    assert "Traceback" not in said and not states(tmp_path / "po")
 
 
 @pytest.mark.slow
