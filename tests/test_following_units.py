@@ -161,7 +161,7 @@ def test_end_lost_fences_this_node(follower: Follower) -> None:
     (End(code=0, reason="training done", lost=False, refused=False),
      "the coordinator ended the job: training done"),
     (End(code=1, reason="node index 1 is taken", lost=False, refused=True),
-     "the coordinator refused this node: node index 1 is taken (the job goes on without it)")])
+     "the coordinator refused this node: node index 1 is taken")])
 def test_end_stops_the_workers_and_ends_with_the_coordinators_code(
         follower: Follower, end: End, reason: str) -> None:
     stop, result = follower.obey(end)
