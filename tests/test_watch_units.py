@@ -19,6 +19,7 @@ from ftrun.agent.roster import Worker
 from ftrun.agent.watch import (
     CHECK_EVERY_S,
     HANG_CHECK_MARGIN_S,
+    HANG_KILL_WAIT_S,
     STRAGGLER_CHECKS,
     HealthWatch,
     Kill,
@@ -126,6 +127,23 @@ def test_a_rank_its_peers_wait_for_is_killed_when_their_wait_crosses_the_timeout
         Kill(1, "hang", "hang: rank 1 made no progress for 5.1s (in step 5's own code) while "
                         "2 of its peers wait for it in collective 1 of step 5; killing worker 1")]
     assert watched.watch.timeout_s == 5.0
+
+
+def test_nothing_more_is_found_while_a_member_killed_for_a_hang_is_still_listed(
+        watched: Watched) -> None:
+    """A chaos soak recorded two faults for one SIGSTOP: the stopped rank's kill, then 28 ms
+    later, its exit not yet seen, every rank waiting in the collective read as a stuck
+    communicator and was rebuilt for nothing."""
+    ms = api()
+    in_step(watched, 5, 0.0)
+    in_collective(watched, 0.1, 0, 2)
+    kill, = watched.tick(ms, 5.2)
+    assert isinstance(kill, Kill) and kill.worker == 1
+    in_collective(watched, 5.2, 1)  # now every rank waits in collective 1, past the timeout:
+    assert watched.tick(ms, 10.3) == []  # but rank 1's exit is on its way
+    late, = watched.tick(ms, 10.4 + HANG_KILL_WAIT_S)  # its exit never came: judged again
+    assert late == Rebuild("every rank has waited 15.2s in collective 1 of step 5: "
+                           "rebuilding the communicator", 5)
 
 
 def test_waits_already_past_the_timeout_keep_the_usual_check_pace() -> None:
