@@ -19,7 +19,7 @@ from ftrun.agent.roster import Worker
 from ftrun.agent.watch import (
     CHECK_EVERY_S,
     HANG_CHECK_MARGIN_S,
-    HANG_KILL_WAIT_S,
+    KILL_EXIT_WAIT_S,
     STRAGGLER_CHECKS,
     HealthWatch,
     Kill,
@@ -141,7 +141,7 @@ def test_nothing_more_is_found_while_a_member_killed_for_a_hang_is_still_listed(
     assert isinstance(kill, Kill) and kill.worker == 1
     in_collective(watched, 5.2, 1)  # now every rank waits in collective 1, past the timeout:
     assert watched.tick(ms, 10.3) == []  # but rank 1's exit is on its way
-    late, = watched.tick(ms, 10.4 + HANG_KILL_WAIT_S)  # its exit never came: judged again
+    late, = watched.tick(ms, 10.4 + KILL_EXIT_WAIT_S)  # its exit never came: judged again
     assert late == Rebuild("every rank has waited 15.2s in collective 1 of step 5: "
                            "rebuilding the communicator", 5)
 
@@ -253,6 +253,19 @@ def test_a_straggler_is_named_after_consecutive_checks_and_evicted_only_if_asked
 
 
 # ------------------------------------------------------------------ GPUs
+def test_peers_waiting_on_a_member_killed_for_its_gpu_are_no_stuck_communicator(
+        watched: Watched) -> None:
+    ms = api()
+    in_step(watched, 5, 0.0)
+    in_collective(watched, 0.0, 0, 1, 2)  # rank 1 hangs inside it on its failed GPU
+    watched.watch.uuids = [f"GPU-{i}" for i in range(3)]
+    watched.watch.changes.put(("GPU-1", Verdict(Health.FAILED, "XID 79: fallen off the bus")))
+    assert watched.tick(ms, 6.0) == [Kill(1, "gpu: XID 79: fallen off the bus")]
+    assert watched.tick(ms, 7.0) == []  # its exit is on its way
+    stuck, = watched.tick(ms, 7.0 + KILL_EXIT_WAIT_S)  # it never came: judged again
+    assert isinstance(stuck, Rebuild)
+
+
 def test_a_failed_gpu_is_excluded_and_its_workers_killed_and_avoided(watched: Watched) -> None:
     watch = watched.watch
     watch.uuids = [f"GPU-{i}" for i in range(4)]  # the monitor's map, local rank -> UUID

@@ -59,7 +59,7 @@ CHECK_EVERY_S = 0.25
 HANG_CHECK_MARGIN_S = 0.01  # a check due when a wait crosses the timeout comes this much later
 STRAGGLER_CHECKS = 8  # consecutive checks (2 s) before a rank is called a straggler
 CPU_IDLE_S = 1.0  # `ftrun status` calls a worker idle after this long without CPU time
-HANG_KILL_WAIT_S = 10.0  # a member killed for a hang still listed after this is judged again
+KILL_EXIT_WAIT_S = 10.0  # a member the watch killed, still listed after this: judged again
 
 
 class HealthWatch:
@@ -87,7 +87,7 @@ class HealthWatch:
         self._rebuilt: tuple[int, int, float] | None = None  # (generation, step stuck at, when)
         self._kept: set[int] = set()  # replicas kept through failed rebuilds at _kept_step
         self._kept_step = -1
-        self._killing: dict[int, float] = {}  # members killed for a hang -> when
+        self._killing: dict[int, float] = {}  # members the watch killed -> when
         self._next = 0.0
 
     def close(self) -> None:
@@ -147,38 +147,43 @@ class HealthWatch:
     # ------------------------------------------------------------ hangs and stragglers
     def tick(self, membership: Membership | None, now: float) -> list[Finding]:
         """What the agent should do about GPUs, hangs and stragglers; it acts, this watches."""
-        found = self._gpu_findings()
+        found = self._noted(self._gpu_findings(), now)  # before judging: a GPU kill counts
+        return found + self._noted(self._judge(membership, now), now)
+
+    def _noted(self, found: list[Finding], now: float) -> list[Finding]:
+        self._killing.update((f.worker, now) for f in found if isinstance(f, Kill))
+        return found
+
+    def _judge(self, membership: Membership | None, now: float) -> list[Finding]:
         if now < self._next or membership is None or not membership.uses_api:
-            return found
+            return []
         self._next = now + CHECK_EVERY_S
         if self._awaiting_kill(membership, now):
-            return found
+            return []
         rows = [m for m in self.local_liveness(now) + self.port.remote_liveness()
                 if m.worker in membership.members]
         members = [m for m in rows if m.generation == membership.generation]  # the others:
         if not rows:  # not started, or still recovering into it
-            return found
+            return []
         self.timeout_s = hang_timeout(members or rows, self.port.spec.hang_timeout)
         failed = self._rebuild_failed(rows, membership.generation, now)
         if failed is not None or not members:
-            self._killing.update((f.worker, now) for f in failed or [] if isinstance(f, Kill))
-            return found + (failed or [])
+            return failed or []
         self._next = min(self._next, now + next_hang_check_s(members, self.timeout_s))
         hang = find_hang(members, self.timeout_s, len(membership.members))
         if hang is not None and hang.worker is None:
-            return [*found, Rebuild(hang.reason, max(m.step for m in members))]
+            return [Rebuild(hang.reason, max(m.step for m in members))]
         if hang is not None and hang.worker is not None:
-            self._killing[hang.worker] = now
-            return [*found, Kill(hang.worker, "hang", f"hang: {hang.reason}; killing worker "
-                                                      f"{hang.worker}")]
-        return found + (self._check_straggler(members) if len(members) > 1 else [])
+            return [Kill(hang.worker, "hang", f"hang: {hang.reason}; killing worker "
+                                              f"{hang.worker}")]
+        return self._check_straggler(members) if len(members) > 1 else []
 
     def _awaiting_kill(self, membership: Membership, now: float) -> bool:
-        """A member killed for a hang is still listed (its exit not yet seen): that exit
-        brings the recovery; meanwhile its peers' waits would read as a second fault, a stuck
-        communicator rebuilt for nothing."""
+        """A member the watch killed (a hang, a failed GPU, an evicted straggler) is still
+        listed, its exit not yet seen: that exit brings the recovery; meanwhile its peers'
+        waits would read as a second fault, a stuck communicator rebuilt for nothing."""
         self._killing = {w: at for w, at in self._killing.items()
-                         if w in membership.members and now - at < HANG_KILL_WAIT_S}
+                         if w in membership.members and now - at < KILL_EXIT_WAIT_S}
         return bool(self._killing)
 
     def wait_s(self, now: float) -> float:
