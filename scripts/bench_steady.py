@@ -4,14 +4,16 @@ versus torchrun + DDP (same model, loop and bucket size), same machine.
     python scripts/bench_steady.py [--nproc 2] [--steps 40] [--dim 256] [--layers 4]
                                    [--repeat 3] [--dtype bf16|fp32]
 
-Each repeat runs ftrun, then DDP (alternating, so a change in the host's load hits both), and
-prints each pair's median step time (steps after the first quarter, rank 0) and ratio
-ftrun/DDP, then the median ratio over the repeats. Both read their batches in-process (no
-reader processes), so the ratio is about gradient sync, not data loading. Also printed: the
-peak resident memory of a worker (the kernel's VmHWM, sampled while it runs), the share of a
-core that everything but the workers used while they ran (ftrun's agent and zygote;
-torchrun's agent), and the load average around each pair: on this 2-core host a figure
-taken at a load above ~2.5 is noise.
+Each repeat runs ftrun and DDP back to back, in turns (ftrun first in odd pairs, DDP first in
+even ones: a drift in the host's speed along the run favours neither), and prints each pair's
+median step time (steps after the first quarter, rank 0) and ratio ftrun/DDP, then the median
+ratio over the repeats. Both read their batches in-process (no reader processes), so the
+ratio is about gradient sync, not data loading. Also printed: the peak resident memory of a
+worker (the kernel's VmHWM, sampled while it runs), the share of a core that everything but
+the workers used in the middle half of the workers' life (ftrun's agent and zygote;
+torchrun's agent; the start and the end, where launchers are busy by design, left out), and
+the load average around each pair: on this 2-core host a figure taken at a load above ~2.5
+is noise.
 """
 from __future__ import annotations
 
@@ -78,9 +80,10 @@ class Watch:
 
     def split(self, workers: set[int]) -> tuple[float, float]:
         """(the largest worker peak in MB, the share of a core that every process but the
-        workers used while all the workers were alive)."""
+        workers used in the middle half of the time all the workers were alive)."""
         peak = max((mb for pid, mb in self.peak.items() if pid in workers), default=0.0)
         alive = [(t, cpu) for t, cpu in self.samples if workers <= cpu.keys()]
+        alive = alive[len(alive) // 4:len(alive) - len(alive) // 4]
         if len(alive) < 2:
             return peak, float("nan")
         (t1, cpu1), (t2, cpu2) = alive[0], alive[-1]
@@ -128,12 +131,13 @@ def commands(a: argparse.Namespace) -> dict[str, list[str]]:
     }
 
 
-def one_pair(a: argparse.Namespace) -> dict[str, tuple[float, float, float]]:
+def one_pair(a: argparse.Namespace, ddp_first: bool) -> dict[str, tuple[float, float, float]]:
     """name -> (median step ms, worker peak MB, share of a core used outside the workers)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "LOGLEVEL": "ERROR"}
     results = {}
+    runs = list(commands(a).items())
     with tempfile.TemporaryDirectory() as tmp:
-        for name, cmd in commands(a).items():
+        for name, cmd in reversed(runs) if ddp_first else runs:
             out = os.path.join(tmp, name)
             watch = run_watched([*cmd, "--out", out], env)
             ms, pids = read_logs(out)
@@ -158,13 +162,15 @@ def main() -> None:
     ratios = []
     for i in range(a.repeat):
         load = os.getloadavg()[0]
-        r = one_pair(a)
+        r = one_pair(a, ddp_first=i % 2 == 1)
         (ft_ms, ft_mb, ft_cpu), (ddp_ms, ddp_mb, ddp_cpu) = r["ftrun"], r["ddp"]
         ratios.append(ft_ms / ddp_ms)
-        print(f"  [{i + 1}] load {load:.2f}->{os.getloadavg()[0]:.2f}  ftrun step {ft_ms:.1f} ms"
-              f"   torchrun+DDP step {ddp_ms:.1f} ms   ratio ftrun/DDP {ratios[-1]:.3f}\n"
+        first = "DDP" if i % 2 else "ftrun"
+        print(f"  [{i + 1}] {first} first, load {load:.2f}->{os.getloadavg()[0]:.2f}"
+              f"  ftrun step {ft_ms:.1f} ms   torchrun+DDP step {ddp_ms:.1f} ms"
+              f"   ratio ftrun/DDP {ratios[-1]:.3f}\n"
               f"      worker peak RSS: ftrun {ft_mb:.0f} MB, DDP {ddp_mb:.0f} MB;"
-              f"  CPU outside the workers while they ran: ftrun {100 * ft_cpu:.1f}%,"
+              f"  CPU outside the workers mid-run: ftrun {100 * ft_cpu:.1f}%,"
               f" torchrun {100 * ddp_cpu:.1f}% of a core",
               flush=True)
     if a.repeat > 1:
