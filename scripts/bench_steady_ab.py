@@ -18,7 +18,6 @@ of this comparison (bench_steady.py has them; the agent uses ~0.4 % of a core).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import statistics
@@ -26,53 +25,15 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from typing import Any
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
-sys.path[:0] = [os.path.join(ROOT, "examples"), ROOT]
+from profile_step import Phases, build, micro_batches, optimize  # the same loop, the same model
+
 RUN_TIMEOUT_S = 1800  # one ftrun invocation
-
-
-def micro_batches(a: argparse.Namespace, model: Any, loader: Any, step: int, device: Any,
-                  quiet: Callable[[], Any]) -> None:
-    import torch
-    import torch.nn.functional as F
-    from gpt_data import VOCAB_SIZE
-
-    for micro in range(a.accum):
-        x, y = (t.to(device) for t in loader.batch(step, micro, a.accum))
-        with quiet() if micro < a.accum - 1 else contextlib.nullcontext():
-            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=a.dtype == "bf16"):
-                loss = F.cross_entropy(model(x).float().view(-1, VOCAB_SIZE), y.view(-1))
-            (loss / a.accum).backward()
-        loss.item()
-
-
-def optimize(model: Any, opt: Any, sched: Any) -> None:
-    import torch
-
-    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-    opt.step()
-    sched.step()
-
-
-def build(a: argparse.Namespace, device: Any, wrap: Callable[[Any], Any]) -> tuple[Any, ...]:
-    import torch
-    from train_gpt import GPT, param_groups, warmup_cosine
-
-    torch.manual_seed(0)
-    model = wrap(GPT(a.block, a.dim, a.layers, a.heads, False).to(device))
-    inner = getattr(model, "module", model)
-    opt = torch.optim.AdamW(param_groups(inner, 0.1), lr=3e-3, betas=(0.9, 0.95))
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(10, a.steps))
-    return model, opt, sched
 
 
 def child(a: argparse.Namespace) -> None:
     import torch.distributed as dist
-    from gpt_data import TokenDataset
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     import ftrun
@@ -81,8 +42,8 @@ def child(a: argparse.Namespace) -> None:
     ft = ftrun.init()
     if not dist.is_initialized():
         raise SystemExit("needs torch's reconfigurable default group (torch >= 2.15, gloo)")
-    data = TokenDataset.from_text(block_size=a.block, stride=a.block // 2)
-    ft_model, ft_opt, ft_sched = build(a, ft.device, lambda m: ft.wrap(m, a.bucket_mb))
+    untimed = Phases()  # profile_step's loop times its phases; a few microseconds a step
+    ft_model, ft_opt, ft_sched, data = build(a, ft.device, lambda m: ft.wrap(m, a.bucket_mb))
     ft_loader = ft.loader(data, global_batch_size=a.batch, shuffle=True, seed=0,
                           num_workers=0)
     ft.register(model=ft_model, optimizer=ft_opt, scheduler=ft_sched)
@@ -95,19 +56,21 @@ def child(a: argparse.Namespace) -> None:
         step = next(steps, None)
         if step is None:
             return False
-        micro_batches(a, ft_model, ft_loader, step, ft.device, ft.no_sync)
+        micro_batches(a, untimed, ft_model, ft_loader, step, ft.device, ft.no_sync, "backward")
         if ft.sync():
-            optimize(ft_model, ft_opt, ft_sched)
+            optimize(untimed, ft_model, ft_opt, ft_sched)
             ft.commit()
+        untimed.take()
         return True
 
     def ddp_step(step: int) -> bool:
         if not ddp:
-            ddp.extend(build(a, ft.device, lambda m: DDP(m, bucket_cap_mb=a.bucket_mb)))
+            ddp.extend(build(a, ft.device, lambda m: DDP(m, bucket_cap_mb=a.bucket_mb))[:3])
         model, opt, sched = ddp
-        micro_batches(a, model, ddp_loader, step, ft.device, model.no_sync)
-        optimize(model, opt, sched)
+        micro_batches(a, untimed, model, ddp_loader, step, ft.device, model.no_sync, "backward")
+        optimize(untimed, model, opt, sched)
         opt.zero_grad()
+        untimed.take()
         return True
 
     steps, log = ft.steps(a.steps), []
