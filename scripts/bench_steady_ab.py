@@ -11,8 +11,9 @@ ft.no_sync() for every micro-batch but the last, ft.sync(), clip, AdamW, ft.comm
 steps() generator included), then a step of the same loop on a second copy of the model under
 torch's DDP (DDP's no_sync, its reducer, its buckets of the same size; on ftrun's default
 group), the order swapped every step. A drift in the host's speed hits both sides of a pair
-alike. Printed per rank: the median step time of each (steps after the first quarter), the
-median of the per-pair ratios ftrun/DDP and its interquartile range. Launchers are not part
+alike. Printed per rank, then for the job (each pair's mean over the ranks: the figure to
+quote): the median step time of each (steps after the first quarter), their ratio, and the
+median of the per-pair ratios ftrun/DDP with its interquartile range. Launchers are not part
 of this comparison (bench_steady.py has them; the agent uses ~0.4 % of a core).
 """
 from __future__ import annotations
@@ -92,13 +93,13 @@ def child(a: argparse.Namespace) -> None:
     ft.close()
 
 
-def summary(rank: int, log: list[dict[str, float]]) -> str:
+def summary(who: str, log: list[dict[str, float]]) -> str:
     steady = log[len(log) // 4:]
     ft = statistics.median(e["ftrun"] for e in steady) * 1000
     ddp = statistics.median(e["ddp"] for e in steady) * 1000
     ratios = sorted(e["ftrun"] / e["ddp"] for e in steady)
     q1, q3 = ratios[len(ratios) // 4], ratios[3 * len(ratios) // 4]
-    return (f"  rank {rank}: ftrun step {ft:.1f} ms, DDP step {ddp:.1f} ms, ratio of medians "
+    return (f"  {who}: ftrun step {ft:.1f} ms, DDP step {ddp:.1f} ms, ratio of medians "
             f"{ft / ddp:.3f}; per-pair ratio median {statistics.median(ratios):.3f} "
             f"(IQR {q1:.3f}-{q3:.3f}, {len(ratios)} pairs)")
 
@@ -132,9 +133,16 @@ def main() -> None:
         if done.returncode != 0:
             sys.stdout.write(done.stdout[-3000:] + done.stderr[-3000:])
             raise SystemExit(f"ftrun failed ({done.returncode})")
+        logs = []
         for rank in range(a.nproc):
             with open(os.path.join(tmp, f"log_{rank}.json")) as f:
-                print(summary(rank, json.load(f)))
+                logs.append(json.load(f))
+            print(summary(f"rank {rank}", logs[-1]))
+    # ranks meet in every all-reduce, so their steps differ only in where each one waits:
+    # the job's figure is each pair's mean over the ranks
+    pairs = [{side: statistics.mean(log[i][side] for log in logs) for side in ("ftrun", "ddp")}
+             for i in range(min(map(len, logs)))]
+    print(summary("job (mean over ranks)", pairs))
     print(f"  load average (1 min): {load:.2f} -> {os.getloadavg()[0]:.2f}")
 
 
