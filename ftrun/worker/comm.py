@@ -64,6 +64,8 @@ def never_completes(interrupt: Interrupt, generation: int,
 
 
 NCCL_POLL_S = 0.0005  # a hung NCCL kernel must stay abandonable; a step is ~100s of ms
+# how late a gloo wait may see a newer generation (gloo fails the op itself on a peer's death)
+GLOO_SLICE = timedelta(seconds=0.05)
 
 
 class Reconfigurable(Protocol):
@@ -97,31 +99,25 @@ class Group:
     def wait(self, work: Any, interrupt: Interrupt, timeout_s: float = timeouts.COLLECTIVE_S
              ) -> None:
         """Wait for `work` unless a newer urgent generation arrives first."""
+        if not self.on_gpu:
+            try:
+                work.get_future()
+            except RuntimeError:  # gloo send/recv: no future, they progress only in wait()
+                pass
+            else:
+                self._wait_in_slices(work, interrupt, timeout_s)
+                return
         interrupt.wake.clear()
         errors: list[BaseException] | None = None
-        poll_s = 1.0
         if self.on_gpu:  # NCCL work is "done" once enqueued; its CUDA events say when it ran
             done, poll_s = work.is_completed, NCCL_POLL_S
         else:
-            try:
-                fut = work.get_future()
-                fut.add_done_callback(lambda _f: interrupt.wake.set())
-                done = fut.done
-            except RuntimeError:  # gloo send/recv: no future, they progress only in wait()
-                finished, errors = _wait_in_thread(work, interrupt.wake, timeout_s)
-                done = finished.is_set
+            finished, errors = _wait_in_thread(work, interrupt.wake, timeout_s)
+            done, poll_s = finished.is_set, 1.0
         deadline = time.monotonic() + timeout_s
         while not done():
-            try:
-                interrupt.check(self.gen.number)
-            except (Abandoned, CommError):
-                REAPER.hold_op(self.pg, work, done, deadline - time.monotonic())
-                raise
-            left = deadline - time.monotonic()
-            if left <= 0:
-                REAPER.hold_op(self.pg, work, done, timeouts.COLLECTIVE_S)
-                raise CommError(f"collective timed out after {timeout_s:.0f}s")
-            interrupt.wake.wait(min(left, poll_s))
+            self._check(work, done, interrupt, deadline, timeout_s)
+            interrupt.wake.wait(min(deadline - time.monotonic(), poll_s))
         try:
             if errors is None:
                 work.wait()
@@ -129,6 +125,39 @@ class Group:
                 raise errors[0]
         except RuntimeError as exc:  # gloo/nccl report peer failures as RuntimeError
             raise CommError(first_line(exc)) from None
+
+    def _wait_in_slices(self, work: Any, interrupt: Interrupt, timeout_s: float) -> None:
+        """A gloo collective: block in the op's own C++ wait, GLOO_SLICE_S at a time, looking
+        for a newer generation in between. Not a Python callback on the op's future: that runs
+        on gloo's thread under the GIL, so every wait the training thread slept through cost it
+        a second sleep for the GIL, a time slice each on a busy CPU."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if not work.is_completed():
+                self._check(work, work.is_completed, interrupt, deadline, timeout_s)
+            try:
+                work.wait(GLOO_SLICE)
+                return
+            except RuntimeError:  # the slice ran out (gloo keeps the op going), or it failed
+                if work.is_completed():  # failed, or done since: a second wait() says which
+                    try:
+                        work.wait()
+                    except RuntimeError as failure:  # a peer's death, for one
+                        raise CommError(first_line(failure)) from None
+                    return
+
+    def _check(self, work: Any, done: Callable[[], bool], interrupt: Interrupt,
+               deadline: float, timeout_s: float) -> None:
+        """Raise if a newer urgent generation abandons `work`, or its time is up; the reaper
+        holds the abandoned op until it ends."""
+        try:
+            interrupt.check(self.gen.number)
+        except (Abandoned, CommError):
+            REAPER.hold_op(self.pg, work, done, deadline - time.monotonic())
+            raise
+        if deadline - time.monotonic() <= 0:
+            REAPER.hold_op(self.pg, work, done, timeouts.COLLECTIVE_S)
+            raise CommError(f"collective timed out after {timeout_s:.0f}s")
 
     def run(self, make_work: Callable[[], Any], interrupt: Interrupt,
             timeout_s: float = timeouts.COLLECTIVE_S) -> None:
