@@ -127,7 +127,7 @@ class Group:
             raise CommError(first_line(exc)) from None
 
     def _wait_in_slices(self, work: Any, interrupt: Interrupt, timeout_s: float) -> None:
-        """A gloo collective: block in the op's own C++ wait, GLOO_SLICE_S at a time, looking
+        """A gloo collective: block in the op's own C++ wait, GLOO_SLICE at a time, looking
         for a newer generation in between. Not a Python callback on the op's future: that runs
         on gloo's thread under the GIL, so every wait the training thread slept through cost it
         a second sleep for the GIL, a time slice each on a busy CPU."""
