@@ -28,7 +28,14 @@ import tempfile
 import time
 from typing import Any
 
-from profile_step import Phases, build, micro_batches, optimize  # the same loop, the same model
+from profile_step import (  # the same loop, the same model, the same flags
+    Phases,
+    add_model_args,
+    build,
+    micro_batches,
+    model_args,
+    optimize,
+)
 
 RUN_TIMEOUT_S = 1800  # one ftrun invocation
 
@@ -108,12 +115,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
-    ap.add_argument("--nproc", type=int, default=2)
-    for name, default in (("steps", 60), ("dim", 256), ("layers", 4), ("heads", 4),
-                          ("block", 64), ("batch", 32), ("accum", 2)):
-        ap.add_argument(f"--{name}", type=int, default=default)
-    ap.add_argument("--bucket-mb", type=float, default=1.0)
-    ap.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16", help="autocast dtype")
+    add_model_args(ap, steps=60)
     a = ap.parse_args()
     if a.child:
         child(a)
@@ -124,8 +126,7 @@ def main() -> None:
     load = os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as tmp:
         args = [os.path.abspath(__file__), "--child", "--out", tmp,
-                *(f"--{k.replace('_', '-')}={v}" for k, v in vars(a).items()
-                  if k not in ("child", "out", "nproc") and v is not None)]
+                *(f"--{k}={v}" for k, v in model_args(a))]
         cmd = [sys.executable, "-m", "ftrun", "--nproc", str(a.nproc), *args]
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         done = subprocess.run(cmd, env=env, timeout=RUN_TIMEOUT_S, capture_output=True,

@@ -269,6 +269,16 @@ def launch(kind: str, a: argparse.Namespace, out: str) -> list[dict[str, Any]]:
     return docs
 
 
+def add_model_args(ap: argparse.ArgumentParser, steps: int) -> None:
+    """The flags of the loop and its model (model_args hands them to the workers)."""
+    ap.add_argument("--nproc", type=int, default=2)
+    for name, default in (("steps", steps), ("dim", 256), ("layers", 4), ("heads", 4),
+                          ("block", 64), ("batch", 32), ("accum", 2)):
+        ap.add_argument(f"--{name}", type=int, default=default)
+    ap.add_argument("--bucket-mb", type=float, default=1.0)
+    ap.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16", help="autocast dtype")
+
+
 def model_args(a: argparse.Namespace) -> list[tuple[str, Any]]:
     return [(k, getattr(a, k.replace("-", "_"))) for k in
             ("steps", "dim", "layers", "heads", "block", "batch", "accum", "bucket-mb", "dtype")]
@@ -307,12 +317,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--child", choices=["ftrun", "ddp"], help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
-    ap.add_argument("--nproc", type=int, default=2)
-    for name, default in (("steps", 40), ("dim", 256), ("layers", 4), ("heads", 4),
-                          ("block", 64), ("batch", 32), ("accum", 2)):
-        ap.add_argument(f"--{name}", type=int, default=default)
-    ap.add_argument("--bucket-mb", type=float, default=1.0)
-    ap.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16", help="autocast dtype")
+    add_model_args(ap, steps=40)
     ap.add_argument("--repeat", type=int, default=1, help="ftrun/DDP pairs, alternating")
     a = ap.parse_args()
     if a.child:
