@@ -84,7 +84,9 @@ def test_two_runs_sharing_an_id_and_a_directory_never_load_or_destroy_each_other
     assert a.returncode == 0, a.stderr
     node = Path(default_dir("jobJ").replace(tempfile.gettempdir(), str(tmp_path), 1)) / "node0"
     kept = {p.name: (p / snap.MANIFEST).read_text() for p in node.glob("step-*")}
-    assert sorted(kept) == ["step-000000012", "step-000000016"], kept
+    # the writer copies the newest slot at each poll, so on a busy host step 12 may be passed
+    # over for 16; the newest is always flushed at the end, and no more than --snapshot-keep
+    assert "step-000000016" in kept and set(kept) <= {"step-000000012", "step-000000016"}, kept
 
     b = run(tmp_path / "b", *flags, env=env, script_args=("--die-all-at", "10"))
     assert b.returncode == 0, b.stderr
