@@ -17,7 +17,7 @@ import os
 import pickle
 import threading
 import time
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import psutil
 import torch
@@ -76,10 +76,13 @@ def legacy_heal(group: Group, objects: dict, receiver: bool, source: int) -> Non
     from views of them."""
     if not receiver:
         tensors: list[torch.Tensor] = []
+
+        def keep(t: torch.Tensor) -> Ref:
+            tensors.append(t.detach().reshape(-1))
+            return Ref(len(tensors) - 1, str(t.dtype), tuple(t.shape))
+
         state = {k: o.state_dict() for k, o in objects.items()}
-        skeleton = map_leaves(state, lambda v: isinstance(v, torch.Tensor),
-                              lambda t: (tensors.append(t.detach().reshape(-1)),
-                                         Ref(len(tensors) - 1, str(t.dtype), t.shape))[1])
+        skeleton = map_leaves(state, lambda v: isinstance(v, torch.Tensor), keep)
         order = sorted({str(t.dtype) for t in tensors})
         flats = [torch.cat([t for t in tensors if str(t.dtype) == d]) for d in order]
         meta = torch.frombuffer(bytearray(pickle.dumps((skeleton, order, [
@@ -99,20 +102,20 @@ def legacy_heal(group: Group, objects: dict, receiver: bool, source: int) -> Non
     for flat in flats:
         group.pg.recv([flat], source, 7).wait()
     views: dict[int, torch.Tensor] = {}
-    refs = sorted(leaves(skeleton), key=lambda r: r.index)
+    refs = sorted(leaves(skeleton), key=lambda r: r.position)
     offsets = dict.fromkeys(order, 0)
     for ref in refs:
         k = order.index(ref.dtype)
         n = math.prod(ref.shape)
-        views[ref.index] = flats[k][offsets[ref.dtype]:offsets[ref.dtype] + n].view(ref.shape)
+        views[ref.position] = flats[k][offsets[ref.dtype]:offsets[ref.dtype] + n].view(ref.shape)
         offsets[ref.dtype] += n
-    filled = map_leaves(skeleton, lambda v: isinstance(v, Ref), lambda r: views[r.index])
+    filled = map_leaves(skeleton, lambda v: isinstance(v, Ref), lambda r: views[r.position])
     for name, obj in objects.items():
         obj.load_state_dict(filled[name])
 
 
 class Ref(NamedTuple):
-    index: int
+    position: int  # in the sender's list of tensors
     dtype: str
     shape: tuple[int, ...]
 
@@ -156,7 +159,7 @@ def main() -> None:
                       torch.device("cpu"), None, healer)
             seconds = time.monotonic() - started
         last = healer.take_last()
-        extra = [None] * 4
+        extra: list[Any] = [None] * 4
         dist.all_gather_object(extra, {"mb": peak.extra_mb, "sent": last[1].bytes
                                        if last and last[0] == "sent" else 0})
         state_bytes = sum(t.numel() * t.element_size() for t in model.parameters()) * 3

@@ -90,12 +90,12 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as out, tempfile.TemporaryDirectory() as logs:
         run("ftrun", out, a, kill=a.kill_step, log_dir=logs)
         events = _events(logs)
-        fault = float(str(next(e for e in events if e["event"] == "fault")["detected_at"]))
+        fault_at = float(str(next(e for e in events if e["event"] == "fault")["detected_at"]))
         done = commits(out)
-        live = next(e["t"] for e in done if e["t"] > fault and e["rank"] < 2)
+        live = next(e["t"] for e in done if e["t"] > fault_at and e["rank"] < 2)
         full = [e for e in events if e["event"] == "notice" and "back in service" in
                 str(e["text"])]
-        both = next((e["t"] for e in done if e["t"] > fault and e["rank"] >= 2), None)
+        both = next((e["t"] for e in done if e["t"] > fault_at and e["rank"] >= 2), None)
     print(f"model: {a.blocks} transformer blocks of width {a.width}, 4 ranks as 2 x 2, "
           f"gloo on CPU")
     print(f"step time   torchrun HSDP {steps['torchrun'] * 1000:.1f} ms   ftrun --shard-size 2 "
@@ -104,12 +104,12 @@ def main() -> None:
           f"{' '.join(f'{t * 1000:.0f}' for t in runs['torchrun'])} vs "
           f"{' '.join(f'{t * 1000:.0f}' for t in runs['ftrun'])} ms)")
     budget = steps["ftrun"] + 0.1
-    print(f"recovery    the live group's next commit {(live - fault) * 1000:.0f} ms after the "
+    print(f"recovery    the live group's next commit {(live - fault_at) * 1000:.0f} ms after the "
           f"fault (goal <= step + 100 ms = {budget * 1000:.0f} ms: "
-          f"{'ok' if live - fault <= budget else 'missed'})")
+          f"{'ok' if live - fault_at <= budget else 'missed'})")
     if both is not None:
         print(f"rejoin      {full[0]['text'] if full else 'no back-in-service notice'}; a fresh "
-              f"rank's own first commit {(both - fault) * 1000:.0f} ms after the fault")
+              f"rank's own first commit {(both - fault_at) * 1000:.0f} ms after the fault")
     print(f"spare group --spares 1: the live group's next commit {spare_live * 1000:.0f} ms "
           f"after the fault; {spare_full}")
 

@@ -27,7 +27,7 @@ ap.add_argument("--out", required=True)
 a = ap.parse_args()
 
 
-def make_model() -> torch.nn.Module:
+def make_model() -> torch.nn.Sequential:
     torch.manual_seed(0)
     layers: list[torch.nn.Module] = []
     for _ in range(a.blocks):

@@ -18,12 +18,16 @@ from __future__ import annotations
 import argparse
 import socket
 from datetime import timedelta
+from typing import TYPE_CHECKING, Any
 
 from gpu_check_common import check, say
 from gpu_check_heal import loopback_heal
 
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
-def _sharded(device: str, mesh: object, width: int) -> tuple:
+
+def _sharded(device: str, mesh: DeviceMesh, width: int) -> tuple[Any, Any]:
     import torch
     from torch.distributed.fsdp import fully_shard
 
@@ -51,7 +55,7 @@ def sec_hsdp(a: argparse.Namespace) -> None:
         port = s.getsockname()[1]
     store = dist.TCPStore("127.0.0.1", port, 1, True, timeout=timedelta(seconds=30))
     try:
-        sharded.ensure_rank_identity(store, 0)
+        sharded.ensure_rank_identity(store, 0)  # type: ignore[arg-type]  # torch's set() types str
         say("rank identity for --shard-size: made (torch has the reconfigurable default group)")
         dist.destroy_process_group()
     except WorkerApiError as exc:
@@ -87,5 +91,5 @@ def sec_hsdp(a: argparse.Namespace) -> None:
     dist.destroy_process_group()
 
 
-def _local(t: object) -> object:
-    return t.to_local() if hasattr(t, "to_local") else t  # type: ignore[attr-defined]
+def _local(t: Any) -> Any:
+    return t.to_local() if hasattr(t, "to_local") else t

@@ -31,8 +31,14 @@ import socket
 import subprocess
 import sys
 from datetime import timedelta
+from typing import Any
 
 WORLD = 2
+
+
+def full(sharded: Any) -> Any:
+    """A DTensor's whole value (FSDP2's parameters and gradients are DTensors)."""
+    return sharded.full_tensor()
 
 
 def rank_main(rank: int, port: int, fix_table: bool) -> None:
@@ -53,10 +59,11 @@ def rank_main(rank: int, port: int, fix_table: bool) -> None:
         handles = [store.get(k).decode() for k in keys]
         dist._reconfigure(uuid, handles, timeout=timedelta(seconds=20)).wait()
         if fix_table:
-            c10d._world.pg_group_ranks[dist.group.WORLD] = {r: r for r in range(WORLD)}
+            c10d._world.pg_group_ranks[world_pg] = {r: r for r in range(WORLD)}
 
+    world_pg = c10d._get_default_group()  # dist.group.WORLD, typed
     reform(1)
-    mesh = DeviceMesh.from_group(dist.group.WORLD, "cpu")
+    mesh = DeviceMesh.from_group(world_pg, "cpu")
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
     for layer in model:
@@ -75,7 +82,7 @@ def rank_main(rank: int, port: int, fix_table: bool) -> None:
     reform(2)
     for i in range(3, 6):
         step(i)
-    flat = torch.cat([p.full_tensor().detach().reshape(-1) for p in model.parameters()])
+    flat = torch.cat([full(p).detach().reshape(-1) for p in model.parameters()])
     gathered = [torch.empty_like(flat) for _ in range(WORLD)]
     dist.all_gather(gathered, flat)
     same = all(torch.equal(gathered[0], g) for g in gathered)
@@ -98,7 +105,7 @@ def shard_groups_main(rank: int, port: int, world: int) -> None:
     dist.init_process_group("gloo", store=dist.PrefixStore("native/", store), rank=rank,
                             world_size=rank + 1, enable_reconfigure=True)
 
-    def reform(pg: object, uuid: int, members: list[int], tag: str) -> None:
+    def reform(pg: c10d.ProcessGroup, uuid: int, members: list[int], tag: str) -> None:
         store.set(f"{tag}/{uuid}/{rank}", dist._get_reconfigure_handle(pg))
         keys = [f"{tag}/{uuid}/{r}" for r in members]
         store.wait(keys, timedelta(seconds=30))
@@ -106,12 +113,13 @@ def shard_groups_main(rank: int, port: int, world: int) -> None:
                           timeout=timedelta(seconds=20)).wait()
         c10d._world.pg_group_ranks[pg] = {g: i for i, g in enumerate(members)}
 
-    reform(dist.group.WORLD, 1, list(range(world)), "world")
+    reform(c10d._get_default_group(), 1, list(range(world)), "world")
     group = rank // SHARD
     members = list(range(group * SHARD, (group + 1) * SHARD))
     pg, _ = c10d._new_process_group_helper(
         SHARD, rank % SHARD, members, "gloo", dist.PrefixStore(f"pg{group}/", store),
-        f"shard{group}", timeout=timedelta(seconds=60), enable_reconfigure=True)
+        c10d.GroupName(f"shard{group}"), timeout=timedelta(seconds=60), enable_reconfigure=True)
+    assert isinstance(pg, c10d.ProcessGroup), pg  # a member's group, not NON_GROUP_MEMBER
     reform(pg, 1, members, f"shard{group}")
     t = torch.tensor([float(rank)])
     dist.all_reduce(t, group=pg)
@@ -126,8 +134,8 @@ def shard_groups_main(rank: int, port: int, world: int) -> None:
     model(x).sum().backward()
     reform(pg, 2, members, f"shard{group}")  # this replica group's shard group alone
     model(x).sum().backward()
-    flat = torch.cat([p.full_tensor().detach().reshape(-1) for p in model.parameters()])
-    grads = torch.cat([p.grad.full_tensor().reshape(-1) for p in model.parameters()])
+    flat = torch.cat([full(p).detach().reshape(-1) for p in model.parameters()])
+    grads = torch.cat([full(p.grad).reshape(-1) for p in model.parameters()])
     print(f"rank {rank}: trained over shard group {group} across its rebuild "
           f"({float(flat.sum()):.4f}, {float(grads.sum()):.4f})", flush=True)
     sys.exit(0)
