@@ -99,19 +99,14 @@ class Group:
     def wait(self, work: Any, interrupt: Interrupt, timeout_s: float = timeouts.COLLECTIVE_S
              ) -> None:
         """Wait for `work` unless a newer urgent generation arrives first."""
-        if not self.on_gpu:
-            try:
-                work.get_future()
-            except RuntimeError:  # gloo send/recv: no future, they progress only in wait()
-                pass
-            else:
-                self._wait_in_slices(work, interrupt, timeout_s)
-                return
+        if not self.on_gpu and _has_future(work):  # a gloo collective
+            self._wait_in_slices(work, interrupt, timeout_s)
+            return
         interrupt.wake.clear()
         errors: list[BaseException] | None = None
         if self.on_gpu:  # NCCL work is "done" once enqueued; its CUDA events say when it ran
             done, poll_s = work.is_completed, NCCL_POLL_S
-        else:
+        else:  # gloo send/recv: they progress only in wait(), so a thread waits for them
             finished, errors = _wait_in_thread(work, interrupt.wake, timeout_s)
             done, poll_s = finished.is_set, 1.0
         deadline = time.monotonic() + timeout_s
@@ -180,6 +175,15 @@ class Group:
             if not self.shared:  # the reconfigurable default group lives on
                 REAPER.hold_group(self.pg)
         self.pg = None
+
+
+def _has_future(work: Any) -> bool:
+    """gloo's collectives have a future; its send/recv have none (get_future raises)."""
+    try:
+        work.get_future()
+    except RuntimeError:
+        return False
+    return True
 
 
 def _wait_in_thread(work: Any, wake: threading.Event, timeout_s: float
