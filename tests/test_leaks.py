@@ -3,8 +3,10 @@ every worker, and the descriptors of the agent (which hosts the store the worker
 connections go to), stay flat. A leaked gloo group costs ~3 threads and world size + 4
 descriptors per worker, plus one store connection per worker in the agent. Over 10 killed
 and replaced workers, the agent's descriptors stay flat too (a dead worker's progress slot
-mapping is one)."""
+mapping is one). A worker's leaked shared memory is unlinked by its resource tracker, which
+the agent lets finish before it ends the worker's process group."""
 import os
+import re
 import subprocess
 from pathlib import Path
 
@@ -161,3 +163,39 @@ def test_lost_store_is_one_line_per_worker(tmp_path: Path) -> None:
     assert "frame #" not in err and "Exception raised from" not in err, err
     lost = [line for line in err.splitlines() if "lost the agent" in line]
     assert len(lost) <= 2, lost  # node b runs two workers
+
+
+LEAKER = """
+import multiprocessing as mp
+from multiprocessing import shared_memory
+q = mp.Queue()
+q.put(1)
+q.get()
+shm = shared_memory.SharedMemory(create=True, size=4096)
+print("segment", shm.name, flush=True)
+shm.close()  # never unlinked: the resource tracker does it once this process is gone
+"""
+
+
+@pytest.mark.parametrize("zygote", [True, False], ids=["zygote", "no-zygote"])
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_a_workers_leaked_shared_memory_is_unlinked_as_after_torchrun(tmp_path: Path,
+                                                                     nproc: int,
+                                                                     zygote: bool) -> None:
+    """Issue #51 item 6: a worker's multiprocessing resource tracker lives in the worker's
+    process group; killed with it the moment the worker exits, it never unlinks the `psm_*`
+    segment the worker leaked, which stays in /dev/shm for good."""
+    script = tmp_path / "leaker.py"
+    script.write_text(LEAKER)
+    r = subprocess.run(ftrun_cmd("--nproc", str(nproc), *([] if zygote else ["--no-zygote"]),
+                                 str(script)), capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    names = re.findall(r"segment (psm_\w+)", r.stdout + r.stderr)
+    left = [Path("/dev/shm", n) for n in names]
+    try:
+        assert r.returncode == 0 and len(names) == nproc, r.stdout + r.stderr
+        wait_for(lambda: not any(p.exists() for p in left), 15,
+                 f"the workers' segments {names} unlinked")
+    finally:
+        for p in left:
+            p.unlink(missing_ok=True)

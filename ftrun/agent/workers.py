@@ -15,6 +15,7 @@ import signal
 import time
 from collections.abc import Callable, Iterator
 
+from ftrun.adapters.leftovers import end_group
 from ftrun.adapters.procs import Guardian, signal_group
 from ftrun.adapters.report import WorkerExit
 from ftrun.adapters.wakeup import Wakeup
@@ -145,7 +146,7 @@ class NodeWorkers:
         else:
             w.move(WorkerState.SUCCEEDED if code == 0 else WorkerState.FAILED)
         w.spawned.close()
-        signal_group(w.spawned.pid, signal.SIGKILL)  # what it left in its group goes too
+        end_group(w.spawned.pid)  # what it left in its group goes too (a resource tracker last)
         self.guardian.forget(w.spawned.pid)
         self.emit(Event.EXIT, {"rank": w.rank, "pid": w.spawned.pid, "returncode": code,
                                "by_launcher": by_launcher})
