@@ -21,6 +21,7 @@ import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from ftrun.adapters.room import claim
 from ftrun.core import timeouts
 from ftrun.core.errors import first_line
 from ftrun.protocol.snapshots import SKELETON, SlotRecord, not_mine, try_lock, unsafe
@@ -173,7 +174,7 @@ class Slot:
             return self._bytes
         self._unmap()
         size = max(size, os.fstat(self.fd).st_size)
-        os.ftruncate(self.fd, size)
+        claim(self.fd, size, os.path.dirname(self.path))
         self._mm = mmap.mmap(self.fd, size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
         with warnings.catch_warnings():  # a writable mmap is what we want here
             warnings.simplefilter("ignore", UserWarning)
@@ -328,12 +329,6 @@ def _first_cause(exc: Any) -> str:
         if isinstance(cause, BaseException):
             return f"{type(cause).__name__}: {cause}"
     return first_line(exc, 1000)
-
-
-def shm_free(path: str) -> int:
-    """Bytes this user may still allocate in the filesystem of `path` (a tmpfs's room)."""
-    st = os.statvfs(path)
-    return st.f_bavail * st.f_frsize
 
 
 def load_disk(path: str) -> dict[str, Any]:

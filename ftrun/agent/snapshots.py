@@ -12,8 +12,9 @@ snapshot written, a `snapshot_failed` event for one that could not be, the statu
 newest step a total loss can resume from, and the safety rules on its side: the default
 directory is this user's alone, the snapshot directory is checked writable at launch, a
 run prunes and overwrites only the snapshots it wrote (its name is in each manifest), the
-shared memory a killed agent left is removed, and a state that /dev/shm has no room for
-goes to slots on disk instead (the worker's choice: only it knows the state's size).
+shared memory a killed agent left is removed (by any run), and a state that /dev/shm has no
+room for goes to slots on disk instead, or with room nowhere, snapshots are off (the worker's
+choice: only it knows the state's size; the agent says it in one line and an event).
 Must not import: the worker library, typer, rich, the CLI. Torch only inside the writer thread
 (through `adapters.snapshot_io`).
 """
@@ -32,7 +33,8 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
-from ftrun.adapters import sharded_io, snapshot_io
+from ftrun.adapters import room, sharded_io, snapshot_io
+from ftrun.adapters.leftovers import remove_dead_slots, shm_prefix, shm_root, spill_prefix
 from ftrun.core import timeouts
 from ftrun.core.errors import FtrunError, first_line
 from ftrun.core.events import Event, EventSink
@@ -49,18 +51,16 @@ from ftrun.protocol.snapshots import (
     prune,
     read_manifest,
     read_slot_record,
-    remove_stale_shm,
     root_of,
-    shm_prefix,
     slot_paths,
     step_dir,
     temp_dir,
+    told_off,
     try_lock,
     writable,
     write_manifest,
 )
 
-SHM_ROOT = "/dev/shm"
 STREAMS = "ftrun.random_streams"  # the worker's name for its random streams (aligning.STREAMS)
 WRITER_NICENESS = 10
 
@@ -95,12 +95,12 @@ class SnapshotKeeper:
         self._results: queue.SimpleQueue[tuple[Event, dict[str, Any]]] = queue.SimpleQueue()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self.off = ""  # why a worker found no room for its slots anywhere: snapshots are off
+        remove_dead_slots()  # any run: what runs SIGKILLed with their guardians left
         if self.on:
             self._check_dir(spec)
-            root = SHM_ROOT if os.path.isdir(SHM_ROOT) else None
-            remove_stale_shm(root or tempfile.gettempdir())
-            self.shm = tempfile.mkdtemp(prefix=shm_prefix(run_id), dir=root)
-            self.spill = tempfile.mkdtemp(prefix=".slots-", dir=self.base)
+            self.shm = tempfile.mkdtemp(prefix=shm_prefix(run_id), dir=shm_root())
+            self.spill = tempfile.mkdtemp(prefix=spill_prefix(), dir=self.base)
             self._thread = threading.Thread(target=self._write_loop, name="ftrun-snapshots",
                                             daemon=True)
             self._thread.start()
@@ -222,11 +222,18 @@ class SnapshotKeeper:
             stopping = self._stop.wait(timeouts.SNAPSHOT_POLL_S)
             try:
                 self._write_newest()
+                self._heard_off()
             except Exception as exc:  # the writer outlives any one snapshot's trouble
                 self._results.put((Event.NOTICE, {"text": f"snapshot writer: "
                                                           f"{type(exc).__name__}: {exc}"[:300]}))
             if stopping:
                 return
+
+    def _heard_off(self) -> None:
+        """A worker found no room for its slots anywhere: one line and an event, once."""
+        if not self.off and (why := told_off(self.private_dirs)):
+            self.off = why
+            self._results.put((Event.NOTICE, {"text": why}))
 
     def _write_newest(self) -> None:
         if self.spec.shard_size > 1:
@@ -323,7 +330,7 @@ def _room(path: str, need: int) -> str:
     """`; 1 MiB free there, 5 MiB needed`: a full disk is a likely cause, and DCP's error (a
     torch.save failing halfway) may not say so."""
     with contextlib.suppress(OSError):
-        return (f"; {snapshot_io.shm_free(path) >> 20} MiB free there, "
+        return (f"; {room.free(path) >> 20} MiB free there, "
                 f"{(need + (1 << 20) - 1) >> 20} MiB needed")
     return ""
 

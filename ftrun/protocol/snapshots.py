@@ -4,7 +4,8 @@ worker (which fills a slot and resumes from the newest complete snapshot).
 
 Owns: the shared-memory slot files (`slot<k>.bin`, published by `slot<k>.json`, a
 `SlotRecord` written after the data: a slot without its record is never read), the choice of
-the slot to fill and of the replica that fills it, when a snapshot is due, the disk layout
+the slot to fill and of the replica that fills it, when a snapshot is due, a worker's word
+to the agent that it found room for its slots nowhere (`off-<worker>`), the disk layout
 (`<dir>/node<k>/step-<n>/`: torch Distributed Checkpoint files, ftrun's skeleton, and the
 manifest `ftrun.json` with every file's size and CRC-32, written last, then the directory is
 renamed into place), listing, verifying and pruning disk snapshots, and the safety rules:
@@ -34,6 +35,7 @@ MANIFEST = "ftrun.json"
 SKELETON = "ftrun-skeleton.pkl"
 FORMAT = 1
 EXIT_CANNOT_RESUME = 66  # sysexits' EX_NOINPUT: a worker told to resume found no snapshot that fits
+_OFF = "off-"  # a worker's marker: no room for its slots anywhere
 _STEP_DIR = re.compile(r"^step-(\d{9})$")
 _CHUNK = 8 << 20
 
@@ -114,6 +116,30 @@ def is_due(every: int, interval_s: float, committed: int, last_step: int, last_a
     if every > 0:
         return committed % every == 0
     return interval_s > 0 and now - last_at >= interval_s
+
+
+def tell_off(dirs: tuple[str, ...], worker: int, text: str) -> bool:
+    """A worker that found no room for its slots anywhere tells the agent why, in a marker
+    beside the slots (`off-<worker>`), which the agent turns into one line and an event.
+    False when no directory takes it (the worker then says it itself)."""
+    for d in dirs:
+        with contextlib.suppress(OSError):
+            fd = os.open(os.path.join(d, f"{_OFF}{worker}"),
+                         os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+            with open(fd, "w") as f:
+                f.write(text)
+            return True
+    return False
+
+
+def told_off(dirs: tuple[str, ...]) -> str | None:
+    """Why a worker of this node turned snapshots off (the first marker's text), or None."""
+    for d in dirs:
+        for name in (n for n in _listdir(d) if n.startswith(_OFF)):
+            with contextlib.suppress(OSError), open(os.path.join(d, name)) as f:
+                if text := f.read(1000).strip():
+                    return text
+    return None
 
 
 # ---------------------------------------------------------------- disk
@@ -346,28 +372,6 @@ def owner_of(path: str) -> str | None:
     """The run that wrote the snapshot at `path` ("" unnamed), or None when there is none."""
     man = manifest_of(path)
     return man.run if isinstance(man, Manifest) else None
-
-
-_SHM_DIR = re.compile(r"^ftrun-snap-.*-(\d+)-[A-Za-z0-9_]{8}$")
-
-
-def shm_prefix(run_id: str) -> str:
-    """An agent's shared-memory directory's name, up to mkdtemp's suffix: its pid names the
-    owner, so a later agent can remove what a killed one (and its guardian) left."""
-    return f"ftrun-snap-{run_id[:16]}-{os.getpid()}-"
-
-
-def remove_stale_shm(root: str) -> list[str]:
-    """This user's shared-memory directories whose agent is gone: removed, returned."""
-    removed = []
-    for name in _listdir(root):
-        m = _SHM_DIR.match(name)
-        full = os.path.join(root, name)
-        pid = int(m.group(1)) if m else 0
-        if m and pid != os.getpid() and not _alive(pid) and _owned(full):
-            shutil.rmtree(full, ignore_errors=True)
-            removed.append(full)
-    return removed
 
 
 def _owned(path: str) -> bool:

@@ -9,7 +9,8 @@ partial or corrupt). With --shard-size every rank of the node's first replica gr
 its own shard's slots, and a rank resumes from a complete set of shards (its own, from shared
 memory) or from disk through DCP, resharded to its shape (worker/sharded_snapshot.py); a
 group that spans nodes fills each node's part, and its ranks agree over their shard group on
-a step every one of them holds before any loads (a node holds only its own shards).
+a step every one of them holds before any loads (a node holds only its own shards). Where the
+slots go, with their room reserved, is worker/snapshot_slots.py's.
 Must not import: typer, rich, NVML, the agent, worker.api. Torch is imported when it runs.
 """
 
@@ -23,7 +24,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import replace
 from typing import Any
 
-from ftrun.adapters import sharded_io, snapshot_io
+from ftrun.adapters import room, sharded_io, snapshot_io
 from ftrun.core import timeouts
 from ftrun.core.errors import first_line
 from ftrun.core.spec import WorkerEnv
@@ -50,6 +51,7 @@ from ftrun.protocol.snapshots import (
 )
 from ftrun.worker import sharded_snapshot
 from ftrun.worker.aligning import STREAMS
+from ftrun.worker.snapshot_slots import Placement
 
 NO_CAP = 1 << 62  # any step: the first round of a spanning group's agreement
 STEP = "ftrun.step"  # the committed step, beside the registered objects in a snapshot
@@ -62,7 +64,6 @@ class Snapshots:
         self.shm_dir = wenv.snapshot_shm
         self.spill_dir = wenv.snapshot_spill  # slots on disk, when /dev/shm has no room
         self.resume_run, self.resume_step = wenv.resume_run, wenv.resume_step
-        self._dir = self.shm_dir  # where this worker's slots are
         self.every = wenv.snapshot_every
         self.interval_s = wenv.snapshot_interval
         self.resume_dir = wenv.resume_dir
@@ -78,12 +79,18 @@ class Snapshots:
         # by time, sharded: the boundary shard 0's clock names, and the one its group heard
         # at a step's start (api.py carries both in the group's generation check)
         self.proposed = self.agreed_due = -1
-        self._slots: dict[int, snapshot_io.Slot] = {}  # kept mapped from one snapshot to the next
-        self._reserving: threading.Thread | None = None  # maps and writes every slot's pages
+        self._place = Placement(self.shm_dir, self.spill_dir, self.worker_id)
+        self._no_room_said = False
+
+    @property
+    def off(self) -> str:
+        """Why snapshots are off on this worker (no room for its slots anywhere), or ""."""
+        thread = self._place.thread
+        return self._place.off if thread is not None and not thread.is_alive() else ""
 
     @property
     def taking(self) -> bool:
-        return bool(self.shm_dir) and (self.every > 0 or self.interval_s > 0)
+        return bool(self.shm_dir) and (self.every > 0 or self.interval_s > 0) and not self.off
 
     def at_boundary(self, gen: Generation, committed: int, objects: Mapping[str, Any],
                     final: bool) -> None:
@@ -97,34 +104,45 @@ class Snapshots:
         if sub is None:
             return
         due = final and committed > self._last_step or self._due(committed, now, sub)
-        reserving = self._reserving or self._reserve(objects, sub)
+        reserving = self._place.thread or self._reserve(objects, sub)
         if not due:
             return
         self._last_step, self._last_at = committed, now
         # long done, but for a snapshot due at once; one still reserving is skipped: it holds
         # the slots' locks through this process's own descriptors, which exclude nothing here
         reserving.join(timeouts.SNAPSHOT_FLUSH_S if final else timeouts.SNAPSHOT_RESERVE_S)
-        if reserving.is_alive():
+        if reserving.is_alive() or self.off:
             self.skipped += 1
             return
-        index = slot_to_fill(self._dir)
-        slot, record = self._slots[index], slot_paths(self._dir, index)[1]
+        where = self._place.dir
+        index = slot_to_fill(where)
+        slot, record = self._place.slots[index], slot_paths(where, index)[1]
         if not slot.lock(timeouts.SNAPSHOT_FLUSH_S if final else 0.0):
             self.skipped += 1  # the agent is still writing that one to disk
             return
         try:
             if os.path.exists(record):
                 os.unlink(record)  # the slot is not complete from here until it is published
-            started = time.perf_counter()  # blocking: state_dict() and the copy
-            state = {name: obj.state_dict() for name, obj in objects.items()}
-            rec = slot.write({**state, STEP: committed}, committed, self.worker_id, gen.number)
-            blocking = round((time.perf_counter() - started) * 1000, 2)
-            tmp = f"{record}.tmp"
-            with open(tmp, "w") as f:
-                f.write(replace(rec, blocking_ms=blocking).to_json())
-            os.rename(tmp, record)
+            self._fill(slot, record, objects, committed, gen.number)
+        except room.NoRoom as exc:  # a state grown past its reserved room: this one skipped
+            self.skipped += 1
+            if not self._no_room_said:
+                self._no_room_said = True
+                _say(f"snapshot of step {committed} skipped: {exc}")
         finally:
             slot.unlock()
+
+    def _fill(self, slot: snapshot_io.Slot, record: str, objects: Mapping[str, Any],
+              committed: int, generation: int) -> None:
+        """Copy the state into the locked `slot`, then publish its `record`."""
+        started = time.perf_counter()  # blocking: state_dict() and the copy
+        state = {name: obj.state_dict() for name, obj in objects.items()}
+        rec = slot.write({**state, STEP: committed}, committed, self.worker_id, generation)
+        blocking = round((time.perf_counter() - started) * 1000, 2)
+        tmp = f"{record}.tmp"
+        with open(tmp, "w") as f:
+            f.write(replace(rec, blocking_ms=blocking).to_json())
+        os.rename(tmp, record)
 
     def _where(self, gen: Generation) -> str | None:
         """The slot directory (below the slots' root) this worker fills, or None when
@@ -149,40 +167,10 @@ class Snapshots:
         return due
 
     def _reserve(self, objects: Mapping[str, Any], sub: str) -> threading.Thread:
-        """The first boundary of the replica that snapshots: open every slot, then size them
-        for this state and write their pages in a thread of their own, so that the first
-        copies into them are as quick as the later ones (each was ~5x slower)."""
+        """The first boundary of the replica that snapshots: size the slots for this state,
+        place them where there is room for every one and reserve it (snapshot_slots.py)."""
         size = snapshot_io.reserved_size({n: o.state_dict() for n, o in objects.items()})
-        self._dir = os.path.join(self._slot_dir(size, sub), sub) if sub else \
-            self._slot_dir(size, sub)
-        os.makedirs(self._dir, mode=0o700, exist_ok=True)
-        self._slots = {i: snapshot_io.Slot(slot_paths(self._dir, i)[0]) for i in range(SLOTS)}
-        slots = [(slot, slot_paths(self._dir, i)[1]) for i, slot in self._slots.items()]
-
-        def reserve_all() -> None:
-            for slot, record in slots:
-                slot.reserve(size, record)
-
-        self._reserving = threading.Thread(target=reserve_all, daemon=True,
-                                           name="ftrun-snapshot-reserve")
-        self._reserving.start()
-        return self._reserving
-
-    def _slot_dir(self, size: int, sub: str) -> str:
-        """Shared memory if it has room for every slot, else the slots on disk: a tmpfs
-        that runs out of pages kills the process that touches one (SIGBUS), and each
-        replacement would die the same way."""
-        held = sum(_size(slot_paths(os.path.join(self.shm_dir, sub), i)[0])
-                   for i in range(SLOTS))
-        try:
-            free = snapshot_io.shm_free(self.shm_dir) + held
-        except OSError:
-            free = 0  # no shared memory to speak of: the disk, if there is a place on it
-        if free >= SLOTS * size or not self.spill_dir:
-            return self.shm_dir
-        _say(f"/dev/shm has {free >> 20} MiB free, snapshots need {SLOTS} x {size >> 20} MiB: "
-             f"snapshotting to disk only ({self.spill_dir})")
-        return self.spill_dir
+        return self._place.start(size, sub)
 
     def resume(self, objects: Mapping[str, Any]) -> Resumed | None:
         """Load the newest snapshot this worker may use into `objects`; what to tell the
@@ -339,13 +327,6 @@ def _tree_mismatch(saved: Any, current: Any, path: str) -> str | None:
             if why is not None:
                 return why
     return None
-
-
-def _size(path: str) -> int:
-    try:
-        return os.path.getsize(path)
-    except OSError:
-        return 0
 
 
 def _reader(path: str, rec: Any) -> Callable[[], dict[str, Any]]:
