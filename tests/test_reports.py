@@ -49,6 +49,32 @@ def test_a_plain_scripts_failure_is_a_fault_record_answered_by_the_restart() -> 
     assert rec.lost_from is None  # a plain script's own checkpoints decide what is redone
 
 
+def test_one_fault_has_one_origin_the_generations_fault_time() -> None:
+    """A lost node (or a coordinator taken over) is detected after it was last seen: the
+    generation counts from the last sign of life, and so do the workers' phases; the fault
+    record and the summary count from there too, not from the detection."""
+    import io
+
+    from ftrun.cli.render import notice
+
+    j = Journal(lambda kind, f: None)
+    j.emit("fault", {"worker": 1, "rank": 1, "why": "node 0 lost", "decision": "replace",
+                     "reason": "r", "detected_at": 1000.5})
+    j.emit("generation", {"generation": 4, "world_size": 2, "reason": "r", "urgent": True,
+                          "published_at": 1000.6})
+    recovered = {"worker": 2, "generation": 4, "fault_at": 1000.2, "published_at": 1000.6,
+                 "noticed": 1000.62, "rebuilt": 1000.7, "healed": 0.0, "step": 80,
+                 "first_commit": 1000.764}
+    j.emit("recovered", recovered)
+    (rec,) = j.faults
+    assert rec.at == 1000.2 and rec.phases_ms["detected"] == 300.0
+    assert rec.phases_ms["published"] == 400.0 and rec.recovery_ms == 564.0
+    assert summarize(j.faults, 100.0)["p50_ms"] == 564.0
+    shown = io.StringIO()
+    notice("recovered", recovered, shown)
+    assert shown.getvalue().rstrip().endswith("committed +564)"), shown.getvalue()
+
+
 def test_no_oom_hint_for_a_signal_ftrun_sent() -> None:
     assert "OOM" in hint_for(-9, False)
     hint = hint_for(-9, False, "kill")

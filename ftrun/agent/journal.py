@@ -18,7 +18,8 @@ from dataclasses import asdict, dataclass, field
 from typing import IO, Any
 
 from ftrun.agent.heals import HealLedger
-from ftrun.core.events import Event, EventSink
+from ftrun.core.errors import FtrunError
+from ftrun.core.events import Event, EventSink, RecoveredFields, fields_of
 from ftrun.core.faultkinds import GROUP_DRILLS  # the rebuild answering them names no worker (-1)
 
 LOG_FILE = "events.jsonl"  # the journal's file in a run's log directory
@@ -204,6 +205,8 @@ class Journal:
         gen = int(str(f["generation"]))
         for rec in self.faults:  # faults close together are all recovered by the newest gen
             if rec.generation is not None and rec.generation <= gen and not rec.recovered:
+                if rec.generation == gen:
+                    _from_the_fault(rec, f)
                 phases = dict(rec.phases_ms)
                 for name, key in (("rebuilt", "rebuilt"), ("healed", "healed"),
                                   ("first_commit", "first_commit")):
@@ -217,6 +220,23 @@ class Journal:
                 if f.get("redone_samples") is not None:
                     rec.redone_samples = int(str(f["redone_samples"]))
                     rec.redone_fraction = float(str(f.get("redone_fraction", 0.0)))
+
+
+def _from_the_fault(rec: FaultRecord, f: Mapping[str, object]) -> None:
+    """One fault, one origin: where the workers' phases count from (its generation's fault
+    time: when a lost node was last seen, when the coordinator's store was lost; or the first
+    phase, if earlier) is earlier than the agent's detection: the record counts from there
+    too. A drill keeps its injection time."""
+    try:
+        fields = fields_of(Event.RECOVERED, f)
+    except FtrunError:  # a line of a log written by hand: its figures stay as they are
+        return
+    origin = fields.origin() if isinstance(fields, RecoveredFields) else None
+    if rec.injected or origin is None or origin >= rec.at:
+        return
+    shift = round((rec.at - origin) * 1000, 1)
+    rec.phases_ms = {name: round(ms + shift, 1) for name, ms in rec.phases_ms.items()}
+    rec.at = origin
 
 
 def summarize(faults: list[FaultRecord], run_seconds: float) -> dict[str, Any]:

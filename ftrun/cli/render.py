@@ -77,14 +77,8 @@ def _notice_text(f: ev.Fields) -> str | None:
 
 
 def _recovered_text(f: ev.RecoveredFields, fault_at: float) -> str:
-    # a survivor's collective can fail before the agent reaps the dead peer: the fault began
-    # no later than the first sign of it, so no phase comes out negative
-    phases = [(name, at) for name, at in (("published", f.published_at),
-                                          ("noticed", f.noticed), ("rebuilt", f.rebuilt),
-                                          ("healed", f.healed),
-                                          ("committed", f.first_commit)) if at]
-    t0 = min([fault_at, *(at for _, at in phases)])
-    shown = ", ".join(f"{name} +{(at - t0) * 1000:.0f}" for name, at in phases)
+    t0 = f.origin() or fault_at  # the journal's fault record counts from the same origin
+    shown = ", ".join(f"{name} +{(at - t0) * 1000:.0f}" for name, at in f.phases())
     return f"generation {f.generation} committed step {f.step} (ms after the fault: {shown})"
 
 

@@ -157,6 +157,20 @@ class RecoveredFields(Fields):
     step: int | None = None
     first_commit: float | None = None
 
+    def phases(self) -> list[tuple[str, float]]:
+        """The phases that happened, by name, in order (wall clock)."""
+        return [(name, at) for name, at in (
+            ("published", self.published_at), ("noticed", self.noticed),
+            ("rebuilt", self.rebuilt), ("healed", self.healed),
+            ("committed", self.first_commit)) if at]
+
+    def origin(self) -> float | None:
+        """When the fault began, as every figure of it counts: its generation's fault time,
+        or the first phase if earlier (a survivor's collective may fail before the agent
+        sees the fault); None: no time known."""
+        times = [at for at in (self.fault_at, *(at for _, at in self.phases())) if at]
+        return min(times) if times else None
+
 
 @dataclass(frozen=True)
 class DrillFields(Fields):
