@@ -14,7 +14,7 @@ import pytest
 from conftest import FIXTURES, ftrun_cmd, run_ftrun, wait_for
 from statusdocs import document, worker
 
-from ftrun.adapters import control
+from ftrun.adapters import control, control_server
 from ftrun.cli.main import main
 from ftrun.core.errors import FtrunError
 from ftrun.core.faultkinds import FaultKind
@@ -61,11 +61,11 @@ def raw_request(path: str, data: bytes) -> dict:
     return json.loads(reply)
 
 
-def serve(run_dir, handler) -> control.ControlServer:
+def serve(run_dir, handler) -> control_server.ControlServer:
     os.makedirs(run_dir, mode=0o700, exist_ok=True)
     info = control.RunInfo("t" * 16, os.getpid(), "fake.py", time.time(),
                            str(run_dir / "t.sock"), None)
-    return control.ControlServer(info, handler).start()
+    return control_server.ControlServer(info, handler).start()
 
 
 def dead_pid() -> int:

@@ -9,7 +9,7 @@ import pytest
 from conftest import FIXTURES, ftrun_cmd
 from test_recovery_core import FakePort
 
-from ftrun.adapters import control
+from ftrun.adapters import control, control_server
 from ftrun.adapters.slots import ProgressSlots
 from ftrun.agent.control_plane import ControlPlane
 from ftrun.agent.journal import Journal
@@ -27,7 +27,7 @@ def test_a_server_is_neither_listed_nor_reachable_before_it_starts(private_run_d
     os.makedirs(private_run_dir, mode=0o700, exist_ok=True)
     info = control.RunInfo("s" * 16, os.getpid(), "fake.py", time.time(),
                            str(private_run_dir / "s.sock"), None)
-    server = control.ControlServer(info, lambda req: {"ok": True, "seen": req["op"]})
+    server = control_server.ControlServer(info, lambda req: {"ok": True, "seen": req["op"]})
     try:
         assert control.list_runs() == [] and not os.path.exists(info.socket)
         with pytest.raises(control.JobGone):
@@ -38,7 +38,7 @@ def test_a_server_is_neither_listed_nor_reachable_before_it_starts(private_run_d
     finally:
         server.close()
     assert control.list_runs() == []
-    control.ControlServer(info, lambda req: req).close()  # never started: closes quietly
+    control_server.ControlServer(info, lambda req: req).close()  # never started: closes quietly
 
 
 def test_a_control_plane_serves_only_once_told_to(tmp_path) -> None:

@@ -2,10 +2,11 @@
 
 Owns: the per-user run directory (`$XDG_RUNTIME_DIR/ftrun` or `/tmp/ftrun-<uid>`, mode 0700,
 never a symlink nor someone else's) holding `<name>.sock` (mode 0600) and `<name>.json` (who
-and what), the server thread that answers one JSON request per connection (a malformed one
-gets a one-line error, never the thread), and the torch-free client of `ftrun status` and
-`ftrun inject-fault` (`status()`: the job's document as its `protocol.status` record).
-Must not import: torch, typer, rich, the agent (the server gets a handler function).
+and what), finding this user's runs (what dead ones left there is removed, and their
+shared-memory slots), the wire format (one JSON object per line), and the torch-free client
+of `ftrun status` and `ftrun inject-fault` (`status()`: the job's document as its
+`protocol.status` record). The server is adapters/control_server.py's.
+Must not import: torch, typer, rich, the agent, control_server.
 """
 
 from __future__ import annotations
@@ -15,9 +16,8 @@ import json
 import os
 import socket
 import stat
-import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,8 +26,6 @@ from ftrun.core.errors import FtrunError
 from ftrun.protocol.control_ops import StatusOp
 from ftrun.protocol.status import Status
 
-Handler = Callable[[dict[str, Any]], dict[str, Any]]
-MAX_REQUEST = 1 << 16  # a request is one small object; the server reads no more
 MAX_REPLY = 64 << 20  # a status document of a very large job; bounds the client's memory
 _MAX_META = 1 << 16  # a `<name>.json` file larger than this was not written by ftrun
 _NO_RUN_DIR_HINT = "set FTRUN_RUN_DIR to a directory of your own"
@@ -97,124 +95,11 @@ class JobGone(FtrunError):
     """The job's control socket is gone or has no listener: the job has ended."""
 
 
-_MAX_SOCKET_PATH = 107  # sun_path is 108 bytes with its terminating NUL
-
-
-class ControlServer:
-    """Serve requests on the run's socket from a daemon thread; one request per connection.
-    Nothing is served, nor listed by `ftrun status`, before `start()`: the owner calls it once
-    the object its handler reads is whole."""
-
-    def __init__(self, info: RunInfo, handler: Handler) -> None:
-        self.info = info
-        self._handler = handler
-        self._meta = info.socket[: -len(".sock")] + ".json"
-        if len(os.fsencode(info.socket)) > _MAX_SOCKET_PATH:
-            raise FtrunError(f"the control socket path {info.socket} is too long for a Unix "
-                             f"socket ({_MAX_SOCKET_PATH} bytes at most)",
-                             hint="set FTRUN_RUN_DIR to a shorter directory, e.g. /tmp/ftrun")
-        self._sock: socket.socket | None = None
-        self._thread: threading.Thread | None = None
-        self._closed = False
-
-    def start(self) -> ControlServer:
-        """Listen, publish the run's file, serve; returns self."""
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.info.socket)
-        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        old = os.umask(0o177)  # the socket is created 0600: no window where others may connect
-        try:
-            self._sock.bind(self.info.socket)
-        finally:
-            os.umask(old)
-        self._sock.listen(16)
-        _write_private(self._meta, json.dumps(self.info.__dict__).encode())
-        self._thread = threading.Thread(target=self._serve, args=(self._sock,),
-                                        name="ftrun-control", daemon=True)
-        self._thread.start()
-        return self
-
-    def close(self) -> None:
-        self._closed = True
-        if self._sock is None:
-            return  # never started: nothing was published
-        for path in (self.info.socket, self._meta):
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)
-        with contextlib.suppress(OSError):
-            self._sock.shutdown(socket.SHUT_RDWR)  # wakes the blocked accept()
-        self._sock.close()
-        if self._thread is not None:
-            self._thread.join(timeouts.THREAD_JOIN_S)
-
-    def _serve(self, sock: socket.socket) -> None:
-        while not self._closed:
-            try:
-                conn, _ = sock.accept()
-            except OSError:
-                return
-            with conn:
-                conn.settimeout(timeouts.CONTROL_REQUEST_S)
-                with contextlib.suppress(Exception):  # no request may end this thread
-                    self._answer(conn)
-
-    def _answer(self, conn: socket.socket) -> None:
-        uid = _peer_uid(conn)
-        if uid is not None and uid != os.getuid():
-            _send(conn, {"ok": False, "error": "permission denied"})
-            return
-        raw: bytes | FtrunError
-        try:
-            raw = _recv_line(conn, MAX_REQUEST, timeouts.CONTROL_REQUEST_S)
-        except TimeoutError:
-            raw = FtrunError(f"no complete request within {timeouts.CONTROL_REQUEST_S:g} s",
-                             hint="end the request with a newline")
-        except FtrunError as exc:  # too large
-            raw = exc
-        reply = self._reply(raw)
-        conn.settimeout(timeouts.CONTROL_REPLY_S)  # sendall's limit is for the whole reply
-        _send(conn, reply)
-
-    def _reply(self, raw: bytes | FtrunError) -> dict[str, Any]:
-        try:
-            if isinstance(raw, FtrunError):
-                raise raw
-            return self._handler(parse_request(raw))
-        except FtrunError as exc:
-            return {"ok": False, "error": exc.message, "hint": exc.hint}
-        except Exception as exc:  # the server must outlive any one bad request
-            return {"ok": False, "error": f"internal error: {type(exc).__name__}: {exc}",
-                    "hint": "try again; set FTRUN_DEBUG=1 on the job for details"}
-
-
-def parse_request(raw: bytes) -> dict[str, Any]:
-    """One request line as a JSON object, or a one-line FtrunError saying what is wrong."""
-    hint = 'send one JSON object per connection, e.g. {"op": "status"}'
-    try:
-        doc = json.loads(raw)
-    except RecursionError:
-        raise FtrunError("the request is nested too deeply", hint=hint) from None
-    except ValueError as exc:  # UnicodeDecodeError is one too
-        raise FtrunError(f"the request is not JSON ({_one_line(exc)})", hint=hint) from None
-    if not isinstance(doc, dict):
-        raise FtrunError(f"the request must be a JSON object, not {type(doc).__name__}",
-                         hint=hint)
-    return doc
-
-
-def _one_line(what: object) -> str:
+def one_line(what: object) -> str:
     return " ".join(str(what).split())[:300]
 
 
-def _peer_uid(conn: socket.socket) -> int | None:
-    try:
-        creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12)
-    except (OSError, AttributeError):
-        return None
-    return int.from_bytes(creds[4:8], "little")
-
-
-def _recv_line(conn: socket.socket, limit: int, total_s: float) -> bytes:
+def recv_line(conn: socket.socket, limit: int, total_s: float) -> bytes:
     """Bytes up to and including the first newline (or the peer closing), at most `limit`
     of them, within `total_s`; each wait for more is also bounded by the socket's timeout."""
     deadline = time.monotonic() + total_s
@@ -236,11 +121,11 @@ def _recv_line(conn: socket.socket, limit: int, total_s: float) -> bytes:
             return bytes(data)
 
 
-def _send(conn: socket.socket, doc: dict[str, Any]) -> None:
+def send_doc(conn: socket.socket, doc: dict[str, Any]) -> None:
     conn.sendall(json.dumps(doc).encode() + b"\n")
 
 
-def _write_private(path: str, data: bytes) -> None:
+def write_private(path: str, data: bytes) -> None:
     """Replace `path` with a 0600 file holding data, never writing through a planted link."""
     tmp = f"{path}.tmp"
     with contextlib.suppress(FileNotFoundError):
@@ -369,8 +254,9 @@ def request(info: RunInfo, doc: dict[str, Any],
         s.settimeout(timeout_s)
         try:
             s.connect(info.socket)
-            _send(s, doc)
-            raw = _recv_line(s, MAX_REPLY, timeouts.CONTROL_REPLY_S)
+            with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+                send_doc(s, doc)  # refused at once (busy), its answer is there to read
+            raw = recv_line(s, MAX_REPLY, timeouts.CONTROL_REPLY_S)
         except (FileNotFoundError, ConnectionRefusedError):
             raise JobGone(f"job {name} has ended", hint="`ftrun status` lists running jobs") \
                 from None
@@ -378,6 +264,11 @@ def request(info: RunInfo, doc: dict[str, Any],
             if not info.alive:
                 raise JobGone(f"job {name} has ended", hint="`ftrun status` lists running "
                               "jobs") from None
+            if isinstance(exc, TimeoutError):
+                raise FtrunError(f"job {name} did not answer within {timeout_s:g} s (its "
+                                 f"agent, pid {info.pid}, is alive)", hint="it may be stopped "
+                                 "(SIGSTOP, a debugger), overloaded or shutting down; try "
+                                 "again") from None
             raise FtrunError(f"job {name} did not answer ({exc})",
                              hint="it may be shutting down; try again") from None
         except FtrunError as exc:
@@ -394,6 +285,6 @@ def request(info: RunInfo, doc: dict[str, Any],
     if not isinstance(reply, dict):
         raise FtrunError(f"job {name} sent a malformed reply", hint="try again")
     if not reply.get("ok", False):
-        raise FtrunError(_one_line(reply.get("error", "request refused")),
-                         hint=_one_line(reply.get("hint", "")))
+        raise FtrunError(one_line(reply.get("error", "request refused")),
+                         hint=one_line(reply.get("hint", "")))
     return reply

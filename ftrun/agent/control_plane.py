@@ -21,7 +21,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ftrun.adapters.control import ControlServer, RunInfo, run_dir
+from ftrun.adapters.control import RunInfo, run_dir
+from ftrun.adapters.control_server import ControlServer
 from ftrun.adapters.slots import ProgressSlots
 from ftrun.agent.jobview import role_of
 from ftrun.agent.journal import Journal, fault_docs, summarize
