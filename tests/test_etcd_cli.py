@@ -66,6 +66,17 @@ def test_tls_keys_in_torchruns_two_spellings(tmp_path: Path) -> None:
     assert conf.outage_timeout == 6.5
 
 
+def test_an_etcd_user_and_its_password_never_show(tmp_path: Path) -> None:
+    secret = tmp_path / "pw"
+    secret.write_text("s3cret\nsecond line\n")
+    for given in (f"user=job,password_file={secret}", "user=job,password=s3cret"):
+        conf = EtcdConf.from_spec(spec(*etcd("--rdzv-conf", given)))
+        assert conf.auth is not None
+        assert (conf.auth.user, conf.auth.password) == ("job", "s3cret")
+        assert "s3cret" not in repr(conf)
+    assert EtcdConf.from_spec(spec(*etcd())).auth is None
+
+
 @pytest.mark.parametrize("argv,message", [
     (["--rdzv-backend", "etcd", "t.py"], "needs --rdzv-endpoint"),
     (etcd(endpoint="http://e1:2379"), "has a scheme"),
@@ -80,6 +91,11 @@ def test_tls_keys_in_torchruns_two_spellings(tmp_path: Path) -> None:
     (etcd("--rdzv-conf", "protocol=https,cert=/etc/hostname"), "cert= and key= go together"),
     (etcd("--rdzv-conf", "protocol=https,cacert=/nonexistent.pem"), "no such file"),
     (etcd("--rdzv-conf", "lease_ttl=1.5"), "not a whole number of seconds"),
+    (etcd("--rdzv-conf", "user=job"), "user= needs its other half"),
+    (etcd("--rdzv-conf", "password=pw"), "password= needs its other half"),
+    (etcd("--rdzv-conf", "user=job,password=pw,password_file=/etc/hostname"),
+     "password= and password_file= exclude each other"),
+    (etcd("--rdzv-conf", "user=job,password_file=/nonexistent"), "No such file"),
     (etcd("--rdzv-conf", "request_timeout=0"), "request_timeout must be > 0"),
     (etcd("--rdzv-conf", "outage_timeout=-1"), "outage_timeout must be > 0"),
     (["--rdzv-backend", "etcd3", "t.py"], "'etcd3' is not supported"),

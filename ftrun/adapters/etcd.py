@@ -3,7 +3,9 @@
 Owns: loading the client (a missing one is a one-line error naming `ftrun[etcd]`), an
 `EtcdClient` over one or more members that fails over between them within one deadline per
 operation, key-value reads, writes and transactions (with their compare and op builders),
-each member's health, and the launch's preflight. Leases are in `etcd_lease`, elections and
+each member's health, and the launch's preflight, and logging in (`Login`: etcd's
+authentication, a user's token sent with every request and fetched again when etcd says it
+expired). Leases are in `etcd_lease`, elections and
 fenced writes in `etcd_election`, watches in `etcd_watch` (each built on this module, never
 the other way round).
 
@@ -29,7 +31,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ftrun.adapters.etcd_conf import EtcdConf, EtcdTls, split_hostport
+from ftrun.adapters.etcd_conf import EtcdAuth, EtcdConf, EtcdTls, split_hostport
 from ftrun.core import timeouts
 from ftrun.core.errors import FtrunError, first_line
 
@@ -84,12 +86,44 @@ class KeyValue:
                    int(kv.get("lease", 0)))
 
 
+class Login:
+    """One client's login as an etcd user (None: authentication off): the token every
+    request carries, fetched at the first request and again when etcd calls it invalid (a
+    simple token expires after etcd's --auth-token-ttl, 5 min by default)."""
+
+    def __init__(self, auth: EtcdAuth | None) -> None:
+        self.auth = auth
+        self.token = ""
+        self._lock = threading.Lock()
+
+    def renew(self, member: Member, stale: str, timeout: float) -> None:
+        """A new token through `member`, unless another thread renewed `stale` meanwhile."""
+        assert self.auth is not None
+        with self._lock:
+            if self.token != stale:
+                return
+            resp = member.post("auth/authenticate", {"name": self.auth.user,
+                                                     "password": self.auth.password},
+                               timeout, authorized=False)
+            if resp.status_code == 200:
+                self.token = str(resp.json().get("token", ""))
+                return
+            why = gateway_error(resp)
+            if "authentication is not enabled" in why:
+                self.auth = None  # every request is allowed: none needs a token
+                return
+            raise EtcdError(f"etcd refused the login of user {self.auth.user!r}: {why}",
+                            hint="check --rdzv-conf user= and password= (or password_file=) "
+                                 "against etcd's users")
+
+
 class Member:
     """One etcd member, reached through its own etcd3gw client (session, TLS, URL)."""
 
-    def __init__(self, endpoint: str, tls: EtcdTls, module: Any) -> None:
+    def __init__(self, endpoint: str, tls: EtcdTls, module: Any, login: Login) -> None:
         host, port = split_hostport(endpoint)
         self.endpoint = endpoint
+        self.login = login
         # given with each request: a session's own `verify` loses to REQUESTS_CA_BUNDLE
         self._verify: str | bool = tls.cacert or True
         self.client = module.Etcd3Client(
@@ -97,11 +131,25 @@ class Member:
             cert_key=tls.key, cert_cert=tls.cert, api_path=API_PATH)
 
     def post(self, path: str, body: dict[str, Any], timeout: float,
-             stream: bool = False, read_timeout: float | None = None) -> requests.Response:
+             stream: bool = False, read_timeout: float | None = None,
+             authorized: bool = True) -> requests.Response:
+        """One request; `authorized`: logged in (etcd's authentication on: the token is
+        fetched first, and once more if etcd says it expired)."""
         connect = min(timeout, timeouts.ETCD_CONNECT_S)
         read = timeout if read_timeout is None else read_timeout
-        return self.client.session.post(self.client.get_url(path), json=body, stream=stream,
-                                        timeout=(connect, read), verify=self._verify)
+        login = self.login if authorized and self.login.auth is not None else None
+        if login is not None and not login.token:
+            login.renew(self, "", timeout)
+        for _ in range(2):
+            token = login.token if login is not None else ""
+            resp = self.client.session.post(
+                self.client.get_url(path), json=body, stream=stream, timeout=(connect, read),
+                verify=self._verify, headers={"Authorization": token} if token else None)
+            if login is None or resp.status_code != 401:
+                return resp
+            resp.close()  # "invalid auth token": it expired
+            login.renew(self, token, timeout)
+        return resp
 
 
 def gateway_error(resp: requests.Response) -> str:
@@ -120,7 +168,8 @@ class EtcdClient:
             raise EtcdError("no etcd endpoint given", hint="--rdzv-endpoint HOST:PORT,...")
         self.conf = conf
         self.timeout = conf.request_timeout
-        self.members = [Member(ep, conf.tls, module) for ep in conf.endpoints]
+        self.login = Login(conf.auth)  # one token for every member: etcd replicates it
+        self.members = [Member(ep, conf.tls, module, self.login) for ep in conf.endpoints]
         self._preferred = 0
         self._lock = threading.Lock()
 
@@ -174,12 +223,17 @@ class EtcdClient:
         if resp.status_code >= 500:  # unavailable, no leader, timed out inside etcd
             why[member.endpoint] = gateway_error(resp)
             return None
-        raise EtcdError(f"etcd refused {path}: {gateway_error(resp)}",
-                        hint="a bug in ftrun's use of etcd: please report it")
+        refused = gateway_error(resp)
+        raise EtcdError(f"etcd refused {path}: {refused}", hint=refusal_hint(refused))
 
     # -- keys -----------------------------------------------------------------------------
-    def get(self, key: str, timeout: float | None = None) -> KeyValue | None:
-        found = self.request("kv/range", {"key": b64(key)}, timeout).get("kvs", [])
+    def get(self, key: str, timeout: float | None = None, revision: int = 0
+            ) -> KeyValue | None:
+        """The key as it is (or was at `revision`: etcd refuses one it has compacted)."""
+        body: dict[str, Any] = {"key": b64(key)}
+        if revision:
+            body["revision"] = revision
+        found = self.request("kv/range", body, timeout).get("kvs", [])
         return KeyValue.from_json(found[0]) if found else None
 
     def get_prefix(self, prefix: str, timeout: float | None = None) -> list[KeyValue]:
@@ -219,6 +273,16 @@ class EtcdClient:
     def close(self) -> None:
         for member in self.members:
             member.client.session.close()
+
+
+def refusal_hint(why: str) -> str:
+    """What to do about a request etcd refused (a 4xx), by its message."""
+    if "permission denied" in why:
+        return ("give this etcd user a role with readwrite on the job's prefix "
+                "/ftrun/<rdzv-id>/ (docs/many-nodes.md)")
+    if "user name is empty" in why:
+        return "etcd's authentication is on: give --rdzv-conf user= and password_file="
+    return "a bug in ftrun's use of etcd: please report it"
 
 
 def header_revision(reply: dict[str, Any]) -> int:
@@ -284,8 +348,8 @@ class MemberHealth:
 def member_status(member: Member, timeout: float) -> MemberHealth:
     import requests
 
-    try:
-        resp = member.post("maintenance/status", {}, timeout)
+    try:  # any client may ask a member's status: no login
+        resp = member.post("maintenance/status", {}, timeout, authorized=False)
     except requests.RequestException as exc:
         return MemberHealth(member.endpoint, up=False, error=describe(exc))
     if resp.status_code != 200:

@@ -1,9 +1,11 @@
 """What an etcd-backed job needs to reach its cluster, read from the command line.
 
 Owns: `EtcdTls` (torchrun's --rdzv-conf TLS keys: protocol=https, cacert, cert, key, and the
-spellings of torchrun's etcd-v2 backend: ca_cert, ssl_cert, ssl_cert_key), `EtcdConf` (the
-members, TLS, the job's key prefix, the lease TTL and the timeouts: ftrun's own `lease_ttl=`,
-`request_timeout=` and `outage_timeout=` keys) and splitting `HOST:PORT` / `[IPV6]:PORT`.
+spellings of torchrun's etcd-v2 backend: ca_cert, ssl_cert, ssl_cert_key), `EtcdAuth` (etcd's
+user and password, etcdctl's names: user=, password= or password_file=, for a cluster with
+authentication on), `EtcdConf` (the members, TLS, the login, the job's key prefix, the lease TTL
+and the timeouts: ftrun's own `lease_ttl=`, `request_timeout=` and `outage_timeout=` keys) and
+splitting `HOST:PORT` / `[IPV6]:PORT`.
 Pure: no network, no client import (the CLI validates with it before anything starts).
 Must not import: the etcd client, torch, typer, rich, the agent.
 """
@@ -12,7 +14,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ftrun.core import timeouts
 from ftrun.core.errors import UsageError
@@ -56,6 +58,45 @@ class EtcdTls:
         return cls(protocol, found["cacert"], found["cert"], found["key"])
 
 
+@dataclass(frozen=True)
+class EtcdAuth:
+    """An etcd user and its password: every request carries a token of this user's (etcd's
+    authentication; the user's roles say which keys it may read and write)."""
+
+    user: str
+    password: str = field(repr=False)  # never in a repr, a log line or an error
+
+    @classmethod
+    def from_conf(cls, conf: Mapping[str, str]) -> EtcdAuth | None:
+        user, password, path = (conf.get(k, "") for k in ("user", "password", "password_file"))
+        if password and path:
+            raise UsageError("--rdzv-conf password= and password_file= exclude each other",
+                             hint="give one of them (password_file= keeps it off the "
+                                  "command line)")
+        if path:
+            password = _read_password(path)
+        if bool(user) != bool(password):
+            given = "user=" if user else "password="
+            raise UsageError(f"--rdzv-conf {given} needs its other half",
+                             hint="give user=NAME with password= or password_file=PATH")
+        return cls(user, password) if user else None
+
+
+def _read_password(path: str) -> str:
+    try:
+        with open(path, encoding="utf-8") as f:
+            password = f.readline().rstrip("\r\n")
+    except (OSError, UnicodeDecodeError) as exc:
+        why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise UsageError(f"--rdzv-conf password_file={path}: {why}",
+                         hint="give a file readable on this node, its first line the password"
+                         ) from None
+    if not password:
+        raise UsageError(f"--rdzv-conf password_file={path} holds no password",
+                         hint="its first line is the password")
+    return password
+
+
 def _first(conf: Mapping[str, str], keys: tuple[str, ...]) -> str | None:
     for key in keys:
         if conf.get(key):
@@ -69,6 +110,7 @@ class EtcdConf:
 
     endpoints: tuple[str, ...]  # HOST:PORT or [IPV6]:PORT, one per member
     tls: EtcdTls = EtcdTls()
+    auth: EtcdAuth | None = None  # a user to log in as (None: etcd's authentication is off)
     prefix: str = f"{KEY_ROOT}/none/"  # the job's keys: /ftrun/<rdzv-id>/
     lease_ttl: int = timeouts.ETCD_LEASE_TTL_S
     request_timeout: float = timeouts.ETCD_REQUEST_S
@@ -83,6 +125,7 @@ class EtcdConf:
               run_id: str) -> EtcdConf:
         timeout = next((conf[k] for k in _TIMEOUT_KEYS if k in conf), None)
         return cls(endpoints=endpoints, tls=EtcdTls.from_conf(conf),
+                   auth=EtcdAuth.from_conf(conf),
                    prefix=f"{KEY_ROOT}/{run_id}/",
                    lease_ttl=_lease_ttl(conf.get("lease_ttl")),
                    request_timeout=timeouts.ETCD_REQUEST_S if timeout is None

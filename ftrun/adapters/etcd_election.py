@@ -8,7 +8,9 @@ etcd is deposed by etcd itself when the lease lapses. Every write the leader mak
 transaction compared on its key's create revision: once the key is gone (lease lapsed,
 resigned) the write is refused by etcd, whatever the deposed leader believes. A key that
 once was the lowest stays the lowest while it exists (revisions only grow), so "my key is
-still there" is exactly "I still lead".
+still there" is exactly "I still lead". Each fenced write also puts the leader's own key again
+(same value, same lease), so the key's history names every record its leader wrote: a record
+whose revision is not one of those (`written_by`) was written by somebody else.
 Must not import: torch, typer, rich, the agent.
 """
 
@@ -54,12 +56,20 @@ def _value(node: str, host: str, since: float | None) -> str:
 
 
 def _info(kv: KeyValue) -> LeaderInfo:
+    """The candidate a key names; a value not of ours (any etcd client may write one) names
+    nobody, the key itself still holds its place."""
     try:
         fields = json.loads(kv.value or b"{}")
-    except ValueError:
+    except (ValueError, RecursionError):
         fields = {}
-    return LeaderInfo(str(fields.get("node", "")), str(fields.get("host", "")),
-                      fields.get("since"), kv.key, kv.create_revision, kv.lease)
+    fields = fields if isinstance(fields, dict) else {}
+    since = fields.get("since")
+    since = float(since) if isinstance(since, (int, float)) and not isinstance(since, bool) \
+        else None
+    node, host = fields.get("node"), fields.get("host")
+    return LeaderInfo(node if isinstance(node, str) else "",
+                      host if isinstance(host, str) else "", since, kv.key,
+                      kv.create_revision, kv.lease)
 
 
 def _range_kvs(reply: dict[str, Any]) -> list[KeyValue]:
@@ -143,12 +153,16 @@ class Election:
 
     def _take_office(self) -> bool:
         since = time.time()
-        if not self._fenced([put_op(self.key, _value(self.node, self.host, since),
-                                    self.lease.id)], None):
+        if not self._fenced([], None, since):
             self.revision = 0
             raise LeaseLost("this candidate's key is gone: its lease lapsed")
         self._won, self.since = True, since
         return True
+
+    @property
+    def writer(self) -> tuple[str, int]:
+        """Our key and its create revision: what a record we write names as its writer."""
+        return self.key, self.revision
 
     def leader(self, timeout: float | None = None) -> LeaderInfo | None:
         """Who leads now (the lowest create revision under the prefix), or None."""
@@ -177,15 +191,35 @@ class Election:
                + [delete_op(p, prefix=True) for p in delete_prefixes])
         return self._fenced(ops, timeout)
 
-    def _fenced(self, ops: list[dict[str, Any]], timeout: float | None) -> bool:
-        reply = self.client.txn([compare_create(self.key, self.revision)], ops,
-                                timeout=timeout)
+    def _fenced(self, ops: list[dict[str, Any]], timeout: float | None,
+                since: float | None = None) -> bool:
+        """`ops` if our key is still ours, with our key put again in the same revision (its
+        history so names this write as ours: `written_by`)."""
+        value = _value(self.node, self.host, self.since if since is None else since)
+        reply = self.client.txn([compare_create(self.key, self.revision)],
+                                [put_op(self.key, value, self.lease.id), *ops], timeout=timeout)
         applied = bool(reply.get("succeeded"))
         if applied:
             self.last_write_revision = header_revision(reply)
         else:
             self._won = False
         return applied
+
+
+def written_by(client: EtcdClient, record: KeyValue, key: str, create_revision: int,
+               timeout: float | None = None) -> bool | None:
+    """Whether the leader whose election key was `key` (created at `create_revision`) wrote
+    `record` in office: the key, as it was at the record's revision, was put in that very
+    revision (a fenced write puts it with every record) after it was created. None: etcd
+    compacted that revision away, nobody can tell any more."""
+    try:
+        then = client.get(key, timeout, revision=record.mod_revision)
+    except EtcdError as exc:
+        if "compacted" in exc.message:
+            return None
+        raise
+    return (then is not None and then.create_revision == create_revision
+            and then.mod_revision == record.mod_revision != create_revision)
 
 
 def leader_of(client: EtcdClient, prefix: str, timeout: float | None = None

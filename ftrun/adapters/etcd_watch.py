@@ -109,6 +109,8 @@ class Watch:
                     self._stream(member)
                 except (requests.RequestException, ValueError, OSError) as exc:
                     self.member, self.broken = None, f"{member.endpoint}: {describe(exc)}"
+                except EtcdError as exc:  # its login refused: tried again, on the next member
+                    self.member, self.broken = None, f"{member.endpoint}: {exc.message}"
             self._stop.wait(timeouts.ETCD_RETRY_S)
 
     def _stream(self, member: Member) -> None:

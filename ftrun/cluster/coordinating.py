@@ -383,7 +383,7 @@ class Coordinating:
         return local
 
     def fence_generation(self, gen: Generation) -> None:
-        self.plane.record(gen.number, gen.to_json())
+        self.plane.record(gen)
 
     def decorate_status(self, doc: dict[str, Any]) -> dict[str, Any]:
         return {**self.table.decorate_status(doc), "control_plane": self.plane.describe()}

@@ -32,7 +32,8 @@ def elected(host: NodeHost) -> Cluster:
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     load_c10d()  # before the lease: its keep-alive thread must never wait out libtorch's load
     name, hostname = agent_name()
-    plane = EtcdPlane(EtcdConf.from_spec(spec), name, hostname)
+    plane = EtcdPlane(EtcdConf.from_spec(spec), name, hostname,
+                      lambda text: host.emit(Event.NOTICE, {"text": text}))
     try:
         if plane.lead(timeouts.ETCD_FIRST_CAMPAIGN_S):
             hosted = HostedStore(0)  # a free port on every interface

@@ -6,30 +6,49 @@ the coordinator for the whole run (its host is the job's single point of failure
 `EtcdPlane` (`--rdzv-backend etcd`): every agent holds an etcd lease and stands in etcd's
 election; the leader serves the agents' store on its own host and publishes its endpoint
 with a write fenced on its leadership (a deposed leader's write is refused by etcd); the
-others read the endpoint of the leader that holds office now, never a stale one.
+others read the endpoint of the leader that holds office now, never a stale one, and only a
+record that leader wrote (`etcd_keys`, `written_by`): a value under the job's prefix that is
+malformed or was written by anyone else is passed over with one notice.
 Must not import: the agent's node, typer, rich, the CLI, the worker library.
 """
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import socket
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ftrun.adapters.etcd_conf import EtcdConf
+from ftrun.cluster.etcd_keys import (
+    GENERATION_KEY,
+    LEADER_PREFIX,
+    NODES_PREFIX,
+    STORE_KEY,
+    StoreRecord,
+    decode_generation,
+    decode_store,
+    generation_value,
+    node_index,
+    store_value,
+)
 from ftrun.cluster.link import Endpoint
 from ftrun.core import timeouts
 from ftrun.core.errors import Deposed, FtrunError, first_line
+from ftrun.protocol.rendezvous import Generation
 
-STORE_KEY = "store"  # under the job's prefix: the agents' store of the leader in office
-LEADER_PREFIX = "leader/"  # the election's keys
-NODES_PREFIX = "nodes/"  # nodes/<index>: each node's agent, on its lease
-GENERATION_KEY = "generation"  # the newest generation record, written under the leadership
+if TYPE_CHECKING:
+    from ftrun.adapters.etcd import KeyValue
+    from ftrun.adapters.etcd_election import LeaderInfo
+
+Notice = Callable[[str], None]
+
+
+def _quiet(text: str) -> None:
+    pass
 
 
 class Plane(Protocol):
@@ -42,9 +61,9 @@ class Plane(Protocol):
         """This agent is node `index` of the job."""
     def store_now(self) -> Endpoint | None:
         """The store of the coordinator in office (None: none published, or it never moves)."""
-    def record(self, number: int, record: str) -> None:
-        """Before generation `number` is published: write it under this agent's leadership
-        (etcd: a fenced write, retried through an outage; a deposed leader's raises)."""
+    def record(self, gen: Generation) -> None:
+        """Before `gen` is published: write it under this agent's leadership (etcd: a fenced
+        write, retried through an outage; a deposed leader's raises)."""
     def deposed(self) -> str | None:
         """Why this agent may no longer decide for the job (its leadership lapsed), or None."""
     def up(self) -> bool:
@@ -74,7 +93,7 @@ class C10dPlane:
     def store_now(self) -> Endpoint | None:
         return None
 
-    def record(self, number: int, record: str) -> None:
+    def record(self, gen: Generation) -> None:
         pass
 
     def deposed(self) -> str | None:
@@ -97,7 +116,8 @@ class EtcdPlane:
 
     backend = "etcd"
 
-    def __init__(self, conf: EtcdConf, node: str, host: str) -> None:
+    def __init__(self, conf: EtcdConf, node: str, host: str, notice: Notice = _quiet) -> None:
+        """`notice`: says, once each, why a value read from etcd was passed over."""
         from ftrun.adapters.etcd import EtcdClient
         from ftrun.adapters.etcd_election import Election
         from ftrun.adapters.etcd_lease import grant
@@ -109,6 +129,10 @@ class EtcdPlane:
         self.election = Election(self.client, conf.prefix + LEADER_PREFIX, self.lease, node,
                                  host)
         self.leader_changes = 0
+        self.notice = notice
+        self._said: set[tuple[str, int]] = set()  # (key, revision) passed over with a notice
+        self._bound: set[tuple[str, int]] = set()  # (key, revision) its leader wrote
+        self.followed: LeaderInfo | None = None  # whose store this agent found last
         self.index: int | None = None  # this agent's node, once it joined the job
         self.deposed_after_s = conf.outage_timeout
         self._lapsed_at: float | None = None
@@ -122,7 +146,7 @@ class EtcdPlane:
         return self.election.campaign(timeout)
 
     def served(self, ep: Endpoint) -> None:
-        value = json.dumps({"host": ep.host, "port": ep.port, "leader": self.election.key})
+        value = store_value(ep.host, ep.port, self.election.writer)
         if not self.election.write({self.conf.prefix + STORE_KEY: value}):
             raise FtrunError("this agent lost the leadership before it could publish its "
                              "store", hint="another agent coordinates the job: start again")
@@ -144,12 +168,15 @@ class EtcdPlane:
         self._renew_if_lost()
         self.client.put(f"{self.conf.prefix}{NODES_PREFIX}{index}", self.host, self.lease.id)
 
-    def record(self, number: int, record: str) -> None:
+    def record(self, gen: Generation) -> None:
         """A generation is written under this agent's leadership before any worker sees it:
         refused (deposed), it never reaches them. Through an etcd outage the write is retried
-        (the job's other work goes on meanwhile) until the conf's outage_timeout."""
+        (the job's other work goes on meanwhile) until the conf's outage_timeout. The record
+        names this leader (`etcd_keys.BoundGeneration`)."""
         from ftrun.adapters.etcd import EtcdError
 
+        number = gen.number
+        record = generation_value(gen, self.election.writer)
         deadline = time.monotonic() + self.deposed_after_s
         while True:
             try:
@@ -165,10 +192,47 @@ class EtcdPlane:
                                   hint="bring the etcd majority back") from None
             time.sleep(timeouts.ETCD_RETRY_S)
 
-    def held_generation(self) -> str | None:
-        """The newest generation a leader wrote (the JSON record), or None."""
-        kv = self.client.get(self.conf.prefix + GENERATION_KEY)
-        return None if kv is None else kv.value.decode()
+    def held_generation(self) -> Generation | None:
+        """The newest generation a leader of this job wrote, or None: none, or the record is
+        malformed or not that leader's (each passed over with one notice). Where etcd has
+        compacted the history that would prove its writer, the record counts only if it names
+        the leader this agent followed."""
+        key = self.conf.prefix + GENERATION_KEY
+        kv = self.client.get(key)
+        if kv is None:
+            return None
+        bound = decode_generation(kv.value)
+        if isinstance(bound, str):
+            self._pass_over(kv, f"malformed ({bound})")
+            return None
+        writer = (bound.leader, bound.leader_revision)
+        followed = self.followed
+        if not self._written_by(kv, writer, followed is not None and followed.key == writer[0]
+                                and followed.create_revision == writer[1]):
+            self._pass_over(kv, f"generation {bound.generation.number} was not written by "
+                                f"the leader it names ({bound.leader})")
+            return None
+        return bound.generation
+
+    def _written_by(self, kv: KeyValue, writer: tuple[str, int], if_unknown: bool) -> bool:
+        """Whether the leader `writer` (election key, create revision) wrote `kv` in office;
+        `if_unknown`: the answer when etcd compacted the revision that would tell."""
+        from ftrun.adapters.etcd_election import written_by
+
+        if (kv.key, kv.mod_revision) in self._bound:
+            return True
+        wrote = written_by(self.client, kv, *writer)
+        if wrote is None:
+            wrote = if_unknown
+        if wrote:
+            self._bound.add((kv.key, kv.mod_revision))
+        return wrote
+
+    def _pass_over(self, kv: KeyValue, why: str) -> None:
+        """A value read from etcd is not taken: say so once per value (its revision)."""
+        if (kv.key, kv.mod_revision) not in self._said:
+            self._said.add((kv.key, kv.mod_revision))
+            self.notice(f"ignored {kv.key} in etcd: {why}")
 
     def _won(self) -> bool:
         return self.election.since is not None
@@ -188,19 +252,42 @@ class EtcdPlane:
 
     def registered(self) -> set[int]:
         """The nodes whose agents' leases live."""
-        kvs = self.client.get_prefix(self.conf.prefix + NODES_PREFIX)
-        return {int(kv.key.rsplit("/", 1)[1]) for kv in kvs}
+        prefix = self.conf.prefix + NODES_PREFIX
+        nodes = set()
+        for kv in self.client.get_prefix(prefix):
+            index = node_index(kv.key, prefix)
+            if index is None:
+                self._pass_over(kv, "not a node's key (nodes/<index>)")
+            else:
+                nodes.add(index)
+        return nodes
 
     def store_now(self) -> Endpoint | None:
         """The store of the leader in office now, or None (no leader, or not published)."""
+        published = self._published()
+        if published is None:
+            return None
+        self.followed = published[0]
+        return Endpoint(published[1].host, published[1].port)
+
+    def _published(self) -> tuple[LeaderInfo, StoreRecord] | None:
+        """The leader in office and the store record it wrote, or None: no leader, no record,
+        or a record that is malformed or another's (a record of a leader gone is no news)."""
         leader = self.election.leader()
         kv = self.client.get(self.conf.prefix + STORE_KEY)
         if leader is None or kv is None:
             return None
-        doc = json.loads(kv.value or b"{}")
-        if doc.get("leader") != leader.key:
+        doc = decode_store(kv.value)
+        if isinstance(doc, str):
+            self._pass_over(kv, f"malformed ({doc})")
             return None
-        return Endpoint(str(doc["host"]), int(doc["port"]))
+        writer = (leader.key, leader.create_revision)
+        if (doc.leader, doc.leader_revision) != writer:
+            return None  # the leader in office has not published its store yet
+        if not self._written_by(kv, writer, True):
+            self._pass_over(kv, f"not written by the leader it names ({doc.leader})")
+            return None
+        return leader, doc
 
     def revoke_leader_of(self, ep: Endpoint) -> str:
         """The leader that published `ep` is gone (its port refuses connections: its process
@@ -208,13 +295,11 @@ class EtcdPlane:
         another leader's: only the one whose published store is `ep`. Returns what was done."""
         from ftrun.adapters.etcd import EtcdError
 
-        leader = self.election.leader()
-        kv = self.client.get(self.conf.prefix + STORE_KEY)
-        if leader is None or kv is None:
-            return "no leader holds office, nothing to revoke"
-        doc = json.loads(kv.value or b"{}")
-        if (leader.key == self.election.key or doc.get("leader") != leader.key
-                or Endpoint(str(doc["host"]), int(doc["port"])) != ep):
+        published = self._published()
+        if published is None:
+            return "no store of a leader in office is published, nothing to revoke"
+        leader, doc = published
+        if leader.key == self.election.key or Endpoint(doc.host, doc.port) != ep:
             return "another agent leads already, nothing to revoke"
         try:
             self.client.request("lease/revoke", {"ID": leader.lease})

@@ -121,7 +121,7 @@ def running(host: NodeHost) -> str:
 
 def _take_over(host: NodeHost, plane: EtcdPlane, index: int, relay: GenerationRelay,
                lost: Leaderless) -> RunResult:
-    held = _newest(relay.latest(), plane.held_generation())
+    held = _held(relay, plane)
     if held is None:
         raise FtrunError("no generation to take over: neither etcd nor this node's relay "
                          "holds one", hint="the job had not started: start it again")
@@ -141,9 +141,10 @@ def _take_over(host: NodeHost, plane: EtcdPlane, index: int, relay: GenerationRe
     return host.take_over(coord, adopting)
 
 
-def _newest(relayed: Generation | None, written: str | None) -> Generation | None:
-    """The newer of what this node's workers were relayed and what the lost leader wrote to
-    etcd (it writes each generation there before any worker sees it)."""
-    in_etcd = Generation.from_json(written) if written else None
-    candidates = [g for g in (relayed, in_etcd) if g is not None]
-    return max(candidates, key=lambda g: g.number) if candidates else None
+def _held(relay: GenerationRelay, plane: EtcdPlane) -> Generation | None:
+    """The generation to adopt: this node's relayed copy (what its workers hold, copied from
+    the lost leader's own store), else the record the lost leader wrote to etcd before any
+    worker saw it (read only if that leader wrote it: `EtcdPlane.held_generation`)."""
+    written = plane.held_generation()  # read either way: a forged record is said, once
+    relayed = relay.latest()
+    return relayed if relayed is not None else written
