@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ftrun.adapters.leftovers import alive, remove_dead_slots
 from ftrun.core import timeouts
 from ftrun.core.errors import FtrunError
 from ftrun.protocol.control_ops import StatusOp
@@ -82,13 +83,7 @@ class RunInfo:
 
     @property
     def alive(self) -> bool:
-        try:
-            os.kill(self.pid, 0)
-            return True
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
+        return alive(self.pid)
 
 
 class JobGone(FtrunError):
@@ -138,7 +133,10 @@ def write_private(path: str, data: bytes) -> None:
 
 # ---------------------------------------------------------------- client side
 def list_runs() -> list[RunInfo]:
-    """This user's live runs, oldest first; files left by dead launchers are removed."""
+    """This user's live runs, oldest first. What dead ones left (a whole process tree
+    SIGKILLed: its guardian could not clean up) is removed on the way: their run files here
+    and their shared-memory snapshot slots."""
+    remove_dead_slots()
     base = run_dir()
     runs = []
     for name in sorted(os.listdir(base)):

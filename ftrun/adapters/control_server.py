@@ -21,7 +21,14 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from ftrun.adapters.control import RunInfo, one_line, recv_line, send_doc, write_private
+from ftrun.adapters.control import (
+    RunInfo,
+    list_runs,
+    one_line,
+    recv_line,
+    send_doc,
+    write_private,
+)
 from ftrun.core import timeouts
 from ftrun.core.errors import FtrunError
 
@@ -50,7 +57,9 @@ class ControlServer:
         self._handling = threading.Lock()  # the handler answers one request at a time
 
     def start(self) -> ControlServer:
-        """Listen, publish the run's file, serve; returns self."""
+        """Listen, publish the run's file, serve; returns self. What dead runs of this user
+        left in the run directory (and in shared memory) goes first."""
+        list_runs()
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.info.socket)
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
