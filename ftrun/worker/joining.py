@@ -154,13 +154,14 @@ class NativeGroup:
                     cancel: threading.Event) -> Any:
         import torch.distributed as dist
 
-        # an abandoned reconfigure still running on its thread must end (it is bounded by
-        # timeout_s) before the group can be reconfigured again
-        if not self._busy.acquire(timeout=timeout_s):
-            raise CommError("the previous reconfigure is still running")
+        # an abandoned reconfigure may still be running on its thread: a member that died
+        # after publishing its handle holds its connect for up to RECONFIGURE_CONNECT_S. The
+        # group cannot be reconfigured meanwhile, and waiting would stall every member: this
+        # member says BUSY, so the generation builds a fresh group at once
+        held = self._busy.acquire(blocking=False)
         try:
             key = f"{gen.pg_prefix}handle/"
-            busy = REAPER.busy(dist.group.WORLD, GLOO_THREADS, ABANDONED_OP_GRACE_S)
+            busy = not held or REAPER.busy(dist.group.WORLD, GLOO_THREADS, ABANDONED_OP_GRACE_S)
             store.set(key + str(self.worker_id),
                       BUSY if busy else dist._get_reconfigure_handle())
             keys = [key + str(m) for m in gen.members]
@@ -179,4 +180,5 @@ class NativeGroup:
                               timeout=timedelta(seconds=connect_s)).wait()
             return dist.group.WORLD
         finally:
-            self._busy.release()
+            if held:
+                self._busy.release()
