@@ -17,16 +17,16 @@ from test_recovery_core import exit_, hello, make, recovered
 from ftrun.core.membership import WorkerRole
 from ftrun.protocol.rendezvous import Generation
 from ftrun.worker.loader import Loader
-from ftrun.worker.makeup import Plan, Redo, plan_for
+from ftrun.worker.makeup import Blend, Part, Plan, Redo, plan_for
 
 LOOP = str(FIXTURES / "redo_loop.py")
 OLD = Generation(0, (10, 11, 12, 13))
 
 
 # ------------------------------------------------------------------ the plan (pure)
-def parts(plan_of: Any, n: int) -> list[tuple[list[int], float]]:
+def parts(plan_of: Any, n: int) -> list[Part]:
     got = [plan_of(i).part(n) for i in range(plan_of(0).survivors)]
-    assert all(not isinstance(p, str) for p in got), got
+    assert all(isinstance(p, Part) for p in got), got
     return got
 
 
@@ -37,8 +37,19 @@ def test_the_lost_share_is_split_among_the_survivors_in_their_new_order() -> Non
                and p.world_size == 4 and p.survivors == 3 for p in plans.values())
     by_index = {p.index: p for p in plans.values() if isinstance(p, Plan)}
     got = parts(by_index.__getitem__, 14)  # shares 4,4,3,3: rank 1 held positions 4..7
-    assert [g[0] for g in got] == [[4, 5], [6], [7]]
-    assert [g[1] for g in got] == [0.5, 0.25, 0.25]  # each part over one lost share
+    assert [g.positions for g in got] == [[4, 5], [6], [7]]
+    # every sample weighs 1/14 of the sum divided by 4: a part of k samples weighs 4k/14,
+    # and a survivor's kept pass its old share's size (13: 3, 10: 4, 12: 3) times 4/14
+    assert [g.weight for g in got] == [8 / 14, 4 / 14, 4 / 14]
+    assert [g.kept_weight for g in got] == [12 / 14, 16 / 14, 12 / 14]
+
+
+def test_even_shares_keep_the_weights_of_an_average() -> None:
+    plan = plan_for(3, OLD, Generation(1, (10, 12, 13)), 12)
+    assert isinstance(plan, Plan)
+    part = plan.part(32)  # shares of 8; rank 1's 8 cut 3, 3, 2: worker 12 is index 1
+    assert isinstance(part, Part) and part.positions == [11, 12, 13]
+    assert (part.weight, part.kept_weight) == (3 / 8, 1.0)  # bitwise what averaging gives
 
 
 def test_a_second_fault_recomputes_the_shares_from_what_is_left() -> None:
@@ -46,33 +57,67 @@ def test_a_second_fault_recomputes_the_shares_from_what_is_left() -> None:
     plans = [plan_for(3, OLD, newer, w) for w in newer.members]
     assert all(isinstance(p, Plan) and p.lost_ranks == (1, 2) for p in plans)
     got = parts(lambda i: plans[i], 16)  # shares of 4: positions 4..11 pooled
-    assert sorted(i for g in got for i in g[0]) == list(range(4, 12))
-    assert [g[1] for g in got] == [1.0, 1.0]  # 4 of a lost share of 4 each
+    assert sorted(i for g in got for i in g.positions) == list(range(4, 12))
+    assert [g.weight for g in got] == [1.0, 1.0]  # 4 of a lost share of 4 each
+
+
+def test_a_spare_entering_with_the_make_up_takes_a_part_and_kept_nothing() -> None:
+    new = Generation(1, (10, 14, 12, 13), joiners=(14,))  # spare 14 takes lost rank 1
+    plans = [plan_for(3, OLD, new, w) for w in new.members]
+    assert all(isinstance(p, Plan) and p.survivors == 4 for p in plans)
+    got = parts(lambda i: plans[i], 28)  # shares of 7: rank 1's 7..13 cut 2, 2, 2, 1
+    assert [g.positions for g in got] == [[7, 8], [9, 10], [11, 12], [13]]
+    assert [g.kept_weight for g in got] == [1.0, 0.0, 1.0, 1.0]  # 14 ran no full pass
+    spare = plans[1]
+    assert isinstance(spare, Plan) and spare.old_rank == -1
+
+
+def test_uneven_lost_shares_are_pooled_not_refused() -> None:
+    plan = plan_for(3, OLD, Generation(1, (10, 13)), 10)  # ranks 1 and 2 of 4,4,3,3 lost
+    assert isinstance(plan, Plan)
+    part = plan.part(14)
+    assert isinstance(part, Part) and part.positions == [4, 5, 6, 7]  # half of 4..10
+    assert (part.weight, part.kept_weight) == (16 / 14, 16 / 14)
 
 
 def test_cases_the_make_up_cannot_do_exactly_say_why() -> None:
-    assert plan_for(3, OLD, Generation(1, (10, 12, 13, 14)), 10) == \
-        "worker 14 joined in generation 1"
     assert plan_for(3, OLD, OLD, 10) == "no member was lost"
-    plan = plan_for(3, OLD, Generation(1, (10, 13)), 10)
-    assert isinstance(plan, Plan)
-    assert plan.part(14) == "the lost ranks' shares of 14 differ in size"  # 4 and 3
-    assert plan.part(4) == ([1], 1.0) or plan.part(4) == ([2], 1.0)  # 1 of each lost rank
     lone = plan_for(3, OLD, Generation(1, (10, 11, 12)), 10)
     assert isinstance(lone, Plan) and lone.part(4) == \
-        "the lost share of 4 is smaller than the 3 survivors"
+        "the lost share of 4 is smaller than the 3 members"
+
+
+def test_an_uneven_full_pass_is_weighed_by_its_share() -> None:
+    """--redo lost: every sample weighs 1/n, whatever the live membership; an even share
+    keeps DDP's average (no blend at all), and --redo step is DDP's."""
+    place = {"rank": 0, "world": 3}
+    redo = Redo(True, 10, lambda: (place["rank"], place["world"]))
+    redo.start_pass(5)
+    assert redo.cut(32, 5) is None and redo.cut(32, 5) is None  # shares 11, 11, 10
+    assert redo.blend() == Blend(11 * 3 / 32, None, 3, makeup=False)
+    place["rank"] = 2
+    redo.start_pass(6)
+    assert redo.cut(32) is None and redo.blend() == Blend(10 * 3 / 32, None, 3, makeup=False)
+    redo.start_pass(7)
+    assert redo.cut(30) is None and redo.blend() is None  # 10 each: the average as it is
+    redo.start_pass(8)
+    assert redo.cut(32) is None and redo.cut(30) is None
+    assert redo.blend() is None  # batches cut unlike each other: averaged per rank
+    step_mode = Redo(False, 10, lambda: (0, 3))
+    step_mode.start_pass(5)
+    assert step_mode.cut(32) is None and step_mode.blend() is None
 
 
 def test_a_repeated_step_reports_its_whole_batch_and_shard_groups_say_they_repeat(
         capsys: pytest.CaptureFixture[str]) -> None:
-    step_mode = Redo(False, 10)
+    step_mode = Redo(False, 10, lambda: (0, 4))
     step_mode.start_pass(3)
     step_mode.broke(3, OLD, None)
     step_mode.start_pass(3)  # the repeat: a full pass, its batch cut through ft
     assert step_mode.cut(24, 3) is None and step_mode.cut(24, 3) is None
     assert step_mode.committed() == (48, 1.0)
     assert step_mode.committed() == (0, 0.0)  # the next step broke nothing
-    sharded = Redo(True, 10, "--shard-size groups")
+    sharded = Redo(True, 10, lambda: (0, 4), "--shard-size groups")
     assert not sharded.lost
     sharded.broke(3, OLD, None)
     assert "--redo lost: step 3 is repeated in full (--shard-size groups are not supported" \
@@ -80,19 +125,64 @@ def test_a_repeated_step_reports_its_whole_batch_and_shard_groups_say_they_repea
 
 
 # ------------------------------------------------------------------ the agent (fakes)
-def test_a_spare_enters_after_the_survivors_commit_the_make_up() -> None:
+def test_a_ready_spare_enters_with_the_make_up() -> None:
     rec, port, store = make(spares=1, redo="lost", nproc=3)
     hello(rec, 0)
     hello(rec, 3, spare=True)
     assert rec.on_exit(exit_(port, 1, -9)) is None
     gen = store.generation()
+    assert gen.members == (0, 3, 2) and gen.urgent and gen.joiners == (3,)
+    assert "2 redo its share of the step with spare worker 3, which enters now" in gen.reason
+    assert rec.membership.role(3) is WorkerRole.HEALING
+    recovered(rec, 0)
+    assert store.generation().number == gen.number  # nothing enters after it
+    assert port.placed[-1][2]  # and the pool is refilled
+
+
+def test_a_starting_spare_enters_after_the_survivors_commit_the_make_up() -> None:
+    rec, port, store = make(spares=1, redo="lost", nproc=3)
+    hello(rec, 0)  # spare 3 is still starting
+    assert rec.on_exit(exit_(port, 1, -9)) is None
+    gen = store.generation()
     assert gen.members == (0, 2) and gen.urgent and gen.joiners == ()
     assert "2 redo its share of the step, spare worker 3 enters after them" in gen.reason
-    assert rec.membership.role(3) is WorkerRole.SPARE  # not called in during the make-up
     recovered(rec, 0)
+    hello(rec, 3, spare=True)  # ready once the make-up is over: it enters now
     grown = store.generation()
     assert grown.members == (0, 2, 3) and grown.joiners == (3,) and not grown.urgent
-    assert port.placed[-1][2]  # and the pool is refilled
+
+
+def test_a_chosen_spare_that_dies_before_entering_is_followed_by_the_next() -> None:
+    """#51: the spare chosen to enter after the make-up died first; the job stayed a rank
+    short for good with two ready spares idle."""
+    rec, port, store = make(spares=2, redo="lost", nproc=3)
+    hello(rec, 0)
+    hello(rec, 4, spare=True)  # spare 3 still starting, spare 4 ready
+    assert rec.on_exit(exit_(port, 1, -9)) is None  # the ready one enters at once
+    assert store.generation().members == (0, 4, 2)
+    assert rec.on_exit(exit_(port, 3, -9)) is None  # the starting spare dies: a refill
+    rec2, port2, store2 = make(spares=2, redo="lost", nproc=3)
+    hello(rec2, 0)  # both spares still starting: the first is chosen to enter later
+    assert rec2.on_exit(exit_(port2, 1, -9)) is None
+    assert "spare worker 3 enters after them" in store2.generation().reason
+    assert rec2.on_exit(exit_(port2, 3, -9)) is None  # it dies before its hello
+    recovered(rec2, 0)
+    hello(rec2, 4, spare=True)  # the next spare takes the entry
+    assert store2.generation().members == (0, 2, 4)
+
+
+def test_a_chosen_spare_that_dies_with_no_spare_left_brings_a_new_worker() -> None:
+    rec, port, store = make(spares=1, redo="lost", nproc=3)
+    hello(rec, 0)
+    assert rec.on_exit(exit_(port, 1, -9)) is None  # spare 3 still starting: enters later
+    placed = len(port.placed)
+    assert rec.on_exit(exit_(port, 3, -9)) is None
+    assert len(port.placed) == placed  # the new worker waits for the make-up's commit
+    recovered(rec, 0)
+    joiner = port.placed[-1][0]  # the lost rank's device refills the pool; then the joiner
+    assert [p[2] for p in port.placed[placed:]] == [True, False]
+    hello(rec, joiner)
+    assert store.generation().members == (0, 2, joiner)
 
 
 def test_without_a_spare_the_new_worker_starts_after_the_make_up() -> None:
@@ -110,9 +200,9 @@ def test_without_a_spare_the_new_worker_starts_after_the_make_up() -> None:
 
 # ------------------------------------------------------------------ real runs
 Runs = dict[str, tuple[Path, "subprocess.CompletedProcess[str]"]]
-RUNS = {  # name: (script flags, the worker killed and its step)
+RUNS = {  # name: (script flags, the worker killed and its step[, launcher flags])
     # uneven shares (14 a micro-batch over 4: 4,4,3,3) and accumulation; the last step
-    # breaks, so no step runs at 3 (its uneven shares would weigh samples otherwise)
+    # breaks, and its make-up pools shares of 4 (rank 1's) for 3 survivors
     "uneven": ("--batch", "28", "--accum", "2", "--steps", "6", "--die", "1:5"),
     # even shares: a step in the middle breaks, the replacement enters later
     "even": ("--batch", "24", "--accum", "2", "--steps", "8", "--die", "1:3",
@@ -120,8 +210,19 @@ RUNS = {  # name: (script flags, the worker killed and its step)
     # and a second fault during the make-up: the two survivors redo both lost shares
     "twice": ("--batch", "24", "--accum", "2", "--steps", "6", "--die", "1:3",
               "--die-makeup", "2"),
+    # #47: a ready spare takes its part of the make-up (rank 1's 7 of each micro-batch cut
+    # 2,2,2,1 over four) and no step runs at 3 (28 over 3 would be 10,9,9); Adam's state
+    "spare": ("--batch", "56", "--accum", "2", "--steps", "8", "--die", "1:3",
+              "--step-time", "0.2", "--opt", "adam"),
+    # #47: no spare: the kill in the first micro-batch (inside no_sync), and the steps at 3
+    # before the new worker enters cut 32 into 11,11,10, weighed by size
+    "shrunk": ("--batch", "64", "--accum", "2", "--steps", "8", "--die", "2:3",
+               "--die-micro", "0", "--step-time", "0.3"),
 }
-SURVIVORS = {"uneven": [0, 2, 3], "even": [0, 2, 3], "twice": [0, 3]}
+LAUNCH = {"spare": ("--spares", "1")}
+SURVIVORS = {"uneven": [0, 2, 3], "even": [0, 2, 3], "twice": [0, 3], "spare": [0, 2, 3],
+             "shrunk": [0, 1, 3]}
+MAKERS = {**SURVIVORS, "spare": [0, 2, 3, 4]}  # who makes up the lost share: spare 4 too
 
 
 def second_kill_missed(name: str, out: Path) -> None:
@@ -144,13 +245,13 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Runs:
         out = tmp_path_factory.mktemp(name)
         flags = RUNS[name]
         ref = subprocess.run([sys.executable, LOOP, "--simulate", "4", "--out", str(out),
-                              *flags[:6]], capture_output=True, text=True, timeout=120)
+                              *flags], capture_output=True, text=True, timeout=120)
         assert ref.returncode == 0, ref.stderr
-        r = run_ftrun("--nproc", "4", "--redo", "lost", "--log-dir", str(out / "logs"),
-                      LOOP, "--out", str(out), *flags, timeout=240)
+        r = run_ftrun("--nproc", "4", "--redo", "lost", *LAUNCH.get(name, ()), "--log-dir",
+                      str(out / "logs"), LOOP, "--out", str(out), *flags, timeout=240)
         return out, r
 
-    with ThreadPoolExecutor(len(RUNS)) as pool:
+    with ThreadPoolExecutor(3) as pool:  # 4-5 processes each, on 2 cores
         return dict(zip(RUNS, pool.map(one, RUNS), strict=True))
 
 
@@ -189,7 +290,7 @@ def test_every_sample_of_every_step_is_used_exactly_once(runs: Runs, name: str) 
         used = [i for p in mine if p["ok"] for i in p["indices"]]
         if step == broken:  # the survivors' kept pass, then their parts of the lost share
             done = [p for p in makeups if p["ok"]]
-            assert sorted(p["wid"] for p in done) == survivors
+            assert sorted(p["wid"] for p in done) == MAKERS[name]
             used += [i for p in mine if not p["ok"] and p["makeup"] is None
                      and p["wid"] in survivors for i in p["indices"]]
         else:

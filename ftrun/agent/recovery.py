@@ -136,6 +136,9 @@ class Recovery:
             self.membership.leave([wid])
             if code != 0:
                 self.faults += 1
+            if self.later.entrant_lost(wid):  # chosen to enter; no spare left to follow it
+                self._start_joiner(node, w.local_rank)  # on its device
+            elif code != 0:
                 what = f"spare worker {wid} exited with {describe_exit(code)}"
                 if self.spec.shard_size > 1:
                     self.groups.on_spare_exit(wid, what)
@@ -157,6 +160,14 @@ class Recovery:
             return None
         self.faults += 1
         return self._on_member_fault(w, f"exited with {describe_exit(code)}")
+
+    def _start_joiner(self, node: int, local_rank: int) -> None:
+        """A replacement that enters when ready: now if the survivors' make-up is over, else
+        after their first commit (its import would take a core from them)."""
+        if self.later.made_up:
+            self.gens.spawn(node, local_rank, R.JOINING)
+        else:
+            self._joiners_to_start.append((node, local_rank))
 
     def _take_queued(self) -> None:
         """Requests already queued, stages only: the rest waits for the main loop's turn."""

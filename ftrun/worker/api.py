@@ -91,7 +91,8 @@ class FaultTolerant:
                                      self._bucket_starting, self._in_collective)
         self._replicas = ReplicaView(lambda: (self.rank, self.world_size), sharding,
                                      None if wenv is not None else self._shard_plainly)
-        self._redo = redo_for(wenv, self._sync)  # --redo: what a broken step leaves
+        # --redo: what a broken step leaves, and how a pass's shares are weighed
+        self._redo = redo_for(wenv, self._sync, lambda: (self.rank, self.world_size))
         if wenv is None:
             self._member = Member.plain(backend)
             if int(os.environ.get("FTRUN_SHARD_SIZE", "1")) > 1:  # torchrun, like --shard-size
@@ -366,7 +367,8 @@ class FaultTolerant:
                 member.move()
                 rebuilt = time.time()
                 self._align()
-                self._redo.after_align(member.group, self.committed, self._interrupt, self.device)
+                self._redo.after_align(member.group, self.committed, self._interrupt,
+                                       self.device, member.generation_record)
                 break
             except Abandoned:
                 continue

@@ -15,10 +15,11 @@ and `bucket_mb` alone, never of an observed arrival order: a replacement lays ou
 buckets its peers use, and a replaced run reduces every element in the same order as the
 fault-free run (bitwise-equal results with 3 or more ranks). The step-boundary vote (a planned
 generation seen by some rank) is one extra element at the end of the last bucket. Under
-`--redo lost` (`keep`): a copy of each bucket's local gradients, taken as it starts (an
-all-reduce writes in place, and an abandoned one goes on writing), and in a make-up pass
-(`blend`) each bucket is weighted and added to its copy before it starts, and averaged over
-the broken pass's world size (worker/makeup.py decides both).
+`--redo lost` (`keep`): a copy of each full pass's local gradients, taken as each bucket
+starts (an all-reduce writes in place, and an abandoned one goes on writing), and `blend`:
+a bucket weighed by its share of the batch before it starts (an uneven share; in a make-up
+pass, its part of the lost share, added to the kept copy), then averaged over the pass's
+world size (worker/makeup.py decides the weights).
 Must not import: typer, rich, NVML, the agent. Torch is imported lazily.
 """
 
@@ -90,8 +91,8 @@ class GradSync:
         self.keep = False  # --redo lost: copy each bucket's local gradients as it starts
         self.kept: list[Any] = []  # the copies, by bucket index
         self._kept_now = 0  # buckets copied in this pass
-        # a make-up pass: (weight of this pass's gradients, the divisor of the average)
-        self.blend: Callable[[], tuple[float, int] | None] = lambda: None
+        # how this pass's gradients enter the sum (worker/makeup.py: Blend); None: as they are
+        self.blend: Callable[[], Any] = lambda: None
 
     # ---------------------------------------------------------------- layout
     def add(self, params: list[Any], bucket_mb: float) -> None:
@@ -176,11 +177,7 @@ class GradSync:
         """Keep or blend the bucket's local gradients (--redo lost); the divisor of its
         average: the group's size, or in a make-up the broken pass's world size."""
         blend = self.blend() if self.keep else None
-        if blend is not None:  # a make-up: its share of the lost work joins the kept pass
-            grads = bucket.grads()
-            grads.mul_(blend[0]).add_(self.kept[index][:grads.numel()])
-            return blend[1]
-        if self.keep:
+        if self.keep and (blend is None or not blend.makeup):  # a full pass: kept as it is
             if len(self.kept) <= index:
                 self.kept.append(None)
             held = self.kept[index]
@@ -189,7 +186,15 @@ class GradSync:
             else:
                 held.copy_(bucket.flat)
             self._kept_now += 1
-        return self.group.size if self.group is not None else 1
+        if blend is None:
+            return self.group.size if self.group is not None else 1
+        grads = bucket.grads()  # weighed by its share of the batch (worker/makeup.py)
+        if blend.part != 1.0:
+            grads.mul_(blend.part)
+        if blend.kept is not None:  # a make-up: its share of the lost work joins the kept pass
+            kept = self.kept[index][:grads.numel()]
+            grads.add_(kept) if blend.kept == 1.0 else grads.add_(kept, alpha=blend.kept)
+        return blend.divisor
 
     def keep_rest(self) -> bool:
         """The step broke: copy the local gradients of the buckets that never started. True

@@ -14,6 +14,7 @@ Must not import: typer, rich, NVML, the agent, worker.api. Torch is imported at 
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,69 +33,103 @@ class Makeup:
     lost_workers: tuple[int, ...]  # the members lost since the step's full pass
     lost_ranks: tuple[int, ...]  # ...and their ranks in that pass
     world_size: int  # of the full pass
-    survivors: int  # how many share the lost work
+    survivors: int  # how many share the lost work (a replacement entering now included)
     samples: int  # this rank's samples of the lost share handed out so far in this pass
 
 
 @dataclass(frozen=True)
+class Blend:
+    """How a pass's local gradients enter the sum: scaled by `part`, plus the kept full pass
+    scaled by `kept` (None: nothing kept is added), then divided by `divisor`. A full pass
+    (`makeup` False) is kept first, as it is."""
+
+    part: float
+    kept: float | None
+    divisor: int
+    makeup: bool
+
+
+@dataclass(frozen=True)
+class Part:
+    """This member's positions in a batch of n in a make-up, and the weights of what it adds."""
+
+    positions: list[int]
+    weight: float  # of the part's mean gradient: its count over n, times the pass's world
+    kept_weight: float  # of the kept full pass's (0.0: this member ran none)
+
+
+def share_weight(count: int, n: int, world_size: int) -> float:
+    """The weight of the mean gradient over `count` of n samples in a sum divided by
+    `world_size`, so that every sample of the batch weighs 1/n: 1.0 for an even share."""
+    return count * world_size / n
+
+
+@dataclass(frozen=True)
 class Plan:
-    """Which samples of a batch of n this survivor computes in the make-up of `step`."""
+    """Which samples of a batch of n this member computes in the make-up of `step`."""
 
     step: int
     world_size: int  # of the broken pass
     lost_ranks: tuple[int, ...]
     lost_workers: tuple[int, ...]
-    index: int  # this rank among the survivors
-    survivors: int
+    index: int  # this rank among those who share the lost work
+    survivors: int  # how many share it: the survivors and any replacement entering now
+    old_rank: int = -1  # this member's rank in the broken pass; -1: it entered since
 
-    def part(self, n: int) -> tuple[list[int], float] | str:
-        """(indices into a batch of n, this part's weight), or why the make-up cannot be
-        exact for n. Weight: the part's count over one lost rank's, so the survivors' parts
-        sum to the lost ranks' mean gradients."""
-        shares = [share(n, rank, self.world_size) for rank in self.lost_ranks]
-        sizes = {s.stop - s.start for s in shares}
-        if len(sizes) != 1:
-            return f"the lost ranks' shares of {n} differ in size"
-        (lost_size,) = sizes
-        pool = [i for s in shares for i in range(s.start, s.stop)]
+    def part(self, n: int) -> Part | str:
+        """This member's part of the lost share of a batch of n, or why there is none. The
+        lost ranks' shares are pooled (even when they differ in size) and cut among the
+        members in their new order; every sample weighs 1/n of the committed gradient."""
+        pool = [i for r in self.lost_ranks for i in range(n)[share(n, r, self.world_size)]]
         if len(pool) < self.survivors:
-            return f"the lost share of {n} is smaller than the {self.survivors} survivors"
+            return f"the lost share of {n} is smaller than the {self.survivors} members"
         mine = pool[share(len(pool), self.index, self.survivors)]
-        return mine, len(mine) / lost_size
+        kept = 0 if self.old_rank < 0 else len(range(n)[share(n, self.old_rank,
+                                                              self.world_size)])
+        return Part(mine, share_weight(len(mine), n, self.world_size),
+                    share_weight(kept, n, self.world_size))
 
 
 def plan_for(step: int, old: Generation, new: Generation, worker_id: int) -> Plan | str:
-    """The make-up of `step` (its full pass ran in `old`) in `new`, or why there is none."""
-    joiners = [m for m in new.members if m not in old.members]
-    if joiners:
-        return f"worker {joiners[0]} joined in generation {new.number}"
+    """The make-up of `step` (its full pass ran in `old`) in `new`, or why there is none.
+    Members of `new` that were not in `old` (a spare entering with the make-up, one that
+    entered in a make-up broken since) kept nothing and take a part like the others."""
     lost = tuple(r for r, m in enumerate(old.members) if m not in new.members)
     if not lost:
         return "no member was lost"
+    old_rank = old.members.index(worker_id) if worker_id in old.members else -1
     return Plan(step, old.world_size, lost, tuple(old.members[r] for r in lost),
-                new.members.index(worker_id), new.world_size)
+                new.members.index(worker_id), new.world_size, old_rank)
 
 
-def redo_for(wenv: WorkerEnv | None, sync: Any) -> Redo:
+def redo_for(wenv: WorkerEnv | None, sync: Any, place: Place) -> Redo:
     """The worker's Redo; under --redo lost its gradient sync keeps and blends (buckets.py)."""
     lost = wenv is not None and wenv.redo == "lost"
-    redo = Redo(lost, wenv.worker_id if wenv is not None else 0,
+    redo = Redo(lost, wenv.worker_id if wenv is not None else 0, place,
                 "" if isinstance(sync, GradSync) else "--shard-size groups")
     if redo.lost:
         sync.keep, sync.blend = True, redo.blend
     return redo
 
 
-class Redo:
-    """What a worker keeps between a broken step and its make-up, and the make-up itself."""
+Place = Callable[[], tuple[int, int]]  # this member's live (rank, world_size)
+ReadGeneration = Callable[[int], "Generation | None"]  # a generation record by number
 
-    def __init__(self, lost: bool, worker_id: int, unsupported: str = "") -> None:
+
+class Redo:
+    """What a worker keeps between a broken step and its make-up, the make-up itself, and
+    under --redo lost the weight of every pass: each sample weighs 1/n of the committed
+    gradient, whatever the live membership cuts a batch of n into."""
+
+    def __init__(self, lost: bool, worker_id: int, place: Place, unsupported: str = "") -> None:
         self.lost = lost and not unsupported  # --redo lost, where it is supported
         self.unsupported = unsupported if lost else ""  # why --redo lost falls back here
         self.worker_id = worker_id
+        self._place = place
         self._broken: tuple[int, Generation, bool] | None = None  # step, its pass, grads kept
         self.plan: Plan | None = None  # a make-up pass runs
-        self._weight: float | None = None
+        self._weights: tuple[float, float] | None = None  # this pass's (part, kept) weights
+        self._uneven = ""  # why this full pass is averaged per rank after all
         self._samples = 0  # this rank's samples of the lost share, this pass
         self._cuts: list[tuple[int, int]] = []  # (pool, batch) per cut since the step broke
         self._ran = False  # this worker ran a pass of some step
@@ -104,11 +139,12 @@ class Redo:
     def broke(self, step: int, gen: Generation, sync: Any) -> None:
         """Step `step` broke in `gen`: under --redo lost, the local gradients of its pass are
         kept (`sync` copies what it did not copy yet, before it drops its buckets). A broken
-        make-up keeps the full pass it makes up for."""
-        if self.plan is None or self._broken is None or self._broken[0] != step:
+        make-up keeps the full pass it makes up for (a member that entered with the make-up
+        kept none, and still has none)."""
+        if self.plan is None:
             kept = self.lost and isinstance(sync, GradSync) and sync.keep_rest()
             self._broken = (step, gen, kept)
-        self.plan, self._weight = None, None
+        self.plan, self._weights = None, None
         if self.unsupported:
             print(f"ftrun: worker {self.worker_id}: --redo lost: step {step} is repeated in "
                   f"full ({self.unsupported} are not supported yet)", file=sys.stderr,
@@ -118,15 +154,19 @@ class Redo:
         """A pass of `step` begins (a make-up keeps its plan)."""
         self._samples = 0
         self._cuts = []
+        self._weights, self._uneven = None, ""
         self._ran = True
         if self._broken is not None and self._broken[0] != step:
             self._broken = None  # committed since (a peer healed this rank forward)
 
     # ---------------------------------------------------------------- after aligning
-    def after_align(self, group: Group, step: int, interrupt: Interrupt, device: Any) -> None:
+    def after_align(self, group: Group, step: int, interrupt: Interrupt, device: Any,
+                    read: ReadGeneration) -> None:
         """In the new generation at `step`: agree with every member on a make-up, or not
-        (--redo step: nothing to agree on, no collective)."""
-        self.plan, self._weight = None, None
+        (--redo step: nothing to agree on, no collective). A member that kept no pass of
+        the step (a replacement entering now) learns which pass broke from its peers and
+        reads that generation's record (`read`) to take its part of the lost share."""
+        self.plan, self._weights = None, None
         self._newcomer = not self._ran
         if not self.lost:
             return
@@ -134,46 +174,84 @@ class Redo:
         mine: Plan | str = "its gradients were not kept"
         if broken is not None and broken[2]:
             mine = plan_for(step, broken[1], group.gen, self.worker_id)
-        number = broken[1].number if broken is not None and broken[2] else -1
-        ready, same, anyone = _agree(group, interrupt, device, isinstance(mine, Plan), number,
-                                     broken is not None)
-        if not anyone:
+        told = _agree(group, interrupt, device, isinstance(mine, Plan),
+                      broken[1].number if broken is not None and broken[2] else None,
+                      broken is not None)
+        if not told.anyone:
             return
-        if ready and same and isinstance(mine, Plan):
+        if told.ready and told.same and told.others_kept_none:
+            mine = self._plan_from_record(step, told.number, group, read)
+            ready = _all(group, interrupt, device, isinstance(mine, Plan))
+            if ready and isinstance(mine, Plan):
+                self.plan = mine
+                return
+            why = mine if isinstance(mine, str) else "a member entering now could not take part"
+        elif told.ready and told.same and isinstance(mine, Plan):
             self.plan = mine
             return
-        why = mine if isinstance(mine, str) else "a member kept no gradients of that pass"
-        self._fallback(step, why if broken is not None else "this rank's step did not break",
-                       group.rank == 0)
+        else:
+            why = mine if isinstance(mine, str) else "a member kept no gradients of that pass"
+        self._fallback(step, why if broken is not None or self._newcomer
+                       else "this rank's step did not break", group.rank == 0)
+
+    def _plan_from_record(self, step: int, number: int, group: Group,
+                          read: ReadGeneration) -> Plan | str:
+        """The plan of a member that kept nothing: from the record of the broken pass."""
+        broken = self._broken
+        if broken is not None and broken[0] == step:
+            return plan_for(step, broken[1], group.gen, self.worker_id) if broken[2] \
+                else "its gradients were not kept"
+        old = read(number)
+        if old is None:
+            return f"generation {number}'s record is gone"
+        if self.worker_id in old.members:
+            return f"worker {self.worker_id} ran that pass but kept nothing of it"
+        return plan_for(step, old, group.gen, self.worker_id)
 
     def _fallback(self, step: int, why: str, tell: bool = True) -> None:
         if tell:  # one line per fault: every member falls back alike
             print(f"ftrun: worker {self.worker_id}: --redo lost: step {step} is repeated in "
                   f"full ({why})", file=sys.stderr, flush=True)
-        self.plan, self._weight = None, None
+        self.plan, self._weights = None, None
         if self._broken is not None:
             self._broken = (self._broken[0], self._broken[1], False)
 
-    # ---------------------------------------------------------------- the make-up pass
+    # ---------------------------------------------------------------- a pass's batches
     def cut(self, n: int, step: int | None = None) -> list[int] | None:
         """This rank's positions in a batch of n in a make-up pass of `step` (None: any
-        step); None in a full pass (this rank's share is its ordinary one)."""
+        step); None in a full pass (this rank's share is its ordinary one, weighed here)."""
         plan = self.plan
         if plan is None or (step is not None and step != plan.step):
             if self._broken is not None:
                 self._cuts.append((n, n))
+            self._weigh_full(n)
             return None
         part = plan.part(n)
-        if isinstance(part, str) or (self._weight is not None and part[1] != self._weight):
+        weights = None if isinstance(part, str) else (part.weight, part.kept_weight)
+        if isinstance(part, str) or (self._weights is not None and weights != self._weights):
             self._fallback(plan.step, part if isinstance(part, str) else
                            "its batches differ in size", plan.index == 0)
             self._cuts.append((n, n))
             return None
-        positions, self._weight = part
-        self._samples += len(positions)
+        self._weights = weights
+        self._samples += len(part.positions)
         lost = [share(n, r, plan.world_size) for r in plan.lost_ranks]
-        self._cuts.append((sum(s.stop - s.start for s in lost), n))
-        return positions
+        self._cuts.append((sum(len(range(n)[s]) for s in lost), n))
+        return part.positions
+
+    def _weigh_full(self, n: int) -> None:
+        """A full pass's share of n: under --redo lost an uneven share is weighed by its size
+        (DDP averages per rank, so a sample of a smaller share would weigh more)."""
+        if not self.lost or n <= 0:
+            return
+        rank, world_size = self._place()
+        if rank < 0:
+            return
+        weight = (share_weight(len(range(n)[share(n, rank, world_size)]), n, world_size), 0.0)
+        if self._weights is None and not self._uneven:
+            self._weights = weight
+        elif self._weights != weight:  # accumulation over batches cut unlike each other
+            self._weights, self._uneven = None, f"batches of {n} and others in one step"
 
     def batch_slice(self, n: int, rank: int, world_size: int) -> slice | list[int]:
         """`ft.batch_slice(n)`: the ordinary share, or a make-up's part (a slice when it is
@@ -185,18 +263,22 @@ class Redo:
             return slice(positions[0], positions[-1] + 1)
         return positions
 
-    def blend(self) -> tuple[float, int] | None:
-        """(weight, divisor) for the gradient buckets of a make-up pass; None in a full pass.
-        A make-up whose batch was not cut here (the script cut it from ft.rank and
-        ft.world_size) computed a full share: it is a full pass after all."""
-        plan = self.plan
+    def blend(self) -> Blend | None:
+        """How the gradient buckets of this pass enter the sum; None: as they are, averaged
+        over the group (a full pass of even shares, or one cut without ft). A make-up whose
+        batch was not cut here (the script cut it from ft.rank and ft.world_size) computed
+        a full share: it is a full pass after all."""
+        plan, weights = self.plan, self._weights
         if plan is None:
-            return None
-        if self._weight is None:
+            if weights is None or weights[0] == 1.0:
+                return None
+            return Blend(weights[0], None, self._place()[1], makeup=False)
+        if weights is None:
             self._fallback(plan.step, "the script took its batch without ft.batch_slice or "
                            "ft.loader", plan.index == 0)
             return None
-        return self._weight, plan.world_size
+        return Blend(weights[0], weights[1] if plan.old_rank >= 0 else None, plan.world_size,
+                     makeup=True)
 
     @property
     def makeup(self) -> Makeup | None:
@@ -211,34 +293,60 @@ class Redo:
         """A step committed: what it redid, job-wide (samples, fraction of the step): the
         lost share after a make-up, the whole batch after a repeat, 0 when no step broke;
         -1 samples when the script cut its batches without ft.batch_slice or ft.loader, and
-        (-1, -1.0) on a worker that entered in this recovery (it cannot know)."""
-        if self._newcomer and self._broken is None:
+        (-1, -1.0) on a worker that entered in this recovery with no part in a make-up (it
+        cannot know)."""
+        if self._newcomer and self._broken is None and self.plan is None:
             done = (-1, -1.0)
-        elif self._broken is None:
+        elif self._broken is None and self.plan is None:
             done = (0, 0.0)
         elif not self._cuts:
             done = (-1, 1.0)
         else:
             redone, total = sum(c[0] for c in self._cuts), sum(c[1] for c in self._cuts)
             done = (redone, round(redone / total, 4) if total else 1.0)
-        self._broken, self.plan, self._weight, self._cuts = None, None, None, []
+        self._broken, self.plan, self._weights, self._cuts = None, None, None, []
         self._newcomer = False
         return done
 
 
-def _agree(group: Group, interrupt: Interrupt, device: Any, ready: bool, number: int,
-           broken: bool) -> tuple[bool, bool, bool]:
-    """(every member is ready, every ready one kept the same pass, some member's step broke),
-    by one MIN all-reduce: [ready, number, -number, -broken]."""
+@dataclass(frozen=True)
+class Told:
+    """What one MIN all-reduce after aligning told every member."""
+
+    ready: bool  # every member that kept a pass has a plan
+    same: bool  # ...and they all kept the same pass
+    anyone: bool  # some member's step broke
+    others_kept_none: bool  # some member kept no pass (a replacement entering now)
+    number: int  # the generation the kept pass ran in
+
+
+NONE_KEPT = 2.0**40  # a member that kept no pass: neutral in both MINs of the pass's number
+
+
+def _agree(group: Group, interrupt: Interrupt, device: Any, ready: bool, number: int | None,
+           broken: bool) -> Told:
+    """One MIN all-reduce: [ready, number, -number, -broken, -kept none]."""
+    kept = NONE_KEPT if number is None else float(number)
+    values = [float(ready or number is None), kept, -kept if number is not None else NONE_KEPT,
+              -float(broken), -float(number is None)]
+    low = _min(group, interrupt, device, values)
+    return Told(low[0] == 1.0, low[1] == -low[2], low[3] == -1.0, low[4] == -1.0,
+                int(low[1]) if low[1] < NONE_KEPT else -1)
+
+
+def _all(group: Group, interrupt: Interrupt, device: Any, ready: bool) -> bool:
+    """Every member is ready (a second MIN all-reduce, only when one kept no pass)."""
+    return _min(group, interrupt, device, [float(ready)])[0] == 1.0
+
+
+def _min(group: Group, interrupt: Interrupt, device: Any, values: list[float]) -> list[float]:
     import torch
 
-    values = torch.tensor([float(ready), number, -number, -float(broken)], dtype=torch.float64,
-                          device=device)
+    tensor = torch.tensor(values, dtype=torch.float64, device=device)
     if group.pg is not None:
         import torch.distributed as dist
 
         opts = dist.AllreduceOptions()
         opts.reduceOp = dist.ReduceOp.MIN
-        group.run(lambda: group.pg.allreduce([values], opts), interrupt)
-    low = values.tolist()
-    return low[0] == 1.0, low[1] == -low[2], low[3] == -1.0
+        group.run(lambda: group.pg.allreduce([tensor], opts), interrupt)
+    return [float(v) for v in tensor.tolist()]

@@ -38,6 +38,7 @@ from ftrun.protocol.rendezvous import (
     Request,
     Stage,
     Store,
+    gen_key,
     latest_number,
     read_generation,
 )
@@ -190,6 +191,14 @@ class Member:
         except (CommError, Abandoned) as exc:
             self.broke(str(exc))
             return False
+
+    def generation_record(self, number: int) -> Generation | None:
+        """Generation `number`'s record as the job's store holds it; None where it is not
+        there (a store that moved since holds only the newer ones)."""
+        link = self._require()
+        if not link.store.check([gen_key(number)]):
+            return None
+        return read_generation(link.store, number, timeouts.GENERATION_WAIT_S)
 
     def _target(self) -> Generation:
         link = self._require()
