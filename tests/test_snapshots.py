@@ -139,10 +139,34 @@ def test_a_partial_or_corrupt_disk_snapshot_is_told_apart(tmp_path: Path) -> Non
     data[100] ^= 1
     newest.write_bytes(bytes(data))
     assert snap.verify(str(newest.parent)) == "__0_0.distcp fails its checksum"
-    os.unlink(Path(snap.step_dir(str(node), 8)) / snap.MANIFEST)
+    manifest = Path(snap.step_dir(str(node), 8)) / snap.MANIFEST
+    manifest.write_bytes(manifest.read_bytes()[:40])  # cut short (issue #51)
+    assert snap.verify(snap.step_dir(str(node), 8)) == \
+        "its manifest is truncated or corrupt (40 bytes, not JSON)"
+    os.unlink(manifest)
     assert snap.verify(snap.step_dir(str(node), 8)) == "no manifest (a partial write)"
     assert snap.prune(str(node), keep=1, run="r") == [snap.step_dir(str(node), 4), str(dead)]
     assert snap.root_of(snap.step_dir(str(node), 12)) == str(tmp_path)  # --resume of one
+
+
+@pytest.mark.parametrize("writer", ["job7/0123abcd", "other/0123abcd"])
+def test_a_launch_names_an_earlier_run_of_its_job_and_how_to_continue_it(tmp_path: Path,
+                                                                        writer: str) -> None:
+    """Issue #51: a job SIGKILLed and launched again with its --rdzv-id found its own
+    snapshots called another run's; how to continue from them is said in full."""
+    d = Path(snap.step_dir(str(tmp_path / "node0"), 6))
+    d.mkdir(parents=True)
+    (d / snap.SKELETON).write_bytes(b"skeleton")
+    snap.write_manifest(str(d), 6, 0.0, {"run": writer})
+    notices: list[str] = []
+    spec = RunSpec(script="x.py", snapshot_every=4, snapshot_dir=str(tmp_path))
+    keeper = SnapshotKeeper(spec, "job7", 0, lambda kind, f: notices.append(str(f["text"])))
+    keeper.close()
+    whose = "an earlier run of this job (--rdzv-id job7)" if writer.startswith("job7/") \
+        else "another run"
+    assert notices == [f"{tmp_path} holds snapshots of {whose} (the newest of step 6): this run "
+                       "starts afresh and keeps them, never loading nor overwriting them; "
+                       f"`ftrun --resume {tmp_path} ...` continues that run from them"]
 
 
 def test_the_agent_writes_a_published_slot_to_disk_or_says_why_not(tmp_path: Path) -> None:

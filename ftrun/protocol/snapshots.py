@@ -119,9 +119,8 @@ def is_due(every: int, interval_s: float, committed: int, last_step: int, last_a
 
 
 def tell_off(dirs: tuple[str, ...], worker: int, text: str) -> bool:
-    """A worker that found no room for its slots anywhere tells the agent why, in a marker
-    beside the slots (`off-<worker>`), which the agent turns into one line and an event.
-    False when no directory takes it (the worker then says it itself)."""
+    """A worker with room for its slots nowhere tells the agent why (a marker beside them, made
+    one line and an event by the agent); False when no directory takes it."""
     for d in dirs:
         with contextlib.suppress(OSError):
             fd = os.open(os.path.join(d, f"{_OFF}{worker}"),
@@ -224,8 +223,18 @@ def decode_manifest(doc: object) -> Manifest | str:
 
 
 def manifest_of(path: str) -> Manifest | str:
-    doc = read_manifest(path)
-    return "no manifest (a partial write)" if doc is None else decode_manifest(doc)
+    """The manifest of the snapshot at `path`, or why there is none (one line)."""
+    try:
+        with open(os.path.join(path, MANIFEST), "rb") as f:
+            raw = f.read()
+    except FileNotFoundError:
+        return "no manifest (a partial write)"
+    except OSError as exc:
+        return f"its manifest cannot be read ({exc.strerror})"
+    try:
+        return decode_manifest(json.loads(raw))
+    except (ValueError, RecursionError):
+        return f"its manifest is truncated or corrupt ({len(raw)} bytes, not JSON)"
 
 
 def verify(path: str) -> str | None:
@@ -300,17 +309,12 @@ def writable(path: str) -> str | None:
     probe file written and removed. Why not (one line), else None."""
     try:
         os.makedirs(path, mode=0o700, exist_ok=True)
-        fd, probe = _probe(path)
-        os.close(fd)
+        probe = os.path.join(path, f".ftrun-probe-{os.getpid()}")
+        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600))
         os.unlink(probe)
         return None
     except OSError as exc:
         return f"cannot write to {path} ({exc.strerror})"
-
-
-def _probe(path: str) -> tuple[int, str]:
-    probe = os.path.join(path, f".ftrun-probe-{os.getpid()}")
-    return os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), probe
 
 
 def disk_snapshots(base: str) -> list[tuple[int, str]]:
