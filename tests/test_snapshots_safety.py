@@ -95,7 +95,8 @@ def test_two_runs_sharing_an_id_and_a_directory_never_load_or_destroy_each_other
     assert first_steps(tmp_path / "b") == {0: 8, 1: 8}  # not run A's step 16
     for name, manifest in kept.items():  # run A's, neither pruned nor overwritten by B
         assert (node / name / snap.MANIFEST).read_text() == manifest
-    assert "holds snapshots of another run (the newest of step 16)" in b.stderr
+    assert "holds snapshots of an earlier run of this job (--rdzv-id jobJ) (the newest of " \
+           "step 16): this run starts afresh and keeps them" in b.stderr
     assert "holds another run's snapshot: not overwritten" in b.stderr
 
 

@@ -113,12 +113,10 @@ class SnapshotKeeper:
         why = why or writable(self.base)
         if why is not None:
             raise FtrunError(f"{flag}: {why}", hint="give a --snapshot-dir you can write to")
-        others = [s for s, p in disk_snapshots(self.base) if owner_of(p) is not None]
+        others = [(s, owner) for s, p in disk_snapshots(self.base)
+                  if (owner := owner_of(p)) is not None]
         if others and not spec.resume:
-            self._emit(Event.NOTICE, {"text": f"{self.base} holds snapshots of another run "
-                                              f"(the newest of step {others[0]}): they are kept, "
-                                              "never loaded nor overwritten (--resume it to go "
-                                              "on from them)"})
+            self._emit(Event.NOTICE, {"text": _others_text(self.base, self.run, *others[0])})
 
     @property
     def private_dirs(self) -> tuple[str, ...]:
@@ -324,6 +322,17 @@ class SnapshotKeeper:
                      "blocking_ms": rec.blocking_ms,
                      "write_ms": round((time.time() - started) * 1000, 1), "path": final}
         self._results.put((Event.SNAPSHOT, dict(self.last)))
+
+
+def _others_text(base: str, run: str, step: int, owner: str) -> str:
+    """What a launch says of another run's snapshots in its directory: an earlier run of the
+    same job (its --rdzv-id; SIGKILLed, say) is named as such."""
+    job = run.split("/")[0]
+    whose = (f"an earlier run of this job (--rdzv-id {job})" if owner.split("/")[0] == job
+             else "another run")
+    return (f"{base} holds snapshots of {whose} (the newest of step {step}): this run starts "
+            f"afresh and keeps them, never loading nor overwriting them; `ftrun --resume "
+            f"{base} ...` continues that run from them")
 
 
 def _room(path: str, need: int) -> str:
