@@ -73,7 +73,7 @@ def test_a_message_parses_only_on_its_own_channel() -> None:
 def test_the_recovered_event_keeps_the_request_keys() -> None:
     assert list(to_fields(REQUESTS[3])) == [
         "kind", "worker", "generation", "fault_at", "published_at", "noticed", "rebuilt",
-        "healed", "step", "first_commit", "redone_samples", "redone_fraction"]
+        "healed", "step", "first_commit", "redone_samples", "redone_fraction", "redone_s"]
     assert to_fields(REQUESTS[2]) == {"kind": "suspect", "worker": 0, "generation": 7}
 
 

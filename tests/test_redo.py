@@ -115,8 +115,8 @@ def test_a_repeated_step_reports_its_whole_batch_and_shard_groups_say_they_repea
     step_mode.broke(3, OLD, None)
     step_mode.start_pass(3)  # the repeat: a full pass, its batch cut through ft
     assert step_mode.cut(24, 3) is None and step_mode.cut(24, 3) is None
-    assert step_mode.committed() == (48, 1.0)
-    assert step_mode.committed() == (0, 0.0)  # the next step broke nothing
+    assert step_mode.committed()[:2] == (48, 1.0)
+    assert step_mode.committed() == (0, 0.0, 0.0)  # the next step broke nothing
     sharded = Redo(True, 10, lambda: (0, 4), "--shard-size groups")
     assert not sharded.lost
     sharded.broke(3, OLD, None)
@@ -319,3 +319,25 @@ def test_the_recovery_reports_the_work_it_redid(runs: Runs) -> None:
     assert rep.returncode == 0, rep.stderr
     (redone,) = [x for x in json.loads(rep.stdout)["redone"] if x["generation"] == 1]
     assert (redone["samples"], redone["step"]) == (8, 5)
+    assert redone["seconds"] > 0 and first["redone_s"] == redone["seconds"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_the_report_counts_the_steps_run_short_handed(runs: Runs) -> None:
+    """#47: without a spare, the steps between the make-up and the new worker's entry ran at
+    3 of 4; with a ready spare entering with the make-up, none did."""
+    counts = {}
+    for name in ("shrunk", "spare"):
+        out, r = runs[name]
+        assert r.returncode == 0, r.stderr
+        rep = run_ftrun("report", str(out / "logs"), "--json")
+        assert rep.returncode == 0, rep.stderr
+        (fault,) = json.loads(rep.stdout)["faults"]
+        passes = trail(out)
+        short = {p["step"] for p in passes if p["ok"] and p["world"] < 4 and not p["makeup"]}
+        counts[name] = (fault["short_steps"], len(short))
+        assert fault["redone_s"] > 0
+    assert counts["spare"] == (0, 0)
+    assert counts["shrunk"][0] == counts["shrunk"][1] > 0, counts
+    assert "step" in runs["shrunk"][1].stderr.split("short-handed")[0].rsplit(";", 1)[-1]

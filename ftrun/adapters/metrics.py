@@ -209,6 +209,12 @@ def fault_families(faults: Sequence[Fault], summary: Summary) -> Iterator[Any]:
                               value=float(summary.lost_steps))
     yield CounterMetricFamily("ftrun_time_lost_seconds", "run time lost to faults",
                               value=float(summary.time_lost_s))
+    yield CounterMetricFamily("ftrun_redone_seconds", "time the recoveries spent redoing work "
+                              "of a broken step (--redo lost: the make-up; step: the repeat)",
+                              value=float(sum(f.redone_s or 0.0 for f in faults)))
+    yield CounterMetricFamily("ftrun_short_handed_steps", "steps committed with fewer ranks "
+                              "than the job's size after a fault",
+                              value=float(sum(f.short_steps for f in faults)))
     if summary.goodput is not None:
         yield GaugeMetricFamily("ftrun_goodput_ratio", "share of the run not lost to faults",
                                 value=float(summary.goodput))

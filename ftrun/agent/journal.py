@@ -48,6 +48,8 @@ class FaultRecord:
     resumed_step: int | None = None  # a whole-group restart resumed from this snapshot step
     redone_samples: int | None = None  # --redo: samples its recovery recomputed (-1: unknown)
     redone_fraction: float | None = None  # ...as a fraction of the step's global batch
+    redone_s: float | None = None  # ...and the seconds that took (make-up pass or repeat)
+    short_steps: int = 0  # steps after it committed with fewer ranks than the job's size
 
 
 class Journal:
@@ -65,11 +67,16 @@ class Journal:
                        Event.RESTART: self._on_restart, Event.STARTED: self._on_started,
                        Event.GENERATION: self._on_generation,
                        Event.RECOVERED: self._on_recovered,
+                       Event.TRAINED: self._on_trained,
                        Event.RESUMED: self._on_resumed,
                        Event.HEALED: self._on_healed,
                        Event.STATE_SIZE: self.heals.on_state_size,
                        Event.INJECTED: self._on_injected}  # what fault records are made of
         self._now = self.started_at  # the time of the event being folded
+        self._sizes: dict[int, int] = {}  # generation -> its world size
+        self._full = 0  # the attempt's world size: the job's size
+        self._short: tuple[FaultRecord, int] | None = None  # a recovery below the job's
+        # size and the step it resumed at: its short-handed steps end with the next
 
     def close(self) -> None:
         if self._file is not None:
@@ -174,6 +181,7 @@ class Journal:
                 rec.lost_from = self._attempt_started_at
         self._restarted, self._restarting = self._restarting, []
         self._attempt_started_at = now
+        self._full, self._sizes, self._short = int(str(f.get("world_size", 0))), {}, None
 
     def _on_healed(self, f: Mapping[str, object]) -> None:
         self.heals.on_healed(f, self._now)
@@ -192,6 +200,7 @@ class Journal:
         self._restarted = []
 
     def _on_generation(self, f: Mapping[str, object]) -> None:
+        self._sizes[int(str(f["generation"]))] = int(str(f["world_size"]))
         if not f.get("urgent"):
             return
         for rec in reversed(self.faults):
@@ -203,6 +212,9 @@ class Journal:
 
     def _on_recovered(self, f: Mapping[str, object]) -> None:
         gen = int(str(f["generation"]))
+        step = int(str(f["step"])) if f.get("step") is not None else None
+        if step is not None:
+            self._end_short(step)
         for rec in self.faults:  # faults close together are all recovered by the newest gen
             if rec.generation is not None and rec.generation <= gen and not rec.recovered:
                 if rec.generation == gen:
@@ -220,6 +232,22 @@ class Journal:
                 if f.get("redone_samples") is not None:
                     rec.redone_samples = int(str(f["redone_samples"]))
                     rec.redone_fraction = float(str(f.get("redone_fraction", 0.0)))
+                if f.get("redone_s") is not None:
+                    rec.redone_s = float(str(f["redone_s"]))
+                if rec.generation == gen and step is not None and \
+                        self._sizes.get(gen, self._full) < self._full:
+                    self._short = (rec, step)  # it resumed at `step` short of ranks
+
+    def _on_trained(self, f: Mapping[str, object]) -> None:
+        self._end_short(int(str(f["step"])))
+
+    def _end_short(self, step: int) -> None:
+        """The job is whole again, or in its next recovery, or trained, at `step`: the steps
+        committed since a short-handed recovery's own step were short of ranks."""
+        if self._short is not None:
+            rec, resumed = self._short
+            rec.short_steps += max(0, step - resumed - 1)
+            self._short = None
 
 
 def _from_the_fault(rec: FaultRecord, f: Mapping[str, object]) -> None:

@@ -78,6 +78,7 @@ class Recovery:
         self.groups = ReplicaGroups(self.spec, port, store, self.membership, self.ends,
                                     self.gens, self.respawns)
         self.later = EnterLater(self.spec, self.gens, self.membership)  # --redo lost
+        self._trained_told = False  # a member left its training loop: the journal was told
         if adopted is None:
             first = Generation(0, self.membership.members, "start", published_at=time.time())
             port.fence_generation(first)
@@ -176,6 +177,9 @@ class Recovery:
             self._on_stage(stage)
 
     def _on_stage(self, req: Stage) -> None:
+        if req.stage == "trained" and not self._trained_told:  # the journal's end of training
+            self._trained_told = True
+            self.port.emit(Event.TRAINED, {"worker": req.worker, "step": req.step})
         refused = self.ends.on_stage(req)
         if refused:
             self.port.emit(Event.NOTICE, {"text": refused})

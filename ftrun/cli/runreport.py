@@ -209,10 +209,12 @@ def phase_table(faults: Sequence[FaultRecord]) -> dict[str, dict[str, float | in
 
 def redone(run: RunRecord) -> list[dict[str, Any]]:
     """Per in-process recovery (its generation's first commit): the work of the broken step
-    it redid, job-wide: samples (-1: the script cut its batches itself) and the fraction of
-    the step (--redo lost: the lost ranks' share; --redo step: 1.0; 0: no step broke)."""
+    it redid, job-wide: samples (-1: the script cut its batches itself), the fraction of the
+    step (--redo lost: the lost ranks' share; --redo step: 1.0; 0: no step broke) and the
+    seconds that took (the make-up pass, or the repeated step; None: an older log)."""
     return [{"generation": e.get("generation"), "step": e.get("step"),
-             "samples": e["redone_samples"], "fraction": e.get("redone_fraction")}
+             "samples": e["redone_samples"], "fraction": e.get("redone_fraction"),
+             "seconds": e.get("redone_s")}
             for e in run.of_kind("recovered") if "redone_samples" in e]
 
 

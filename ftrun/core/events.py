@@ -31,6 +31,7 @@ class Event(TextEnum):
     FAULT = "fault"  # an in-process fault and the policy's decision
     GENERATION = "generation"  # a new membership published
     RECOVERED = "recovered"  # the first member committed in a new generation
+    TRAINED = "trained"  # the first member past its last step (the step count it reached)
     DRILL = "drill"  # `ftrun inject-fault` applied
     INJECTED = "injected"  # the next fault of a worker is a drill or the agent's own kill
     GPU = "gpu"  # a GPU's health changed
@@ -156,6 +157,7 @@ class RecoveredFields(Fields):
     healed: float | None = None
     step: int | None = None
     first_commit: float | None = None
+    redone_s: float | None = None  # --redo: the seconds its redo took (make-up or repeat)
 
     def phases(self) -> list[tuple[str, float]]:
         """The phases that happened, by name, in order (wall clock)."""
@@ -170,6 +172,15 @@ class RecoveredFields(Fields):
         sees the fault); None: no time known."""
         times = [at for at in (self.fault_at, *(at for _, at in self.phases())) if at]
         return min(times) if times else None
+
+
+@dataclass(frozen=True)
+class TrainedFields(Fields):
+    """The first member out of its training loop: `step` steps are committed."""
+
+    event = Event.TRAINED
+    step: int
+    worker: int = -1
 
 
 @dataclass(frozen=True)
@@ -268,7 +279,7 @@ FIELDS: dict[Event, type[Fields]] = {c.event: c for c in (
     StartedFields, SpawnedFields, ExitFields, FailureFields, RestartFields, SignalFields,
     FaultFields, GenerationFields, RecoveredFields, DrillFields, InjectedFields, GpuFields,
     StragglerFields, SnapshotFields, SnapshotFailedFields, ResumedFields, HealedFields,
-    StateSizeFields, NoticeFields)}
+    StateSizeFields, NoticeFields, TrainedFields)}
 
 
 def fields_of(kind: Event, fields: Mapping[str, object]) -> Fields:

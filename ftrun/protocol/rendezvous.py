@@ -248,6 +248,7 @@ class Recovered:
     first_commit: float
     redone_samples: int = 0
     redone_fraction: float = 0.0
+    redone_s: float = 0.0  # the seconds the redo took: the make-up pass, or the repeated step
 
 
 @dataclass(frozen=True)

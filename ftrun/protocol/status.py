@@ -80,6 +80,8 @@ class Fault(Record):
     resumed_step: int | None
     redone_samples: int | None = None  # --redo: samples recomputed (-1: not known)
     redone_fraction: float | None = None  # ...as a fraction of the step's global batch
+    redone_s: float | None = None  # ...and the seconds that took (make-up pass or repeat)
+    short_steps: int = 0  # steps after it committed with fewer ranks than the job's size
 
     @property
     def settled(self) -> bool:

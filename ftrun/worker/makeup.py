@@ -14,6 +14,7 @@ Must not import: typer, rich, NVML, the agent, worker.api. Torch is imported at 
 from __future__ import annotations
 
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -131,6 +132,7 @@ class Redo:
         self._weights: tuple[float, float] | None = None  # this pass's (part, kept) weights
         self._uneven = ""  # why this full pass is averaged per rank after all
         self._samples = 0  # this rank's samples of the lost share, this pass
+        self._pass_started = 0.0  # monotonic: the redo's seconds are its pass's
         self._cuts: list[tuple[int, int]] = []  # (pool, batch) per cut since the step broke
         self._ran = False  # this worker ran a pass of some step
         self._newcomer = False  # it entered in this recovery: it knows nothing of a break
@@ -155,6 +157,7 @@ class Redo:
         self._samples = 0
         self._cuts = []
         self._weights, self._uneven = None, ""
+        self._pass_started = time.monotonic()
         self._ran = True
         if self._broken is not None and self._broken[0] != step:
             self._broken = None  # committed since (a peer healed this rank forward)
@@ -289,21 +292,23 @@ class Redo:
                       plan.survivors, self._samples)
 
     # ---------------------------------------------------------------- the report
-    def committed(self) -> tuple[int, float]:
-        """A step committed: what it redid, job-wide (samples, fraction of the step): the
-        lost share after a make-up, the whole batch after a repeat, 0 when no step broke;
-        -1 samples when the script cut its batches without ft.batch_slice or ft.loader, and
-        (-1, -1.0) on a worker that entered in this recovery with no part in a make-up (it
-        cannot know)."""
+    def committed(self) -> tuple[int, float, float]:
+        """A step committed: what it redid, job-wide (samples, fraction of the step), and the
+        seconds its pass took: the lost share after a make-up, the whole batch after a
+        repeat, 0 when no step broke; -1 samples when the script cut its batches without
+        ft.batch_slice or ft.loader, and (-1, -1.0) on a worker that entered in this
+        recovery with no part in a make-up (it cannot know)."""
+        seconds = round(time.monotonic() - self._pass_started, 4)
+        done: tuple[int, float, float]
         if self._newcomer and self._broken is None and self.plan is None:
-            done = (-1, -1.0)
+            done = (-1, -1.0, 0.0)
         elif self._broken is None and self.plan is None:
-            done = (0, 0.0)
+            done = (0, 0.0, 0.0)
         elif not self._cuts:
-            done = (-1, 1.0)
+            done = (-1, 1.0, seconds)
         else:
             redone, total = sum(c[0] for c in self._cuts), sum(c[1] for c in self._cuts)
-            done = (redone, round(redone / total, 4) if total else 1.0)
+            done = (redone, round(redone / total, 4) if total else 1.0, seconds)
         self._broken, self.plan, self._weights, self._cuts = None, None, None, []
         self._newcomer = False
         return done

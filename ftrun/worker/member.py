@@ -166,12 +166,14 @@ class Member:
             "published_at": gen.published_at, "noticed": noticed, "rebuilt": rebuilt,
             "healed": time.time(), "step": step}
 
-    def first_commit(self, redone_samples: int = 0, redone_fraction: float = 0.0) -> None:
+    def first_commit(self, redone_samples: int = 0, redone_fraction: float = 0.0,
+                     redone_s: float = 0.0) -> None:
         """A recovery's first commit: its report, with the work of the broken step it redid
         (worker/makeup.py: Redo.committed)."""
         if self.recovered is not None:
             self.post(Recovered(**self.recovered, first_commit=time.time(),
-                                redone_samples=redone_samples, redone_fraction=redone_fraction))
+                                redone_samples=redone_samples, redone_fraction=redone_fraction,
+                                redone_s=redone_s))
             self.recovered = None
 
     def finished(self) -> bool:
