@@ -206,8 +206,8 @@ class FakeNode:
     def act(self, findings: list[Finding]) -> None:
         self.findings += findings
 
-    def take_over(self, cluster: Cluster, adopt: Callable[[HostedStore], Recovery]
-                  ) -> RunResult:
+    def take_over(self, cluster: Cluster,
+                  adopt: Callable[[HostedStore], Recovery] | None = None) -> RunResult:
         raise AssertionError("no coordinator is lost in these tests")
 
     def signal_result(self, sig: int, restarts: int) -> RunResult:

@@ -10,13 +10,14 @@ lease, or we revoked it), which is final. `lapsed` can turn false again: while e
 new leader of its own (1-3 s with its defaults) no refresh is acknowledged, and etcd extends
 every lease when its new leader takes over, so the refreshes go on and, once one is
 acknowledged, the lease is known alive again. Giving up at the first lapse would turn that
-false alarm into a real loss.
+false alarm into a real loss. `ask` gets etcd's word at once (a holder back from a pause).
 Must not import: torch, typer, rich, the agent.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 import threading
 import time
 
@@ -36,6 +37,8 @@ class Lease:
         self._expires = sent_at + ttl  # monotonic
         self._lost = threading.Event()  # etcd said it is gone, or we revoked it
         self._stop = threading.Event()
+        self._due = math.inf  # when the keep-alive thread is due to wake (monotonic)
+        self._late = 0.0  # how late it woke last: this process did not run meanwhile
         self._thread = threading.Thread(target=self._keep_alive, daemon=True,
                                         name=f"etcd-lease-{lease_id:x}")
         self._thread.start()
@@ -49,6 +52,16 @@ class Lease:
     def lost(self) -> bool:
         """etcd has dropped it (or it was revoked): final."""
         return self._lost.is_set()
+
+    @property
+    def every(self) -> float:
+        """Seconds between two refreshes."""
+        return self.ttl / KEEPALIVES_PER_TTL
+
+    def away_s(self) -> float:
+        """How long this process did not run, as its keep-alive thread last saw (it woke
+        that late, or has not woken since it was due): a pause (SIGSTOP), or no CPU."""
+        return max(self._late, time.monotonic() - self._due)
 
     def remaining(self) -> float:
         """Seconds until the earliest moment etcd may drop the lease (0: lapsed)."""
@@ -64,11 +77,31 @@ class Lease:
             self._lost.wait(min(left, max(self.remaining(), 0.01)))
         return True
 
+    def ask(self, timeout: float) -> bool | None:
+        """Ask etcd now whether the lease lives (a holder that may have been away: paused, or
+        starved of CPU, past its TTL): True, and its expiry as etcd counts it; False, and it
+        is lost (final); None if etcd did not answer within `timeout`."""
+        sent = time.monotonic()
+        try:
+            reply = self.client.request("lease/timetolive", {"ID": self.id}, timeout=timeout)
+        except EtcdError:
+            return None
+        left = int(reply.get("TTL", -1))
+        if left < 0:
+            self._lost.set()
+            return False
+        self._expires = max(self._expires, sent + left)
+        return True
+
     def _keep_alive(self) -> None:
-        every = self.ttl / KEEPALIVES_PER_TTL
+        every = self.every
         pause = every
-        while not self._stop.wait(pause):
+        while True:
+            self._due = time.monotonic() + pause
+            if self._stop.wait(pause):
+                return
             sent = time.monotonic()
+            self._late, self._due = max(0.0, sent - self._due), math.inf
             try:
                 reply = self.client.request("lease/keepalive", {"ID": self.id}, timeout=every)
             except EtcdError:

@@ -34,7 +34,7 @@ from ftrun.agent.timeline import EVERY_S as TIMELINE_EVERY_S
 from ftrun.agent.watch import Finding, Kill, Rebuild
 from ftrun.agent.workers import NodeWorkers
 from ftrun.core import timeouts
-from ftrun.core.errors import Deposed
+from ftrun.core.errors import Deposed, SteppingDown
 from ftrun.core.events import Event, EventSink
 from ftrun.core.exits import signal_name
 from ftrun.core.policy import Action, Decision, Liveness
@@ -129,14 +129,15 @@ class Agent:
                 self._end_recovery(hosted)
                 hosted.close()
 
-    def take_over(self, cluster: Cluster, adopt: Adopt) -> RunResult:
-        """This agent coordinates the job from now on (the one that did is gone): `cluster`
-        serves the job, `adopt` gives the recovery of the attempt that is running; the
-        workers of this node, and the other nodes', go on."""
+    def take_over(self, cluster: Cluster, adopt: Adopt | None = None) -> RunResult:
+        """This agent plays another part in the job from now on, `cluster`'s: it coordinates
+        (the one that did is gone: `adopt` gives the recovery of the attempt that is running,
+        whose workers, this node's and the other nodes', go on), or it follows another
+        coordinator (its own leadership ended)."""
         self.cluster = cluster
         self.workers.on_exit = cluster.on_local_exit
         cluster.prepare()
-        return self._run_attempts(adopt)
+        return cluster.drive(lambda: self._run_attempts(adopt))
 
     def _start_attempt(self, restarts: int, hosted: HostedStore) -> None:
         if self.starter.zygote is not None:
@@ -234,7 +235,9 @@ class Agent:
         try:
             return self._watch(outcome)
         except Deposed as exc:  # its leadership ended (etcd refused a generation, or lapsed)
-            if self.uses_api():  # else _attempt tells it
+            if isinstance(exc, SteppingDown):  # another agent leads: this one will follow it
+                self.emit(Event.NOTICE, {"text": exc.one_line()})
+            elif self.uses_api():  # else _attempt tells it
                 self.emit(Event.FAILURE, {"reason": exc.one_line(), "rank": None})
             outcome.decision = Decision(Action.FAIL, exc.one_line())
             return outcome

@@ -44,25 +44,32 @@ from ftrun.cluster.messages import (
     parse_report,
 )
 from ftrun.cluster.nodewatch import NodeWatch
-from ftrun.cluster.plane import C10dPlane, Plane
+from ftrun.cluster.plane import C10dPlane, Plane, deposed
 from ftrun.cluster.remotes import RemoteWorkers
 from ftrun.core import timeouts
-from ftrun.core.errors import Deposed, FtrunError
+from ftrun.core.errors import FtrunError
 from ftrun.core.events import Event
 from ftrun.core.membership import WorkerRole
 from ftrun.core.node_flags import shared_flags
 from ftrun.core.policy import Decision, Liveness, find_lost_nodes
 from ftrun.protocol.rendezvous import Generation, node_of
 
+# (the result this coordinator ends with, its `close`) -> the run's result as a follower
+StepDown = Callable[[RunResult, Callable[[RunResult | None], None]], RunResult]
+
 
 class Coordinating:
     remembered = True  # the job's run: `ftrun report --last` shows it
 
     def __init__(self, host: NodeHost, rdzv: HostedStore, ep: Endpoint,
-                 plane: Plane | None = None, index: int = 0) -> None:
-        """`index`: this node's (0, unless it took over from a coordinator that is gone)."""
+                 plane: Plane | None = None, index: int = 0,
+                 step_down: StepDown | None = None) -> None:
+        """`index`: this node's (0, unless it took over from a coordinator that is gone);
+        `step_down`: the rest of the run once this agent's leadership ended while the control
+        plane answers (it follows the new leader: `cluster.stepdown`)."""
         self.host = host
         self.index = index
+        self.step_down = step_down
         self.pending: Decision | None = None  # decided while adopting a running attempt
         self.plane = plane or C10dPlane(ep, leading=True)
         self.spec = spec = host.spec
@@ -83,7 +90,10 @@ class Coordinating:
 
     # ----------------------------------------------------------------- lifecycle
     def drive(self, attempts: Callable[[], RunResult]) -> RunResult:
-        return attempts()
+        result = attempts()
+        if self.plane.ousted is None or self.step_down is None:
+            return result
+        return self.step_down(result, self.close)
 
     def close(self, result: RunResult | None) -> None:
         if self._reader is not None:  # the store was served
@@ -298,7 +308,7 @@ class Coordinating:
 
     def tick(self) -> Decision | None:
         if (why := self.plane.deposed()) is not None:  # another agent may lead by now
-            raise Deposed(f"the coordinator stopped deciding: {why}")  # the agent stops, once
+            raise deposed(self.plane, f"the coordinator stopped deciding: {why}")  # once
         if self.pending is not None:
             pending, self.pending = self.pending, None
             return pending

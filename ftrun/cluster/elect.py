@@ -3,7 +3,8 @@
 Owns: `elected`, the cluster factory the CLI hands the agent for `--rdzv-backend etcd`: it
 takes this agent's seat in etcd (a lease, a place in the election), and returns the
 coordinating cluster (serving the agents' store on this host, at a free port, published
-under its leadership) when it wins at once, else the following cluster of the store the
+under its leadership; deposed while etcd answers, it follows the new leader: `stepdown`)
+when it wins at once, else the following cluster of the store the
 leader in office published. It runs inside the agent's construction, after the guardian
 was forked (the seat starts a lease's keep-alive thread).
 Must not import: the agent's node, typer, rich, the CLI, the worker library.
@@ -11,6 +12,7 @@ Must not import: the agent's node, typer, rich, the CLI, the worker library.
 
 from __future__ import annotations
 
+import functools
 import os
 
 from ftrun.adapters.etcd_conf import EtcdConf
@@ -21,6 +23,7 @@ from ftrun.cluster.following import Following
 from ftrun.cluster.host import NodeHost
 from ftrun.cluster.link import Endpoint, conf_float
 from ftrun.cluster.plane import EtcdPlane, agent_name
+from ftrun.cluster.stepdown import rejoin
 from ftrun.core import timeouts
 from ftrun.core.events import Event
 
@@ -40,7 +43,8 @@ def elected(host: NodeHost) -> Cluster:
             ep = Endpoint(spec.local_addr or hostname, hosted.port)
             host.emit(Event.NOTICE, {"text": f"this agent leads the job (elected in etcd at "
                                              f"{plane.conf.where}); its store is at {ep}"})
-            return Coordinating(host, hosted, ep, plane)
+            return Coordinating(host, hosted, ep, plane,
+                                step_down=functools.partial(rejoin, host, plane, Following))
         join_s = conf_float(spec, "join_timeout", timeouts.NODE_JOIN_S)
         ep = plane.wait_store(join_s, lambda: bool(host.wakeup.signals))
         return Following(host, ep, plane)

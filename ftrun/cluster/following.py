@@ -330,7 +330,8 @@ class Following(NoOtherNodes):
 
     def _succeed(self, lost: Leaderless) -> RunResult | Rejoining | Fenced:
         self._leaderless = None
-        nxt = succeed(self.host, self.plane, self.index, self.ep, self._relay, lost)
+        nxt = succeed(self.host, self.plane, self.index, self.ep, self._relay, lost,
+                      type(self))
         return self._fence(nxt) if isinstance(nxt, str) else nxt
 
     def _fence(self, why: str) -> Fenced:

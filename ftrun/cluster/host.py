@@ -48,6 +48,7 @@ class NodeHost(RecoveryPort, Protocol):
         """Do what the health watch found (kills, rebuilds)."""
     def signal_result(self, sig: int, restarts: int) -> RunResult:
         """The run's result after a signal stopped it."""
-    def take_over(self, cluster: Cluster, adopt: Callable[[HostedStore], Recovery]
-                  ) -> RunResult:
-        """Coordinate the job from here on, adopting the attempt that runs."""
+    def take_over(self, cluster: Cluster,
+                  adopt: Callable[[HostedStore], Recovery] | None = None) -> RunResult:
+        """Play `cluster`'s part from here on: coordinate the job, adopting the attempt that
+        runs, or follow another coordinator."""

@@ -28,21 +28,16 @@ from ftrun.cluster.etcd_keys import (
     LEADER_PREFIX,
     NODES_PREFIX,
     STORE_KEY,
-    StoreRecord,
-    decode_generation,
-    decode_store,
     generation_value,
-    node_index,
     store_value,
 )
 from ftrun.cluster.link import Endpoint
 from ftrun.core import timeouts
-from ftrun.core.errors import Deposed, FtrunError, first_line
+from ftrun.core.errors import Deposed, FtrunError, SteppingDown, first_line
 from ftrun.protocol.rendezvous import Generation
 
 if TYPE_CHECKING:
-    from ftrun.adapters.etcd import KeyValue
-    from ftrun.adapters.etcd_election import LeaderInfo
+    from ftrun.cluster.etcd_reads import JobRecords
 
 Notice = Callable[[str], None]
 
@@ -54,6 +49,7 @@ def _quiet(text: str) -> None:
 class Plane(Protocol):
     backend: str
     leader_changes: int
+    ousted: str | None  # why this agent's leadership ended while the control plane answers
 
     def served(self, ep: Endpoint) -> None:
         """The coordinator serves the agents' store at `ep` now: say where."""
@@ -78,6 +74,7 @@ class C10dPlane:
 
     backend = "c10d"
     leader_changes = 0
+    ousted: str | None = None  # the endpoint's host coordinates for the whole run
 
     def __init__(self, ep: Endpoint, leading: bool) -> None:
         self.ep = ep
@@ -121,6 +118,7 @@ class EtcdPlane:
         from ftrun.adapters.etcd import EtcdClient
         from ftrun.adapters.etcd_election import Election
         from ftrun.adapters.etcd_lease import grant
+        from ftrun.cluster.etcd_reads import JobRecords
 
         self.conf = conf
         self.host = host
@@ -128,14 +126,13 @@ class EtcdPlane:
         self.lease = grant(self.client, conf.lease_ttl)
         self.election = Election(self.client, conf.prefix + LEADER_PREFIX, self.lease, node,
                                  host)
+        self.records: JobRecords = JobRecords(self.client, conf.prefix, notice)
         self.leader_changes = 0
-        self.notice = notice
-        self._said: set[tuple[str, int]] = set()  # (key, revision) passed over with a notice
-        self._bound: set[tuple[str, int]] = set()  # (key, revision) its leader wrote
-        self.followed: LeaderInfo | None = None  # whose store this agent found last
         self.index: int | None = None  # this agent's node, once it joined the job
+        self.ousted: str | None = None  # why its leadership ended while etcd answers
         self.deposed_after_s = conf.outage_timeout
         self._lapsed_at: float | None = None
+        self._asked_at = -math.inf  # when a leader whose lease may have lapsed asked etcd
         self._health: tuple[float, list[dict[str, Any]]] = (-math.inf, [])
         self._health_pool = ThreadPoolExecutor(1, thread_name_prefix="etcd-health")
         self._health_asked: Future[tuple[float, list[dict[str, Any]]]] | None = None
@@ -182,9 +179,11 @@ class EtcdPlane:
             try:
                 if self.election.write({self.conf.prefix + GENERATION_KEY: record}):
                     return
-                raise Deposed(f"this agent lost the leadership before generation {number} "
-                              "was written: etcd refused it (another agent coordinates the job)",
-                              hint="its workers stop; the job goes on under the new leader")
+                self.ousted = (f"this agent lost the leadership before generation {number} "
+                               "was written: etcd refused it (another agent coordinates the "
+                               "job)")
+                raise SteppingDown(self.ousted, hint="its workers stop; the job goes on under "
+                                                     "the new leader")
             except EtcdError as exc:
                 if time.monotonic() >= deadline:
                     raise Deposed(f"etcd did not take generation {number} within "
@@ -192,48 +191,24 @@ class EtcdPlane:
                                   hint="bring the etcd majority back") from None
             time.sleep(timeouts.ETCD_RETRY_S)
 
+    # -- what the leader in office wrote (etcd_reads) --------------------------------------
+    def store_now(self) -> Endpoint | None:
+        """The store of the leader in office now, or None (no leader, or not published)."""
+        return self.records.store_now()
+
     def held_generation(self) -> Generation | None:
-        """The newest generation a leader of this job wrote, or None: none, or the record is
-        malformed or not that leader's (each passed over with one notice). Where etcd has
-        compacted the history that would prove its writer, the record counts only if it names
-        the leader this agent followed."""
-        key = self.conf.prefix + GENERATION_KEY
-        kv = self.client.get(key)
-        if kv is None:
-            return None
-        bound = decode_generation(kv.value)
-        if isinstance(bound, str):
-            self._pass_over(kv, f"malformed ({bound})")
-            return None
-        writer = (bound.leader, bound.leader_revision)
-        followed = self.followed
-        if not self._written_by(kv, writer, followed is not None and followed.key == writer[0]
-                                and followed.create_revision == writer[1]):
-            self._pass_over(kv, f"generation {bound.generation.number} was not written by "
-                                f"the leader it names ({bound.leader})")
-            return None
-        return bound.generation
+        """The newest generation a leader of this job wrote (checked), or None."""
+        return self.records.held_generation()
 
-    def _written_by(self, kv: KeyValue, writer: tuple[str, int], if_unknown: bool) -> bool:
-        """Whether the leader `writer` (election key, create revision) wrote `kv` in office;
-        `if_unknown`: the answer when etcd compacted the revision that would tell."""
-        from ftrun.adapters.etcd_election import written_by
+    def registered(self) -> set[int]:
+        """The nodes whose agents' leases live."""
+        return self.records.registered()
 
-        if (kv.key, kv.mod_revision) in self._bound:
-            return True
-        wrote = written_by(self.client, kv, *writer)
-        if wrote is None:
-            wrote = if_unknown
-        if wrote:
-            self._bound.add((kv.key, kv.mod_revision))
-        return wrote
+    def revoke_leader_of(self, ep: Endpoint) -> str:
+        """End the lease of the lost leader that published `ep` (never another's)."""
+        return self.records.revoke_leader_of(ep, self.election.key)
 
-    def _pass_over(self, kv: KeyValue, why: str) -> None:
-        """A value read from etcd is not taken: say so once per value (its revision)."""
-        if (kv.key, kv.mod_revision) not in self._said:
-            self._said.add((kv.key, kv.mod_revision))
-            self.notice(f"ignored {kv.key} in etcd: {why}")
-
+    # -- this agent's seat -----------------------------------------------------------------
     def _won(self) -> bool:
         return self.election.since is not None
 
@@ -250,76 +225,22 @@ class EtcdPlane:
         self.election = Election(self.client, self.election.prefix, self.lease,
                                  self.election.node, self.host)
 
-    def registered(self) -> set[int]:
-        """The nodes whose agents' leases live."""
-        prefix = self.conf.prefix + NODES_PREFIX
-        nodes = set()
-        for kv in self.client.get_prefix(prefix):
-            index = node_index(kv.key, prefix)
-            if index is None:
-                self._pass_over(kv, "not a node's key (nodes/<index>)")
-            else:
-                nodes.add(index)
-        return nodes
-
-    def store_now(self) -> Endpoint | None:
-        """The store of the leader in office now, or None (no leader, or not published)."""
-        published = self._published()
-        if published is None:
-            return None
-        self.followed = published[0]
-        return Endpoint(published[1].host, published[1].port)
-
-    def _published(self) -> tuple[LeaderInfo, StoreRecord] | None:
-        """The leader in office and the store record it wrote, or None: no leader, no record,
-        or a record that is malformed or another's (a record of a leader gone is no news)."""
-        leader = self.election.leader()
-        kv = self.client.get(self.conf.prefix + STORE_KEY)
-        if leader is None or kv is None:
-            return None
-        doc = decode_store(kv.value)
-        if isinstance(doc, str):
-            self._pass_over(kv, f"malformed ({doc})")
-            return None
-        writer = (leader.key, leader.create_revision)
-        if (doc.leader, doc.leader_revision) != writer:
-            return None  # the leader in office has not published its store yet
-        if not self._written_by(kv, writer, True):
-            self._pass_over(kv, f"not written by the leader it names ({doc.leader})")
-            return None
-        return leader, doc
-
-    def revoke_leader_of(self, ep: Endpoint) -> str:
-        """The leader that published `ep` is gone (its port refuses connections: its process
-        died, its host answers): end its lease now rather than wait for it to lapse. Never
-        another leader's: only the one whose published store is `ep`. Returns what was done."""
-        from ftrun.adapters.etcd import EtcdError
-
-        published = self._published()
-        if published is None:
-            return "no store of a leader in office is published, nothing to revoke"
-        leader, doc = published
-        if leader.key == self.election.key or Endpoint(doc.host, doc.port) != ep:
-            return "another agent leads already, nothing to revoke"
-        try:
-            self.client.request("lease/revoke", {"ID": leader.lease})
-        except EtcdError as exc:
-            if "lease not found" not in exc.message:
-                raise
-            return "its lease has ended already (another survivor revoked it)"
-        return "its lease is revoked"
-
     def deposed(self) -> str | None:
-        """Lapsed for a while (not at the first unanswered refresh: while etcd elects a
-        raft leader of its own, refreshes go unanswered for seconds and etcd then extends
-        every lease), or gone for good."""
-        if self.lease.lost and not self._won():
+        """Why this agent may no longer act for the job, or None. A leader whose lease may
+        have lapsed asks etcd at once (back from a pause, it must not decide before it knows);
+        one that etcd says lost it is `ousted`. Otherwise lapsed for a while (not at the first
+        unanswered refresh: while etcd elects a raft leader of its own, refreshes go
+        unanswered for seconds and etcd then extends every lease)."""
+        if self._won():
+            self._ask_if_lapsed()
+            if self.lease.lost:
+                self.ousted = self.ousted or self._lease_ended()
+                return self.ousted
+        elif self.lease.lost:
             try:  # a follower's keep-alive may have starved: a new lease if etcd answers
                 self._renew_if_lost()
             except FtrunError:
                 return "its etcd lease is gone (cut off from the etcd majority)"
-        if self.lease.lost:
-            return "its etcd lease is gone (cut off from the etcd majority)"
         if not self.lease.lapsed:
             self._lapsed_at = None
             return None
@@ -329,6 +250,25 @@ class EtcdPlane:
             return (f"the etcd majority at {self.conf.where} did not answer for "
                     f"{self.deposed_after_s:g} s (--rdzv-conf outage_timeout=)")
         return None
+
+    def _ask_if_lapsed(self) -> None:
+        """At most once per refresh interval, a short question (an etcd outage costs the
+        coordinator's loop ETCD_LEASE_ASK_S each time, no more)."""
+        now = time.monotonic()
+        if (self.lease.lapsed and not self.lease.lost
+                and now - self._asked_at >= self.lease.every):
+            self._asked_at = now
+            self.lease.ask(timeouts.ETCD_LEASE_ASK_S)
+
+    def _lease_ended(self) -> str:
+        """What ended a leader's lease while etcd answers (it said the lease is gone)."""
+        away = self.lease.away_s()
+        if away >= self.lease.every:
+            return (f"its etcd lease expired while this agent did not run for {away:.1f} s "
+                    "(paused, or starved of CPU); etcd answers, and another agent leads the "
+                    "job now")
+        return ("etcd ended its lease (its refreshes did not reach etcd in time), and etcd "
+                "answers: another agent leads the job now")
 
     def up(self) -> bool:
         return not self.lease.lapsed
@@ -374,6 +314,15 @@ class EtcdPlane:
         finally:
             self._health_pool.shutdown(wait=False, cancel_futures=True)
             self.client.close()
+
+
+def deposed(plane: Plane, text: str) -> Deposed:
+    """The error that ends a coordinator's decisions: `SteppingDown` when another agent
+    leads while the control plane answers (this one will follow it), else `Deposed`."""
+    if plane.ousted is not None:
+        return SteppingDown(text, hint="it stops its workers and joins the job again as a "
+                                       "follower of the new leader")
+    return Deposed(text)
 
 
 def agent_name() -> tuple[str, str]:

@@ -13,6 +13,7 @@ Must not import: the agent's node, typer, rich, the CLI, the worker library.
 from __future__ import annotations
 
 import errno
+import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -26,6 +27,7 @@ from ftrun.cluster.host import NodeHost
 from ftrun.cluster.link import Endpoint, connect, reach
 from ftrun.cluster.plane import EtcdPlane, Plane
 from ftrun.cluster.relay import GenerationRelay, connector
+from ftrun.cluster.stepdown import Follower, rejoin
 from ftrun.core import timeouts
 from ftrun.core.errors import FtrunError, first_line
 from ftrun.core.events import Event
@@ -56,16 +58,18 @@ def leaderless(plane: Plane, relay: GenerationRelay | None, why: str) -> Leaderl
 
 
 def succeed(host: NodeHost, plane: Plane, index: int, old: Endpoint,
-            relay: GenerationRelay | None, lost: Leaderless) -> RunResult | Rejoin | str:
+            relay: GenerationRelay | None, lost: Leaderless, follower: Follower
+            ) -> RunResult | Rejoin | str:
     """The run's result once this agent took over and the job ended, a store to rejoin, or
-    why this node must fence."""
+    why this node must fence. `follower`: what this agent becomes if, coordinating, it is
+    deposed in turn (`stepdown`)."""
     assert isinstance(plane, EtcdPlane) and relay is not None  # as `leaderless` found
     deadline = time.monotonic() + timeouts.ETCD_SUCCESSION_S
     _end_a_dead_leaders_lease(host, plane, old)
     while time.monotonic() < deadline and not host.wakeup.signals:
         try:
             if plane.lead(timeouts.ETCD_CAMPAIGN_TRY_S):
-                return _take_over(host, plane, index, relay, lost)
+                return _take_over(host, plane, index, relay, lost, follower)
             ep = plane.store_now()
         except FtrunError as exc:
             return f"{lost.why}; etcd: {exc.message}"
@@ -120,14 +124,15 @@ def running(host: NodeHost) -> str:
 
 
 def _take_over(host: NodeHost, plane: EtcdPlane, index: int, relay: GenerationRelay,
-               lost: Leaderless) -> RunResult:
+               lost: Leaderless, follower: Follower) -> RunResult:
     held = _held(relay, plane)
     if held is None:
         raise FtrunError("no generation to take over: neither etcd nor this node's relay "
                          "holds one", hint="the job had not started: start it again")
     hosted = HostedStore(0)  # a free port on every interface
     ep = Endpoint(host.spec.local_addr or plane.host, hosted.port)
-    coord = Coordinating(host, hosted, ep, plane, index=index)
+    coord = Coordinating(host, hosted, ep, plane, index=index,
+                         step_down=functools.partial(rejoin, host, plane, follower))
     registered = plane.registered()
     plane.leader_changes += 1
     host.emit(Event.NOTICE, {"text": f"the coordinator is gone ({lost.why}): node {index} "

@@ -43,6 +43,11 @@ class Deposed(FtrunError):
     leads) or did not take it within the outage timeout. Its workers stop in order."""
 
 
+class SteppingDown(Deposed):
+    """Deposed while etcd answers (its lease ended while it did not run, or etcd refused its
+    write): another agent leads, and this one goes on as its follower."""
+
+
 class WorkerApiError(FtrunError):
     """The worker library was used in a way it cannot honour."""
 

@@ -57,6 +57,8 @@ ETCD_PREFLIGHT_S = 5.0  # the launch checking that the cluster answers, before a
 ETCD_CAMPAIGN_S = 5.0  # one call waiting to become the leader (the caller calls again)
 ETCD_WATCH_IDLE_S = 5.0  # a watch stream silent this long is re-opened (a frozen member sends
 # no FIN), from the revision after the last event, so nothing is missed
+ETCD_LEASE_ASK_S = 0.5  # a leader whose lease may have lapsed asks etcd whether it lives (once
+# per refresh interval: back from a pause, it must not decide before it knows)
 ETCD_RETRY_S = 0.1  # every member refused at once (or a watch stream broke): the pause before
 # the next round of tries
 ETCD_STORE_POLL_S = 0.1  # a follower looking for the store of the leader in office
@@ -98,6 +100,7 @@ SNAPSHOT_FLUSH_S = 60.0  # the run is over: the newest slot still being written 
 # Control channel / CLI
 CONTROL_REQUEST_S = 2.0
 CONTROL_REPLY_S = 30.0  # the client reading a whole status reply, however large
+SCONTROL_S = 10.0  # `scontrol show hostnames` expanding a Slurm node list at launch
 THREAD_JOIN_S = 5.0  # a helper thread ending once what it blocks on is closed
 REQUEST_CATCH_UP_S = 0.5  # the agent letting queued worker requests in before judging an exit
 WATCH_POLL_S = 3600.0  # watcher threads re-arm their blocking store waits (c10d logs each expiry)
