@@ -1,10 +1,10 @@
-"""The pure parts of multi-node: node-loss decisions, heartbeat ages, SLURM and endpoints."""
+"""The pure parts of multi-node: node-loss decisions, heartbeat ages and endpoints (Slurm's
+allocation: tests/test_slurm_env.py)."""
 from dataclasses import replace
 
 import pytest
 from statusdocs import status
 
-from ftrun.cli.cluster_env import first_host
 from ftrun.cli.launch_args import parse_run_args
 from ftrun.cluster.link import endpoint_of, issue_ids
 from ftrun.cluster.nodewatch import BeatTracker, Probe
@@ -112,23 +112,6 @@ def test_beat_tracker_reads_every_counter_in_one_request() -> None:
 
 def test_worker_ids_name_their_node() -> None:
     assert node_of(3) == 0 and node_of(WORKER_ID_STRIDE + 7) == 1
-
-
-@pytest.mark.parametrize("nodelist, first", [
-    ("gpu[03-05,9],cpu1", "gpu03"), ("node1,node2", "node1"), ("a[1-2]", "a1"), ("x", "x")])
-def test_slurm_first_host(nodelist: str, first: str) -> None:
-    assert first_host(nodelist) == first
-
-
-def test_srun_environment_spares_the_flags() -> None:
-    env = {"SLURM_STEP_NUM_NODES": "4", "SLURM_STEP_NUM_TASKS": "4", "SLURM_PROCID": "2",
-           "SLURM_NODEID": "5", "SLURM_STEP_NODELIST": "gpu[07-10]"}
-    spec = parse_run_args(["--nproc", "2", "t.py"], env=env)
-    assert (spec.nnodes_min, spec.nnodes_max, spec.node_rank) == (4, 4, 2)
-    assert parse_run_args(["--standalone", "t.py"], env=env).nnodes_max == 1
-    assert (spec.master_addr, spec.master_port) == ("gpu07", 29500)
-    explicit = parse_run_args(["--nnodes", "1", "t.py"], env=env)  # the user's word wins
-    assert explicit.nnodes_max == 1
 
 
 def test_pytorchjob_environment() -> None:

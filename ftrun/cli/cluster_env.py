@@ -1,37 +1,61 @@
-"""Launch defaults a cluster scheduler already knows: SLURM's node count, node rank and
-first host, so that `srun ftrun --nproc 8 train.py` needs no node flags.
+"""Launch defaults a cluster scheduler already knows, so that `srun ftrun --nproc 8 train.py`
+needs no rendezvous flags: what `slurm_env.resolve_slurm` fills in is set on the parsed
+launch arguments, and the line that says where each value came from is printed. (PyTorchJob's
+PET_* variables are the parser's own defaults.)
 
-Owns: reading SLURM_STEP_* into the parsed launch arguments, and SLURM node-list syntax.
+Owns: which of those settings the user gave (`given_settings`), applying a scheduler's
+settings to the parsed arguments, and expanding a Slurm node list
+with `scontrol show hostnames` where scontrol is installed (slurm_env's parser otherwise).
 Must not import: torch, the agent, the worker library.
 """
 
 from __future__ import annotations
 
 import argparse
-from collections.abc import Mapping
+import shutil
+import subprocess
+from collections.abc import Callable, Mapping, Sequence
+
+from ftrun.cli.slurm_env import SCHEDULED, hostnames, resolve_slurm
+from ftrun.core import timeouts
 
 
-def slurm_defaults(ns: argparse.Namespace, env: Mapping[str, str]) -> None:
-    """Under `srun ftrun ...` (one task per node), SLURM already knows what torchrun asks
-    for: the node count, this node's rank and the first node, which serves the store."""
-    nodes = env.get("SLURM_STEP_NUM_NODES") or ""
-    if not nodes.isdigit() or int(nodes) < 2 or ns.nnodes != "1:1" or ns.standalone:
-        return  # not a multi-node step, or the user said it themselves
-    ns.nnodes = nodes
-    if ns.node_rank == "0":  # one task per node: the task's rank within this step
-        one_per_node = env.get("SLURM_STEP_NUM_TASKS") == nodes
-        ns.node_rank = env.get("SLURM_PROCID" if one_per_node else "SLURM_NODEID", "0")
-    first = first_host(env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST", ""))
-    if ns.rdzv_backend == "static" and ns.master_addr == "127.0.0.1" and first:
-        ns.master_addr = first
-    ns.master_port = ns.master_port or "29500"
+def scheduler_defaults(ns: argparse.Namespace, given: Mapping[str, str], env: Mapping[str, str],
+                       notice: Callable[[str], None]) -> None:
+    """Fill in what Slurm knows and the user did not give (`given`: the settings the user
+    gave, argparse dests), and say in one line what was taken from where."""
+    settings = resolve_slurm(env, given, expand=expand_nodelist)
+    if settings is None:
+        return
+    for dest, value in settings.values.items():
+        setattr(ns, dest, value)
+    notice(settings.note)
 
 
-def first_host(nodelist: str) -> str:
-    """The first host of a SLURM node list: `gpu[03-05,9],cpu1` -> `gpu03`."""
-    head = nodelist.split(",")[0] if "[" not in nodelist.split(",")[0] else \
-        nodelist[:nodelist.index("]") + 1]
-    if "[" not in head:
-        return head.strip()
-    prefix, _, ranges = head.partition("[")
-    return prefix + ranges.rstrip("]").split(",")[0].split("-")[0]
+def given_settings(bare: argparse.ArgumentParser, argv: Sequence[str],
+                   env: Mapping[str, str]) -> dict[str, str]:
+    """The settings a scheduler knows that the user gave (argparse dests): on the command line
+    (`argv` parsed again by `bare`, the launch parser without PET_* defaults, with no default
+    at all for these) or as PET_* variables (PyTorchJob's)."""
+    bare.set_defaults(**dict.fromkeys(SCHEDULED))
+    ns = bare.parse_args(list(argv))
+    pet = {d: env[f"PET_{d.upper()}"] for d in SCHEDULED if env.get(f"PET_{d.upper()}")}
+    if pet.get("standalone") == "0":
+        del pet["standalone"]
+    typed = {d: str(getattr(ns, d)) for d in SCHEDULED if getattr(ns, d) not in (None, False)}
+    return {**pet, **typed}
+
+
+def expand_nodelist(nodelist: str) -> list[str]:
+    """Host names of a Slurm node list: Slurm's own expansion where scontrol is installed,
+    else ftrun's parser of the bracket syntax."""
+    scontrol = shutil.which("scontrol")
+    if scontrol is not None:
+        try:
+            done = subprocess.run([scontrol, "show", "hostnames", nodelist], text=True,
+                                  capture_output=True, timeout=timeouts.SCONTROL_S)
+        except (OSError, subprocess.TimeoutExpired):
+            done = None
+        if done is not None and done.returncode == 0 and done.stdout.split():
+            return done.stdout.split()
+    return hostnames(nodelist)

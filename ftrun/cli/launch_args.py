@@ -16,7 +16,7 @@ import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NoReturn
 
-from ftrun.cli.cluster_env import slurm_defaults
+from ftrun.cli.cluster_env import given_settings, scheduler_defaults
 from ftrun.cli.endpoints import parse_endpoint
 from ftrun.cli.endpoints import port_value as _port
 from ftrun.cli.etcd_args import check_etcd, check_etcd_conf, etcd_backend_name, etcd_members
@@ -198,6 +198,8 @@ def build_run_spec(
                          hint="drop one of them")
     if ns.virtual_local_rank:
         raise UsageError("--virtual-local-rank is not supported yet", hint="drop the flag")
+    given = given_settings(build_parser({}), argv, env)  # what a scheduler must not override
+    scheduler_defaults(ns, given, env, notice)  # srun ftrun: SLURM_*
     endpoint_port: int | None = None
     members: tuple[str, ...] = ()  # etcd's
     ns.rdzv_backend = etcd_backend_name(ns.rdzv_backend, notice)
@@ -209,7 +211,6 @@ def build_run_spec(
             ns.master_addr = host
             ns.master_port = endpoint_port if endpoint_port is not None else (
                 ns.master_port or STATIC_DEFAULT_PORT)
-    slurm_defaults(ns, env)
     nmin, nmax = _parse_nnodes(str(ns.nnodes))
     if ns.rdzv_backend not in ("static", "c10d", "etcd"):
         raise UsageError(f"--rdzv-backend {ns.rdzv_backend!r} is not supported",
