@@ -6,7 +6,7 @@ elected and carries the job on without node 0's rank. When the old coordinator r
 is deposed (never two leaders: etcd refuses whatever it would write), says what happened (it
 did not run; etcd answers) rather than blaming etcd, stops its workers and joins the job again
 as a new node with new workers, as a fenced follower does: the job is back at three nodes,
-and every agent ends with the job.
+and every agent ends with the job. Meanwhile `ftrun status` answers on every follower.
 """
 from __future__ import annotations
 
@@ -71,6 +71,8 @@ def test_a_coordinator_paused_past_its_lease_rejoins_as_a_follower(
 
         os.kill(a.proc.pid, signal.SIGSTOP)  # the agent only: its worker runs on
         try:
+            # a follower answers `ftrun status` while its coordinator's store does not
+            assert b.status() is not None and c.status() is not None
             new = wait_for(lambda: leading([b, c]), 90, "a follower elected")
             assert isinstance(new, Node)
         finally:

@@ -32,10 +32,10 @@ from ftrun.cluster.link import (
     NODE_COUNTER,
     Endpoint,
     Heartbeat,
+    JobStatus,
     Outbox,
     command_queue,
     conf_float,
-    job_status,
     open_channels,
 )
 from ftrun.cluster.messages import (
@@ -98,6 +98,7 @@ class Following(NoOtherNodes):
         self._leaderless: Leaderless | None = None  # the coordinator's store lost, workers kept
         self.net: NetDrills | None = None
         self._relay: GenerationRelay | None = None
+        self._job_status = JobStatus()  # `ftrun status`, never held by a silent store
 
     # ----------------------------------------------------------------- threads
     def _deliver(self, raw: str | bytes, session: int) -> None:
@@ -390,8 +391,8 @@ class Following(NoOtherNodes):
 
     def decorate_status(self, doc: dict[str, Any]) -> dict[str, Any]:
         """The coordinator's view of the whole job (published every second), with this node."""
-        return job_status(self.ep, self.index) or {
-            **doc, "note": "the coordinator's job status is not available yet"}
+        return self._job_status.read(self.ep, self.index) or {
+            **doc, "note": "the coordinator's job status is not available (yet, or no answer)"}
 
     # ----------------------------------------------------------------- what the agent asks
     def close(self, result: RunResult | None) -> None:

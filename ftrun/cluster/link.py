@@ -251,13 +251,41 @@ class Outbox:
 
 def job_status(ep: Endpoint, node: int) -> dict[str, Any] | None:
     """The coordinator's view of the whole job (it publishes one every second), as node
-    `node` serves it; None while there is none."""
+    `node` serves it; None while there is none. May block far past its timeout (a store whose
+    host accepts connections but does not answer): read it through `JobStatus`."""
     try:
         job = json.loads(connect(ep, timeouts.CONTROL_REQUEST_S).get(STATUS_KEY))
     except Exception:
         return None
     return {**job, "served_by": {"node": node, "host": socket.gethostname(),
                                  "pid": os.getpid()}}
+
+
+class JobStatus:
+    """A follower's reads of the coordinator's job status for `ftrun status`, each on a
+    daemon thread of its own, waited for JOB_STATUS_READ_S at most: a store that accepts
+    connections but does not answer (its agent paused) holds a c10d client's handshake far
+    past its timeout, and the status must answer all the same. One read per store at a time:
+    a read still under way is waited for again by the next request."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._pending: tuple[Endpoint, queue.SimpleQueue[dict[str, Any] | None]] | None = None
+
+    def read(self, ep: Endpoint, node: int) -> dict[str, Any] | None:
+        """The job's status as `node` serves it, or None (none yet, or no answer in time)."""
+        with self._lock:
+            if self._pending is None or self._pending[0] != ep:  # another store: start over
+                done: queue.SimpleQueue[dict[str, Any] | None] = queue.SimpleQueue()
+                threading.Thread(target=lambda: done.put(job_status(ep, node)), daemon=True,
+                                 name="ftrun-job-status").start()
+                self._pending = (ep, done)
+            try:
+                doc = self._pending[1].get(timeout=timeouts.JOB_STATUS_READ_S)
+            except queue.Empty:
+                return None
+            self._pending = None
+            return doc
 
 
 def open_channels(ep: Endpoint, node: int, beat_s: float, payload: Callable[[], Any],
