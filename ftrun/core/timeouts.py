@@ -99,7 +99,7 @@ SNAPSHOT_FLUSH_S = 60.0  # the run is over: the newest slot still being written 
 
 # Control channel / CLI
 CONTROL_REQUEST_S = 2.0
-JOB_STATUS_READ_S = 0.5  # `ftrun status` on a follower waits this long for the coordinator's
+JOB_STATUS_READ_S = 1.0  # `ftrun status` on a follower waits this long for the coordinator's
 # job status (well inside the client's CONTROL_REQUEST_S): a paused coordinator's store costs
 # the answer no more, and the follower answers with its own view
 CONTROL_REPLY_S = 30.0  # the client reading a whole status reply, however large
