@@ -1,0 +1,170 @@
+"""ftrun under a real Slurm (tests/slurmlab.py: Debian's slurmctld and one slurmd per node, each
+node its own network and UTS namespace), through the sbatch scripts users copy
+(examples/slurm/): one ftrun per node under srun, with no rendezvous flags.
+
+- a 2-node job trains and exits 0, everything it needs read from the allocation;
+- one node's ftrun SIGKILLed mid-run: the step goes on (srun --no-kill --kill-on-bad-exit=0)
+  and the spare node (3 allocated, --nnodes 2) takes the lost rank in-process;
+- a notice with nowhere to go: the job asks for a requeue (exit 75), Slurm requeues it, and
+  the next run resumes from the snapshot. ftrun's own answer to a notice (#48) is not built
+  yet: a fixture wrapper exits 75 for it; Slurm, the script and the resume are real.
+Skipped in one line where Slurm cannot be installed or started.
+"""
+import json
+import os
+import re
+import signal
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests import netlab, slurmlab
+from tests.conftest import FIXTURES
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).parent.parent
+EXAMPLES = ROOT / "examples"
+TRAIN = str(EXAMPLES / "train_ddp.py")
+JOB_S = 240.0  # one job from submission to its end, on a busy 2-core machine
+EXIT_REQUEUE = 75  # ftrun.core.exits.EXIT_REQUEUE, spelled as the sbatch script spells it
+
+
+@pytest.fixture(scope="module")
+def slurm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[slurmlab.SlurmLab]:
+    why = slurmlab.unavailable()
+    if why is not None:
+        pytest.skip(f"no Slurm lab here: {why}")
+    try:
+        lab = slurmlab.SlurmLab(3, tmp_path_factory.mktemp("slurm"))
+    except netlab.LabError as exc:
+        pytest.skip(f"no Slurm lab here: {str(exc)[:160]}")
+    try:
+        lab.start()
+    except (slurmlab.LabError, OSError) as exc:
+        lab.close()
+        pytest.skip(f"Slurm did not start here: {str(exc)[:160]}")
+    yield lab
+    lab.close()
+
+
+@pytest.fixture
+def job_env(private_run_dir: Path) -> dict[str, str]:
+    """What the jobs run: this checkout's ftrun with this python, one thread per worker."""
+    return {"FTRUN": f"{sys.executable} -m ftrun", "PYTHONPATH": str(ROOT),
+            "OMP_NUM_THREADS": "1", "FTRUN_RUN_DIR": str(private_run_dir)}
+
+
+def output(path: Path) -> str:
+    return path.read_text(errors="replace") if path.exists() else ""
+
+
+def worker_logs(out: Path) -> dict[str, list[dict[str, Any]]]:
+    """train_ddp.py's --out logs, by worker id: each worker's steps of its last run."""
+    return {p.stem.removeprefix("log_"): json.loads(p.read_text())["log"]
+            for p in out.glob("log_*.json")}
+
+
+def committed(log: list[dict[str, Any]]) -> list[int]:
+    return [e["step"] for e in log if e["committed"]]
+
+
+def ended(lab: slurmlab.SlurmLab, job: str) -> dict[str, str]:
+    return lab.wait_job(job, ["COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL"],
+                        JOB_S)
+
+
+@pytest.mark.timeout(300)  # ~25 s
+def test_a_two_node_job_without_rendezvous_flags_trains(slurm: slurmlab.SlurmLab,
+                                                        job_env: dict[str, str],
+                                                        tmp_path: Path) -> None:
+    log, out = tmp_path / "job.out", tmp_path / "res"
+    job = slurm.sbatch(EXAMPLES / "slurm" / "train.sbatch", ["--nodes=2", f"--output={log}"],
+                       [TRAIN, "--steps", "40", "--out", str(out)], env=job_env)
+    state = ended(slurm, job)
+    text = output(log)
+    assert (state["JobState"], state["ExitCode"]) == ("COMPLETED", "0:0"), text[-2000:]
+    said = re.findall(rf"ftrun: Slurm job {job}: (.*)", text)
+    assert len(said) == 2, text  # one line per node
+    assert all(f"--rdzv-id {job} (SLURM_JOB_ID), --nnodes 2 (SLURM_STEP_NUM_NODES)" in s
+               and "--rdzv-backend c10d" in s and "--rdzv-endpoint node0:" in s for s in said)
+    assert sorted(re.findall(r"--node-rank (\d) \(SLURM_NODEID\)", text)) == ["0", "1"]
+    logs = worker_logs(out)
+    assert len(logs) == 2, text
+    for steps in logs.values():
+        assert committed(steps) == list(range(40))
+        assert {e["world"] for e in steps} == {2}
+
+
+@pytest.mark.timeout(300)  # ~35 s
+def test_a_killed_nodes_ranks_go_to_the_spare_node_and_the_step_goes_on(
+        slurm: slurmlab.SlurmLab, job_env: dict[str, str], tmp_path: Path) -> None:
+    log, out = tmp_path / "job.out", tmp_path / "res"
+    steps = 200
+    job = slurm.sbatch(EXAMPLES / "slurm" / "train.sbatch", [f"--output={log}"],
+                       ["--nnodes", "2", TRAIN, "--steps", str(steps), "--step-time", "0.05",
+                        "--out", str(out)], env=job_env)
+    waits = re.compile(r"\((node\d)\) waits: the job is full")
+    slurm.wait_for(lambda: waits.search(output(log)) and "step 40 " in output(log), JOB_S,
+                   "the spare node waiting and the job at step 40")
+    text = output(log)
+    assert "1 spare node: 3 in the step, --nnodes 2" in text
+    spare = re.findall(waits, text)[0]
+    victim = next(i for i in (1, 2) if f"node{i}" != spare)  # node0 serves the store
+    tasks = slurm.task_pids(f"{job}.0", victim)
+    assert len(tasks) == 1, tasks
+    os.kill(tasks[0], signal.SIGKILL)
+    state = ended(slurm, job)
+    text = output(log)
+    assert state["JobState"] != "CANCELLED", text[-2000:]  # the step was not ended for it
+    assert re.search(rf"srun: error: node{victim}: task \d: Killed", text), text[-2000:]
+    assert f"(node{victim}) lost with 1 member" in text
+    assert f"({spare}) enters the running job" in text
+    assert "survived 1/1 faults" in text
+    logs = worker_logs(out)
+    assert len(logs) == 2, text  # the coordinator's worker and the spare node's
+    for worker in logs.values():
+        assert committed(worker)[-1] == steps - 1 and worker[-1]["world"] == 2
+    first = next(w for w in logs.values() if committed(w)[0] == 0)
+    assert committed(first) == list(range(steps))  # no committed step lost or repeated
+
+
+@pytest.mark.timeout(360)  # ~60 s: two runs and Slurm's requeue delay
+def test_a_notice_with_nowhere_to_go_requeues_and_resumes(slurm: slurmlab.SlurmLab,
+                                                          job_env: dict[str, str],
+                                                          tmp_path: Path) -> None:
+    log, out, snaps = tmp_path / "job.out", tmp_path / "res", tmp_path / "snapshots"
+    steps = 150
+    env = {**job_env, "FTRUN": f"sh {FIXTURES / 'notice_requeue.sh'} {job_env['FTRUN']}",
+           "SNAPSHOTS": str(snaps), "SNAPSHOT_EVERY": "10"}
+    job = slurm.sbatch(EXAMPLES / "slurm" / "requeue.sbatch", [f"--output={log}"],
+                       [TRAIN, "--steps", str(steps), "--step-time", "0.05", "--out", str(out)],
+                       env=env)
+    slurm.wait_for(lambda: "step 40 " in output(log) and any(snaps.glob("node*/step-*")),
+                   JOB_S, "a snapshot on disk and the job at step 40")
+    slurm.run("scancel", "--signal=TERM", "--batch", job)  # what --signal=B:TERM@120 sends
+    slurm.wait_for(lambda: slurm.job(job).get("Restarts") == "1", JOB_S, "the job requeued")
+    state = ended(slurm, job)
+    text = output(log)
+    assert (state["JobState"], state["ExitCode"]) == ("COMPLETED", "0:0"), text[-2000:]
+    assert f"ftrun asked for a requeue (exit {EXIT_REQUEUE})" in text
+    assert len(re.findall(rf"ftrun: Slurm job {job} \(restart 1\): ", text)) == 2
+    resumed = {int(s) for s in re.findall(r"worker \d+ resumed from step (\d+)", text)}
+    assert len(resumed) == 1, text[-2000:]  # both workers, from the same snapshot
+    step = resumed.pop()
+    assert 10 <= step < steps
+    logs = worker_logs(out)  # the second run's
+    assert len(logs) == 2
+    for worker in logs.values():
+        assert committed(worker) == list(range(step, steps))
+
+
+@pytest.mark.skip(reason="waits for #48 (planned leaves): ftrun does not yet hand a node's "
+                  "ranks over on Slurm's --signal notice")
+def test_a_signal_notice_drains_a_node_onto_the_spare_node() -> None:
+    """With #48: a notice handed to one node's ftrun alone (requeue.sbatch's relay, narrowed
+    to that node) hands its ranks to the spare node at a step boundary; the job never stops,
+    and the drained node's ftrun exits 0."""
