@@ -265,10 +265,11 @@ class EtcdPlane:
         away = self.lease.away_s()
         if away >= self.lease.every:
             return (f"its etcd lease expired while this agent did not run for {away:.1f} s "
-                    "(paused, or starved of CPU); etcd answers, and another agent leads the "
-                    "job now")
-        return ("etcd ended its lease (its refreshes did not reach etcd in time), and etcd "
-                "answers: another agent leads the job now")
+                    "(paused, or starved of CPU); etcd answers, so another agent may lead the "
+                    "job by now")
+        return ("etcd no longer knows its lease (its refreshes did not reach etcd in time, or "
+                "another agent revoked it); etcd answers, so another agent may lead the job "
+                "by now")
 
     def up(self) -> bool:
         return not self.lease.lapsed
