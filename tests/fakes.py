@@ -27,6 +27,7 @@ from ftrun.agent.starter import WorkerStarter
 from ftrun.agent.watch import Finding
 from ftrun.agent.workers import NodeWorkers
 from ftrun.cluster.host import NodeHost
+from ftrun.core.drains import DrainRequest
 from ftrun.core.events import Event, EventSink
 from ftrun.core.exits import signal_name
 from ftrun.core.policy import Liveness
@@ -279,6 +280,10 @@ class FakeNode:
 
     def net_down(self, node: int, duration: float) -> dict[str, Any]:
         return self.cluster.net_down(node, duration)
+
+    def start_drain(self, request: DrainRequest) -> None:
+        if self.recovery is not None:
+            self.recovery.drains.start(request)
 
     def uses_api(self) -> bool:
         return self.cluster.uses_api(self.recovery is not None and self.recovery.uses_api)

@@ -15,6 +15,7 @@ from ftrun.adapters.report import WorkerExit
 from ftrun.agent.ports import AgentPort
 from ftrun.agent.recovery import Recovery
 from ftrun.agent.roster import RemoteWorker, Worker
+from ftrun.core.drains import DrainRequest
 from ftrun.core.errors import FtrunError
 from ftrun.core.membership import ALLOWED, Membership, RoleError, WorkerRole
 from ftrun.core.policy import Action, Liveness
@@ -66,6 +67,7 @@ class FakePort:
     snapshot: tuple[int, int] = (-1, 0)  # (newest snapshot step, restarts resumed from it)
     fenced: list[int] = field(default_factory=list)  # generations the control plane took
     deposed: bool = False
+    drain_requests: list[DrainRequest] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         for i in range(self.spec.nproc):
@@ -125,6 +127,9 @@ class FakePort:
 
     def net_down(self, node: int, duration: float) -> dict[str, Any]:
         raise FtrunError("no link drills without processes", hint="see test_fencing.py")
+
+    def start_drain(self, request: DrainRequest) -> None:
+        self.drain_requests.append(request)
 
     def suspect(self) -> None:
         self.suspects += 1

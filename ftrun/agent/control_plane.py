@@ -1,4 +1,5 @@
-"""The agent's window to the outside: `ftrun status` answers and `ftrun inject-fault` drills.
+"""The agent's window to the outside: `ftrun status` answers, `ftrun inject-fault` drills and
+`ftrun drain` requests (checked here, started by the recovery from the main loop).
 
 Owns: the run's control server (serving from `serve()`, once the agent is whole), building the
 status document as `protocol.status` records (from the port, the progress slots, the journal,
@@ -17,6 +18,7 @@ import dataclasses
 import os
 import queue
 import time
+import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -30,6 +32,7 @@ from ftrun.agent.ports import ControlPort
 from ftrun.agent.roster import Worker
 from ftrun.agent.timeline import Timeline, sample_every_s
 from ftrun.agent.watch import HealthWatch
+from ftrun.core.drains import DrainRequest
 from ftrun.core.errors import FtrunError
 from ftrun.core.events import DrillFields, Event, NoticeFields
 from ftrun.core.faultkinds import AGENT_SIGNALS, GPU_KINDS, WORKER_ONLY, FaultKind
@@ -37,8 +40,16 @@ from ftrun.core.membership import Membership
 from ftrun.core.policy import phase_text
 from ftrun.core.replica_groups import group_rows
 from ftrun.core.spec import RunSpec
-from ftrun.protocol.control import GpuInjected, Injected, NetDowned, read_reply, reply
-from ftrun.protocol.control_ops import InjectOp, StatusOp, check_request
+from ftrun.protocol.control import (
+    DrainQueued,
+    GpuInjected,
+    Injected,
+    NetDowned,
+    read_reply,
+    reply,
+)
+from ftrun.protocol.control_ops import DrainOp, InjectOp, StatusOp, check_request
+from ftrun.protocol.rendezvous import node_of
 from ftrun.protocol.status import Fault, Gpu, ReplicaGroup, Status, Summary, WorkerRow
 
 
@@ -73,6 +84,7 @@ class ControlPlane:
         self.membership: Membership | None = None  # the attempt's, while it runs in-process
         self._drill_seq = 0
         self.drills: queue.SimpleQueue[Drill] = queue.SimpleQueue()
+        self.drain_requests: queue.SimpleQueue[DrainRequest] = queue.SimpleQueue()
         sock = os.path.join(run_dir(), f"{port.control_name()}.sock")
         self.info = RunInfo(port.run_id, os.getpid(), port.spec.script, time.time(), sock,
                             log_dir, job_of(port.spec))
@@ -113,6 +125,11 @@ class ControlPlane:
         op = check_request(req)
         if isinstance(op, StatusOp):
             return reply(self.status())
+        if isinstance(op, DrainOp):
+            drain = self._drain_request(op)
+            self.drain_requests.put(drain)
+            self.port.wake()
+            return reply(DrainQueued(drain.token, drain.what, drain.leavers))
         if op.gpu is not None:
             return reply(GpuInjected(op.gpu, self.health.inject(op.gpu, op.kind, op.xid)))
         if op.node is not None:  # the node's hook answers a JSON object: checked here
@@ -146,6 +163,35 @@ class ControlPlane:
                              else f"use --rank 0..{len(here) - 1}")
         return by_rank[rank]
 
+    def _drain_request(self, op: DrainOp) -> DrainRequest:
+        """The leavers a checked `ftrun drain` names, or a one-line FtrunError."""
+        ms = self.membership
+        if ms is None or not self.port.uses_api():
+            raise FtrunError("a drain needs a script that uses the ftrun worker API, run by "
+                             "the agent that decides for the job",
+                             hint="several nodes: run ftrun drain on the coordinator's host, "
+                                  "or send the node its notice (SIGTERM to its ftrun)")
+        members = ms.members
+        leavers: tuple[int, ...]
+        if op.rank is not None:
+            if op.rank >= len(members):
+                raise FtrunError(f"no rank {op.rank} in this job (ranks 0..{len(members) - 1})",
+                                 hint=f"use --rank 0..{len(members) - 1}")
+            what, leavers = f"rank {op.rank}", (members[op.rank],)
+        elif op.node is not None:
+            what, leavers = f"node {op.node}", tuple(m for m in members
+                                                      if node_of(m) == op.node)
+        else:
+            what = f"gpu {op.gpu}"
+            leavers = tuple(w.worker_id for w in self.port.live_members()
+                            if w.local_rank == op.gpu)
+        if not leavers:
+            raise FtrunError(f"{what} runs no member of this job", hint="ftrun status lists "
+                             "the members, their nodes and their devices")
+        return DrainRequest(what, leavers, time.time() + self.port.spec.drain_window,
+                            node_leaves=op.node is not None, node=op.node,
+                            token=uuid.uuid4().hex[:12])
+
     def _rank_of(self, w: Worker) -> int:
         """Its rank now: from its progress slot once it reported one (ranks move with the
         generations), else the rank it was started with."""
@@ -157,6 +203,8 @@ class ControlPlane:
         """The main loop's pass over the slots: close exited workers', apply queued drills."""
         members = self.membership.members if self.membership is not None else ()
         self.slots.retire({w.worker_id for w in self.port.workers_snapshot()}, members)
+        while not self.drain_requests.empty():
+            self.port.start_drain(self.drain_requests.get_nowait())
         while True:
             try:
                 drill = self.drills.get_nowait()
@@ -204,7 +252,8 @@ class ControlPlane:
             gpus=tuple(Gpu.from_json(g) for g in self.health.gpu_table()),
             metrics=self.metrics_url,
             replica_groups=None if groups is None else tuple(
-                ReplicaGroup.from_json(g) for g in groups))
+                ReplicaGroup.from_json(g) for g in groups),
+            drains=tuple(self.journal.drains.values()) or None)
 
     def rows(self, now: float, workers: Sequence[Worker] | None = None) -> tuple[WorkerRow, ...]:
         """One row per live worker of this node (or per one of `workers`), from its progress

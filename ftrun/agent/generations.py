@@ -35,11 +35,13 @@ class Generations:
         self.ends = ends
 
     def publish(self, members: tuple[int, ...], reason: str, urgent: bool,
-                fault_at: float = 0.0, joiners: tuple[int, ...] = ()) -> None:
+                fault_at: float = 0.0, joiners: tuple[int, ...] = (),
+                snapshot_first: bool = False) -> None:
+        """`snapshot_first`: the members left out take a final snapshot before they leave."""
         self.membership.publish(members, joiners)
         number = self.membership.generation
         gen = Generation(number, members, reason, urgent, time.time(), fault_at, joiners,
-                         store=self.store_at)
+                         store=self.store_at, snapshot_first=snapshot_first)
         self.port.fence_generation(gen)
         publish(self.store, gen, self.relays())
         self.port.emit(Event.GENERATION, {"generation": number, "world_size": len(members),

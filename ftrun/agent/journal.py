@@ -19,7 +19,7 @@ from typing import IO, Any
 
 from ftrun.agent.heals import HealLedger
 from ftrun.core.errors import FtrunError
-from ftrun.core.events import Event, EventSink, RecoveredFields, fields_of
+from ftrun.core.events import DrainFields, Event, EventSink, RecoveredFields, fields_of
 from ftrun.core.faultkinds import GROUP_DRILLS  # the rebuild answering them names no worker (-1)
 
 LOG_FILE = "events.jsonl"  # the journal's file in a run's log directory
@@ -68,11 +68,13 @@ class Journal:
                        Event.GENERATION: self._on_generation,
                        Event.RECOVERED: self._on_recovered,
                        Event.TRAINED: self._on_trained,
+                       Event.DRAIN: self._on_drain,
                        Event.RESUMED: self._on_resumed,
                        Event.HEALED: self._on_healed,
                        Event.STATE_SIZE: self.heals.on_state_size,
                        Event.INJECTED: self._on_injected}  # what fault records are made of
         self._now = self.started_at  # the time of the event being folded
+        self.drains: dict[int, DrainFields] = {}  # drain id -> its newest state
         self._sizes: dict[int, int] = {}  # generation -> its world size
         self._full = 0  # the attempt's world size: the job's size
         self._short: tuple[FaultRecord, int] | None = None  # a recovery below the job's
@@ -237,6 +239,10 @@ class Journal:
                 if rec.generation == gen and step is not None and \
                         self._sizes.get(gen, self._full) < self._full:
                     self._short = (rec, step)  # it resumed at `step` short of ranks
+
+    def _on_drain(self, f: Mapping[str, object]) -> None:
+        drain = DrainFields.of(f)
+        self.drains[drain.drain] = drain
 
     def _on_trained(self, f: Mapping[str, object]) -> None:
         self._end_short(int(str(f["step"])))

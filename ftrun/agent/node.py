@@ -25,6 +25,7 @@ from ftrun.adapters.store import LOOPBACK, HostedStore, QueueReader, advertised_
 from ftrun.adapters.wakeup import Wakeup
 from ftrun.adapters.workerspec import shared_env, static_port, worker_env
 from ftrun.agent.cluster import Cluster, Local
+from ftrun.agent.notices import Notices
 from ftrun.agent.outcomes import group_decision, on_exit
 from ftrun.agent.recovery import Recovery
 from ftrun.agent.roster import Outcome, RemoteWorker, RunResult, Worker
@@ -34,9 +35,10 @@ from ftrun.agent.timeline import EVERY_S as TIMELINE_EVERY_S
 from ftrun.agent.watch import Finding, Kill, Rebuild
 from ftrun.agent.workers import NodeWorkers
 from ftrun.core import timeouts
+from ftrun.core.drains import DrainRequest
 from ftrun.core.errors import Deposed, SteppingDown
 from ftrun.core.events import Event, EventSink
-from ftrun.core.exits import signal_name
+from ftrun.core.exits import EXIT_REQUEUE, signal_name
 from ftrun.core.policy import Action, Decision, Liveness
 from ftrun.core.spec import RunSpec
 from ftrun.protocol.rendezvous import REQUEST_QUEUE, Generation, node_of
@@ -69,6 +71,7 @@ class Agent:
         self.group_rank, self.group_world_size, self.world_size = 0, 1, spec.nproc
         self.relay_addr = ""  # a follower's generation relay, which its workers watch
         self._killed: set[tuple[int, int]] = set()  # (attempt, worker) the watch had killed
+        self.notices = Notices(spec)  # a preemption notice: this node's ranks hand over
         self.guardian = Guardian()  # before any thread or socket of the run exists
         try:
             self.wakeup = Wakeup()
@@ -154,10 +157,11 @@ class Agent:
             return self._shutdown_on_signal(outcome, restarts)
         assert outcome.decision is not None
         decision, log_dir = outcome.decision, self.services.logs.run_dir
-        if decision.action is Action.SUCCEED:
+        if decision.action in (Action.SUCCEED, Action.REQUEUE):
             self._stop_workers(signal.SIGKILL, 0.0)  # idle spares hold no state
             self.workers.close_streams()
-            return RunResult(0, decision.reason, exits=tuple(outcome.exits),
+            code = EXIT_REQUEUE if decision.action is Action.REQUEUE else 0
+            return RunResult(code, decision.reason, exits=tuple(outcome.exits),
                              restarts_used=restarts, log_dir=log_dir)
         if not self.uses_api():  # in-process faults were announced already
             self.emit(Event.FAILURE, {"reason": decision.reason, "rank": decision.culprit})
@@ -246,7 +250,7 @@ class Agent:
         control = self.services.control_plane
         with self.workers.watching() as sel:
             while outcome.decision is None:
-                outcome.signum = self.wakeup.pop_signal()
+                outcome.signum = self._signal(time.time())
                 if outcome.signum is not None:
                     return outcome
                 ended: list[Worker | RemoteWorker] = [
@@ -264,6 +268,26 @@ class Agent:
                                                       self.all_workers(), self.restarts,
                                                       self.spec.max_restarts)
         return outcome
+
+    def _signal(self, now: float) -> int | None:
+        """A signal that stops the workers, or None. A notice (notices.py) to a job that
+        uses the API starts a drain of this node instead; its window's end stops them."""
+        sig = self.wakeup.pop_signal()
+        rec = self.recovery
+        if sig is None or rec is None or not rec.uses_api or not self.notices.is_notice(sig):
+            return sig if sig is not None else self.notices.expired(now)
+        whole = self.spec.nnodes_max > 1 and self.spec.rdzv_backend != "etcd" and \
+            self.cluster.index == 0  # the c10d store goes with this node
+        req = self.notices.take(sig, self.cluster.index, rec.membership.members, whole)
+        self.emit(Event.NOTICE, {"text": f"received {signal_name(sig)}: a notice; handing "
+                                 f"this node's ranks over within {self.spec.drain_window:g} s "
+                                 "(--drain-window; a second signal stops at once)"})
+        rec.drains.start(req)
+        return None
+
+    def start_drain(self, request: DrainRequest) -> None:
+        if self.recovery is not None:
+            self.recovery.drains.start(request)
 
     def _idle_wait(self) -> float | None:
         return self.cluster.idle_wait(self.services.health.wait_s(time.time())

@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from typing import Any, Protocol
 
 from ftrun.agent.roster import RemoteWorker, Worker
+from ftrun.core.drains import DrainRequest
 from ftrun.core.events import Event
 from ftrun.core.policy import Liveness
 from ftrun.core.spec import RunSpec
@@ -75,6 +76,9 @@ class ControlPort(Notifying, Protocol):
     def decorate_status(self, doc: dict[str, Any]) -> dict[str, Any]: ...
     def net_down(self, node: int, duration: float) -> dict[str, Any]:
         """A net-down drill on `node` (control thread), or a one-line FtrunError."""
+
+    def start_drain(self, request: DrainRequest) -> None:
+        """A checked planned leave, started from the main loop."""
 
 
 class AgentPort(WatchPort, RecoveryPort, ControlPort, Protocol):

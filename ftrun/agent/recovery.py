@@ -14,6 +14,7 @@ import time
 from dataclasses import replace
 from typing import Any
 
+from ftrun.agent.drains import Drains
 from ftrun.agent.generations import Generations, Respawns
 from ftrun.agent.inbox import Inbox
 from ftrun.agent.ports import RecoveryPort
@@ -21,6 +22,7 @@ from ftrun.agent.redo import EnterLater
 from ftrun.agent.replica_groups import ReplicaGroups
 from ftrun.agent.roster import RemoteWorker, Worker
 from ftrun.agent.script_ends import ScriptEnds
+from ftrun.agent.spares import Spares
 from ftrun.core import timeouts
 from ftrun.core.events import Event
 from ftrun.core.exits import describe_exit
@@ -70,14 +72,15 @@ class Recovery:
         self.faults = 0
         self.inbox = Inbox(port.wake, lambda text: port.emit(Event.NOTICE, {"text": text}))
         self._reported: set[int] = set()  # generations whose recovery was announced
-        self._refills: list[tuple[int, int]] = []  # (node, local rank): spares to start
-        self._joiners_to_start: list[tuple[int, int]] = []  # shrink mode: replacements
         self.ends = ScriptEnds()  # past training: scripts ended, post-training work owed
         self.gens = Generations(port, store, self.membership, self.ends, store_at)
         self.respawns = Respawns(port, self._snapshot)
         self.groups = ReplicaGroups(self.spec, port, store, self.membership, self.ends,
                                     self.gens, self.respawns)
         self.later = EnterLater(self.spec, self.gens, self.membership)  # --redo lost
+        self.spares = Spares(self.spec, self.gens, self.respawns, self.groups, self.later,
+                             self.membership)
+        self.drains = Drains(port, self.gens, self.membership, self._snapshot)
         self._trained_told = False  # a member left its training loop: the journal was told
         if adopted is None:
             first = Generation(0, self.membership.members, "start", published_at=time.time())
@@ -104,13 +107,6 @@ class Recovery:
             on_fault=self.spec.on_fault, min_nproc=self.spec.min_nproc,
             min_nodes=self.spec.nnodes_min, **extra)
 
-    def _start_spares(self, node: int) -> None:
-        for i in range(self.spec.spares):
-            if self.spec.shard_size > 1:  # --spares counts groups
-                self.groups.start_spare_group(node, i)
-            else:
-                self.gens.spawn(node, self.spec.nproc + i, R.STARTING_SPARE)
-
     # ------------------------------------------------------------ worker exits
     def owns(self, w: AnyWorker) -> bool:
         """Once one worker said hello the script uses the API: every exit is an in-process
@@ -122,6 +118,12 @@ class Recovery:
         assert w.exit is not None
         wid, code, role = w.worker_id, w.exit.returncode, self.membership.role(w.worker_id)
         node = node_of(wid)
+        taker = self.drains.owns(wid)
+        self.drains.exited(wid)  # a leaver out, or a drain's taker lost: it plans again
+        if taker:  # started or kept to take a leaver's rank: the drain follows it up
+            self.membership.leave([wid])
+            self.faults += code != 0
+            return None
         if role in (R.JOINING, R.READY):  # died before joining
             self.membership.leave([wid])
             self.faults += 1
@@ -135,16 +137,8 @@ class Recovery:
             return None
         if role in (R.SPARE, R.STARTING_SPARE):
             self.membership.leave([wid])
-            if code != 0:
-                self.faults += 1
-            if self.later.entrant_lost(wid):  # chosen to enter; no spare left to follow it
-                self._start_joiner(node, w.local_rank)  # on its device
-            elif code != 0:
-                what = f"spare worker {wid} exited with {describe_exit(code)}"
-                if self.spec.shard_size > 1:
-                    self.groups.on_spare_exit(wid, what)
-                elif self.respawns.allowed(("spare", node), what, "spares"):
-                    self.gens.spawn(node, w.local_rank, R.STARTING_SPARE)
+            self.faults += code != 0
+            self.spares.exited(wid, node, w.local_rank, code)
             return None
         if wid not in self.membership.members:
             return None  # replaced or evicted earlier; its end is expected
@@ -161,14 +155,6 @@ class Recovery:
             return None
         self.faults += 1
         return self._on_member_fault(w, f"exited with {describe_exit(code)}")
-
-    def _start_joiner(self, node: int, local_rank: int) -> None:
-        """A replacement that enters when ready: now if the survivors' make-up is over, else
-        after their first commit (its import would take a core from them)."""
-        if self.later.made_up:
-            self.gens.spawn(node, local_rank, R.JOINING)
-        else:
-            self._joiners_to_start.append((node, local_rank))
 
     def _take_queued(self) -> None:
         """Requests already queued, stages only: the rest waits for the main loop's turn."""
@@ -229,13 +215,13 @@ class Recovery:
                 self.groups.lost_late(d, w.worker_id, live, why)
             return None
         if d.action is FaultAction.REPLACE and self.later.on and not late:
-            return self.later.replace(d, fault_at, (node, w.local_rank), self._refills,
-                                      self._joiners_to_start)
+            return self.later.replace(d, fault_at, (node, w.local_rank), self.spares.refills,
+                                      self.spares.joiners)
         if d.action is FaultAction.REPLACE:
             # published first: the survivors re-form while the replacement starts
             self.gens.publish(d.members, d.reason, True, fault_at, d.joiners)
             if d.spare_used is not None:  # ready or still starting: the pool is one short
-                self._refills.append((node, w.local_rank))  # the lost device goes to a spare
+                self.spares.refills.append((node, w.local_rank))  # the lost device: a spare
             else:
                 self.gens.spawn(node, w.local_rank, rank=d.members.index(d.joiners[0]))
             return None
@@ -243,7 +229,7 @@ class Recovery:
             self.gens.publish(d.members, d.reason, True, fault_at)
             self._release_if_ended()
             if d.regrow:
-                self._joiners_to_start.append((node, w.local_rank))  # after the first commit
+                self.spares.joiners.append((node, w.local_rank))  # after the first commit
             return None
         return _stop(d, w.rank)
 
@@ -291,10 +277,7 @@ class Recovery:
         ids = {w.worker_id for w in lost}
         live = self.membership.live()
         self.membership.leave(ids - set(live))  # its spares and joiners
-        self._refills = [r for r in self._refills if r[0] != node]
-        self._joiners_to_start = [r for r in self._joiners_to_start if r[0] != node]
-        self.groups.joiners_to_start = [r for r in self.groups.joiners_to_start
-                                        if r[0] != node]
+        self.spares.forget_node(node)
         lost_members = tuple(m for m in live if m in ids)
         if not lost_members:
             return None
@@ -328,7 +311,8 @@ class Recovery:
             decision = self._act_on(req)
             if decision is not None:
                 return decision
-        return None
+        self.drains.tick(time.time())
+        return self.drains.decision()  # a requeue, once every member left
 
     def _started(self, worker_id: int) -> bool:  # per request: acting on one can start spares
         return any(w.worker_id == worker_id for w in self.port.all_workers())
@@ -356,8 +340,9 @@ class Recovery:
                     self.port.emit(Event.RECOVERED, to_fields(req))
                     self.groups.back_in_service(req)
                     self.later.committed()
+                    self.drains.recovered(req)
                     if not self.ends.training_over(self.membership.members):
-                        self._refill()  # past training, a new spare would serve nothing
+                        self.spares.after_first_commit()  # past training: they'd serve nothing
             case Stage():
                 self._on_stage(req)
         return None
@@ -366,14 +351,19 @@ class Recovery:
         ms, wid = self.membership, req.worker
         if not ms.uses_api:  # the script uses the API: now spares are worth starting
             for node in self.port.live_nodes():
-                self._start_spares(node)
+                self.spares.start_pool(node)
         ms.api_users.add(wid)
+        drains = self.drains.owns(wid)  # a drain's taker: ready, it enters with the swap
         if req.spare and ms.role(wid) is R.STARTING_SPARE:  # one called in while starting is
             ms.move(wid, R.SPARE)  # HEALING by now: its hello changes nothing
-            self.later.hello(wid)
+            if not drains:
+                self.later.hello(wid)
         if ms.role(wid) is R.JOINING:
             ms.move(wid, R.READY)
-            self._grow_if_ready(node_of(wid))
+            if not drains:
+                self._grow_if_ready(node_of(wid))
+        if drains:
+            self.drains.hello(wid)
 
     def _on_comm_failed(self, req: CommFailed) -> Decision | None:
         live = self.membership.live()
@@ -395,17 +385,6 @@ class Recovery:
         self.membership.move(wid, R.MEMBER)
         members = self.membership.members
         self.respawns.committed(node_of(wid), members.index(wid) if wid in members else None)
-
-    def _refill(self) -> None:
-        """New spares and joiners start once the job recovered (their import takes a core)."""
-        while self._refills:
-            node, local_rank = self._refills.pop(0)
-            self.gens.spawn(node, local_rank, R.STARTING_SPARE)
-        self.groups.after_first_commit()
-        for joiners in (self._joiners_to_start, self.groups.joiners_to_start):
-            while joiners:
-                node, local_rank = joiners.pop(0)
-                self.gens.spawn(node, local_rank, R.JOINING)
 
     def catch_up(self, timeout_s: float = timeouts.REQUEST_CATCH_UP_S) -> None:
         self.inbox.catch_up(self.store, timeout_s)

@@ -1,5 +1,5 @@
-"""`ftrun status`, `ftrun inject-fault` and `ftrun report`: typer commands over the control
-client and the run's files.
+"""`ftrun status`, `ftrun inject-fault`, `ftrun drain` and `ftrun report`: typer commands over
+the control client and the run's files.
 
 Owns: the subcommands' arguments (checked with the job's own request checks), the drill
 schedule (--every/--count) and waiting for the drill's recoveries; a job that ends before
@@ -169,6 +169,20 @@ def inject_fault(
         raise control.JobGone(f"job {info.run_id[:8]} ended before the drill completed "
                               f"({settled}/{count} faults settled)",
                               hint="see its log directory for why")
+
+
+@app.command("drain")
+def drain(rank: Optional[int] = typer.Option(None, "--rank", help="the rank that leaves"),  # noqa: UP045,E501
+          node: Optional[int] = typer.Option(None, "--node", help="every rank of this node leaves"),  # noqa: UP045,E501
+          gpu: Optional[int] = typer.Option(None, "--gpu", help="the rank on this GPU (of this host's node) leaves"),  # noqa: UP045,E501
+          run_id: Optional[str] = typer.Option(None, "--run-id", help="the job (a prefix is enough)"),  # noqa: UP045,E501
+          ) -> None:
+    """Hand a rank (a node's, a GPU's) over to a spare at a step boundary, phase by phase."""
+    from ftrun.cli import drain as planned  # loaded for this command alone
+
+    code = planned.drain(run_id, rank, node, gpu, lambda line: print(line, flush=True))
+    if code:
+        raise typer.Exit(code)
 
 
 def _chaos(run_id: str | None, every: float, count: int, duration: float, kinds: str | None,

@@ -17,6 +17,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NoReturn
 
 from ftrun.cli.cluster_env import given_settings, scheduler_defaults
+from ftrun.cli.drain_args import DEFAULT_WINDOW, drain_fields
 from ftrun.cli.endpoints import parse_endpoint
 from ftrun.cli.endpoints import port_value as _port
 from ftrun.cli.etcd_args import check_etcd, check_etcd_conf, etcd_backend_name, etcd_members
@@ -130,6 +131,13 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
         "member pulls from at once, each sending a share of the chunks")
     opt("redo", default="step", choices=["step", "lost"], help="after a fault: repeat the "
         "broken step on every rank, or only the lost ranks' share of it, split among the survivors")
+    opt("drain-window", default=DEFAULT_WINDOW, help="a notice (SIGTERM, --drain-signal) to a "
+        "job using the ftrun API: seconds to hand this node's ranks over before it goes; with "
+        "nowhere to go the job snapshots and exits 75 to be requeued (0: stop at once)")
+    opt("drain-signal", default="", help="a signal that is a notice too (Slurm --signal), "
+        "e.g. SIGUSR1")
+    opt("drain-on", default="", help="degraded: a GPU whose readings predict a failure "
+        "hands its rank over to a spare")
     opt("max-faults", default="100", help="faults recovered in-process before giving up")
     opt("comm", default="auto", choices=["auto", "native", "fresh"],
         help="how survivors re-form their communicator: torch's native reconfigure of the "
@@ -247,7 +255,6 @@ def build_run_spec(
         local_ranks_filter=_parse_filter(ns.local_ranks_filter),
         local_addr=ns.local_addr,
         shutdown_timeout=_shutdown_timeout(ns.shutdown_timeout, env),
-        signals_to_handle=_parse_signals(ns.signals_to_handle),
         on_fault=ns.on_fault,
         redo=ns.redo,
         min_nproc=_min_nproc(ns.min_nproc, nproc, nmax),
@@ -265,6 +272,7 @@ def build_run_spec(
         **sharding,
         **heal_fields(ns),
         **metrics_fields(ns, env),
+        **drain_fields(ns, _parse_signals(ns.signals_to_handle)),
     )
 
 

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from ftrun.core.errors import EXIT_FAILURE, FtrunError, UsageError
+from ftrun.core.exits import EXIT_REQUEUE
 
 if TYPE_CHECKING:
     from ftrun.agent.node import Agent
@@ -41,7 +42,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_FAILURE
 
 
-SUBCOMMANDS = ("status", "inject-fault", "report")
+SUBCOMMANDS = ("status", "inject-fault", "drain", "report")
 
 
 def _subcommand(args: list[str]) -> int:
@@ -77,9 +78,12 @@ def _launch(args: list[str]) -> int:
 
     started = time.time()
     result = _agent_for(spec).run()
-    ended = ("" if result.exit_code == 0 else
+    ended = ("" if result.exit_code in (0, EXIT_REQUEUE) else
              "was interrupted" if result.signal_received else "failed")
     render.print_run_summary(result.faults, time.time() - started, ended=ended)
+    if result.exit_code == EXIT_REQUEUE:
+        print(f"ftrun: {result.reason} (exit code {EXIT_REQUEUE}: requeue this job; `ftrun "
+              "--resume DIR ...` continues it from the snapshot)", file=sys.stderr, flush=True)
     if result.cause is not None:
         render.print_failure(spec.entry_name, result.cause, result.exits, result.restarts_used,
                              spec.max_restarts, result.log_dir)

@@ -13,7 +13,7 @@ Must not import: anything outside the standard library and `ftrun.core`.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar, TypeVar
 
 from ftrun.core import records
@@ -32,6 +32,7 @@ class Event(TextEnum):
     GENERATION = "generation"  # a new membership published
     RECOVERED = "recovered"  # the first member committed in a new generation
     TRAINED = "trained"  # the first member past its last step (the step count it reached)
+    DRAIN = "drain"  # a planned leave moved: requested, published, done, refused, requeue
     DRILL = "drill"  # `ftrun inject-fault` applied
     INJECTED = "injected"  # the next fault of a worker is a drill or the agent's own kill
     GPU = "gpu"  # a GPU's health changed
@@ -184,6 +185,25 @@ class TrainedFields(Fields):
 
 
 @dataclass(frozen=True)
+class DrainFields(Fields):
+    """A planned leave (`ftrun drain`, a notice, a degrading GPU) as it moves: its state, what
+    leaves and what takes their ranks, and its phases (ms after the request)."""
+
+    event = Event.DRAIN
+    drain: int
+    what: str
+    state: str
+    reason: str = ""
+    token: str = ""  # the `ftrun drain` request's, which follows it in `ftrun status`
+    leavers: tuple[int, ...] = ()
+    takers: tuple[int, ...] = ()
+    deadline: float | None = None
+    generation: int | None = None
+    stall_ms: float | None = None
+    phases_ms: Mapping[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
 class DrillFields(Fields):
     event = Event.DRILL
     worker: int
@@ -279,7 +299,7 @@ FIELDS: dict[Event, type[Fields]] = {c.event: c for c in (
     StartedFields, SpawnedFields, ExitFields, FailureFields, RestartFields, SignalFields,
     FaultFields, GenerationFields, RecoveredFields, DrillFields, InjectedFields, GpuFields,
     StragglerFields, SnapshotFields, SnapshotFailedFields, ResumedFields, HealedFields,
-    StateSizeFields, NoticeFields, TrainedFields)}
+    StateSizeFields, NoticeFields, TrainedFields, DrainFields)}
 
 
 def fields_of(kind: Event, fields: Mapping[str, object]) -> Fields:

@@ -37,6 +37,7 @@ class Action(str, enum.Enum):
     SUCCEED = "succeed"  # every worker exited 0
     RESTART_GROUP = "restart-group"  # torchrun semantics: stop all, start all again
     FAIL = "fail"  # stop all and report
+    REQUEUE = "requeue"  # a notice with nowhere to go: every member left after a snapshot
 
 
 @dataclass(frozen=True)

@@ -101,6 +101,9 @@ class RunSpec:
     heal_sources: int = HEAL_SOURCES
     rdzv_endpoints: tuple[str, ...] = ()  # etcd: every member, HOST:PORT or [IPV6]:PORT
     redo: str = "step"  # after a fault: repeat the broken step (step) or only its lost share
+    drain_window: float = 30.0  # a notice (SIGTERM, --drain-signal): seconds to hand over in
+    drain_signal: str = ""  # a notice besides SIGTERM (Slurm's --signal), e.g. SIGUSR1
+    drain_on: str = ""  # "degraded": a GPU whose readings predict a failure is drained
 
     @property
     def snapshots(self) -> bool:

@@ -48,6 +48,15 @@ class NetDowned:
     host: str | None = absent()
 
 
+@dataclass(frozen=True)
+class DrainQueued:
+    """A drain the job took: `token` names it in `ftrun status`'s drains; `what` leaves."""
+
+    token: str
+    what: str
+    leavers: tuple[int, ...]
+
+
 def reply(record: Any) -> dict[str, Any]:
     """What the server sends for `record` (a reply record or a status document)."""
     return {"ok": True, **records.to_json(record)}

@@ -59,7 +59,20 @@ class InjectOp:
         return {"op": "inject", **fields}
 
 
-ControlOp = StatusOp | InjectOp
+@dataclass(frozen=True)
+class DrainOp:
+    """`ftrun drain`: a planned leave of one rank, every rank of one node, or the rank on one
+    GPU of the answering agent's node."""
+
+    rank: int | None
+    node: int | None
+    gpu: int | None
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"op": "drain", **asdict(self)}
+
+
+ControlOp = StatusOp | InjectOp | DrainOp
 
 
 def check_request(req: dict[str, Any]) -> ControlOp:
@@ -70,8 +83,22 @@ def check_request(req: dict[str, Any]) -> ControlOp:
         return StatusOp()
     if op == "inject":
         return _check_inject(req)
+    if op == "drain":
+        return _check_drain(req)
     raise FtrunError(f"unknown request {_show(op)}",
-                     hint='use "op": "status" or "inject", or upgrade the ftrun client')
+                     hint='use "op": "status", "inject" or "drain", or upgrade the ftrun client')
+
+
+def _check_drain(req: dict[str, Any]) -> DrainOp:
+    extra = sorted(str(k) for k in set(req) - {"op", "rank", "node", "gpu"})
+    if extra:
+        raise FtrunError(f"unknown field {_show(extra[0])} in a drain request",
+                         hint="fields: rank, node, gpu")
+    rank, gpu = _integer(req, "rank", 0, _MAX_INDEX), _integer(req, "gpu", 0, _MAX_INDEX)
+    node = _integer(req, "node", 0, _MAX_INDEX)
+    if sum(x is not None for x in (rank, gpu, node)) != 1:
+        raise FtrunError("give exactly one of --rank, --node or --gpu", hint="e.g. --rank 1")
+    return DrainOp(rank, node, gpu)
 
 
 def _check_inject(req: dict[str, Any]) -> InjectOp:

@@ -69,6 +69,7 @@ class Generation:
     fault_at: float = 0.0  # wall clock when the agent saw the fault (0 if none)
     joiners: tuple[int, ...] = field(default_factory=tuple)  # members that must heal
     store: str = ""  # "host:port" of the store this generation forms on; "": the previous one
+    snapshot_first: bool = False  # members left out take a final snapshot, then leave
 
     @property
     def world_size(self) -> int:

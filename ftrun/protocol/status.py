@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from ftrun.core import records
+from ftrun.core.events import DrainFields
 from ftrun.core.records import absent
 
 R = TypeVar("R", bound="Record")
@@ -289,3 +290,4 @@ class Status(Record):
     served_by: ServedBy | None = absent()
     note: str | None = absent()
     control_plane: ControlPlane | None = absent()
+    drains: tuple[DrainFields, ...] | None = absent()  # planned leaves, newest state each

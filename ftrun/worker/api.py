@@ -109,6 +109,7 @@ class FaultTolerant:
         self._drills = Drills(self._progress, self.worker_id, self._comm_fault)
         self._member = join(wenv, backend, self.device, self._interrupt, self._progress,
                             sharding)
+        self._member.before_leaving = self._final_snapshot
 
     # ---------------------------------------------------------------- live view
     @property
@@ -392,6 +393,14 @@ class FaultTolerant:
         mesh = sharding.group().mesh if sharding is not None else None
         self.committed = align(self._member.group, self.committed, self._objects,
                                self._streams, self._interrupt, self.device, mesh, self._healer)
+
+    def _final_snapshot(self) -> None:
+        """Every member leaves at this boundary (a notice with nowhere to go): the node's
+        replica takes the snapshot a requeued job resumes from."""
+        if self._snapshots is not None and self._snapshots.taking and \
+                self._state is StepState.COMMITTED:
+            self._snapshots.at_boundary(self._member.group.gen, self.committed,
+                                        self._state_objects, final=True)
 
     # ---------------------------------------------------------------- past training
     def _trained(self) -> None:

@@ -115,6 +115,7 @@ class Member:
         self.why = ""  # why the step or group broke (RecoveryMode.broken)
         self.recovered: dict[str, Any] | None = None  # a recovery's report, for its first commit
         self.stage = ""  # past training: "trained", then "ended" (protocol.rendezvous.STAGES)
+        self.before_leaving: Callable[[], None] | None = None  # a final snapshot (worker.api)
         self._link = link
 
     @classmethod
@@ -220,6 +221,8 @@ class Member:
         link = self._require()
         rank = gen.rank_of(link.worker_id)
         if rank is None:
+            if gen.snapshot_first and self.before_leaving is not None:
+                self.before_leaving()  # a planned end: the final snapshot, then out
             print(f"ftrun: worker {link.worker_id} left the job (generation {gen.number}: "
                   f"{gen.reason})", file=sys.stderr, flush=True)
             raise SystemExit(0)
