@@ -106,7 +106,7 @@ def _conf(lab: netlab.NetLab, root: Path, names: Sequence[str], cpus: int) -> st
         "JobCompType=jobcomp/none", "SwitchType=switch/none", "MpiDefault=none",
         "SchedulerType=sched/builtin", "SelectType=select/linear",
         "SlurmdParameters=config_overrides", "ReturnToService=2", "JobRequeue=1",
-        "MinJobAge=600", "KillWait=5", "InactiveLimit=0", "SlurmdTimeout=30",
+        "MinJobAge=600", "KillWait=5", "InactiveLimit=0", "SlurmdTimeout=5", "MessageTimeout=3",
         f"FirstJobId={100000 + secrets.randbelow(800000)}",  # run ids of their own
         "SchedulerParameters=sched_interval=2",  # a requeued job is started when it may be
         *(f"NodeName={n} NodeAddr={lab.addr(i)} CPUs={cpus} State=UNKNOWN"
@@ -124,6 +124,7 @@ class SlurmLab:
         self.names = [f"node{i}" for i in range(nodes)]
         self.net = netlab.NetLab(nodes + 1, host_on_bridge=True)
         self._procs: list[subprocess.Popen[bytes]] = []
+        self._logs: list[str] = []  # each daemon's output file, under root
         try:
             self._write_files(cpus)
         except BaseException:
@@ -161,6 +162,7 @@ class SlurmLab:
             self._procs.append(subprocess.Popen(cmd, env=self.env, stdout=out,
                                                 stderr=subprocess.STDOUT,
                                                 preexec_fn=_die_with_parent))
+        self._logs.append(log)
 
     def start(self, timeout: float = START_S) -> SlurmLab:
         self._spawn(self.net.count - 1, "ctl", ["slurmctld", "-D", "-i", "-f", str(self.conf)],
@@ -175,8 +177,9 @@ class SlurmLab:
         return self
 
     def _died(self) -> str:
-        return "; ".join(f"{' '.join(map(str, p.args[-5:]))}: {p.returncode}"
-                         for p in self._procs if p.poll() is not None)
+        return "; ".join(f"exit {p.returncode} ({self.log_tail(log, 200).strip()})"
+                         for p, log in zip(self._procs, self._logs, strict=True)
+                         if p.poll() is not None)
 
     def run(self, *argv: str, check: bool = True, env: Mapping[str, str] | None = None) -> str:
         """A client command's output (`env`: added to the lab's environment)."""
@@ -186,9 +189,13 @@ class SlurmLab:
             raise LabError(f"{' '.join(argv)}: {done.stderr.strip()[:300]}")
         return done.stdout
 
-    def idle_nodes(self) -> int:
+    def node_states(self) -> dict[str, str]:
+        """Each node's state as sinfo says it (idle, allocated, down*: not responding, ...)."""
         out = self.run("sinfo", "-h", "-N", "-o", "%N %T", check=False)
-        return sum(line.split()[-1] == "idle" for line in out.splitlines() if line.strip())
+        return dict(line.split()[:2] for line in out.splitlines() if len(line.split()) >= 2)
+
+    def idle_nodes(self) -> int:
+        return sum(state == "idle" for state in self.node_states().values())
 
     def sbatch(self, script: Path, options: Sequence[str] = (), args: Sequence[str] = (),
                env: Mapping[str, str] | None = None) -> str:
@@ -226,12 +233,13 @@ class SlurmLab:
             time.sleep(0.2)
         raise LabError(f"timed out after {timeout:g} s waiting for {what}")
 
-    def task_pids(self, step: str, i: int) -> list[int]:
-        """The pids of the tasks of job step `step` (JOB.STEP) on node i, as slurmstepd knows
-        them (`scontrol listpids`: their children are not tasks)."""
+    def step_pids(self, step: str, i: int, tasks_only: bool = False) -> list[int]:
+        """The processes of job step `step` (JOB.STEP) on node i as slurmstepd tracks them
+        (`scontrol listpids`): its tasks and their descendants, or only the tasks."""
         out = self.run("scontrol", "listpids", step, self.names[i], check=False)
         rows = [line.split() for line in out.splitlines()[1:]]
-        return [int(r[0]) for r in rows if len(r) >= 5 and r[3] != "-"]
+        return [int(r[0]) for r in rows
+                if len(r) >= 5 and r[0].isdigit() and not (tasks_only and r[3] == "-")]
 
     def pids(self, i: int) -> list[int]:
         """Every process in node i's network namespace (its slurmd, steps and tasks)."""

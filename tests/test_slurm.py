@@ -7,9 +7,12 @@ node its own network and UTS namespace), through the sbatch scripts users copy
   and the spare node (3 allocated, --nnodes 2) takes the lost rank in-process;
 - a notice with nowhere to go: the job asks for a requeue (exit 75), Slurm requeues it, and
   the next run resumes from the snapshot. ftrun's own answer to a notice (#48) is not built
-  yet: a fixture wrapper exits 75 for it; Slurm, the script and the resume are real.
+  yet: a fixture wrapper exits 75 for it; Slurm, the script and the resume are real;
+- a node that fails (its link cut): Slurm sets it DOWN, and the --no-kill job it would have
+  ended trains on with the spare node and ends 0.
 Skipped in one line where Slurm cannot be installed or started.
 """
+import contextlib
 import json
 import os
 import re
@@ -114,7 +117,7 @@ def test_a_killed_nodes_ranks_go_to_the_spare_node_and_the_step_goes_on(
     assert "1 spare node: 3 in the step, --nnodes 2" in text
     spare = re.findall(waits, text)[0]
     victim = next(i for i in (1, 2) if f"node{i}" != spare)  # node0 serves the store
-    tasks = slurm.task_pids(f"{job}.0", victim)
+    tasks = slurm.step_pids(f"{job}.0", victim, tasks_only=True)
     assert len(tasks) == 1, tasks
     os.kill(tasks[0], signal.SIGKILL)
     state = ended(slurm, job)
@@ -160,6 +163,52 @@ def test_a_notice_with_nowhere_to_go_requeues_and_resumes(slurm: slurmlab.SlurmL
     assert len(logs) == 2
     for worker in logs.values():
         assert committed(worker) == list(range(step, steps))
+
+
+@pytest.mark.timeout(300)  # ~45 s: Slurm takes ~11 s to set a silent node DOWN here
+def test_a_failed_node_is_set_down_and_the_no_kill_job_trains_on(
+        slurm: slurmlab.SlurmLab, job_env: dict[str, str], tmp_path: Path) -> None:
+    """The reason for --no-kill: a node whose link is cut is set DOWN by Slurm, which would
+    end (and requeue) the whole job without it; with it the job trains on, the spare node in
+    the lost rank, and ends 0."""
+    log, trails, end_file = tmp_path / "job.out", tmp_path / "trails", tmp_path / "end_at"
+    trails.mkdir()
+    job = slurm.sbatch(EXAMPLES / "slurm" / "train.sbatch", [f"--output={log}"],
+                       ["--nnodes", "2", str(FIXTURES / "ft_train.py"), "--steps", "100000",
+                        "--step-time", "0.04", "--trail", str(trails), "--end-file",
+                        str(end_file)], env=job_env)
+    waits = re.compile(r"\((node\d)\) waits: the job is full")
+    slurm.wait_for(lambda: waits.search(output(log)) and reached(trails) >= 20, JOB_S,
+                   "the spare node waiting and the job at step 20")
+    spare = re.findall(waits, output(log))[0]
+    victim = next(i for i in (1, 2) if f"node{i}" != spare)
+    slurm.net.cut(victim)
+    try:
+        slurm.wait_for(lambda: slurm.node_states().get(f"node{victim}") == "down*", JOB_S,
+                       f"Slurm setting node{victim} DOWN")
+        assert slurm.job(job)["JobState"] == "RUNNING"
+        at_down = reached(trails)
+        slurm.wait_for(lambda: reached(trails) >= at_down + 20, JOB_S, "20 more steps")
+        end_file.write_text(str(reached(trails) + 20))
+        state = ended(slurm, job)
+    finally:
+        slurm.net.restore(victim)
+    text = output(log)
+    assert (state["JobState"], state["ExitCode"]) == ("COMPLETED", "0:0"), text[-2000:]
+    assert f"srun: error: Node failure on node{victim}" in text
+    assert f"({spare}) enters the running job" in text and "survived 1/1 faults" in text
+    slurm.wait_for(lambda: slurm.idle_nodes() == 3, JOB_S, "the node back in service")
+
+
+def reached(trails: Path) -> int:
+    """The highest step any worker committed, from ft_train.py's trails (written at once)."""
+    steps = [-1]
+    for path in trails.glob("trail_*.jsonl"):
+        for line in path.read_text().splitlines():
+            with contextlib.suppress(ValueError):  # a line being written
+                entry = json.loads(line)
+                steps += [entry["step"]] if entry["ok"] else []
+    return max(steps)
 
 
 @pytest.mark.skip(reason="waits for #48 (planned leaves): ftrun does not yet hand a node's "
