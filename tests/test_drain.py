@@ -5,7 +5,6 @@ fault-free run's; with nowhere to go the job snapshots, exits 75 and `--resume` 
 bitwise."""
 import json
 import os
-import signal
 import subprocess
 from pathlib import Path
 
@@ -16,7 +15,7 @@ from conftest import ftrun_cmd, run_ftrun, wait_for
 from ftrun.core.exits import EXIT_REQUEUE
 
 TRAIN = str(Path(__file__).parent.parent / "examples" / "train_ddp.py")
-STEPS = 160
+STEPS = 300
 ARGS = ("--steps", str(STEPS), "--step-time", "0.03")
 
 
@@ -135,9 +134,13 @@ def test_a_notice_with_nowhere_to_go_snapshots_requeues_and_resumes_bitwise(
     proc = start("notice", tmp_path / "a", *flags)
     try:
         at_step("notice", 25, spare=False)
-        proc.send_signal(signal.SIGTERM)  # the node will be taken
+        # the node will be taken: the drill sends the agent SIGTERM, as a scheduler would
+        drill = run_ftrun("inject-fault", "--kind", "preempt", "--run-id", "notice",
+                          timeout=120)
     finally:
         code, err = finish(proc)
+    assert drill.returncode == EXIT_REQUEUE, drill.stdout + drill.stderr
+    assert "got its notice (SIGTERM)" in drill.stdout and "requeue" in drill.stdout
     assert code == EXIT_REQUEUE, err
     assert "snapshot taken, requeue the job" in err and "received SIGTERM: a notice" in err
     left = max(e["step"] for log in logs(tmp_path / "a").values() for e in log) \
@@ -148,3 +151,27 @@ def test_a_notice_with_nowhere_to_go_snapshots_requeues_and_resumes_bitwise(
     assert r.returncode == 0, r.stderr
     assert "resum" in r.stderr
     assert all(bitwise(p, reference) for p in params(tmp_path / "b").values())
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_a_gpu_whose_memory_wears_out_hands_its_rank_to_a_spare(
+        tmp_path: Path, private_run_dir: Path, reference: dict[str, torch.Tensor]) -> None:
+    proc = start("drain-gpu", tmp_path, "--nproc", "3", "--spares", "1", "--gpu-backend",
+                 "sim", "--drain-on", "degraded")
+    try:
+        at_step("drain-gpu", 30, spare=True)
+        r = run_ftrun("inject-fault", "--gpu", "1", "--kind", "ecc", "--run-id", "drain-gpu",
+                      timeout=120)
+        assert r.returncode == 0, r.stdout + r.stderr
+    finally:
+        code, err = finish(proc)
+    assert code == 0, err
+    events = [json.loads(line) for line in
+              next((tmp_path / "logs").glob("*/events.jsonl")).read_text().splitlines()]
+    drains = [e for e in events if e["event"] == "drain"]
+    assert drains[-1]["state"] == "done" and drains[-1]["leavers"] == [1], drains[-1]
+    assert drains[-1]["what"].startswith("gpu 1 (degraded: corrected ECC errors rising")
+    assert not [e for e in events if e["event"] == "fault"]
+    assert set(logs(tmp_path)) == {0, 2, 3}
+    assert all(bitwise(p, reference) for p in params(tmp_path).values())

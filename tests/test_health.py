@@ -6,7 +6,7 @@ import pytest
 from ftrun.core.errors import UsageError
 from ftrun.core.policy import Liveness, find_hang, find_straggler, hang_timeout
 from ftrun.gpu.monitor import GpuMonitor, NvmlBackend, SimBackend, open_backend, uuids_by_local_rank
-from ftrun.gpu.verdicts import GpuSample, Health, classify
+from ftrun.gpu.verdicts import GpuSample, Health, classify, predicts_failure
 from ftrun.gpu.xid import XidClass, known_xids, xid_verdict
 
 EXPECTED = {XidClass.GPU_FATAL: Health.FAILED, XidClass.APP_FAULT: Health.HEALTHY,
@@ -43,10 +43,24 @@ def test_key_xids(xid, cls) -> None:
     (None, GpuSample(temperature_c=90, slowdown_temp_c=87), Health.DEGRADED, "temperature"),
     (None, GpuSample(throttle_reasons=0x40), Health.DEGRADED, "slowdown"),
     (None, GpuSample(throttle_reasons=0x4), Health.HEALTHY, "ok"),  # SW power cap is normal
+    (GpuSample(ecc_corrected_volatile=100), GpuSample(ecc_corrected_volatile=120),
+     Health.DEGRADED, "corrected ECC errors rising (+20"),  # #48: memory wearing out
+    (GpuSample(ecc_corrected_volatile=100), GpuSample(ecc_corrected_volatile=103),
+     Health.HEALTHY, "ok"),  # a trickle of corrected errors is normal
+    (None, GpuSample(ecc_corrected_volatile=10_000), Health.HEALTHY, "ok"),  # old ones: no
+    (None, GpuSample(retired_pending=True), Health.DEGRADED, "retired pages pending"),
 ])
 def test_classifier(prev, cur, health, needle) -> None:
     v = classify(prev, cur)
     assert v.health is health and needle in v.reason
+
+
+def test_which_degraded_readings_predict_a_failure_by_themselves() -> None:
+    """--drain-on degraded drains worn memory at once; throttling only once sustained."""
+    worn = classify(GpuSample(ecc_corrected_volatile=0), GpuSample(ecc_corrected_volatile=64))
+    hot = classify(None, GpuSample(temperature_c=90, slowdown_temp_c=87))
+    both = classify(None, GpuSample(throttle_reasons=0x40, remap_pending=True))
+    assert predicts_failure(worn) and predicts_failure(both) and not predicts_failure(hot)
 
 
 def test_unknown_xid_is_only_suspect() -> None:
@@ -64,7 +78,8 @@ class FakeNvml:
     """The subset of pynvml ftrun uses, with NVML's error semantics."""
     NVMLError = FakeNVMLError
     NVML_ERROR_GPU_IS_LOST, NVML_ERROR_RESET_REQUIRED, NOT_SUPPORTED = 15, 16, 3
-    NVML_MEMORY_ERROR_TYPE_UNCORRECTED, NVML_VOLATILE_ECC = 1, 0
+    NVML_MEMORY_ERROR_TYPE_UNCORRECTED, NVML_MEMORY_ERROR_TYPE_CORRECTED = 1, 0
+    NVML_VOLATILE_ECC = 0
     nvmlEventTypeXidCriticalError, nvmlEventTypeDoubleBitEccError = 0x8, 0x2
 
     def __init__(self) -> None:
@@ -93,6 +108,7 @@ class FakeNvml:
         v = type("V", (), {"nvmlReturn": 0, "value": type("U", (), {"uiVal": 0})()})()
         return [v]
     def nvmlDeviceGetTotalEccErrors(self, h, t, c): return 0
+    def nvmlDeviceGetRetiredPagesPendingStatus(self, h): raise FakeNVMLError(3)  # Ampere+
     def nvmlDeviceGetTemperature(self, h, s): return 40
     def nvmlDeviceGetTemperatureThreshold(self, h, t): raise FakeNVMLError(3)
     def nvmlDeviceGetCurrentClocksThrottleReasons(self, h): return 0

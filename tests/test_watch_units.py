@@ -21,12 +21,14 @@ from ftrun.agent.watch import (
     HANG_CHECK_MARGIN_S,
     KILL_EXIT_WAIT_S,
     STRAGGLER_CHECKS,
+    Drain,
     HealthWatch,
     Kill,
     Rebuild,
     next_hang_check_s,
 )
 from ftrun.core.events import Event
+from ftrun.core.timeouts import GPU_THROTTLE_SUSTAINED_S
 from ftrun.core.membership import Membership
 from ftrun.core.policy import Liveness
 from ftrun.core.spec import RunSpec
@@ -280,3 +282,29 @@ def test_a_failed_gpu_is_excluded_and_its_workers_killed_and_avoided(watched: Wa
     assert watch.pick_local_rank(1) == 3  # 0-2 are busy, 1 excluded
     del watched.node.workers[1:]
     assert watch.pick_local_rank(1) == 2
+
+
+@pytest.mark.parametrize("watched", [{"drain_on": "degraded"}], indirect=True)
+def test_drain_on_degraded_hands_worn_memory_over_at_once_and_throttling_once_sustained(
+        watched: Watched) -> None:
+    """#48: a GPU whose readings predict a failure drains its member's rank (once) and is not
+    used again; a hot GPU only once it stayed throttled GPU_THROTTLE_SUSTAINED_S."""
+    watch = watched.watch
+    watch.uuids = [f"GPU-{i}" for i in range(4)]
+    watch.changes.put(("GPU-0", Verdict(Health.DEGRADED, "corrected ECC errors rising (+64 "
+                                                         "since the last poll)")))
+    watch.changes.put(("GPU-2", Verdict(Health.DEGRADED, "temperature 90 C at the slowdown "
+                                                         "threshold")))
+    (drain,) = watched.tick(None, 0.0)
+    assert isinstance(drain, Drain) and drain.request.leavers == (0,)
+    assert drain.request.what.startswith("gpu 0 (degraded: corrected ECC errors rising")
+    assert "GPU-0" in watch.excluded and watched.tick(None, 1.0) == []  # once
+    assert watched.tick(None, GPU_THROTTLE_SUSTAINED_S - 1) == []  # not sustained yet
+    (hot,) = watched.tick(None, GPU_THROTTLE_SUSTAINED_S)
+    assert isinstance(hot, Drain) and hot.request.leavers == (2,)
+
+
+def test_without_drain_on_a_degraded_gpu_is_only_shown(watched: Watched) -> None:
+    watched.watch.uuids = [f"GPU-{i}" for i in range(3)]
+    watched.watch.changes.put(("GPU-0", Verdict(Health.DEGRADED, "retired pages pending")))
+    assert watched.tick(None, 0.0) == [] and not watched.watch.excluded

@@ -17,6 +17,7 @@ import contextlib
 import dataclasses
 import os
 import queue
+import signal
 import time
 import uuid
 from collections.abc import Sequence
@@ -35,7 +36,7 @@ from ftrun.agent.watch import HealthWatch
 from ftrun.core.drains import DrainRequest
 from ftrun.core.errors import FtrunError
 from ftrun.core.events import DrillFields, Event, NoticeFields
-from ftrun.core.faultkinds import AGENT_SIGNALS, GPU_KINDS, WORKER_ONLY, FaultKind
+from ftrun.core.faultkinds import AGENT_SIGNALS, GPU_KINDS, NOTICE_KINDS, WORKER_ONLY, FaultKind
 from ftrun.core.membership import Membership
 from ftrun.core.policy import phase_text
 from ftrun.core.replica_groups import group_rows
@@ -45,6 +46,7 @@ from ftrun.protocol.control import (
     GpuInjected,
     Injected,
     NetDowned,
+    Preempted,
     read_reply,
     reply,
 )
@@ -130,6 +132,13 @@ class ControlPlane:
             self.drain_requests.put(drain)
             self.port.wake()
             return reply(DrainQueued(drain.token, drain.what, drain.leavers))
+        if op.kind in NOTICE_KINDS:  # as a scheduler sends it: SIGTERM to this agent
+            if not self.port.uses_api():
+                raise FtrunError("--kind preempt needs a script that uses the ftrun worker API "
+                                 "(without it a notice stops the job, as torchrun's would)",
+                                 hint="use --kind kill to drill a plain script")
+            os.kill(os.getpid(), signal.SIGTERM)
+            return reply(Preempted(os.getpid(), self.port.spec.drain_window))
         if op.gpu is not None:
             return reply(GpuInjected(op.gpu, self.health.inject(op.gpu, op.kind, op.xid)))
         if op.node is not None:  # the node's hook answers a JSON object: checked here

@@ -32,7 +32,7 @@ from ftrun.agent.roster import Outcome, RemoteWorker, RunResult, Worker
 from ftrun.agent.services import RunServices
 from ftrun.agent.starter import WorkerStarter
 from ftrun.agent.timeline import EVERY_S as TIMELINE_EVERY_S
-from ftrun.agent.watch import Finding, Kill, Rebuild
+from ftrun.agent.watch import Drain, Finding, Kill, Rebuild
 from ftrun.agent.workers import NodeWorkers
 from ftrun.core import timeouts
 from ftrun.core.drains import DrainRequest
@@ -311,6 +311,8 @@ class Agent:
                 self.services.journal.drill_injected(f.worker, f.why, time.time())
                 if f.notice:
                     self.emit(Event.NOTICE, {"text": f.notice})
+            elif isinstance(f, Drain):
+                self.start_drain(f.request)
             elif (isinstance(f, Rebuild) and self.recovery is not None
                   and self.recovery.rebuild(f.reason)):
                 self.services.health.rebuilt(self.recovery.membership.generation, f.stuck_at,

@@ -21,6 +21,8 @@ import psutil
 
 from ftrun.adapters.slots import ProgressSlots
 from ftrun.agent.ports import WatchPort
+from ftrun.core import timeouts
+from ftrun.core.drains import DrainRequest
 from ftrun.core.errors import FtrunError
 from ftrun.core.events import Event
 from ftrun.core.membership import Membership
@@ -33,7 +35,7 @@ from ftrun.core.policy import (
 )
 from ftrun.core.states import Phase
 from ftrun.gpu.monitor import GpuMonitor, SimBackend, open_backend, uuids_by_local_rank
-from ftrun.gpu.verdicts import Health, Verdict
+from ftrun.gpu.verdicts import Health, Verdict, predicts_failure
 
 
 @dataclass(frozen=True)
@@ -54,7 +56,14 @@ class Rebuild:
     stuck_at: int  # the highest step a member works on: a commit past it means it helped
 
 
-Finding = Kill | Rebuild
+@dataclass(frozen=True)
+class Drain:
+    """Hand this member's rank over (--drain-on degraded: its GPU predicts a failure)."""
+
+    request: DrainRequest
+
+
+Finding = Kill | Rebuild | Drain
 CHECK_EVERY_S = 0.25
 HANG_CHECK_MARGIN_S = 0.01  # a check due when a wait crosses the timeout comes this much later
 STRAGGLER_CHECKS = 8  # consecutive checks (2 s) before a rank is called a straggler
@@ -88,6 +97,8 @@ class HealthWatch:
         self._kept: set[int] = set()  # replicas kept through failed rebuilds at _kept_step
         self._kept_step = -1
         self._killing: dict[int, float] = {}  # members the watch killed -> when
+        self._degraded: dict[str, tuple[float, Verdict]] = {}  # uuid -> since, its verdict
+        self._drained: set[str] = set()  # GPUs whose rank was handed over
         self._next = 0.0
 
     def close(self) -> None:
@@ -129,7 +140,7 @@ class HealthWatch:
                              hint="start the job with --gpu-backend sim")
         return self.backend.inject(index, kind, xid)
 
-    def _gpu_findings(self) -> list[Finding]:
+    def _gpu_findings(self, now: float) -> list[Finding]:
         found: list[Finding] = []
         while True:
             try:
@@ -143,11 +154,35 @@ class HealthWatch:
                 self.excluded.add(uuid)
                 found += [Kill(w.worker_id, f"gpu: {verdict.reason}")
                           for w in self.port.workers_snapshot() if w.local_rank in local]
+            if verdict.health is Health.DEGRADED:
+                self._degraded.setdefault(uuid, (now, verdict))
+            else:
+                self._degraded.pop(uuid, None)
+
+    def _degraded_drains(self, now: float) -> list[Finding]:
+        """--drain-on degraded: a GPU whose readings predict a failure (worn memory at once,
+        throttling once sustained) hands its member's rank over, once; it is not used again."""
+        if self.port.spec.drain_on != "degraded":
+            return []
+        found: list[Finding] = []
+        members = {w.local_rank: w for w in self.port.live_members()}
+        for uuid, (since, verdict) in list(self._degraded.items()):
+            due = predicts_failure(verdict) or now - since >= timeouts.GPU_THROTTLE_SUSTAINED_S
+            index = self.uuids.index(uuid) if uuid in self.uuids else -1
+            if not due or uuid in self._drained or index not in members:
+                continue
+            self._drained.add(uuid)
+            self.excluded.add(uuid)
+            found.append(Drain(DrainRequest(
+                f"gpu {index} (degraded: {verdict.reason})", (members[index].worker_id,),
+                now + self.port.spec.drain_window)))
+        return found
 
     # ------------------------------------------------------------ hangs and stragglers
     def tick(self, membership: Membership | None, now: float) -> list[Finding]:
         """What the agent should do about GPUs, hangs and stragglers; it acts, this watches."""
-        found = self._noted(self._gpu_findings(), now)  # before judging: a GPU kill counts
+        found = self._noted(self._gpu_findings(now), now)  # before judging: a GPU kill counts
+        found += self._degraded_drains(now)
         return found + self._noted(self._judge(membership, now), now)
 
     def _noted(self, found: list[Finding], now: float) -> list[Finding]:

@@ -89,8 +89,9 @@ def supported_kinds(doc: Status) -> dict[str, str]:
             why[kind] = ""
         elif kind == FaultKind.XID:
             why[kind] = "" if sim_gpus else "xid needs the job started with --gpu-backend sim"
-        elif kind == FaultKind.WEDGE:
-            why[kind] = ""  # not by default: a wedged thread never returns (see the docs)
+        elif kind in (FaultKind.WEDGE, FaultKind.PREEMPT):
+            why[kind] = ""  # not by default: a wedged thread never returns; a notice to a
+            # single node with nowhere to go ends the job for a requeue (see the docs)
         elif kind == FaultKind.NET_DOWN:
             why[kind] = ("chaos does not cut links; drill a node with `ftrun inject-fault "
                          "--node K --kind net-down`")
@@ -147,6 +148,8 @@ def live_rank(doc: Status, drawn: int) -> int | None:
 def drill_of(doc: Status, planned: Planned, rank: int, number: int) -> InjectOp | None:
     """The request a planned fault becomes on `rank` (None: it cannot hit that rank now: an
     xid on a rank without a healthy simulated GPU)."""
+    if planned.kind == FaultKind.PREEMPT:  # the node's agent, not a rank
+        return InjectOp(FaultKind.PREEMPT, None, None, chaos=number)
     if planned.kind == FaultKind.XID:
         uuid = next((w.gpu for w in doc.workers if w.rank == rank and w.role == "member"),
                     None)

@@ -17,7 +17,7 @@ from ftrun.adapters import control
 from ftrun.cli import chaos
 from ftrun.core.errors import FtrunError
 from ftrun.core.faultkinds import FaultKind
-from ftrun.protocol.control import GpuInjected, Injected, read_reply
+from ftrun.protocol.control import GpuInjected, Injected, Preempted, read_reply
 from ftrun.protocol.control_ops import InjectOp
 from ftrun.protocol.status import Fault, Status
 
@@ -67,8 +67,8 @@ def run(info: control.RunInfo, spec: chaos.ChaosSpec, say: Say) -> ChaosRun:
             result.faults = doc.faults[first:]
             if not _inject(info, doc, planned, n, spec, result, say):
                 continue
-            result.faults = _wait_settled(info, first, len(doc.faults),
-                                          planned.kind != FaultKind.SLOW)
+            result.faults = _wait_settled(info, first, len(doc.faults), planned.kind not in (
+                FaultKind.SLOW, FaultKind.PREEMPT))  # neither is a fault
             _wait_whole(info, members, spares)
     except control.JobGone:
         result.stopped = "the job ended"
@@ -92,6 +92,11 @@ def _inject(info: control.RunInfo, doc: Status, planned: chaos.Planned, n: int,
     reply = control.request(info, op.to_wire())
     result.injected.append(planned.kind)
     at = f"t+{time.time() - result.started_at:.1f} s"
+    if op.kind == FaultKind.PREEMPT:
+        sent = read_reply(Preempted, reply)
+        say(f"ftrun: chaos {n}{of} ({at}): preempt: a notice to the job's agent (pid "
+            f"{sent.pid}): its ranks hand over within {sent.window_s:g} s, or it requeues")
+        return True
     if op.gpu is not None:
         hit = read_reply(GpuInjected, reply)
         say(f"ftrun: chaos {n}{of} ({at}): xid {op.xid} into GPU {hit.gpu} (rank {rank})")

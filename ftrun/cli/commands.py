@@ -98,7 +98,7 @@ def inject_fault(
     count: int = typer.Option(0, "--count", show_default=False, help="how many faults (default 1; --chaos: no limit)"),  # noqa: E501
     delay: float = typer.Option(0.5, "--delay", help="slow: extra seconds per step"),
     xid: Optional[int] = typer.Option(None, "--xid", help="the XID for --kind xid"),  # noqa: UP045
-    node: Optional[int] = typer.Option(None, "--node", help="the node whose link to cut (net-down)"),  # noqa: UP045,E501
+    node: Optional[int] = typer.Option(None, "--node", help="the node whose link to cut (net-down), or whose agent gets a notice (preempt)"),  # noqa: UP045,E501
     duration: float = typer.Option(0.0, "--duration", help="net-down: seconds the link stays down; --chaos: seconds of chaos"),  # noqa: E501
     chaos_mode: bool = typer.Option(False, "--chaos", help="random faults of mixed kinds, one at a time (--every, --duration or --count)"),  # noqa: E501
     kinds: Optional[str] = typer.Option(None, "--kinds", help="--chaos: the kinds to draw from, a,b,c (default: all the job supports)"),  # noqa: UP045,E501
@@ -128,6 +128,15 @@ def inject_fault(
                                "duration": duration})
     except FtrunError as exc:
         raise UsageError(exc.message, hint=exc.hint) from None
+    if kind == FaultKind.PREEMPT:
+        from ftrun.cli import drain as planned
+
+        agents = control.find_job(run_id)
+        info = agents[0] if node is None else control.agent_of_node(agents, node)
+        code = planned.preempt(info, drill.to_wire(), node, lambda line: print(line, flush=True))
+        if code:
+            raise typer.Exit(code)
+        return
     info, first = _agent_for_drill(control.find_job(run_id), rank)
     before = len(first.faults)
     for i in range(count):
@@ -152,7 +161,11 @@ def inject_fault(
             print(f"ftrun: injected {kind} into rank {hit.rank} (worker {hit.worker}, pid "
                   f"{hit.pid})", flush=True)
     benign_xid = kind == FaultKind.XID and xid_is_benign(xid)
-    if kind in (FaultKind.SLOW, FaultKind.THERMAL) or benign_xid:
+    if kind in (FaultKind.ECC, FaultKind.THERMAL):
+        print("ftrun: a degraded reading, no fault: `ftrun status` shows the GPU's health "
+              "(with --drain-on degraded its rank is handed over to a spare)", flush=True)
+        return
+    if kind == FaultKind.SLOW or benign_xid:
         return
     if kind == FaultKind.NET_DOWN:  # a cut node's own agent cannot see the job meanwhile
         print("ftrun: see the node dropped, fenced and rejoining with `ftrun status` on the "

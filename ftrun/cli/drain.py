@@ -18,7 +18,7 @@ from ftrun.core.drains import DrainState
 from ftrun.core.errors import FtrunError, UsageError
 from ftrun.core.events import DrainFields
 from ftrun.core.exits import EXIT_REQUEUE
-from ftrun.protocol.control import DrainQueued, read_reply
+from ftrun.protocol.control import DrainQueued, Preempted, read_reply
 from ftrun.protocol.control_ops import check_request
 
 WAIT_MARGIN_S = 60.0  # past its window, how long `ftrun drain` follows a swap that landed
@@ -38,9 +38,13 @@ def drain(run_id: str | None, rank: int | None, node: int | None, gpu: int | Non
     queued = read_reply(DrainQueued, control.request(info, op.to_wire()))
     say(f"ftrun: drain of {queued.what} (worker{'s' if len(queued.leavers) > 1 else ''} "
         f"{', '.join(map(str, queued.leavers))}) sent to job {info.run_id[:8]}")
-    final = follow(info, queued.token, say)
+    return outcome(follow(info, queued.token, say), queued.what, say)
+
+
+def outcome(final: DrainFields | None, what: str, say: Callable[[str], None]) -> int:
+    """The exit code of a followed drain (a one-line FtrunError when it was refused)."""
     if final is None:
-        raise FtrunError(f"the drain of {queued.what} did not end in time",
+        raise FtrunError(f"the drain of {what} did not end in time",
                          hint="see `ftrun status`: its drains show where it stands")
     if final.state == DrainState.DONE:
         return 0
@@ -48,13 +52,26 @@ def drain(run_id: str | None, rank: int | None, node: int | None, gpu: int | Non
         say(f"ftrun: the job had nowhere to go: it ends with exit code {EXIT_REQUEUE} to be "
             "requeued")
         return EXIT_REQUEUE
-    raise FtrunError(f"the drain of {queued.what} was refused: {final.reason}",
+    raise FtrunError(f"the drain of {what} was refused: {final.reason}",
                      hint="start spares (--spares), or allow a shrink (--on-fault shrink)")
 
 
-def follow(info: control.RunInfo, token: str,
-           say: Callable[[str], None]) -> DrainFields | None:
-    """Print the drain's phases as they come; its final record (None: it did not end)."""
+def preempt(info: control.RunInfo, wire: dict[str, object], node: int | None,
+            say: Callable[[str], None]) -> int:
+    """`inject-fault --kind preempt`: the notice sent, then the node's drain followed."""
+    before = max((d.drain for d in control.status(info).drains or ()), default=0)
+    sent = read_reply(Preempted, control.request(info, wire))
+    where = "this job's agent" if node is None else f"node {node}'s agent"
+    say(f"ftrun: {where} (pid {sent.pid}) got its notice (SIGTERM): its ranks hand over "
+        f"within {sent.window_s:g} s")
+    return outcome(follow(info, "", say, after=before), f"node {node or 0}", say)
+
+
+def follow(info: control.RunInfo, token: str, say: Callable[[str], None],
+           after: int = 0) -> DrainFields | None:
+    """Print the drain's phases as they come; its final record (None: it did not end). The
+    drain is the one `token` names, or ("" token, a notice's) the first numbered above
+    `after`."""
     told: set[str] = set()
     deadline = float("inf")
     row: DrainFields | None = None
@@ -66,7 +83,7 @@ def follow(info: control.RunInfo, token: str,
         except FtrunError:
             time.sleep(0.1)  # busy or shutting down: the next try tells which
             continue
-        row = next((d for d in doc.drains or () if d.token == token), row)
+        row = next((d for d in doc.drains or () if d.token == token and d.drain > after), row)
         if row is not None:
             deadline = min(deadline, (row.deadline or time.time()) + WAIT_MARGIN_S)
             for phase, ms in sorted(row.phases_ms.items(), key=lambda kv: kv[1]):

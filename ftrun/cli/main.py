@@ -49,7 +49,8 @@ def _subcommand(args: list[str]) -> int:
     from ftrun.cli.commands import app
 
     try:
-        app(args, prog_name="ftrun", standalone_mode=False)
+        # click returns a command's typer.Exit code, outside standalone mode, as its value
+        code = app(args, prog_name="ftrun", standalone_mode=False)
     except SystemExit as exc:
         return int(exc.code or 0)
     except Exception as exc:  # click's (typer vendors its own copy): one line, exit 2
@@ -62,7 +63,7 @@ def _subcommand(args: list[str]) -> int:
                   file=sys.stderr)
             return int(getattr(exc, "exit_code", 2))
         raise
-    return 0
+    return code if isinstance(code, int) else 0
 
 
 def _launch(args: list[str]) -> int:

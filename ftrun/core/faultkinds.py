@@ -34,11 +34,15 @@ class FaultKind(TextEnum):
     THERMAL = "thermal"
     # faults of a node (--node K)
     NET_DOWN = "net-down"  # its link down for --duration seconds
+    # a planned leave: the node's agent gets its notice (SIGTERM), as a scheduler sends it
+    PREEMPT = "preempt"
 
 
 GPU_KINDS = (FaultKind.XID, FaultKind.ECC, FaultKind.THERMAL)
 NODE_KINDS = (FaultKind.NET_DOWN,)
-SLOT_DRILLS = tuple(kind for kind in FaultKind if kind not in GPU_KINDS + NODE_KINDS)
+NOTICE_KINDS = (FaultKind.PREEMPT,)  # --node K optional: the answering agent's node
+SLOT_DRILLS = tuple(kind for kind in FaultKind
+                    if kind not in GPU_KINDS + NODE_KINDS + NOTICE_KINDS)
 # with no --at-step the agent sends these itself; with one, the worker signals itself. Keyed
 # by str: a request's plain kind looks its signal up
 AGENT_SIGNALS: dict[str, signal.Signals] = {

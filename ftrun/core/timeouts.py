@@ -114,6 +114,7 @@ EVICTION_WAIT_S = 2.0  # a replica group's rank failing in FSDP's collective: fo
 # GPU health
 GPU_POLL_S = 5.0  # periodic NVML readings
 GPU_EVENT_WAIT_S = 1.0  # one nvmlEventSetWait
+GPU_THROTTLE_SUSTAINED_S = 10.0  # --drain-on degraded: a GPU throttled this long is drained
 GPU_POLL_DEADLINE_S = 20.0  # an NVML call longer than this marks its GPU unresponsive (XID 119)
 LOADER_RESULT_S = 300.0  # one read-ahead micro-batch arriving from a loader reader process
 LOADER_CLOSE_S = 2.0  # loader reader processes leaving after close(), before they are killed

@@ -20,7 +20,7 @@ from typing import Any, Protocol
 
 from ftrun.core import timeouts
 from ftrun.core.errors import UsageError
-from ftrun.gpu.verdicts import GpuSample, Verdict, classify
+from ftrun.gpu.verdicts import CORRECTED_ECC_RISE, GpuSample, Verdict, classify
 
 
 @dataclass(frozen=True)
@@ -48,8 +48,9 @@ class SimBackend:
     def __init__(self, count: int) -> None:
         self._gpus = [GpuInfo(i, f"GPU-5157-0000-0000-{i:012d}", "Simulated GPU")
                       for i in range(count)]
-        self._state = {g.uuid: GpuSample(ecc_uncorrected_volatile=0, temperature_c=45,
-                                         slowdown_temp_c=87, recovery_action=0)
+        self._state = {g.uuid: GpuSample(ecc_uncorrected_volatile=0, ecc_corrected_volatile=0,
+                                         temperature_c=45, slowdown_temp_c=87,
+                                         recovery_action=0)
                        for g in self._gpus}
         self._events: list[tuple[str, int]] = []
         self._cond = threading.Condition()
@@ -85,8 +86,9 @@ class SimBackend:
                 elif xid == 48:
                     s = replace(s, ecc_uncorrected_volatile=(s.ecc_uncorrected_volatile or 0) + 1)
                 self._events.append((uuid, xid))
-            elif kind == "ecc":
-                s = replace(s, ecc_uncorrected_volatile=(s.ecc_uncorrected_volatile or 0) + 1)
+            elif kind == "ecc":  # a burst of corrected errors: the memory wears out
+                s = replace(s, ecc_corrected_volatile=(s.ecc_corrected_volatile or 0)
+                            + 4 * CORRECTED_ECC_RISE)
             elif kind == "thermal":
                 s = replace(s, temperature_c=s.slowdown_temp_c, throttle_reasons=0x40)
             else:
@@ -144,6 +146,10 @@ class NvmlBackend:
             recovery_action=self._read(lambda: _field(n, h, 230)),
             ecc_uncorrected_volatile=self._read(lambda: n.nvmlDeviceGetTotalEccErrors(
                 h, n.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, n.NVML_VOLATILE_ECC)),
+            ecc_corrected_volatile=self._read(lambda: n.nvmlDeviceGetTotalEccErrors(
+                h, n.NVML_MEMORY_ERROR_TYPE_CORRECTED, n.NVML_VOLATILE_ECC)),
+            retired_pending=_pending(self._read(
+                lambda: n.nvmlDeviceGetRetiredPagesPendingStatus(h))),
             remap_pending=bool(rows[2]) if rows else None,
             remap_failure=bool(rows[3]) if rows else None,
             temperature_c=self._read(lambda: n.nvmlDeviceGetTemperature(h, 0)),
@@ -175,6 +181,11 @@ class NvmlBackend:
         with contextlib.suppress(Exception):
             self.nvml.nvmlEventSetFree(self._events)
             self.nvml.nvmlShutdown()
+
+
+def _pending(status: Any) -> bool | None:
+    """nvmlDeviceGetRetiredPagesPendingStatus: NVML_FEATURE_ENABLED (1) when pages wait."""
+    return None if status is None else bool(status)
 
 
 def _text(value: Any) -> str:

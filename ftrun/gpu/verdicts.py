@@ -16,6 +16,12 @@ RECOVERY_ACTIONS = {0: "none", 1: "GPU reset", 2: "node reboot", 3: "drain P2P",
                     4: "drain and reset", 5: "recover IMEX domain", 6: "bus reset",
                     7: "system reboot"}
 HW_THROTTLE_BITS = 0x8 | 0x40 | 0x80  # HwSlowdown, HwThermalSlowdown, HwPowerBrakeSlowdown
+# corrected (single-bit) ECC errors between two polls that predict a failure: DCGM flags an
+# SBE storm; a steady trickle is normal on large memories
+CORRECTED_ECC_RISE = 16
+# what a degraded verdict's reason starts with when it predicts a failure by itself (memory
+# wearing out); throttling predicts one only when sustained (agent/watch.py times it)
+PREDICTIVE = ("corrected ECC errors rising", "retired pages pending", "row remap pending")
 
 
 class Health(str, enum.Enum):
@@ -31,6 +37,8 @@ class GpuSample:
     unresponsive: bool = False  # a call ran past its deadline
     recovery_action: int | None = None
     ecc_uncorrected_volatile: int | None = None
+    ecc_corrected_volatile: int | None = None  # single-bit errors the hardware corrected
+    retired_pending: bool | None = None  # pages waiting to be retired (pre-Ampere)
     remap_pending: bool | None = None
     remap_failure: bool | None = None
     temperature_c: int | None = None
@@ -65,6 +73,11 @@ def classify(prev: GpuSample | None, cur: GpuSample, xids: tuple[int, ...] = ())
             return Verdict(Health.FAILED, f"XID {code}: {name}")
     degraded = [f"XID {c}: {xid_verdict(c)[1]}" for c in xids
                 if xid_verdict(c)[0] in (XidClass.DEGRADED, XidClass.SUSPECT)]
+    rise = _rise(prev, cur)
+    if rise >= CORRECTED_ECC_RISE:
+        degraded.append(f"corrected ECC errors rising (+{rise} since the last poll)")
+    if cur.retired_pending:
+        degraded.append("retired pages pending (a reset retires them)")
     if cur.remap_pending:
         degraded.append("row remap pending (reset at the next chance)")
     if (cur.temperature_c is not None and cur.slowdown_temp_c is not None
@@ -75,6 +88,18 @@ def classify(prev: GpuSample | None, cur: GpuSample, xids: tuple[int, ...] = ())
     if degraded:
         return Verdict(Health.DEGRADED, "; ".join(degraded))
     return Verdict(Health.HEALTHY, "ok")
+
+
+def _rise(prev: GpuSample | None, cur: GpuSample) -> int:
+    if prev is None or prev.ecc_corrected_volatile is None or cur.ecc_corrected_volatile is None:
+        return 0
+    return max(0, cur.ecc_corrected_volatile - prev.ecc_corrected_volatile)
+
+
+def predicts_failure(verdict: Verdict) -> bool:
+    """A degraded verdict whose readings alone predict a failure (not throttling)."""
+    return verdict.health is Health.DEGRADED and any(
+        part.startswith(PREDICTIVE) for part in verdict.reason.split("; "))
 
 
 def _contained(cur: GpuSample, xids: tuple[int, ...]) -> bool:

@@ -49,6 +49,15 @@ class NetDowned:
 
 
 @dataclass(frozen=True)
+class Preempted:
+    """A preempt drill: the agent (its pid) sent itself its notice; it hands its node's ranks
+    over within `window_s`."""
+
+    pid: int
+    window_s: float
+
+
+@dataclass(frozen=True)
 class DrainQueued:
     """A drain the job took: `token` names it in `ftrun status`'s drains; `what` leaves."""
 

@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from ftrun.core.errors import FtrunError
-from ftrun.core.faultkinds import ALL_KINDS, GPU_KINDS, NODE_KINDS, FaultKind
+from ftrun.core.faultkinds import ALL_KINDS, GPU_KINDS, NODE_KINDS, NOTICE_KINDS, FaultKind
 
 MAX_DRILL_DELAY_S = 24 * 3600.0  # a "slow" drill slower than this is a stuck worker
 _MAX_INDEX = (1 << 31) - 1
@@ -112,6 +112,12 @@ def _check_inject(req: dict[str, Any]) -> InjectOp:
                          hint="use one of " + ", ".join(ALL_KINDS))
     rank, gpu = _integer(req, "rank", 0, _MAX_INDEX), _integer(req, "gpu", 0, _MAX_INDEX)
     node = _integer(req, "node", 0, _MAX_INDEX)
+    if kind in NOTICE_KINDS:
+        if rank is not None or gpu is not None:
+            raise FtrunError(f"--kind {kind} is a notice to a node's agent: it takes --node K "
+                             "or nothing (this job's agent here)", hint="e.g. --kind preempt "
+                             "--node 1")
+        return InjectOp(FaultKind(kind), None, None, node=node)
     if sum(x is not None for x in (rank, gpu, node)) != 1:
         raise FtrunError("give exactly one of --rank, --gpu or --node", hint="e.g. --rank 1")
     if gpu is not None and kind not in GPU_KINDS:
