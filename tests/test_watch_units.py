@@ -28,11 +28,11 @@ from ftrun.agent.watch import (
     next_hang_check_s,
 )
 from ftrun.core.events import Event
-from ftrun.core.timeouts import GPU_THROTTLE_SUSTAINED_S
 from ftrun.core.membership import Membership
 from ftrun.core.policy import Liveness
 from ftrun.core.spec import RunSpec
 from ftrun.core.states import Phase
+from ftrun.core.timeouts import GPU_THROTTLE_SUSTAINED_S
 from ftrun.gpu.verdicts import Health, Verdict
 from ftrun.protocol.progress import Reporter
 
