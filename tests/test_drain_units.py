@@ -172,3 +172,18 @@ def test_ftrun_drain_is_refused_when_its_replacement_is_late() -> None:
     rec.drains.start(request(1, window=-1.0))
     rec.handle_requests()
     assert states(port)[-1] == "refused" and store.generation().number == 0
+
+
+def test_ftrun_status_shows_a_drain_with_its_deadline_and_a_done_one_with_its_cost() -> None:
+    from ftrun.cli.render import drain_line
+    from ftrun.core.events import DrainFields
+
+    waiting = DrainFields(1, "node 2 (SIGTERM: a notice)", "waiting", "worker 20000 (rank 4) "
+                          "hands over to starting spare worker 5", deadline=1030.0)
+    assert drain_line(waiting, 1006.2) == (
+        "drain #1 node 2 (SIGTERM: a notice): waiting, 24 s left (--drain-window): worker "
+        "20000 (rank 4) hands over to starting spare worker 5")
+    done = DrainFields(2, "rank 1", "done", "r", stall_ms=18.4,
+                       phases_ms={"requested": 0.0, "done": 356.2})
+    assert drain_line(done, 0.0) == "drain #2 rank 1: done in 356 ms, the members' " \
+                                    "boundary 18 ms: r"

@@ -87,3 +87,18 @@ def test_the_control_plane_shows_who_leads_and_whether_etcd_answers() -> None:
     registry = CollectorRegistry(auto_describe=False)
     registry.register(metrics._Collector(lambda: single))
     assert b"ftrun_leader_changes" not in generate_latest(registry)
+
+
+def test_drains_are_counted_by_state_and_their_swaps_timed() -> None:
+    """#48: ftrun_drains_total{state} and the members' boundary at each swap."""
+    from statusdocs import document
+
+    drains = [{"drain": 1, "what": "rank 1", "state": "done", "stall_ms": 18.0},
+              {"drain": 2, "what": "node 1", "state": "refused"}]
+    status = Status.from_json({**document(), "drains": drains})
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(metrics._Collector(lambda: status))
+    text = generate_latest(registry).decode()
+    assert 'ftrun_drains_total{state="done"} 1.0' in text
+    assert 'ftrun_drains_total{state="refused"} 1.0' in text
+    assert "ftrun_drain_stall_seconds_sum 0.018" in text

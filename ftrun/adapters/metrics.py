@@ -17,6 +17,7 @@ from typing import Any
 
 from ftrun.core import timeouts
 from ftrun.core.errors import UsageError
+from ftrun.core.events import DrainFields
 from ftrun.protocol.status import (
     ControlPlane,
     Fault,
@@ -97,7 +98,23 @@ class _Collector:
         yield from replica_families(doc.replica_groups)
         yield from heal_families(doc.heal)
         yield from plane_families(doc.control_plane)
+        yield from drain_families(doc.drains or ())
 
+
+def drain_families(drains: Sequence[DrainFields]) -> Iterator[Any]:
+    """Planned leaves: how many, by how they ended (or stand), and what the swaps cost the
+    members at their step boundary."""
+    from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
+
+    by_state = CounterMetricFamily("ftrun_drains", "planned leaves by state (waiting, "
+                                   "published, done, refused, requeue)", labels=["state"])
+    for state, n in sorted(Counter(d.state for d in drains).items()):
+        by_state.add_metric([state], float(n))
+    yield by_state
+    stalls = [d.stall_ms / 1000 for d in drains if d.stall_ms is not None]
+    yield HistogramMetricFamily("ftrun_drain_stall_seconds", "the members' step boundary at "
+                                "a planned swap: rebuilt and healed", sum_value=sum(stalls),
+                                buckets=histogram_buckets(stalls))
 
 def plane_families(plane: ControlPlane | None) -> Iterator[Any]:
     """Multi-node: who coordinates (the coordinator's document has it). The counter is served

@@ -153,10 +153,24 @@ def status_tables(doc: Status) -> list[Any]:
     for w in sorted(doc.workers, key=lambda w: (w.rank < 0, w.rank)):
         workers.add_row(*(_fmt(getattr(w, k)) for k in keys))
     out: list[Any] = [head, workers]
+    out += [drain_line(d, doc.started_at + doc.uptime_s) for d in (doc.drains or ())[-3:]]
     if doc.faults:
         out.append(fault_table("faults", doc.faults[-10:]))
         out += [f"  #{f.id}: {f.reason}" for f in doc.faults[-5:]]
     return out
+
+
+def drain_line(d: ev.DrainFields, now: float) -> str:
+    """`drain #1 rank 1: waiting, 24 s left (--drain-window): worker 1 hands over to ...`,
+    or a finished one with its figures."""
+    head = f"drain #{d.drain} {d.what}: {d.state}"
+    if d.state in ("waiting", "published") and d.deadline is not None:
+        head += f", {max(0.0, d.deadline - now):.0f} s left (--drain-window)"
+    elif d.state == "done":
+        took = d.phases_ms.get("done")
+        head += f" in {took:.0f} ms" if took is not None else ""
+        head += f", the members' boundary {d.stall_ms:.0f} ms" if d.stall_ms is not None else ""
+    return f"{head}: {d.reason}"
 
 
 def policy_text(doc: Status) -> str:
