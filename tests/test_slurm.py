@@ -5,11 +5,12 @@ node its own network and UTS namespace), through the sbatch scripts users copy
 - a 2-node job trains and exits 0, everything it needs read from the allocation;
 - one node's ftrun SIGKILLed mid-run: the step goes on (srun --no-kill --kill-on-bad-exit=0)
   and the spare node (3 allocated, --nnodes 2) takes the lost rank in-process;
-- a notice with nowhere to go: the job asks for a requeue (exit 75), Slurm requeues it, and
-  the next run resumes from the snapshot. ftrun's own answer to a notice (#48) is not built
-  yet: a fixture wrapper exits 75 for it; Slurm, the script and the resume are real;
 - a node that fails (its link cut): Slurm sets it DOWN, and the --no-kill job it would have
-  ended trains on with the spare node and ends 0.
+  ended trains on with the spare node and ends 0;
+- Slurm's notice (what --signal=B:TERM@120 sends), relayed by examples/slurm/requeue.sbatch
+  to every node's ftrun: with nowhere to go the job snapshots and exits 75, the script
+  requeues it, and the next run resumes from the snapshot;
+- a notice to one node: its rank is handed over at a step boundary, and the job ends 0.
 Skipped in one line where Slurm cannot be installed or started.
 """
 import contextlib
@@ -141,8 +142,7 @@ def test_a_notice_with_nowhere_to_go_requeues_and_resumes(slurm: slurmlab.SlurmL
                                                           tmp_path: Path) -> None:
     log, out, snaps = tmp_path / "job.out", tmp_path / "res", tmp_path / "snapshots"
     steps = 150
-    env = {**job_env, "FTRUN": f"sh {FIXTURES / 'notice_requeue.sh'} {job_env['FTRUN']}",
-           "SNAPSHOTS": str(snaps), "SNAPSHOT_EVERY": "10"}
+    env = {**job_env, "SNAPSHOTS": str(snaps), "SNAPSHOT_EVERY": "10"}  # ftrun's own exit 75
     job = slurm.sbatch(EXAMPLES / "slurm" / "requeue.sbatch", [f"--output={log}"],
                        [TRAIN, "--steps", str(steps), "--step-time", "0.05", "--out", str(out)],
                        env=env)
@@ -211,9 +211,27 @@ def reached(trails: Path) -> int:
     return max(steps)
 
 
-@pytest.mark.skip(reason="waits for #48 (planned leaves): ftrun does not yet hand a node's "
-                  "ranks over on Slurm's --signal notice")
-def test_a_signal_notice_drains_a_node_onto_the_spare_node() -> None:
-    """With #48: a notice handed to one node's ftrun alone (requeue.sbatch's relay, narrowed
-    to that node) hands its ranks to the spare node at a step boundary; the job never stops,
-    and the drained node's ftrun exits 0."""
+@pytest.mark.timeout(300)  # ~40 s
+def test_a_notice_to_one_node_hands_its_rank_to_a_spare_on_the_other(
+        slurm: slurmlab.SlurmLab, job_env: dict[str, str], tmp_path: Path) -> None:
+    """A notice handed to one node's ftrun alone (as requeue.sbatch's relay hands Slurm's
+    --signal to each): its rank goes to the other node's hot spare at a step boundary,
+    nothing is repeated, no fault is counted, and every ftrun of the step exits 0."""
+    log, out = tmp_path / "job.out", tmp_path / "res"
+    steps = 200
+    job = slurm.sbatch(EXAMPLES / "slurm" / "train.sbatch", ["--nodes=2", f"--output={log}"],
+                       ["--nnodes", "1:2", "--spares", "1", TRAIN, "--steps", str(steps),
+                        "--step-time", "0.05", "--out", str(out)], env=job_env)
+    slurm.wait_for(lambda: "step 40 " in output(log), JOB_S, "the job at step 40")
+    tasks = slurm.step_pids(f"{job}.0", 1, tasks_only=True)  # node0 serves the store
+    assert len(tasks) == 1, tasks
+    os.kill(tasks[0], signal.SIGTERM)
+    state = ended(slurm, job)
+    text = output(log)
+    assert (state["JobState"], state["ExitCode"]) == ("COMPLETED", "0:0"), text[-2000:]
+    assert "(node1) drained; it leaves the job" in text
+    assert "survived" not in text  # no fault
+    logs = worker_logs(out)
+    first = next(w for w in logs.values() if committed(w)[0] == 0)
+    assert committed(first) == list(range(steps))  # nothing repeated
+    assert {e["world"] for e in first} == {2}  # never short-handed
