@@ -66,12 +66,17 @@ class Drains:
         self.snapshot = snapshot
         self.all: list[Drain] = []
         self._requeue: Drain | None = None  # the job ends for its scheduler once it is out
+        self._out: tuple[int, ...] = ()  # the members it waits for: every one of the job
 
     # ------------------------------------------------------------ a request
     def start(self, req: DrainRequest) -> Drain:
-        """Plan the drain and make its takers ready; a refusal ends it at once."""
+        """Plan the drain and make its takers ready; a refusal ends it at once. A leaving
+        node that takes every member with it, other nodes' too (the c10d store goes with it),
+        takes the whole job: no spare anywhere can keep it."""
+        whole = req.node_leaves and set(self.membership.live()) <= set(req.leavers) and \
+            any(node_of(m) != req.node for m in req.leavers)
         leaving = frozenset(w for w in self.membership.with_role(R.SPARE, R.STARTING_SPARE)
-                            if req.node is not None and node_of(w) == req.node)
+                            if whole or (req.node is not None and node_of(w) == req.node))
         plan = plan_drain(self.snapshot(), req.leavers, req.what, node_leaves=req.node_leaves,
                           reserved=self._reserved(), leaving_spares=leaving)
         drain = Drain(len(self.all) + 1, req, plan, phases={"requested": time.time()},
@@ -120,6 +125,7 @@ class Drains:
     def _requeue_now(self, drain: Drain) -> None:
         """Nowhere to go: every member leaves at the next step boundary, its node's replica
         taking a snapshot first; the attempt then ends for its scheduler to requeue it."""
+        self._out = self.membership.live()
         self.gens.publish((), f"planned: {drain.reason}; snapshot and requeue", False,
                           snapshot_first=True)
         drain.generation = self.membership.generation
@@ -206,7 +212,7 @@ class Drains:
         role = self.membership.role
         if any(role(m) not in (R.GONE, R.FINISHED) for m in drain.request.leavers) or \
                 any(w.alive for w in self.port.all_workers()
-                    if w.worker_id in set(drain.takers) | set(drain.request.leavers)):
+                    if w.worker_id in {*drain.takers, *drain.request.leavers, *self._out}):
             return None
         return Decision(Action.REQUEUE, f"{drain.reason}; snapshot taken, requeue the job")
 

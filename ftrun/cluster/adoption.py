@@ -5,7 +5,9 @@ bounded while) for the nodes whose agents still hold their etcd leases to join i
 workers they run, rebuilds the membership from the newest generation this node's relay
 holds (its members, and every other live worker as a ready spare), and hands the members
 that ran on nodes that did not come back to `Recovery` as a node loss: the next generation,
-published on the new store and naming it, brings the survivors together there.
+published on the new store and naming it, brings the survivors together there. With no
+member lost (the coordinator's node drained before it stepped down), that generation is a
+planned one with the same members: they move to the new store at a step boundary.
 Must not import: the agent's node, typer, rich, the CLI, the worker library.
 """
 
@@ -54,6 +56,10 @@ def adopt(coord: Coordinating, workers_store: HostedStore, held: Generation,
         left = 1 + len(coord.other_nodes())
         coord.pending = coord.pending or rec.on_node_lost(
             node, f"node {node} (the coordinator's)", list(gone), left, lost_at)
+    if not lost:  # no member lost (the coordinator's node had drained): the members move here
+        rec.gens.publish(held.members, f"node {coord.index} coordinates the job now: the "
+                         "members move to its workers' store at "
+                         f"{host.master_addr}:{workers_store.port}", False)
     return rec
 
 

@@ -6,15 +6,15 @@ order, this node first, ranks contiguous per node as torchrun assigns them), the
 workers as this agent knows them from their node's reports, starting, stopping and ending
 the other nodes' workers through their command queues, and admitting a node into a running
 job (a fenced node comes back this way, as a new node). What the job shows of the other
-nodes lives in `jobnodes`; generations and fault decisions stay with `Recovery` and the
-pure policy. `Coordinating` is the `agent.cluster.Cluster` an agent is given on the node
-that serves the store: it reaches the agent through `NodeHost`, never by subclassing it.
+nodes lives in `jobnodes`, how they are let go in `ending`, their planned leaves (notices)
+in `drained`; generations and fault decisions stay with `Recovery` and the pure policy.
+`Coordinating` is the `agent.cluster.Cluster` an agent is given on the node that serves the
+store: it reaches the agent through `NodeHost`, never by subclassing it.
 Must not import: typer, rich, the CLI or the worker library.
 """
 
 from __future__ import annotations
 
-import math
 import queue
 import time
 from collections.abc import Callable
@@ -25,11 +25,14 @@ from ftrun.agent.cluster import StopLocal
 from ftrun.agent.jobview import Node
 from ftrun.agent.roster import RemoteWorker, RunResult, Worker
 from ftrun.cluster.admission import Waiting, why_refused, why_wait
+from ftrun.cluster.drained import NodeDrains
+from ftrun.cluster.ending import Ending
 from ftrun.cluster.host import NodeHost
 from ftrun.cluster.jobnodes import NodeTable
 from ftrun.cluster.link import AGENT_QUEUE, Endpoint, conf_float, connect
 from ftrun.cluster.messages import (
     Bye,
+    Draining,
     End,
     Exited,
     Join,
@@ -40,7 +43,6 @@ from ftrun.cluster.messages import (
     Spawn,
     Spawned,
     Start,
-    Stop,
     parse_report,
 )
 from ftrun.cluster.nodewatch import NodeWatch
@@ -87,6 +89,11 @@ class Coordinating:
         self._waiting = Waiting()  # nodes that joined a running job and wait for room
         self._last_refusal = ""  # named when too few nodes joined: a refused one may be why
         self.table = NodeTable(host, rdzv, ep, self.nodes, self.watch, self.beat_s)
+        self.drained = NodeDrains(host, index, self.plane.backend, self.nodes, self.workers,
+                                  self.watch, self.table, self._waiting)  # planned leaves
+        self.ending = Ending(spec, self.nodes, self.workers, self.watch, self.table, rdzv,
+                             self._inbox, lambda: self.drain_inbox(running=False),
+                             self.drained, self.lost_after_s)
 
     # ----------------------------------------------------------------- lifecycle
     def drive(self, attempts: Callable[[], RunResult]) -> RunResult:
@@ -96,17 +103,19 @@ class Coordinating:
         return self.step_down(result, self.close)
 
     def close(self, result: RunResult | None) -> None:
+        """End every other node, or (this node drained, etcd) leave them to the next leader:
+        the leadership goes first, so that it is elected as soon as they see the store go."""
+        stepping_down = self.drained.stepping_down is not None
+        if stepping_down:
+            self.plane.close()
         if self._reader is not None:  # the store was served
-            code = result.exit_code if result is not None else 1
-            reason = result.reason if result is not None else "the coordinator failed"
-            ending = self._alive()
-            for node in ending:
-                self.table.send(node, End(code=code, reason=reason, lost=False, refused=False))
-            self._await_byes({n.index for n in ending})
+            if not stepping_down:
+                self.ending.end_nodes(result)
             self._reader.close(self.rdzv.store)
         self.table.close()
         self.rdzv.close()
-        self.plane.close()
+        if not stepping_down:
+            self.plane.close()
 
     def prepare(self) -> None:
         """After the guardian is forked (no thread may exist before): serve the store."""
@@ -118,18 +127,6 @@ class Coordinating:
         self.rdzv.store = CountingStore(self.rdzv.store)  # its load shows in `ftrun status`
         self._reader = QueueReader(lambda: connect(self.ep, timeouts.STORE_CLIENT_CONNECT_S),
                                    AGENT_QUEUE, self._deliver, lambda why: None, "ftrun-agents")
-
-    def _await_byes(self, nodes: set[int]) -> None:
-        """Followers disconnect before the store goes (c10d prints a stack trace if not)."""
-        deadline = time.monotonic() + timeouts.THREAD_JOIN_S + self.spec.shutdown_timeout
-        while nodes and time.monotonic() < deadline:
-            try:
-                msg = self._inbox.get(timeout=0.05)
-            except queue.Empty:
-                nodes -= self._drop_silent()
-                continue
-            if isinstance(msg, (Bye, Left)):
-                nodes.discard(msg.node)
 
     def _deliver(self, raw: str | bytes) -> None:  # reader thread
         self._inbox.put(parse_report(raw))
@@ -221,6 +218,8 @@ class Coordinating:
                         self._lost_nodes.append((msg.node, why, 0.0))
                     else:
                         self._node_lost(self.nodes[msg.node], why, time.time())
+                case Draining() if msg.node in self.nodes and self.nodes[msg.node].alive:
+                    self.drained.asked(msg)
                 case Pong():
                     self.watch.answer(msg.node, msg.seq)
                 case Bye() if msg.node in self.nodes:
@@ -316,6 +315,8 @@ class Coordinating:
         self.table.send_net_drills()
         verdict = self.watch.check(self.rdzv.store, [n.index for n in self._alive()])
         self.table.ping(verdict.ping)
+        if (stepping_down := self.drained.tick()) is not None:
+            return stepping_down  # this node drained (etcd): the job goes on without it
         lost, self._lost_nodes = self._lost_nodes + verdict.lost, []
         now = time.time()
         first = {i: (why, s) for i, why, s in reversed(lost)}  # a node lost twice: once
@@ -399,27 +400,4 @@ class Coordinating:
         return {**self.table.decorate_status(doc), "control_plane": self.plane.describe()}
 
     def stop_workers(self, sig: int, grace: float, stop_local: StopLocal) -> int | None:
-        waiting = [n for n in self._alive() if n.in_attempt]
-        for node in waiting:
-            self.table.send(node, Stop(signal=int(sig), grace=grace))
-            node.in_attempt = False
-        deadline = time.monotonic() + grace + timeouts.KILL_REAP_S
-        received = stop_local(sig, grace)
-        while time.monotonic() < deadline and any(
-                w.alive and self.nodes[w.node].alive for w in self.workers.by_id.values()):
-            self.drain_inbox(running=False)
-            self._drop_silent()
-            time.sleep(0.02)
-        return received
-
-    def _drop_silent(self) -> set[int]:
-        """Ending: a node whose heartbeat is silent past the node timeout will not answer (it
-        follows another leader, or is cut off), so it is not waited for; the silent ones."""
-        try:
-            ages = self.watch.beats.ages(self.rdzv.store)
-        except Exception:  # the store itself is gone: nothing to wait for through it
-            ages = {n.index: math.inf for n in self._alive()}
-        silent = {i for i, age in ages.items() if age > self.lost_after_s}
-        for index in silent & set(self.nodes):
-            self.nodes[index].alive = False
-        return silent
+        return self.ending.stop_workers(sig, grace, stop_local)

@@ -2,7 +2,8 @@
 
 Owns: joining the rendezvous (a node index, a heartbeat), starting this node's workers when
 the coordinator says so (first members, replacements, spares, a late node's joiners),
-reporting every exit at once, stopping on command, and fencing (`ftrun.core.fencing`): cut
+reporting every exit at once, stopping on command (a notice or a signal to this agent, and
+the coordinator's end: `leaving`), and fencing (`ftrun.core.fencing`): cut
 off from the store (no round trip for `fence_timeout`, or dropped by the coordinator), it
 stops its workers within a bound, then comes back as a new node when the store answers
 again within `rejoin_timeout` (`rejoin`), or leaves with one line saying why. `Following` is
@@ -28,6 +29,7 @@ from ftrun.adapters.store import HostedStore
 from ftrun.agent.cluster import NoOtherNodes
 from ftrun.agent.roster import RunResult, Worker
 from ftrun.cluster.host import NodeHost
+from ftrun.cluster.leaving import Leaving
 from ftrun.cluster.link import (
     NODE_COUNTER,
     Endpoint,
@@ -45,7 +47,6 @@ from ftrun.cluster.messages import (
     Exited,
     Join,
     Kill,
-    Left,
     NetDown,
     Ping,
     Pong,
@@ -99,6 +100,7 @@ class Following(NoOtherNodes):
         self.net: NetDrills | None = None
         self._relay: GenerationRelay | None = None
         self._job_status = JobStatus()  # `ftrun status`, never held by a silent store
+        self.leaving = Leaving(host, self._report)  # a notice, a signal, the coordinator's End
 
     # ----------------------------------------------------------------- threads
     def _deliver(self, raw: str | bytes, session: int) -> None:
@@ -216,10 +218,8 @@ class Following(NoOtherNodes):
         with self.host.workers.selector() as sel:
             while True:
                 sig = self.host.wakeup.pop_signal()
-                if sig is not None:
-                    self._report(Left(node=self.index,
-                                      reason=f"received {signal.Signals(sig).name}"))
-                    return self.host.signal_result(sig, self.host.restarts)
+                if sig is not None:  # no worker runs here now: no notice to take
+                    return self.leaving.leave(sig, self.index)
                 if (why := self._cut_off()) is not None:
                     return Fenced(why, 0, self._outage)
                 try:
@@ -278,8 +278,11 @@ class Following(NoOtherNodes):
         with host.workers.watching() as sel:
             while True:
                 sig = host.wakeup.pop_signal()
-                if sig is not None:
-                    return self._leave_on_signal(sig)
+                if sig is not None and (left := self.leaving.signalled(
+                        sig, self.index, self.uses_api(False))) is not None:
+                    return left  # else a notice: the workers run on, their ranks handed over
+                if (left := self.leaving.expired(self.index)) is not None:
+                    return left
                 if (why := self._cut_off()) is not None:
                     return self._leaderless_now(why) or self._fence(why)
                 host.workers.reap_ready(sel, timeout=timeouts.NODE_HEARTBEAT_S)
@@ -345,27 +348,7 @@ class Following(NoOtherNodes):
         return Fenced(why, alive, self._outage)
 
     def _end(self, cmd: End) -> RunResult | Fenced:
-        if cmd.lost:
-            return Fenced(cmd.reason, 0)
-        workers = self.host.workers
-        if workers.alive():
-            workers.stop(signal.SIGTERM, self.spec.shutdown_timeout)
-        workers.close_streams()
-        code = cmd.code
-        exits = workers.exits()
-        reason = (f"the coordinator refused this node: {cmd.reason}" if cmd.refused
-                  else f"the coordinator ended the job: {cmd.reason}")
-        if code:
-            self.host.emit(Event.FAILURE, {"reason": reason, "rank": None})
-        return RunResult(code, reason,
-                         exits=exits, restarts_used=self.host.restarts,
-                         log_dir=self.host.services.logs.run_dir)
-
-    def _leave_on_signal(self, sig: int) -> RunResult:
-        self._report(Left(node=self.index, reason=f"received {signal.Signals(sig).name}"))
-        self.host.workers.stop(sig, self.spec.shutdown_timeout)
-        self.host.workers.close_streams()
-        return self.host.signal_result(sig, self.host.restarts)
+        return Fenced(cmd.reason, 0) if cmd.lost else self.leaving.ended(cmd)
 
     def on_local_exit(self, w: Worker) -> None:
         """Every exit is reported at once: the coordinator decides what it means."""

@@ -1,7 +1,7 @@
 """The typed messages between the agents of a multi-node job, as they travel on the store.
 
 Owns: the commands a coordinator sends one node (start, spawn, kill, stop, end, ping, a
-net-down drill), the reports a node sends the coordinator (join, a worker's exit, ...),
+net-down drill), the reports a node sends the coordinator (join, a worker's exit, a notice, ...),
 each checked field by field where it enters (`parse_command`, `parse_report`), and the
 `Payload` a node's heartbeat carries (its workers, their liveness, its snapshots), read as
 strictly (`parse_payload`).
@@ -70,10 +70,11 @@ class Stop:
 
 @dataclass(frozen=True)
 class End:
-    """The job is over (or this node is out of it): stop and exit with `code`. `lost`: the
-    coordinator dropped this node (a cut link seen from its side); the node fences, and may
-    come back as a new node. `refused`: the coordinator turned this node away when it joined
-    (another job's --rdzv-id, a node index taken, other shared flags); the node ends."""
+    """The job is over (or this node is out of it): stop and exit with `code` (0: done, or
+    this node drained; 75: requeue the job; 1: failed). `lost`: the coordinator dropped this
+    node (a cut link seen from its side); the node fences, and may come back as a new node.
+    `refused`: the coordinator turned this node away when it joined (another job's
+    --rdzv-id, a node index taken, other shared flags); the node ends."""
 
     kind: ClassVar[str] = "end"
     code: int
@@ -155,6 +156,18 @@ class Left:
 
 
 @dataclass(frozen=True)
+class Draining:
+    """The node's agent received a notice (SIGTERM, or --drain-signal): the node will be
+    taken within `window_s` seconds. Its workers run on while the coordinator hands their
+    ranks over; it ends the node with `End` (code 0) once they are served elsewhere."""
+
+    kind: ClassVar[str] = "draining"
+    node: int
+    reason: str  # "SIGTERM: a notice"
+    window_s: float
+
+
+@dataclass(frozen=True)
 class Pong:
     kind: ClassVar[str] = "pong"
     node: int
@@ -170,11 +183,11 @@ class Bye:
 
 
 Command = Start | Spawn | Kill | Stop | End | Ping | NetDown
-Report = Join | Spawned | Exited | Stopped | Left | Pong | Bye
+Report = Join | Spawned | Exited | Stopped | Left | Draining | Pong | Bye
 COMMANDS: dict[str, type[Command]] = {
     c.kind: c for c in (Start, Spawn, Kill, Stop, End, Ping, NetDown)}
 REPORTS: dict[str, type[Report]] = {
-    c.kind: c for c in (Join, Spawned, Exited, Stopped, Left, Pong, Bye)}
+    c.kind: c for c in (Join, Spawned, Exited, Stopped, Left, Draining, Pong, Bye)}
 
 
 def send(store: Any, queue_key: str, msg: Command | Report) -> None:

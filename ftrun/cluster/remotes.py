@@ -2,8 +2,8 @@
 
 Owns: `RemoteWorkers`: the attempt's remote workers by id, the ids issued per node (a node that
 rejoins under its index never gets its lost workers' ids back), the exits reported and not
-yet handed to the supervise loop, a whole node's workers marked lost at once, and a running
-node's workers adopted by a coordinator that took over (etcd).
+yet handed to the supervise loop, a whole node's workers marked lost (or drained) at once,
+and a running node's workers adopted by a coordinator that took over (etcd).
 Must not import: the agent's node, typer, rich, the CLI, the worker library.
 """
 
@@ -65,14 +65,16 @@ class RemoteWorkers:
                             killed_by_launcher=msg.by_launcher)
         self._exited.append(w)
 
-    def lost(self, node: int) -> list[RemoteWorker]:
-        """Every live worker of a lost node, marked killed now."""
+    def lost(self, node: int, drained: bool = False) -> list[RemoteWorker]:
+        """Every live worker of a lost node, marked killed now; `drained`: of a node that
+        leaves cleanly, marked stopped by its agent (what it reports of them is not news)."""
         gone = [w for w in self.by_id.values() if w.node == node and w.alive]
         now = time.time()
+        sig = signal.SIGTERM if drained else signal.SIGKILL
         for w in gone:
             w.exit = WorkerExit(rank=w.rank, local_rank=w.local_rank, pid=w.pid,
-                                returncode=-int(signal.SIGKILL), detected_at=time.monotonic(),
-                                wall_time=now, error_file="", killed_by_launcher=False)
+                                returncode=-int(sig), detected_at=time.monotonic(),
+                                wall_time=now, error_file="", killed_by_launcher=drained)
         return gone
 
     def also_exited(self, workers: list[RemoteWorker]) -> None:
