@@ -21,6 +21,7 @@ import torch
 from etcdlab import EtcdLab, etcd_cluster_fixture  # noqa: F401
 from test_multinode import Node, free_port, wait_listening
 
+from ftrun.core.exits import EXIT_REQUEUE
 from tests.conftest import run_ftrun, wait_for
 
 TRAIN = str(Path(__file__).parent.parent / "examples" / "train_ddp.py")
@@ -173,3 +174,35 @@ def test_the_etcd_coordinators_notice_moves_its_role_to_another_agent(
     gens = no_fault(tmp_path, "a", "b", "c")
     assert any("coordinates the job now" in g["reason"] for g in gens), gens
     print(*stalls(runs, [w for w in runs if runs[w][0]["step"] == 0]), sep="\n")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_the_c10d_coordinators_notice_requeues_the_whole_job(
+        tmp_path: Path, private_run_dir: Path) -> None:
+    """Its store goes with it: spares on the other nodes cannot keep the job. Every member
+    snapshots and leaves at a step boundary, and every agent exits 75 (none says it failed)."""
+    port = free_port()
+    rdzv = ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
+            "--rdzv-id", "drain-c10d-0", "--snapshot-every", "10"]
+    started: list[Node] = []
+    try:
+        for name in ("a", "b", "c"):
+            snaps = ["--snapshot-dir", str(tmp_path / f"snaps_{name}")]
+            started.append(Node(tmp_path, name, job(tmp_path, name, [*rdzv, *snaps])))
+            if name == "a":
+                wait_listening(port, 60)
+        a, b, c = started
+        wait_for(lambda: ready(a), 180, "3 members stepping and 3 spares ready")
+        os.kill(a.proc.pid, signal.SIGTERM)  # a notice to the node serving the store
+        codes = [node.wait(120) for node in started]
+    finally:
+        for node in started:
+            node.kill()
+    assert codes == [EXIT_REQUEUE] * 3, a.stderr + b.stderr + c.stderr
+    assert "the store goes with it" in a.stderr and "snapshot taken, requeue the job" in a.stderr
+    for node in (b, c):
+        assert "the coordinator ended the job" in node.stderr and "requeue" in node.stderr
+    assert "Traceback" not in a.stderr + b.stderr + c.stderr
+    assert not logs(tmp_path / "out")  # every member left inside ft.steps()
+    assert not [e for e in events(tmp_path, "a") if e["event"] in ("fault", "failure")]

@@ -154,6 +154,7 @@ def test_the_c10d_coordinators_notice_requeues_even_with_spares_on_other_nodes(
     req = Notices(job.node.spec).take(signal.SIGTERM, 0, members, whole_job=True)
     drain = rec.drains.start(req)
     assert drain.state is DrainState.REQUEUE and "nowhere to go" in drain.reason
+    assert drain.reason.startswith("node 0 (SIGTERM: a notice; the store goes with it)")
     assert generation(job.worker_store).members == ()
 
 

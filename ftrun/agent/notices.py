@@ -39,8 +39,9 @@ class Notices:
         self.received = sig
         self.deadline = time.time() + self.spec.drain_window
         here = members if whole_job else tuple(m for m in members if node_of(m) == node)
-        return DrainRequest(f"node {node} ({signal_name(sig)}: a notice)", here, self.deadline,
-                            node_leaves=True, node=node)
+        why = f"{signal_name(sig)}: a notice{'; the store goes with it' if whole_job else ''}"
+        return DrainRequest(f"node {node} ({why})", here, self.deadline, node_leaves=True,
+                            node=node)
 
     def expired(self, now: float) -> int | None:
         """The window is over: the signal to stop the workers with, as without a notice."""
