@@ -30,6 +30,7 @@ from ftrun.core.drains import (
     plan_drain,
 )
 from ftrun.core.events import DrainFields, Event
+from ftrun.core.exits import describe_exit
 from ftrun.core.membership import Membership, WorkerRole
 from ftrun.core.policy import Action, Decision, Snapshot
 from ftrun.protocol.rendezvous import Recovered, node_of
@@ -144,9 +145,10 @@ class Drains:
             if worker_id in drain.takers.values():
                 self._advance(drain)
 
-    def exited(self, worker_id: int) -> None:
+    def exited(self, worker_id: int, code: int = 0) -> None:
         """A leaver left (the swap landed), or a taker died before it entered: the next spare
-        is planned for that leaver, or the drain is refused."""
+        is planned for that leaver, or the drain is refused. A leaver that ended before its
+        swap (its training over, or a fault) ends the drain: there is nothing to hand over."""
         for drain in self.all:
             if drain.state is DrainState.PUBLISHED and worker_id in drain.takers:
                 drain.left.add(worker_id)
@@ -155,8 +157,10 @@ class Drains:
             elif drain.state is DrainState.WAITING and worker_id in drain.takers.values():
                 self._replan(drain, worker_id)
             elif drain.state is DrainState.WAITING and worker_id in drain.takers:
-                self._move(drain, DrainState.REFUSED, f"worker {worker_id} ended before its "
-                           "handover (a fault: recovered as one)")
+                why = ("its script ended first" if code == 0 else
+                       f"it exited with {describe_exit(code)} first (a fault, recovered as one)")
+                self._move(drain, DrainState.REFUSED, f"worker {worker_id} needs no handover: "
+                           f"{why}")
 
     def _replan(self, drain: Drain, dead: int) -> None:
         leaver = next(k for k, v in drain.takers.items() if v == dead)

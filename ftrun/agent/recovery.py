@@ -119,7 +119,7 @@ class Recovery:
         wid, code, role = w.worker_id, w.exit.returncode, self.membership.role(w.worker_id)
         node = node_of(wid)
         taker = self.drains.owns(wid)
-        self.drains.exited(wid)  # a leaver out, or a drain's taker lost: it plans again
+        self.drains.exited(wid, code)  # a leaver out, or a drain's taker lost: plans again
         if taker:  # started or kept to take a leaver's rank: the drain follows it up
             self.membership.leave([wid])
             self.faults += code != 0
