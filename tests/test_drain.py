@@ -3,8 +3,10 @@ drain asked for with `ftrun drain` or sent as a notice (SIGTERM to the agent). A
 a step boundary: no step repeated, no fault counted, the final replicas bitwise equal to the
 fault-free run's; with nowhere to go the job snapshots, exits 75 and `--resume` continues it
 bitwise."""
+import contextlib
 import json
 import os
+import signal
 import subprocess
 from pathlib import Path
 
@@ -175,3 +177,29 @@ def test_a_gpu_whose_memory_wears_out_hands_its_rank_to_a_spare(
     assert not [e for e in events if e["event"] == "fault"]
     assert set(logs(tmp_path)) == {0, 2, 3}
     assert all(bitwise(p, reference) for p in params(tmp_path).values())
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_a_notice_signal_sent_to_every_process_of_the_step_reaches_the_agent_alone(
+        tmp_path: Path, private_run_dir: Path) -> None:
+    """Slurm's --signal reaches every process of the job step: with --drain-signal SIGUSR1
+    the workers start with it ignored (its default action would end them), and the agent
+    takes it as its notice."""
+    import psutil
+
+    proc = start("notice-all", tmp_path, "--nproc", "2", "--drain-signal", "SIGUSR1")
+    try:
+        doc = at_step("notice-all", 5, spare=False)
+        pids = [proc.pid, *(w["pid"] for w in doc["workers"])]
+        pids += [c.pid for c in psutil.Process(proc.pid).children(recursive=True)]
+        for pid in set(pids):  # the agent, its workers, the zygote: as Slurm signals a step
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGUSR1)
+    finally:
+        code, err = finish(proc)
+    assert code == EXIT_REQUEUE, err
+    assert "received SIGUSR1: a notice" in err and "-10" not in err
+    events = [json.loads(line) for line in
+              next((tmp_path / "logs").glob("*/events.jsonl")).read_text().splitlines()]
+    assert not [e for e in events if e["event"] == "fault"]

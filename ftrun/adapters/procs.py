@@ -20,6 +20,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import IO, Protocol
 
+from ftrun.core.exits import ignored_notice
+
 _PR_SET_PDEATHSIG = 1
 _PR_SET_CHILD_SUBREAPER = 36
 
@@ -35,12 +37,15 @@ _LIBC = _libc()
 _PRCTL = _LIBC.prctl if _LIBC is not None else None  # resolved here, not in the forked child
 
 
-def _child_setup(parent_pid: int) -> None:
-    """Runs in the child between fork and exec: die with the agent, never outlive it."""
+def _child_setup(parent_pid: int, ignored: int | None) -> None:
+    """Runs in the child between fork and exec: die with the agent, never outlive it; the
+    agent's notice signal ignored (an ignored signal stays ignored across exec)."""
     if _PRCTL is not None:
         _PRCTL(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     if os.getppid() != parent_pid:  # the agent died before prctl took effect
         os._exit(137)
+    if ignored is not None:
+        signal.signal(ignored, signal.SIG_IGN)
 
 
 def die_with_parent() -> bool:
@@ -134,7 +139,7 @@ def spawn(
         stderr=stderr,
         start_new_session=True,
         pass_fds=tuple(pass_fds),
-        preexec_fn=lambda: _child_setup(parent),
+        preexec_fn=lambda: _child_setup(parent, ignored_notice(env)),
     )
     return Spawned(process=popen, pidfd=pidfd_of(popen.pid), started_at=time.monotonic())
 

@@ -46,6 +46,7 @@ def worker_env(spec: RunSpec, env: Mapping[str, str], *, rank: int, local_rank: 
         spare=spare, comm=spec.comm, progress_dir=progress_dir, shard_size=spec.shard_size,
         relay=relay, heal_chunk_mb=spec.heal_chunk_mb, heal_sources=spec.heal_sources,
         redo=spec.redo,
+        drain_signal=spec.drain_signal,
     )
 
 

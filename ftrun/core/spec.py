@@ -164,12 +164,13 @@ _ENV_NAMES: dict[str, str] = {
     "heal_chunk_mb": "FTRUN_HEAL_CHUNK_MB",
     "heal_sources": "FTRUN_HEAL_SOURCES",
     "redo": "FTRUN_REDO",
+    "drain_signal": "FTRUN_DRAIN_SIGNAL",
 }
 
 _OMITTED_AT_DEFAULT = frozenset(
     {"snapshot_shm", "snapshot_every", "snapshot_interval", "resume", "resume_dir",
      "snapshot_spill", "resume_run", "resume_step", "shard_size", "relay", "heal_chunk_mb",
-     "heal_sources", "redo"})
+     "heal_sources", "redo", "drain_signal"})
 
 
 @dataclass(frozen=True)
@@ -212,6 +213,9 @@ class WorkerEnv:
     heal_chunk_mb: float = HEAL_CHUNK_MB  # --heal-chunk-mb
     heal_sources: int = HEAL_SOURCES  # --heal-sources
     redo: str = "step"  # --redo: step | lost (worker/makeup.py)
+    # --drain-signal: a notice for the agent; a worker starts with it ignored (Slurm's
+    # --signal reaches every process of the step, and its default action ends a process)
+    drain_signal: str = ""
 
     def to_env(self) -> dict[str, str]:
         # Snapshot variables appear only when snapshots are on, so a job without

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 from ftrun.adapters.procs import die_with_parent
 from ftrun.core import timeouts
+from ftrun.core.exits import ignored_notice
 from ftrun.protocol.zygote import Fork
 
 ZYGOTE_PID = 0  # set in a forked worker: the zygote it came from (0: started as a new process)
@@ -56,6 +57,8 @@ def become_worker(plan: Plan) -> None:
     _reset_signals()
     req = plan.request
     _set_environment(req.env)
+    if (notice := ignored_notice(req.env)) is not None:  # the agent's, as a spawn's
+        signal.signal(notice, signal.SIG_IGN)
     _fresh_seeds()
     os.chdir(req.cwd)
     global ZYGOTE_PID
