@@ -22,6 +22,9 @@ from ftrun.protocol.control import DrainQueued, Preempted, read_reply
 from ftrun.protocol.control_ops import check_request
 
 WAIT_MARGIN_S = 60.0  # past its window, how long `ftrun drain` follows a swap that landed
+# between two looks at the job: the phases carry the agent's own times, and a status document
+# costs the agent CPU while its members swap
+POLL_S = 0.25
 SAY = {"requested": "requested", "ready": "replacement ready", "published": "swap published",
        "left": "leaver out", "first_commit": "first commit after the swap",
        "done": "done", "refused": "refused", "requeue": "requeue"}
@@ -95,5 +98,5 @@ def follow(info: control.RunInfo, token: str, say: Callable[[str], None],
                            if phase == "done" and row.stall_ms is not None else ""))
             if row.state in (DrainState.DONE, DrainState.REFUSED):
                 return row
-        time.sleep(0.05)
+        time.sleep(POLL_S)
     return None

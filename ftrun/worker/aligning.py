@@ -41,6 +41,7 @@ class Healer:
     worker: int = -1
     post: Callable[[Request], None] | None = None  # to the agent (None: not run by ftrun)
     sized: bool = False  # the state's size was reported
+    state_bytes: int = 0  # ...and what it was (0: not known: no step committed here yet)
 
     @classmethod
     def of(cls, wenv: WorkerEnv | None, post: Callable[[Request], None]) -> Healer:
@@ -59,7 +60,8 @@ class Healer:
             return
         self.sized = True
         leaves = describe(objects)[1]
-        self.post(StateSize(self.worker, sum(t.numel() * t.element_size() for t in leaves)))
+        self.state_bytes = sum(t.numel() * t.element_size() for t in leaves)
+        self.post(StateSize(self.worker, self.state_bytes))
 
     def received(self, stats: HealStats, generation: int, step: int) -> None:
         self.last = ("received", stats)
@@ -96,17 +98,22 @@ def align(group: Group, committed: int, registered: dict[str, Any], streams: Any
     if group.size == 1:
         return committed
     healer = healer if healer is not None else Healer()
-    steps = torch.zeros(group.size, dtype=torch.int64, device=device)
+    # each member's committed step, and the size of its state where it knows it
+    told = torch.zeros(2 * group.size, dtype=torch.int64, device=device)
     # a member whose heal was cut off holds a mix of states: never a source
-    steps[group.rank] = -1 if healer.progress.dirty else committed
-    group.allreduce(steps, interrupt)
-    everyone = [int(s) for s in steps.tolist()]
+    told[group.rank] = -1 if healer.progress.dirty else committed
+    told[group.size + group.rank] = healer.state_bytes
+    group.allreduce(told, interrupt)
+    everyone = [int(s) for s in told[:group.size].tolist()]
+    state_bytes = int(told[group.size:].max())
     best = max(everyone)
     if best < 0:
         raise WorkerApiError("no member holds a whole state: a heal was cut off and every "
                              "member it healed from is gone",
                              hint="resume from a snapshot (--snapshot-every, --resume)")
-    plan = heal_sources(everyone, healer.max_sources)
+    # a state of one chunk or less comes from one source: striping it only adds round trips
+    one_chunk = 0 < state_bytes <= healer.chunk_bytes
+    plan = heal_sources(everyone, 1 if one_chunk else healer.max_sources)
     if plan and not registered:
         raise WorkerApiError("a replica must heal but nothing is registered",
                              hint="call ft.register(model=..., optimizer=...) before steps()")

@@ -301,6 +301,7 @@ class FaultTolerant:
         if self._managed and not self._replay_streams():
             self._replay = (self.committed, self._streams.state_dict())
         self._state = StepState.RUNNING
+        self._member.step_started()
         self._redo.start_pass(self.committed)
         self._sync.next_step(self._member.group)
         if self._progress is not None:
@@ -333,7 +334,7 @@ class FaultTolerant:
             return True
 
     def _wants_switch(self) -> bool:
-        return (newest := self._interrupt.newest) is not None and newest.number > self.generation
+        return self._member.wants_switch()
 
     def _bucket_starting(self) -> bool:
         return self._drills.bucket_starting(self.generation)

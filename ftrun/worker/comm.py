@@ -208,56 +208,99 @@ def _wait_in_thread(work: Any, wake: threading.Event, timeout_s: float
 
 def build_group(connect: Callable[[], Store], gen: Generation, rank: int, backend: str,
                 device: Any, interrupt: Interrupt, native: Reconfigurable | None = None,
-                timeout_s: float = timeouts.PG_INIT_S, members: tuple[int, ...] | None = None
-                ) -> Group:
+                timeout_s: float = timeouts.PG_INIT_S, members: tuple[int, ...] | None = None,
+                warm: bool = False) -> Group:
     """Construct the generation's group (or the group of `members`, a part of it, where
     `rank` is the rank among them) in a helper thread, on a store connection of its own,
     so that any newer generation can abandon a construction that waits for a peer that will
-    never come, without blocking the worker's other store traffic."""
-    if (gen.world_size if members is None else len(members)) == 1:
-        return Group(gen, rank, None, members=members)
-    result: dict[str, Any] = {}
-    done, cancel, handover = threading.Event(), threading.Event(), threading.Lock()
+    never come, without blocking the worker's other store traffic. `warm`: as `Build`'s
+    (every member of the generation must agree on it: its first collective is the warm-up)."""
+    return Build(connect, gen, rank, backend, device, interrupt, native, timeout_s,
+                 members, warm).result(interrupt)
 
-    def construct() -> None:
+
+class Build:
+    """A generation's group under construction on a thread of its own: started at a switch,
+    or ahead of it (a planned generation, while the old group trains on)."""
+
+    def __init__(self, connect: Callable[[], Store], gen: Generation, rank: int, backend: str,
+                 device: Any, interrupt: Interrupt, native: Reconfigurable | None = None,
+                 timeout_s: float = timeouts.PG_INIT_S, members: tuple[int, ...] | None = None,
+                 warm: bool = False) -> None:
+        """`warm`: a fresh group's first collective (gloo's connections are slow to warm up)
+        runs here, on the builder thread. Every member of the generation must build it warm
+        alike, ahead or at the switch: a member that did not would meet the warm-up with its
+        own first collective (gloo aborts the process on the size mismatch)."""
+        self.gen, self.rank, self.members, self._warm = gen, rank, members, warm
+        self.timeout_s = timeout_s
+        self._result: dict[str, Any] = {}
+        self._done, self._cancel, self._handover = (threading.Event(), threading.Event(),
+                                                    threading.Lock())
+        self._alone = (gen.world_size if members is None else len(members)) == 1
+        if self._alone:
+            self._done.set()
+            return
+        self._native = native
+        self._args = (connect, backend, device, interrupt)
+        threading.Thread(target=self._construct, name=f"ftrun-pg-{gen.number}",
+                         daemon=True).start()
+
+    def _construct(self) -> None:
+        connect, backend, device, interrupt = self._args
+        result, gen, native = self._result, self.gen, self._native
         try:
-            pg = native.reconfigure(connect(), gen, timeout_s, cancel) if native else None
+            pg = native.reconfigure(connect(), gen, self.timeout_s, self._cancel) \
+                if native else None
             result["shared"] = pg is not None
             if pg is None:
-                pg = _new_pg(connect(), gen, rank, backend, device, members)
-            with handover:
-                if cancel.is_set() and not result["shared"]:
+                pg = _new_pg(connect(), gen, self.rank, backend, device, self.members)
+                if self._warm:
+                    _first_collective(pg, device, self.timeout_s)
+            with self._handover:
+                if self._cancel.is_set() and not result["shared"]:
                     _discard(pg)  # built after it was abandoned: nobody will use it
                 else:
                     result["pg"] = pg
-        except Exception as exc:  # reported to the waiting thread below
+        except Exception as exc:  # reported to the waiting thread
             result["error"] = exc
         finally:
-            done.set()
+            self._done.set()
             interrupt.wake.set()
 
-    interrupt.wake.clear()
-    threading.Thread(target=construct, name=f"ftrun-pg-{gen.number}", daemon=True).start()
-    deadline = time.monotonic() + timeout_s + 5.0
-    try:
-        while not done.is_set():
-            interrupt.check(gen.number)
-            newest = interrupt.newest
-            if newest is not None and newest.number > gen.number:  # even a planned one: every
-                raise Abandoned(f"generation {newest.number} published")  # member converges
-            if time.monotonic() > deadline:
-                raise CommError(f"building generation {gen.number}'s group timed out")
-            interrupt.wake.wait(0.5)
-    except BaseException:
-        with handover:
-            cancel.set()  # a native handle exchange waiting for a lost member stops at once
-            late = result.pop("pg", None)
-        if late is not None and not result.get("shared"):
+    def result(self, interrupt: Interrupt) -> Group:
+        """The group, once built (a newer generation abandons it; a timeout is an error)."""
+        gen = self.gen
+        if self._alone:
+            return Group(gen, self.rank, None, members=self.members)
+        deadline = time.monotonic() + self.timeout_s + 5.0
+        try:
+            while not self._done.is_set():
+                interrupt.wake.clear()  # before the checks: a wake-up after them is kept
+                interrupt.check(gen.number)
+                newest = interrupt.newest
+                if newest is not None and newest.number > gen.number:  # even a planned one:
+                    raise Abandoned(f"generation {newest.number} published")  # all converge
+                if time.monotonic() > deadline:
+                    raise CommError(f"building generation {gen.number}'s group timed out")
+                if not self._done.is_set():
+                    interrupt.wake.wait(0.5)
+        except BaseException:
+            self.abandon()
+            raise
+        if "error" in self._result:
+            raise CommError(f"building generation {gen.number}'s group failed: "
+                            f"{self._result['error']}")
+        return Group(gen, self.rank, self._result["pg"], shared=self._result["shared"],
+                     members=self.members)
+
+    def abandon(self) -> None:
+        """Not used: a native handle exchange waiting for a lost member stops at once, and a
+        group already built is discarded."""
+        with self._handover:
+            self._cancel.set()
+            late = self._result.pop("pg", None)
+        if late is not None and not self._result.get("shared"):
             _discard(late)
-        raise
-    if "error" in result:
-        raise CommError(f"building generation {gen.number}'s group failed: {result['error']}")
-    return Group(gen, rank, result["pg"], shared=result["shared"], members=members)
 
 
 def _discard(pg: Any) -> None:
@@ -266,6 +309,13 @@ def _discard(pg: Any) -> None:
     with contextlib.suppress(RuntimeError, AttributeError):
         pg.abort()
     REAPER.hold_group(pg)
+
+
+def _first_collective(pg: Any, device: Any, timeout_s: float) -> None:
+    """One tiny all-reduce: the group's connections carry their first bytes now."""
+    import torch
+
+    pg.allreduce([torch.zeros(1, device=device)]).wait(timedelta(seconds=timeout_s))
 
 
 def _new_pg(store: Store, gen: Generation, rank: int, backend: str, device: Any,
@@ -310,6 +360,10 @@ class GenerationWatcher:
 
     def stop(self) -> None:
         self._stop.set()
+
+    def observe(self, on_generation: Callable[[Generation], None]) -> None:
+        """Call `on_generation` (on this thread) with each generation as it arrives."""
+        self._on_generation = on_generation
 
     def _loop(self) -> None:
         try:

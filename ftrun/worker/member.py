@@ -21,6 +21,7 @@ import atexit
 import contextlib
 import os
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -43,7 +44,15 @@ from ftrun.protocol.rendezvous import (
     read_generation,
 )
 from ftrun.worker import errorfile
-from ftrun.worker.comm import Abandoned, CommError, GenerationWatcher, Group, Interrupt, build_group
+from ftrun.worker.comm import (
+    Abandoned,
+    Build,
+    CommError,
+    GenerationWatcher,
+    Group,
+    Interrupt,
+    build_group,
+)
 from ftrun.worker.jobstore import JobStore
 from ftrun.worker.joining import native_group, plain_group
 from ftrun.worker.script_end import ReleaseWatch, wait_at_end
@@ -117,6 +126,11 @@ class Member:
         self.stage = ""  # past training: "trained", then "ended" (protocol.rendezvous.STAGES)
         self.before_leaving: Callable[[], None] | None = None  # a final snapshot (worker.api)
         self._link = link
+        self._ahead: Build | None = None  # a planned generation's group, built ahead
+        self._ahead_lock = threading.Lock()
+        self._visible: Generation | None = None  # the newest generation at the step's start
+        if link is not None:
+            link.watcher.observe(self._arrived)
 
     @classmethod
     def plain(cls, backend: str) -> Member:
@@ -126,6 +140,40 @@ class Member:
     @property
     def generation(self) -> int:
         return self.group.gen.number
+
+    # ------------------------------------------------------------- planned generations
+    def _arrived(self, gen: Generation) -> None:
+        """The watcher's thread: a planned generation with this worker in it. Its group (a
+        fresh one, on every member alike) is built now, while the old one trains on: the
+        switch at the step boundary then costs no rebuild."""
+        link = self._link
+        rank = gen.rank_of(link.worker_id) if link is not None else None
+        if link is None or rank is None or not self._builds_ahead(gen):
+            return
+        build = Build(link.connect, gen, rank, link.backend, link.device, link.interrupt,
+                      warm=True)
+        with self._ahead_lock:
+            replaced, self._ahead = self._ahead, build
+        if replaced is not None:
+            replaced.abandon()
+
+    def _builds_ahead(self, gen: Generation) -> bool:
+        """A planned generation after the first, outside replica groups: every member builds
+        it as a fresh group, warmed up, ahead where it can (the same rule on every member)."""
+        link = self._link
+        return link is not None and not gen.urgent and gen.number > 0 and link.sharding is None
+
+    def step_started(self) -> None:
+        """A step begins: the generation this worker may vote to switch to at its end."""
+        self._visible = self._link.interrupt.newest if self._link is not None else None
+
+    def wants_switch(self) -> bool:
+        """Vote at this step's end to switch to a planned generation seen before it began:
+        every member had a step to build its group (a peer's vote brings the rest along)."""
+        link = self._link
+        seen = self._visible if link is None or link.sharding is None else \
+            link.interrupt.newest  # replica groups vote as they always did: no group ahead
+        return seen is not None and seen.number > self.generation
 
     def escalate(self, mode: RecoveryMode) -> None:
         self.mode = self.mode.escalate(mode)
@@ -225,6 +273,8 @@ class Member:
                 self.before_leaving()  # a planned end: the final snapshot, then out
             print(f"ftrun: worker {link.worker_id} left the job (generation {gen.number}: "
                   f"{gen.reason})", file=sys.stderr, flush=True)
+            with contextlib.suppress(OSError):  # its teardown yields the CPU to the members
+                os.nice(19)
             raise SystemExit(0)
         self.group.abandon()
         self.group, self.rank = Group(gen, rank, None), rank
@@ -234,8 +284,17 @@ class Member:
         if link.sharding is not None:
             members, group_rank = link.sharding.replicate(gen, rank)
         link.store.enter(gen)  # the watcher moved it, unless a peer's vote brought `gen`
-        self.group = build_group(link.connect, gen, group_rank, link.backend, link.device,
-                                 link.interrupt, link.native, members=members)
+        with self._ahead_lock:
+            ahead, self._ahead = self._ahead, None
+        if ahead is not None and ahead.gen.number == gen.number and members is None:
+            self.group = ahead.result(link.interrupt)
+        else:
+            if ahead is not None:
+                ahead.abandon()
+            planned = self._builds_ahead(gen)  # a fresh group, warmed up, on every member
+            self.group = build_group(link.connect, gen, group_rank, link.backend, link.device,
+                                     link.interrupt, None if planned else link.native,
+                                     members=members, warm=planned)
         if gen.number > 0:
             self.escalate(RecoveryMode.ALIGN)
         os.environ.update(RANK=str(rank), WORLD_SIZE=str(gen.world_size))
