@@ -185,3 +185,13 @@ def test_decide_respawn(faults: int, in_a_row: int, alive: bool, expected: Respa
 def test_a_snapshot_cannot_change_under_a_decision() -> None:
     with pytest.raises(FrozenInstanceError):
         BASE.faults = 2  # type: ignore[misc]
+
+
+def test_a_node_waiting_to_join_is_not_counted_among_the_running_ones() -> None:
+    """#51 (low): `continuing with 2 workers on 3 nodes` counted a node still waiting to be
+    admitted; it keeps the job above --nnodes MIN, but runs nothing yet."""
+    s = Snapshot(members=(0, 1, 10_000, 10_001, 20_000, 20_001), nodes_left=3,
+                 nodes_waiting=1, min_nodes=2)
+    d = decide_node_loss(s, "node 2 (h2)", (20_000, 20_001))
+    assert d.action is FaultAction.SHRINK
+    assert d.reason.endswith("continuing with 4 workers on 2 nodes (1 more waiting to join)")

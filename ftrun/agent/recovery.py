@@ -272,8 +272,9 @@ class Recovery:
             self.gens.grow(batch)
 
     def on_node_lost(self, node: int, label: str, lost: list[AnyWorker], nodes_left: int,
-                     last_seen: float) -> Decision | None:
-        """Every worker of `node` is gone at once: one decision, one generation."""
+                     last_seen: float, nodes_waiting: int = 0) -> Decision | None:
+        """Every worker of `node` is gone at once: one decision, one generation.
+        `nodes_left`: the job's nodes after it, `nodes_waiting` of them not admitted yet."""
         ids = {w.worker_id for w in lost}
         live = self.membership.live()
         self.membership.leave(ids - set(live))  # its spares and joiners
@@ -282,7 +283,7 @@ class Recovery:
         if not lost_members:
             return None
         self.faults += 1
-        snap = self._snapshot(nodes_left=nodes_left)
+        snap = self._snapshot(nodes_left=nodes_left, nodes_waiting=nodes_waiting)
         d: FaultDecision = self.groups.decide_node_loss(snap, label, lost_members) \
             if self.groups.spanning else decide_node_loss(snap, label, lost_members)
         now = time.time()

@@ -347,8 +347,10 @@ class Coordinating:
         gone = self.workers.lost(node.index)
         rec = self.host.recovery
         if rec is not None and rec.uses_api:
-            left = 1 + len(self._alive())
-            return rec.on_node_lost(node.index, node.label, list(gone), left, last_seen)
+            left = 1 + len(self._alive())  # a waiting node keeps the job above --nnodes MIN
+            waiting = len(self._alive()) - len(self.other_nodes())
+            return rec.on_node_lost(node.index, node.label, list(gone), left, last_seen,
+                                    waiting)
         self.workers.also_exited(gone)  # torchrun: a failed member restarts or ends the job
         return None
 

@@ -105,7 +105,8 @@ class Snapshot:
     restarts_left: int = 0
     on_fault: str = "replace"
     min_nproc: int = 1
-    nodes_left: int = 1
+    nodes_left: int = 1  # the job's nodes after a node loss, those waiting to join included
+    nodes_waiting: int = 0  # ...of which this many wait to be admitted (they hold no rank)
     min_nodes: int = 1
     starting_spares: tuple[int, ...] = ()  # not ready yet, oldest first (a member fault: its
     # node's first); still ahead of a new process, so used when no ready one is left
@@ -227,7 +228,9 @@ def decide_node_loss(s: Snapshot, node: str, lost: tuple[int, ...]) -> FaultDeci
         elif pool:  # a spare takes the lost member's rank
             joiners.append(pool.pop(0))
             new.append(joiners[-1])
-    where = f"on {s.nodes_left} node{_s(s.nodes_left)}"
+    running = s.nodes_left - s.nodes_waiting
+    where = f"on {running} node{_s(running)}" + (
+        f" ({s.nodes_waiting} more waiting to join)" if s.nodes_waiting else "")
     if joiners and len(joiners) == gone:
         named = ", ".join(f"{j}{'' if j in s.spares else ' (starting)'}" for j in joiners)
         return FaultDecision(FaultAction.REPLACE, f"{head}; spare workers "
