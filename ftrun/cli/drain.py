@@ -10,10 +10,13 @@ Must not import: torch (a drain must work, fast, on a node without CUDA).
 
 from __future__ import annotations
 
+import json
+import os
 import time
 from collections.abc import Callable
 
 from ftrun.adapters import control
+from ftrun.agent.journal import LOG_FILE
 from ftrun.core.drains import DrainState
 from ftrun.core.errors import FtrunError, UsageError
 from ftrun.core.events import DrainFields
@@ -81,22 +84,42 @@ def follow(info: control.RunInfo, token: str, say: Callable[[str], None],
     while time.time() < deadline:
         try:
             doc = control.status(info)
-        except control.JobGone:  # a requeue ends the job: its last word was the drain's
-            return row if row is not None and row.state == DrainState.REQUEUE else None
+        except control.JobGone:  # a requeue ends the job: its event log has the last word
+            final = _from_log(info, token, after) or row
+            if final is not None:
+                _say_phases(final, told, say)
+            return final if final is not None and final.state == DrainState.REQUEUE else None
         except FtrunError:
             time.sleep(0.1)  # busy or shutting down: the next try tells which
             continue
         row = next((d for d in doc.drains or () if d.token == token and d.drain > after), row)
         if row is not None:
             deadline = min(deadline, (row.deadline or time.time()) + WAIT_MARGIN_S)
-            for phase, ms in sorted(row.phases_ms.items(), key=lambda kv: kv[1]):
-                if phase not in told:
-                    told.add(phase)
-                    say(f"ftrun: drain {row.drain}: {SAY.get(phase, phase)} +{ms:.0f} ms"
-                        + (f" ({row.reason})" if phase in ("requested", "refused") else "")
-                        + (f"; the members' boundary took {row.stall_ms:.0f} ms"
-                           if phase == "done" and row.stall_ms is not None else ""))
+            _say_phases(row, told, say)
             if row.state in (DrainState.DONE, DrainState.REFUSED):
                 return row
         time.sleep(POLL_S)
     return None
+
+
+def _say_phases(row: DrainFields, told: set[str], say: Callable[[str], None]) -> None:
+    for phase, ms in sorted(row.phases_ms.items(), key=lambda kv: kv[1]):
+        if phase not in told:
+            told.add(phase)
+            say(f"ftrun: drain {row.drain}: {SAY.get(phase, phase)} +{ms:.0f} ms"
+                + (f" ({row.reason})" if phase in ("requested", "refused") else "")
+                + (f"; the members' boundary took {row.stall_ms:.0f} ms"
+                   if phase == "done" and row.stall_ms is not None else ""))
+
+
+def _from_log(info: control.RunInfo, token: str, after: int) -> DrainFields | None:
+    """The drain's last record in the ended job's event log (None: none to read)."""
+    path = os.path.join(info.log_dir or "", LOG_FILE)
+    try:
+        with open(path) as f:
+            lines = [json.loads(line) for line in f if '"drain"' in line]
+    except (OSError, ValueError):
+        return None
+    rows = [DrainFields.of(e) for e in lines if e.get("event") == "drain"]
+    rows = [r for r in rows if r.token == token and r.drain > after]
+    return rows[-1] if rows else None
