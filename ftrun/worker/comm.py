@@ -337,7 +337,10 @@ def _new_pg(store: Store, gen: Generation, rank: int, backend: str, device: Any,
         if connect_now is not None:
             connect_now(device)
         return pg
-    return dist.ProcessGroupGloo(prefixed, rank, size, timeout)
+    from ftrun.worker.exchange import gathered
+
+    # gloo's full-mesh address exchange gathered: O(N) store requests, not N² (exchange.py)
+    return dist.ProcessGroupGloo(gathered(prefixed, rank, size), rank, size, timeout)
 
 
 class GenerationWatcher:

@@ -13,10 +13,11 @@ import ctypes
 import os
 import threading
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
-from ftrun.adapters.store import client
+from ftrun.adapters.store import client, is_timeout
 from ftrun.core import timeouts
 from ftrun.core.errors import WorkerApiError
 from ftrun.core.spec import WorkerEnv
@@ -24,7 +25,9 @@ from ftrun.protocol.rendezvous import PREFIX, Generation, Store
 from ftrun.worker.comm import CommError, Group
 from ftrun.worker.reaper import REAPER
 
-HANDLE_POLL_S = 0.01  # a native reconfigure polling for its members' handles
+HANDLE_WAIT_SLICE_S = 0.05  # a native reconfigure waiting for its members' handles, a slice at
+# a time: a newer generation cancels it within this (each expired slice costs one request more)
+HANDLE_CANCEL_S = 2 * HANDLE_WAIT_SLICE_S  # a new reconfigure waiting for a cancelled one to end
 BUSY = "ftrun:busy"  # published instead of a handle: an abandoned op still holds the group
 ABANDONED_OP_GRACE_S = 0.02  # a dead peer's abandoned ops fail within ms; a cut one's never,
 # nor one's stuck on a live peer that gave up its side: waiting longer only delays the rebuild
@@ -121,26 +124,51 @@ def native_reconfigure_supported(backend: str) -> bool:
     return backend == "gloo" and hasattr(dist, "_supports_reconfigure")
 
 
-def reconfigurable_default_group(store: Store, worker_id: int, backend: str, name: str) -> None:
+def reconfigurable_default_group(store: Store, worker_id: int, backend: str, name: str) -> Any:
     """torch's default group in the reconfigure regime (torch >= 2.15), rank = the worker id:
     it connects to no one until it is re-formed, so no member waits for a lost one. `name`
-    keeps its store keys apart from another such group's."""
+    keeps its store keys apart from another such group's. Returns the store torch keeps: each
+    reconfigure's address exchange is gathered there (`exchange.GatheringStore`), and the
+    caller holds it (torch keeps only its C++ half)."""
     import torch.distributed as dist
 
+    from ftrun.worker.exchange import gathered
+
+    kept = gathered(dist.PrefixStore(f"{PREFIX}{name}/", store))  # type: ignore[arg-type]
     dist.init_process_group(
-        backend, store=dist.PrefixStore(f"{PREFIX}{name}/", store),  # type: ignore[arg-type]
-        rank=worker_id, world_size=worker_id + 1, enable_reconfigure=True,
+        backend, store=kept, rank=worker_id, world_size=worker_id + 1, enable_reconfigure=True,
         timeout=timedelta(seconds=timeouts.COLLECTIVE_S))
+    return kept
+
+
+def sliced_wait(store: Store, cancel: threading.Event, deadline: float, what: str
+                ) -> Callable[[list[str]], None]:
+    """A wait on `store` in slices of HANDLE_WAIT_SLICE_S, so that `cancel` (a newer
+    generation) or the deadline ends it between two."""
+    def wait(keys: list[str]) -> None:
+        while True:
+            if cancel.is_set() or time.monotonic() > deadline:
+                raise CommError(f"{what}" + (" (abandoned)" if cancel.is_set() else ""))
+            left = min(HANDLE_WAIT_SLICE_S, max(deadline - time.monotonic(), 0.001))
+            try:
+                store.wait(keys, timedelta(seconds=left))
+                return
+            except Exception as exc:
+                if not is_timeout(exc):
+                    raise
+    return wait
 
 
 class NativeGroup:
     """torch's in-process reconfigure of the default group (`init_process_group(...,
     enable_reconfigure=True)`, `dist._reconfigure`): `dist.get_rank()` and friends follow the
-    live membership. Each generation exchanges handles under its own store keys and uses its
-    number as the reconfigure uuid, so no uuid is ever reused. A member whose group has every
-    thread held by an abandoned op (a peer cut off by its network never fails them; one op
-    stuck on a live peer that waits on a dead one is usual and harmless) publishes BUSY
-    instead: that generation's members build a fresh group, and the next may reconfigure."""
+    live membership. Each generation gathers its members' handles under its own store keys
+    in O(N) requests (`exchange.all_gather`), and uses its number as the reconfigure uuid, so
+    no uuid is ever reused; torch's own address exchange inside the reconfigure is gathered
+    the same way (`exchange.GatheringStore`). A member whose group has every thread held by an
+    abandoned op (a peer cut off by its network never fails them; one op stuck on a live peer
+    that waits on a dead one is usual and harmless) publishes BUSY instead: that generation's
+    members build a fresh group, and the next may reconfigure."""
 
     def __init__(self, store: Store, worker_id: int, backend: str) -> None:
         """`store`: a connection of the group's own. torch runs every later reconfigure's
@@ -148,37 +176,45 @@ class NativeGroup:
 
         self.worker_id = worker_id
         self._busy = threading.Lock()
-        reconfigurable_default_group(store, worker_id, backend, "native")
+        self._kept = reconfigurable_default_group(store, worker_id, backend, "native")
 
     def reconfigure(self, store: Store, gen: Generation, timeout_s: float,
                     cancel: threading.Event) -> Any:
         import torch.distributed as dist
 
-        # an abandoned reconfigure may still be running on its thread: a member that died
-        # after publishing its handle holds its connect for up to RECONFIGURE_CONNECT_S. The
-        # group cannot be reconfigured meanwhile, and waiting would stall every member: this
-        # member says BUSY, so the generation builds a fresh group at once
-        held = self._busy.acquire(blocking=False)
+        # an abandoned reconfigure may still be running on its thread: one waiting for
+        # handles ends within a slice of its cancel; a member that died after publishing its
+        # handle holds the connect for up to RECONFIGURE_CONNECT_S. The group cannot be
+        # reconfigured meanwhile, and waiting would stall every member: this member says
+        # BUSY, so the generation builds a fresh group at once
+        rank = gen.rank_of(self.worker_id)
+        if rank is None:
+            raise CommError(f"worker {self.worker_id} is not in generation {gen.number}")
+        held = self._busy.acquire(timeout=HANDLE_CANCEL_S)
         try:
-            key = f"{gen.pg_prefix}handle/"
             busy = not held or REAPER.busy(dist.group.WORLD, GLOO_THREADS, ABANDONED_OP_GRACE_S)
-            store.set(key + str(self.worker_id),
-                      BUSY if busy else dist._get_reconfigure_handle())
-            keys = [key + str(m) for m in gen.members]
-            deadline = time.monotonic() + timeout_s
-            while not store.check(keys):  # polled, not waited: a newer generation cancels it
-                if cancel.is_set() or time.monotonic() > deadline:
-                    raise CommError(f"generation {gen.number}: not every member published "
-                                    "its handle" + (" (abandoned)" if cancel.is_set() else ""))
-                time.sleep(HANDLE_POLL_S)
-            handles = [store.get(k).decode() for k in keys]
-            if BUSY in handles:  # every member reads the same keys: they all agree
+            handles = self._handles(store, gen, rank,
+                                    BUSY if busy else dist._get_reconfigure_handle(),
+                                    time.monotonic() + timeout_s, cancel)
+            if BUSY in handles:  # every member reads the same record: they all agree
                 return None
             # every member was alive a moment ago: connecting is quick, so its wait is short
             connect_s = min(timeout_s, timeouts.RECONFIGURE_CONNECT_S)
+            if hasattr(self._kept, "expect"):  # torch's own address exchange, gathered
+                self._kept.expect(rank, len(handles))
             dist._reconfigure(gen.number + 1, handles,
                               timeout=timedelta(seconds=connect_s)).wait()
             return dist.group.WORLD
         finally:
             if held:
                 self._busy.release()
+
+    def _handles(self, store: Store, gen: Generation, rank: int, mine: str, deadline: float,
+                 cancel: threading.Event) -> list[str]:
+        """Every member's handle (or BUSY), in rank order."""
+        from ftrun.worker.exchange import all_gather
+
+        wait = sliced_wait(store, cancel, deadline, f"generation {gen.number}: not every "
+                                                    "member published its handle")
+        return [h.decode() for h in all_gather(store, f"{gen.pg_prefix}handle/", rank,
+                                               gen.world_size, mine.encode(), wait)]
