@@ -212,7 +212,8 @@ class JobStore:
 def _following(stores: JobStore) -> Any:
     """A c10d Store (torch calls it from C++) on a connection of its own to `stores` as it is
     now: reconnected when the store has moved. The calls a reconfigure makes (checked with
-    torch 2.15's gloo: compare_set, set, get, wait, set_timeout) and the usual few beside."""
+    torch 2.15's gloo: compare_set, set, get, wait, set_timeout), the gathered exchange's
+    multi_get (`exchange.GatheringStore`) and the usual few beside."""
     import torch.distributed as dist
 
     class Following(dist.Store):
@@ -255,6 +256,9 @@ def _following(stores: JobStore) -> Any:
 
         def check(self, keys: list[str]) -> bool:
             return bool(self._store().check(keys))
+
+        def multi_get(self, keys: list[str]) -> list[bytes]:  # a gathered exchange's one read
+            return [bytes(v) for v in self._store().multi_get(keys)]
 
     return Following()
 
