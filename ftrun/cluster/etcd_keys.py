@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass
 
 from ftrun.core import records
 from ftrun.core.errors import FtrunError
+from ftrun.protocol import member_runs
 from ftrun.protocol.rendezvous import Generation, store_endpoint
 
 STORE_KEY = "store"  # under the job's prefix: the agents' store of the leader in office
@@ -51,7 +52,17 @@ def store_value(host: str, port: int, leader: tuple[str, int]) -> str:
 
 def generation_value(gen: Generation, leader: tuple[str, int]) -> str:
     return json.dumps({"leader": leader[0], "leader_revision": leader[1],
-                       "generation": asdict(gen)})
+                       "generation": gen.doc()})  # a large job's members as runs
+
+
+def _members_listed(doc: object) -> object:
+    """The record with its generation's `member_runs` (`Generation.doc`) expanded into
+    `members`, for the strict decoding."""
+    gen = doc.get("generation") if isinstance(doc, dict) else None
+    if not isinstance(gen, dict) or "member_runs" not in gen:
+        return doc
+    members = member_runs.decode(gen["member_runs"], "the generation record")
+    return {**doc, "generation": {**gen, "members": list(members)}}  # type: ignore[dict-item]
 
 
 def _document(raw: bytes) -> object:
@@ -81,7 +92,7 @@ def decode_generation(raw: bytes) -> BoundGeneration | str:
     if isinstance(doc, FtrunError):
         return doc.message
     try:
-        rec = records.from_json(BoundGeneration, doc, "the generation record")
+        rec = records.from_json(BoundGeneration, _members_listed(doc), "the generation record")
         if rec.generation.store:
             store_endpoint(rec.generation.store)
     except FtrunError as exc:

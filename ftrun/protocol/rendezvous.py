@@ -14,12 +14,13 @@ import functools
 import json
 import math
 from collections.abc import Iterable, Mapping
-from dataclasses import MISSING, asdict, dataclass, field, fields
+from dataclasses import MISSING, dataclass, field, fields, replace
 from datetime import timedelta
 from typing import Any, ClassVar, Protocol, TypeVar, get_type_hints
 
 from ftrun.core import records
 from ftrun.core.errors import FtrunError
+from ftrun.protocol import member_runs
 
 PREFIX = "ftrun/"
 LATEST_KEY = PREFIX + "gen/latest"
@@ -86,18 +87,42 @@ class Generation:
         except ValueError:
             return None
 
+    def doc(self) -> dict[str, Any]:
+        """The record as a JSON object: a large job's members as runs (`member_runs`)."""
+        doc = {f.name: getattr(self, f.name) for f in fields(self)}
+        if len(self.members) > member_runs.RUNS_FROM:
+            doc["member_runs"] = member_runs.encode(self.members)
+            del doc["members"]
+        return doc
+
     def to_json(self) -> str:
-        return json.dumps(asdict(self))
+        return json.dumps(self.doc())
+
+    def encode(self) -> bytes:
+        """The record as a store holds it (compressed when large: `member_runs.pack`)."""
+        return member_runs.pack(self.to_json())
 
     @classmethod
     def from_json(cls, raw: str | bytes) -> Generation:
-        """The record `raw` holds, every field checked against its type (a record written
-        before a field existed reads with its default), or a one-line FtrunError."""
+        """The record `raw` holds (as `encode` or `to_json` wrote it), every field checked
+        against its type (a record written before a field existed reads with its default),
+        or a one-line FtrunError."""
+        what = "a generation record"
         try:
-            doc = json.loads(raw)
+            doc = json.loads(member_runs.unpack(raw, what))
         except (ValueError, RecursionError):
-            raise FtrunError(f"a generation record is not JSON: {str(raw)[:60]!r}") from None
-        gen = records.from_json(cls, doc, "a generation record")
+            raise FtrunError(f"{what} is not JSON: {str(raw)[:60]!r}") from None
+        return cls.from_doc(doc, what)
+
+    @classmethod
+    def from_doc(cls, doc: object, what: str) -> Generation:
+        """The record a JSON object holds, members as a list or as runs."""
+        if not isinstance(doc, dict) or "member_runs" not in doc:
+            gen = records.from_json(cls, doc, what)
+        else:  # the runs are checked as they expand; the ids they give need no second look
+            members = member_runs.decode(doc["member_runs"], what)
+            gen = replace(records.from_json(cls, {**doc, "members": []}, what),
+                          members=members)
         if gen.store:
             store_endpoint(gen.store)
         return gen
@@ -115,7 +140,7 @@ def store_endpoint(addr: str) -> tuple[str, int]:
 def publish(store: Store, gen: Generation, relays: Iterable[int] = ()) -> None:
     """The record first, then the pointer: a reader of `latest` always finds the record.
     Then each node of `relays` is told (a push each, answered by no one: microseconds)."""
-    store.set(gen_key(gen.number), gen.to_json())
+    store.set(gen_key(gen.number), gen.encode())
     store.set(LATEST_KEY, str(gen.number))
     for node in relays:
         store.queue_push(relay_queue(node), str(gen.number))  # type: ignore[attr-defined]
