@@ -6,13 +6,14 @@ reconfigure). Done key by key, each member reads N keys: N² requests on the job
 server thread, per rebuild (~17 M at 4,096 ranks). Here each member sets its value and adds
 one to a counter; the member whose add reaches N (the last to arrive: it waits for no one)
 reads the N values in one `multi_get` and publishes them joined, compressed, under one key;
-every other member waits on that key and reads it once. Four requests a member (a wait that
-expires and is made again costs one or two more), whoever arrives last.
+every other member waits on that key and reads it once. Four requests a member, whoever
+arrives last; the wait is one blocked request, never a poll (at thousands of members a wait
+expiring every few ms is a storm of requests on one server thread).
 
-Owns: `all_gather` (the exchange, with a caller's wait so that a newer generation can cancel
-it) and `GatheringStore`, the c10d Store handed to gloo for a fresh group or a native
-reconfigure: the key each member sets under a prefix is its address, gathered as above, and
-the N keys gloo then reads under that prefix are served from the joined record. It also turns
+Owns: `all_gather` (the exchange, with the caller's wait: `blocking_wait`) and
+`GatheringStore`, the c10d Store handed to gloo for a fresh group or a native reconfigure:
+the key each member sets under a prefix is its address, gathered as above, and the N keys
+gloo then reads under that prefix are served from the joined record. It also turns
 on gloo's rank-as-sequence-number (`linear_gloo`): without it each member's address carries
 one sequence number per peer (8 bytes × N), and the joined record would be O(N²) bytes.
 Must not import: typer, rich, NVML, psutil, the agent, the rest of the worker library (comm and
@@ -94,6 +95,25 @@ def multi_get(store: Any, keys: list[str]) -> list[bytes]:
         return [bytes(v) for v in store.multi_get(keys)]
     except (RuntimeError, AttributeError):
         return [bytes(store.get(k)) for k in keys]
+
+
+class ExchangeTimeout(Exception):
+    """Not every member of an exchange set its value in time (one died, or never came)."""
+
+
+def blocking_wait(store: Any, timeout_s: float, what: str) -> Waiter:
+    """One wait on `store` for the joined record, up to `timeout_s`: no request while it
+    waits (a wait expiring every few ms, at thousands of members, is a storm of them)."""
+    def wait(keys: list[str]) -> None:
+        try:
+            store.wait(keys, timedelta(seconds=timeout_s))
+        except Exception as exc:
+            text = str(exc).lower()
+            if "timeout" not in text and "timed out" not in text:
+                raise
+            raise ExchangeTimeout(f"{what}: not every member came within {timeout_s:g} s"
+                                  ) from None
+    return wait
 
 
 def all_gather(store: Any, prefix: str, rank: int, size: int, value: bytes,

@@ -12,12 +12,10 @@ from __future__ import annotations
 import ctypes
 import os
 import threading
-import time
-from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
-from ftrun.adapters.store import client, is_timeout
+from ftrun.adapters.store import client
 from ftrun.core import timeouts
 from ftrun.core.errors import WorkerApiError
 from ftrun.core.spec import WorkerEnv
@@ -25,9 +23,6 @@ from ftrun.protocol.rendezvous import PREFIX, Generation, Store
 from ftrun.worker.comm import CommError, Group
 from ftrun.worker.reaper import REAPER
 
-HANDLE_WAIT_SLICE_S = 0.05  # a native reconfigure waiting for its members' handles, a slice at
-# a time: a newer generation cancels it within this (each expired slice costs one request more)
-HANDLE_CANCEL_S = 2 * HANDLE_WAIT_SLICE_S  # a new reconfigure waiting for a cancelled one to end
 BUSY = "ftrun:busy"  # published instead of a handle: an abandoned op still holds the group
 ABANDONED_OP_GRACE_S = 0.02  # a dead peer's abandoned ops fail within ms; a cut one's never,
 # nor one's stuck on a live peer that gave up its side: waiting longer only delays the rebuild
@@ -141,24 +136,6 @@ def reconfigurable_default_group(store: Store, worker_id: int, backend: str, nam
     return kept
 
 
-def sliced_wait(store: Store, cancel: threading.Event, deadline: float, what: str
-                ) -> Callable[[list[str]], None]:
-    """A wait on `store` in slices of HANDLE_WAIT_SLICE_S, so that `cancel` (a newer
-    generation) or the deadline ends it between two."""
-    def wait(keys: list[str]) -> None:
-        while True:
-            if cancel.is_set() or time.monotonic() > deadline:
-                raise CommError(f"{what}" + (" (abandoned)" if cancel.is_set() else ""))
-            left = min(HANDLE_WAIT_SLICE_S, max(deadline - time.monotonic(), 0.001))
-            try:
-                store.wait(keys, timedelta(seconds=left))
-                return
-            except Exception as exc:
-                if not is_timeout(exc):
-                    raise
-    return wait
-
-
 class NativeGroup:
     """torch's in-process reconfigure of the default group (`init_process_group(...,
     enable_reconfigure=True)`, `dist._reconfigure`): `dist.get_rank()` and friends follow the
@@ -175,29 +152,41 @@ class NativeGroup:
         rendezvous on it too, so it must move with the job's store (`JobStore.c10d()`)."""
 
         self.worker_id = worker_id
-        self._busy = threading.Lock()
+        self._turn = threading.Lock()  # whose reconfigure is next, and the handle it read
+        self._running = threading.Lock()  # held through `dist._reconfigure`
+        self._newest = -1  # the newest generation a reconfigure was asked for
         self._kept = reconfigurable_default_group(store, worker_id, backend, "native")
 
     def reconfigure(self, store: Store, gen: Generation, timeout_s: float,
                     cancel: threading.Event) -> Any:
+        """The group re-formed for `gen`, or None when a member cannot reuse it (BUSY).
+
+        An abandoned reconfigure may still wait for handles on its thread (one blocked wait:
+        no request while it waits, and none per member but four in all); it never goes on
+        to re-form the group once a newer one was asked for, so the newer one reads its
+        handle at once. One that is re-forming the group (a member that died after publishing
+        its handle holds the connect for up to RECONFIGURE_CONNECT_S) cannot be waited for
+        without stalling every member: this member says BUSY, and the generation builds a
+        fresh group at once."""
         import torch.distributed as dist
 
-        # an abandoned reconfigure may still be running on its thread: one waiting for
-        # handles ends within a slice of its cancel; a member that died after publishing its
-        # handle holds the connect for up to RECONFIGURE_CONNECT_S. The group cannot be
-        # reconfigured meanwhile, and waiting would stall every member: this member says
-        # BUSY, so the generation builds a fresh group at once
         rank = gen.rank_of(self.worker_id)
         if rank is None:
             raise CommError(f"worker {self.worker_id} is not in generation {gen.number}")
-        held = self._busy.acquire(timeout=HANDLE_CANCEL_S)
+        with self._turn:
+            self._newest = max(self._newest, gen.number)
+            busy = self._running.locked() or REAPER.busy(dist.group.WORLD, GLOO_THREADS,
+                                                         ABANDONED_OP_GRACE_S)
+            mine = BUSY if busy else dist._get_reconfigure_handle()
+        handles = self._handles(store, gen, rank, mine, timeout_s)
+        if BUSY in handles:  # every member reads the same record: they all agree
+            return None
+        with self._turn:  # a newer generation asked for meanwhile read its handle already
+            if cancel.is_set() or self._newest != gen.number \
+                    or not self._running.acquire(blocking=False):
+                raise CommError(f"generation {gen.number}: a newer generation came before "
+                                "its group was re-formed (abandoned)")
         try:
-            busy = not held or REAPER.busy(dist.group.WORLD, GLOO_THREADS, ABANDONED_OP_GRACE_S)
-            handles = self._handles(store, gen, rank,
-                                    BUSY if busy else dist._get_reconfigure_handle(),
-                                    time.monotonic() + timeout_s, cancel)
-            if BUSY in handles:  # every member reads the same record: they all agree
-                return None
             # every member was alive a moment ago: connecting is quick, so its wait is short
             connect_s = min(timeout_s, timeouts.RECONFIGURE_CONNECT_S)
             if hasattr(self._kept, "expect"):  # torch's own address exchange, gathered
@@ -206,15 +195,14 @@ class NativeGroup:
                               timeout=timedelta(seconds=connect_s)).wait()
             return dist.group.WORLD
         finally:
-            if held:
-                self._busy.release()
+            self._running.release()
 
-    def _handles(self, store: Store, gen: Generation, rank: int, mine: str, deadline: float,
-                 cancel: threading.Event) -> list[str]:
-        """Every member's handle (or BUSY), in rank order."""
-        from ftrun.worker.exchange import all_gather
+    def _handles(self, store: Store, gen: Generation, rank: int, mine: str,
+                 timeout_s: float) -> list[str]:
+        """Every member's handle (or BUSY), in rank order: one blocked wait for the joined
+        record (a member that never comes holds it until `timeout_s`)."""
+        from ftrun.worker.exchange import all_gather, blocking_wait
 
-        wait = sliced_wait(store, cancel, deadline, f"generation {gen.number}: not every "
-                                                    "member published its handle")
+        wait = blocking_wait(store, timeout_s, f"generation {gen.number}'s handles")
         return [h.decode() for h in all_gather(store, f"{gen.pg_prefix}handle/", rank,
                                                gen.world_size, mine.encode(), wait)]
