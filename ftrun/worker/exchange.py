@@ -3,19 +3,19 @@ published as one record.
 
 A group of N members must learn every member's address (gloo's full mesh) or handle (a native
 reconfigure). Done key by key, each member reads N keys: N² requests on the job's store, one
-server thread, per rebuild (~17 M at 4,096 ranks). Here each member sets its value and adds
-one to a counter; the member whose add reaches N (the last to arrive: it waits for no one)
-reads the N values in one `multi_get` and publishes them joined, compressed, under one key;
-every other member waits on that key and reads it once. Four requests a member, whoever
-arrives last; the wait is one blocked request, never a poll (at thousands of members a wait
-expiring every few ms is a storm of requests on one server thread).
+server thread, per rebuild (~17 M gets at 4,096 ranks, plus a wait before each). Here each
+member sets its value; one member (rank 0) reads all N in one `multi_get`, which waits until
+the last is set, and publishes them joined and compressed under one key; every other member
+reads that key once, with a `get` that waits for it. Two calls a member (c10d sends a get as
+a wait and a get: three requests on the wire), and no poll: a wait expiring every few ms is,
+at thousands of members, a storm of requests on one server thread.
 
-Owns: `all_gather` (the exchange, with the caller's wait: `blocking_wait`) and
-`GatheringStore`, the c10d Store handed to gloo for a fresh group or a native reconfigure:
-the key each member sets under a prefix is its address, gathered as above, and the N keys
-gloo then reads under that prefix are served from the joined record. It also turns
-on gloo's rank-as-sequence-number (`linear_gloo`): without it each member's address carries
-one sequence number per peer (8 bytes × N), and the joined record would be O(N²) bytes.
+Owns: `all_gather` (`publish`, then `joined`) and `GatheringStore`, the c10d Store handed to
+gloo for a fresh group or a native reconfigure: the key each member sets under a prefix is
+its address, gathered as above, and the N keys gloo then reads under that prefix are served
+from the joined record. It also turns on gloo's rank-as-sequence-number (`linear_gloo`):
+without it each member's address carries one sequence number per peer (8 bytes × N), and
+the joined record would be O(N²) bytes.
 Must not import: typer, rich, NVML, psutil, the agent, the rest of the worker library (comm and
 joining import this). Torch at module level: imported only where a group is built.
 """
@@ -26,14 +26,13 @@ import os
 import struct
 import threading
 import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
 
-COUNT = "gather/n"  # under a prefix: how many members have set their value
-JOINED = "gather/all"  # under a prefix: every value, joined by the member that counted last
+JOINED = "gather/all"  # under a prefix: every value, joined by the gatherer
 RANK_AS_SEQ_ENV = "GLOO_ENABLE_RANK_AS_SEQUENCE_NUMBER"  # gloo: a pair is named by its rank
 LAZY_ENV = "TORCH_GLOO_LAZY_INIT"  # gloo connects each pair at its first use: not gathered
 _LEN = struct.Struct("<I")
@@ -41,7 +40,6 @@ _SIZE = struct.Struct("<Q")  # gloo's size_t fields
 _SOCKADDR_STORAGE = 128
 _FAMILY_USES = {2: 16, 10: 28}  # AF_INET, AF_INET6: the bytes of a sockaddr_storage they use
 
-Waiter = Callable[[list[str]], None]  # blocks until every key exists (or raises)
 
 
 def value_key(prefix: str, rank: int) -> str:
@@ -49,21 +47,27 @@ def value_key(prefix: str, rank: int) -> str:
 
 
 def pack(values: Sequence[bytes]) -> bytes:
-    """The joined record: each value length-prefixed, the whole compressed (the addresses of
-    one host differ in a port, the handles in a number: they compress several-fold)."""
-    body = b"".join(_LEN.pack(len(v)) + v for v in values)
-    return zlib.compress(_LEN.pack(len(values)) + body, 1)
+    """The joined record: the count and every value's length, then the values as columns
+    (byte i of every value, then byte i+1, ..., each value padded to the longest), the whole
+    compressed. Columns put like with like (one host's addresses differ in a port, handles
+    in a few digits): ~9 bytes a member for gloo's addresses, against ~15 value by value."""
+    lengths = list(map(len, values))
+    width = max(lengths, default=0)
+    rows = b"".join(v.ljust(width, b"\0") for v in values)
+    head = struct.pack(f"<I{len(values)}I", len(values), *lengths)
+    return zlib.compress(head + b"".join(rows[i::width] for i in range(width)), 1)
 
 
 def unpack(record: bytes) -> list[bytes]:
     body = zlib.decompress(record)
-    (count,), at, out = _LEN.unpack_from(body), _LEN.size, []
-    for _ in range(count):
-        (n,) = _LEN.unpack_from(body, at)
-        at += _LEN.size
-        out.append(body[at:at + n])
-        at += n
-    return out
+    (count,) = _LEN.unpack_from(body)
+    lengths = struct.unpack_from(f"<{count}I", body, _LEN.size)
+    width = max(lengths, default=0)
+    columns = memoryview(body)[_LEN.size * (count + 1):]
+    rows = bytearray(count * width)
+    for i in range(width):
+        rows[i::width] = columns[i * count:(i + 1) * count]
+    return [bytes(rows[r * width:r * width + n]) for r, n in enumerate(lengths)]
 
 
 def tidy(address: bytes) -> bytes:
@@ -101,36 +105,41 @@ class ExchangeTimeout(Exception):
     """Not every member of an exchange set its value in time (one died, or never came)."""
 
 
-def blocking_wait(store: Any, timeout_s: float, what: str) -> Waiter:
-    """One wait on `store` for the joined record, up to `timeout_s`: no request while it
-    waits (a wait expiring every few ms, at thousands of members, is a storm of them)."""
-    def wait(keys: list[str]) -> None:
-        try:
-            store.wait(keys, timedelta(seconds=timeout_s))
-        except Exception as exc:
-            text = str(exc).lower()
-            if "timeout" not in text and "timed out" not in text:
-                raise
-            raise ExchangeTimeout(f"{what}: not every member came within {timeout_s:g} s"
-                                  ) from None
-    return wait
+GATHERER = 0  # the rank that gathers: its one read waits for every value
 
 
-def all_gather(store: Any, prefix: str, rank: int, size: int, value: bytes,
-               wait: Waiter) -> list[bytes]:
-    """Every member's `value`, in rank order, once all `size` members have called this with
-    the same `prefix` (never used before: a generation's own). `wait` blocks until its keys
-    exist; it decides how long, and whether a newer generation cancels (it raises)."""
+def publish(store: Any, prefix: str, rank: int, size: int, value: bytes) -> list[bytes] | None:
+    """Set this member's `value`; the gatherer then reads all `size` values (one request that
+    waits until the last is set: the store's timeout) and publishes them joined, and has
+    them (None for every other member: `joined` reads them)."""
     store.set(value_key(prefix, rank), value)
-    if int(store.add(prefix + COUNT, 1)) == size:  # the last to arrive gathers
-        values = multi_get(store, [value_key(prefix, r) for r in range(size)])
-        store.set(prefix + JOINED, pack(values))
-        return values
-    wait([prefix + JOINED])
+    if rank != GATHERER:
+        return None
+    values = multi_get(store, [value_key(prefix, r) for r in range(size)])
+    store.set(prefix + JOINED, pack(values))
+    return values
+
+
+def joined(store: Any, prefix: str, size: int) -> list[bytes]:
+    """The joined record, once the gatherer has published it: one `get`, which waits for it
+    (the store's timeout: no request while it waits)."""
     values = unpack(bytes(store.get(prefix + JOINED)))
     if len(values) != size:
         raise ValueError(f"{prefix}: {len(values)} values gathered for {size} members")
     return values
+
+
+def all_gather(store: Any, prefix: str, rank: int, size: int, value: bytes) -> list[bytes]:
+    """Every member's `value`, in rank order, once all `size` members have called this with
+    the same `prefix` (never used before: a generation's own), within `store`'s timeout."""
+    try:
+        got = publish(store, prefix, rank, size, value)
+        return got if got is not None else joined(store, prefix, size)
+    except Exception as exc:
+        text = str(exc).lower()
+        if "timeout" not in text and "timed out" not in text:
+            raise
+        raise ExchangeTimeout(f"{prefix}: not every member of {size} came in time") from None
 
 
 def linear_gloo() -> None:
@@ -180,12 +189,10 @@ class GatheringStore(dist.Store):
             return prefix, int(last)
         return None
 
-    def _joined(self, prefix: str, timeout: timedelta | None) -> list[bytes]:
+    def _joined(self, prefix: str) -> list[bytes]:
         values = self._values.get(prefix)
         if values is None:
-            keys = [prefix + JOINED]
-            self._inner.wait(keys) if timeout is None else self._inner.wait(keys, timeout)
-            values = unpack(bytes(self._inner.get(prefix + JOINED)))
+            values = joined(self._inner, prefix, self._mine[prefix])
             self._values = {prefix: values}  # only the newest exchange is kept
         return values
 
@@ -203,17 +210,15 @@ class GatheringStore(dist.Store):
             return
         assert rank is not None
         data = tidy(value.encode() if isinstance(value, str) else bytes(value))
-        self._inner.set(value_key(prefix, rank), data)
-        if int(self._inner.add(prefix + COUNT, 1)) == size:
-            values = multi_get(self._inner, [value_key(prefix, r) for r in range(size)])
-            self._inner.set(prefix + JOINED, pack(values))
+        values = publish(self._inner, prefix, rank, size, data)
+        if values is not None:
             self._values = {prefix: values}
 
     def get(self, key: str) -> bytes:
         found = self._exchange_of(key)
         if found is None:
             return bytes(self._inner.get(key))
-        return self._joined(found[0], None)[found[1]]
+        return self._joined(found[0])[found[1]]
 
     def _split(self, keys: list[str]) -> tuple[list[str], list[str]]:
         """(the keys that are `inner`'s, the exchanges the others belong to)."""
@@ -223,8 +228,8 @@ class GatheringStore(dist.Store):
 
     def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
         rest, exchanges = self._split(keys)
-        for prefix in exchanges:
-            self._joined(prefix, timeout)
+        for prefix in exchanges:  # the store's own timeout (torch sets it for a reconfigure)
+            self._joined(prefix)
         if rest:
             self._inner.wait(rest) if timeout is None else self._inner.wait(rest, timeout)
 

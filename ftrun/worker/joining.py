@@ -161,10 +161,9 @@ class NativeGroup:
                     cancel: threading.Event) -> Any:
         """The group re-formed for `gen`, or None when a member cannot reuse it (BUSY).
 
-        An abandoned reconfigure may still wait for handles on its thread (one blocked wait:
-        no request while it waits, and none per member but four in all); it never goes on
-        to re-form the group once a newer one was asked for, so the newer one reads its
-        handle at once. One that is re-forming the group (a member that died after publishing
+        An abandoned reconfigure may still wait for handles on its thread (a blocked read: no
+        request while it waits); it never goes on to re-form the group once a newer one was
+        asked for, so the newer one reads its handle at once. One that is re-forming the group (a member that died after publishing
         its handle holds the connect for up to RECONFIGURE_CONNECT_S) cannot be waited for
         without stalling every member: this member says BUSY, and the generation builds a
         fresh group at once."""
@@ -199,10 +198,10 @@ class NativeGroup:
 
     def _handles(self, store: Store, gen: Generation, rank: int, mine: str,
                  timeout_s: float) -> list[str]:
-        """Every member's handle (or BUSY), in rank order: one blocked wait for the joined
-        record (a member that never comes holds it until `timeout_s`)."""
-        from ftrun.worker.exchange import all_gather, blocking_wait
+        """Every member's handle (or BUSY), in rank order (`exchange.all_gather`: a member
+        that never comes holds the others until `timeout_s`; `store` is this build's own)."""
+        from ftrun.worker.exchange import all_gather
 
-        wait = blocking_wait(store, timeout_s, f"generation {gen.number}'s handles")
+        store.set_timeout(timedelta(seconds=timeout_s))  # type: ignore[attr-defined]
         return [h.decode() for h in all_gather(store, f"{gen.pg_prefix}handle/", rank,
-                                               gen.world_size, mine.encode(), wait)]
+                                               gen.world_size, mine.encode())]
