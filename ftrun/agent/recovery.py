@@ -71,6 +71,7 @@ class Recovery:
         self.membership = adopted or Membership(port.initial_members())
         self.faults = 0
         self.inbox = Inbox(port.wake, lambda text: port.emit(Event.NOTICE, {"text": text}))
+        self._known: set[int] = set()  # workers this job started, as last looked up
         self._reported: set[int] = set()  # generations whose recovery was announced
         self.ends = ScriptEnds()  # past training: scripts ended, post-training work owed
         self.gens = Generations(port, store, self.membership, self.ends, store_at)
@@ -316,7 +317,9 @@ class Recovery:
         return self.drains.decision()  # a requeue, once every member left
 
     def _started(self, worker_id: int) -> bool:  # per request: acting on one can start spares
-        return any(w.worker_id == worker_id for w in self.port.all_workers())
+        if worker_id not in self._known:  # looked up again only for one not seen yet: every
+            self._known = {w.worker_id for w in self.port.all_workers()}  # request scanning
+        return worker_id in self._known  # them all cost O(N²) (8,192 hellos: seconds)
 
     def _act_on(self, req: Request) -> Decision | None:
         match req:

@@ -69,6 +69,8 @@ HANG_CHECK_MARGIN_S = 0.01  # a check due when a wait crosses the timeout comes 
 STRAGGLER_CHECKS = 8  # consecutive checks (2 s) before a rank is called a straggler
 CPU_IDLE_S = 1.0  # `ftrun status` calls a worker idle after this long without CPU time
 KILL_EXIT_WAIT_S = 10.0  # a member the watch killed, still listed after this: judged again
+ROWS_PER_CHECK = 2048  # members judged every CHECK_EVERY_S at most: a larger job is judged
+# less often (8,192 members: every second; one judgement ~50 ms, which a fault waits behind)
 
 
 class HealthWatch:
@@ -195,8 +197,10 @@ class HealthWatch:
         self._next = now + CHECK_EVERY_S
         if self._awaiting_kill(membership, now):
             return []
+        ids = set(membership.members)  # a set: thousands of rows, each looked up
         rows = [m for m in self.local_liveness(now) + self.port.remote_liveness()
-                if m.worker in membership.members]
+                if m.worker in ids]
+        self._next = max(self._next, now + CHECK_EVERY_S * len(rows) / ROWS_PER_CHECK)
         members = [m for m in rows if m.generation == membership.generation]  # the others:
         if not rows:  # not started, or still recovering into it
             return []

@@ -4,10 +4,11 @@ Owns: the node table's reads (live nodes, their heartbeat payloads, read at most
 beat, and less often in a job so large that reading them would take more than
 PAYLOAD_READ_SHARE of the coordinator's time; a payload unchanged since the last read is not
 parsed again), the whole job's status (`ftrun status` on any node: published in the store every
-second), a remote worker's last committed step and liveness for the health watch, and the
-net-down drill: node 0's acted out here, another node's checked against what it said when
-it joined, then sent to it. `NodeTable` is an object the coordinating cluster holds; it
-shares that object's node dict and node watch.
+second by a thread of its own, less often where building it would take more than
+STATUS_SHARE of the time), a remote worker's last committed step and liveness for the health
+watch, and the net-down drill: node 0's acted out here, another node's checked against what
+it said when it joined, then sent to it. `NodeTable` is an object the coordinating cluster
+holds; it shares that object's node dict and node watch.
 Must not import: typer, rich, the CLI or the worker library.
 """
 
@@ -15,18 +16,20 @@ from __future__ import annotations
 
 import json
 import queue
+import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from ftrun.adapters.store import HostedStore
 from ftrun.agent.jobview import Node, merge_job_status
 from ftrun.cluster.host import NodeHost
-from ftrun.cluster.link import STATUS_KEY, Endpoint, command_queue, read_payloads
+from ftrun.cluster.link import STATUS_KEY, Endpoint, command_queue, connect, read_payloads
 from ftrun.cluster.messages import Command, NetDown, Payload, Ping, parse_payload, send
 from ftrun.cluster.netdrill import NetDrills, check_duration, refuse
 from ftrun.cluster.nodewatch import NodeWatch
 from ftrun.core import timeouts
-from ftrun.core.errors import FtrunError
+from ftrun.core.errors import FtrunError, first_line
 from ftrun.core.events import Event
 from ftrun.core.policy import Liveness
 from ftrun.protocol.rendezvous import node_of
@@ -34,6 +37,8 @@ from ftrun.protocol.status import Status
 
 PAYLOAD_READ_SHARE = 0.1  # of the coordinator's time, at most, reading every node's payload
 # (at 512 nodes, reading and checking them at every beat took most of a core)
+STATUS_SHARE = 0.05  # of the coordinator's time, at most, building the job's status (at 1,024
+# nodes of 8 one took ~0.2 s: every second, a fifth of the core that decides faults)
 
 
 class NodeTable:
@@ -46,17 +51,20 @@ class NodeTable:
         self.watch = watch
         self.beat_s = beat_s
         self._payloads: dict[int, tuple[float, Payload]] = {}
+        self._steps: dict[int, int] = {}  # worker -> its committed step, as last read
         self._parsed: dict[int, tuple[bytes, Payload | str]] = {}  # node -> last raw, parsed
         self._read_every_s = beat_s
         self._refused: dict[int, str] = {}  # node -> why its payload was refused (said once)
         self._told: set[int] = set()
-        self._next_status = 0.0
+        self._status: StatusThread | None = None  # started at the first publish_status
         self._net: NetDrills | None = None  # this node's link drills, made at the first
         self._net_drills: queue.SimpleQueue[tuple[int, float]] = queue.SimpleQueue()
 
     def close(self) -> None:
         if self._net is not None:
             self._net.close()
+        if self._status is not None:
+            self._status.close()
 
     def send(self, node: Node, cmd: Command) -> None:
         send(self.rdzv.store, command_queue(node.index), cmd)  # our own store
@@ -72,10 +80,10 @@ class NodeTable:
         return [n for n in list(self.nodes.values()) if n.alive]  # the control thread too
 
     def committed_step(self, worker_id: int) -> int:
-        node = node_of(worker_id)
-        step = next((w.step for w in self._payload(node).workers if w.worker_id == worker_id),
-                    None)
-        return -1 if step is None else step
+        """From its node's payload (read again if stale): a lookup, as a fault asks it of
+        every member (8,192 scans of a node's rows took ~45 ms a fault)."""
+        self._payload(node_of(worker_id))
+        return self._steps.get(worker_id, -1)
 
     def remote_liveness(self) -> list[Liveness]:
         nodes = [n for n in self.alive() if n.in_attempt]
@@ -147,6 +155,8 @@ class NodeTable:
                 self._refused.setdefault(node, payload)  # said from the main loop
             else:
                 self._payloads[node] = (now, payload)
+        self._steps = {w.worker_id: -1 if w.step is None else w.step
+                       for _, p in self._payloads.values() for w in p.workers}
         self._read_every_s = read_period(self.beat_s, time.monotonic() - now)
 
     def _parse(self, node: int, raw: bytes) -> Payload | str:
@@ -168,16 +178,55 @@ class NodeTable:
                                                       "shown nor watched"})
 
     def publish_status(self) -> None:
+        """Main loop: say what the status thread could not do; start it the first time."""
         self._say_refused()
-        now = time.monotonic()
-        if now < self._next_status:
-            return
-        self._next_status = now + timeouts.STATUS_EVERY_S
-        try:
-            doc = self.host.services.control_plane.status().to_json()
-            self.rdzv.store.set(STATUS_KEY, json.dumps(doc))
-        except Exception as exc:  # a status snapshot must never stop the job
-            self.host.emit(Event.NOTICE, {"text": f"could not publish the job status: {exc}"})
+        if self._status is None:
+            self._status = StatusThread(self._build_status, lambda: connect(self.ep, 30.0))
+        if (why := self._status.failed()) is not None:
+            self.host.emit(Event.NOTICE, {"text": f"could not publish the job status: {why}"})
+
+    def _build_status(self) -> str:
+        return json.dumps(self.host.services.control_plane.status().to_json())
+
+
+class StatusThread:
+    """The whole job's status, built and published on a thread of its own, every second, or
+    less often where a build takes more than STATUS_SHARE of the time between two: at 8,192
+    workers one takes ~0.3 s of Python, which the main loop, the one that decides faults,
+    would otherwise spend before the next fault. A status is read from the control thread
+    the same way (`ftrun status`). A failed build is kept for the main loop to say."""
+
+    def __init__(self, build: Callable[[], str], connect: Callable[[], Any]) -> None:
+        """`connect`: the job's store, on a connection of the thread's own."""
+        self._build, self._connect = build, connect
+        self._failed: str | None = None
+        self._told = False
+        self._stop = threading.Event()
+        threading.Thread(target=self._run, name="ftrun-status", daemon=True).start()
+
+    def close(self) -> None:
+        """No more builds (one under way ends on its own: a daemon)."""
+        self._stop.set()
+
+    def failed(self) -> str | None:
+        """Why the last build failed, once (None: it did not, or was said)."""
+        if self._failed is None or self._told:
+            return None
+        self._told = True
+        return self._failed
+
+    def _run(self) -> None:
+        wait, store = 0.0, None
+        while not self._stop.wait(wait):
+            start = time.monotonic()
+            try:  # a status snapshot must never stop the job
+                store = store or self._connect()
+                store.set(STATUS_KEY, self._build())
+                self._failed, self._told = None, False
+            except Exception as exc:
+                self._failed = first_line(exc)
+            cost = time.monotonic() - start
+            wait = max(timeouts.STATUS_EVERY_S - cost, cost / STATUS_SHARE - cost)
 
 
 def read_period(beat_s: float, cost_s: float) -> float:

@@ -38,10 +38,16 @@ class GenerationRelay:
     """Started before this node's workers of an attempt, closed after they stopped."""
 
     def __init__(self, connect: Callable[[], Any], node: int,
-                 on_lost: Callable[[str], None]) -> None:
-        self._hosted = HostedStore(0, LOOPBACK)
-        self._local: Any = self._hosted.serve()
-        self.addr = f"{LOOPBACK}:{self._hosted.port}"
+                 on_lost: Callable[[str], None], local: Any = None) -> None:
+        """`local`: where the records are copied (a simulated node's own store, which its
+        workers do not watch); by default a loopback store of this node's own, served here,
+        at `addr`."""
+        self._hosted: HostedStore | None = None
+        if local is None:
+            self._hosted = HostedStore(0, LOOPBACK)
+            local = self._hosted.serve()
+        self._local: Any = local
+        self.addr = "" if self._hosted is None else f"{LOOPBACK}:{self._hosted.port}"
         self._node = node
         self._on_lost = on_lost
         self._lock = threading.Lock()  # the copied records: a reader's thread, or follow()
@@ -132,7 +138,8 @@ class GenerationRelay:
             source.reader.close(source.upstream if link_works else None)
         with self._lock:
             self._local = None
-        self._hosted.close()  # the server stops with its last reference
+        if self._hosted is not None:
+            self._hosted.close()  # the server stops with its last reference
 
 
 def connector(addr: str) -> Callable[[], Any]:

@@ -123,7 +123,8 @@ class Membership:
 
     def publish(self, members: tuple[int, ...], joiners: tuple[int, ...] = ()) -> None:
         """A new generation: joiners must heal, members left out are gone."""
-        left = [m for m in self.members if m not in members]
+        kept = set(members)  # a set: at 8,192 members, a tuple's `in` took ~0.4 s a fault
+        left = [m for m in self.members if m not in kept]
         self.view = View(self.view.generation + 1, members)
         for j in joiners:
             self.move(j, WorkerRole.HEALING)
