@@ -16,6 +16,7 @@ from conftest import ftrun_cmd, wait_for
 from fakestore import MemoryStore
 
 from ftrun.protocol.rendezvous import Generation
+from ftrun.worker.exchange import value_key
 from ftrun.worker.joining import BUSY, NativeGroup
 
 TRAIN = str(Path(__file__).parent.parent / "examples" / "train_ddp.py")
@@ -100,16 +101,18 @@ def test_a_member_whose_abandoned_reconfigure_still_runs_says_busy_at_once() -> 
     RECONFIGURE_CONNECT_S) made the next generation wait for it. Now this member publishes
     BUSY for the next one at once, and every member builds a fresh group."""
     group = NativeGroup.__new__(NativeGroup)  # its state only: no default group is needed
-    group.worker_id, group._busy = 0, threading.Lock()
+    group.worker_id, group._newest = 0, -1
+    group._turn, group._running = threading.Lock(), threading.Lock()
     store = MemoryStore()
     gen = Generation(2, (0, 4, 2))
-    for peer in (4, 2):  # the others published theirs (handles or BUSY: any)
-        store.set(f"{gen.pg_prefix}handle/{peer}", "a-handle")
+    prefix = f"{gen.pg_prefix}handle/"
+    for rank in (1, 2):  # the others published theirs (handles or BUSY: any)
+        store.set(value_key(prefix, rank), b"a-handle")
     held = threading.Event()
     release = threading.Event()
 
-    def abandoned_reconfigure() -> None:  # generation 1's, still connecting to the dead spare
-        with group._busy:
+    def abandoned_reconfigure() -> None:  # generation 1's, re-forming: connecting to the dead spare
+        with group._running:
             held.set()
             release.wait(30)
 
@@ -117,6 +120,6 @@ def test_a_member_whose_abandoned_reconfigure_still_runs_says_busy_at_once() -> 
     held.wait(5)
     try:
         assert group.reconfigure(store, gen, 5.0, threading.Event()) is None  # a fresh group
-        assert store.get(f"{gen.pg_prefix}handle/0").decode() == BUSY
+        assert store.get(value_key(prefix, 0)) == BUSY.encode()
     finally:
         release.set()

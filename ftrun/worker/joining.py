@@ -163,8 +163,9 @@ class NativeGroup:
 
         An abandoned reconfigure may still wait for handles on its thread (a blocked read: no
         request while it waits); it never goes on to re-form the group once a newer one was
-        asked for, so the newer one reads its handle at once. One that is re-forming the group (a member that died after publishing
-        its handle holds the connect for up to RECONFIGURE_CONNECT_S) cannot be waited for
+        asked for, so the newer one reads its handle at once. One that is re-forming the group
+        (a member that died after publishing its handle holds the connect for up to
+        RECONFIGURE_CONNECT_S) cannot be waited for
         without stalling every member: this member says BUSY, and the generation builds a
         fresh group at once."""
         import torch.distributed as dist
