@@ -166,7 +166,8 @@ def main() -> None:
         ft.commit()
         log.append({"step": step, "loss": total, "norm": float(norm), "rank": ft.rank,
                     "world": ft.world_size, "gen": ft.generation,
-                    "lr": sched.get_last_lr()[0], "ms": round((time.time() - t0) * 1000, 1)})
+                    "lr": sched.get_last_lr()[0], "ms": round((time.time() - t0) * 1000, 1),
+                    "t": time.time()})
         if ft.rank == 0 and (step % 20 == 0 or step == args.steps - 1):
             print(f"step {step:4d} loss {total:.4f} grad-norm {float(norm):.3f} "
                   f"world {ft.world_size}", flush=True)

@@ -25,7 +25,8 @@ def fault(**over: Any) -> dict[str, Any]:
         "reason": "r", "injected": True, "generation": 1, "recovered": True,
         "recovery_ms": 100.0, "phases_ms": {"detected": 1.0}, "lost_steps": 0,
         "committed_before": 10, "lost_from": None, "resumed_step": None,
-        "redone_samples": 8, "redone_fraction": 0.2857, "redone_s": 0.31, "short_steps": 2}
+        "redone_samples": 8, "redone_fraction": 0.2857, "redone_s": 0.31, "short_steps": 2,
+        "rolled_back_to": None}
     doc.update(over)
     return doc
 

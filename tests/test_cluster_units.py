@@ -182,7 +182,7 @@ def test_when_groups_span_nodes_a_joining_node_needs_the_same_nproc_and_resume_g
     assert end.refused and end.reason.startswith(
         "this node was started with --nproc 4 (the coordinator's: 2), --resume not given (the "
         "coordinator's: given); start every node with the same --shard-size, ")
-    assert end.reason.endswith("--heal-sources, --nproc, --resume")
+    assert end.reason.endswith("--verify-every, --verify-grads-every, --nproc, --resume")
     assert job.sent(2) == [] and list(job.coord.nodes) == [2]  # its --resume path is its own
 
 

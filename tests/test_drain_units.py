@@ -175,7 +175,7 @@ def test_ftrun_drain_is_refused_when_its_replacement_is_late() -> None:
 
 
 def test_ftrun_status_shows_a_drain_with_its_deadline_and_a_done_one_with_its_cost() -> None:
-    from ftrun.cli.render import drain_line
+    from ftrun.cli.status_view import drain_line
     from ftrun.core.events import DrainFields
 
     waiting = DrainFields(1, "node 2 (SIGTERM: a notice)", "waiting", "worker 20000 (rank 4) "

@@ -12,7 +12,7 @@ import pytest
 from conftest import FIXTURES
 
 FTRUN_ONLY = {"FTRUN_ATTEMPT", "FTRUN_FT_MODE", "FTRUN_WORKER_ID", "FTRUN_SPARE", "FTRUN_COMM",
-              "FTRUN_PROGRESS_DIR"}
+              "FTRUN_PROGRESS_DIR", "FTRUN_VERIFY_EVERY"}  # --verify-every is on by default
 DIFFERENT_EACH_RUN = {"MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_ERROR_FILE"}
 
 

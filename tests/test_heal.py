@@ -70,7 +70,7 @@ def test_the_status_document_and_metrics_carry_each_heal_and_the_next_ones_estim
 
     from ftrun.adapters.metrics import heal_families
     from ftrun.agent.heals import HealLedger
-    from ftrun.cli.render import heal_text
+    from ftrun.cli.status_view import heal_text
     from ftrun.protocol.status import Heal
 
     ledger = HealLedger()

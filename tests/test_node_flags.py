@@ -15,9 +15,10 @@ from ftrun.core.spec import RunSpec
 # a value other than the default for each flag that must be shared
 OTHER = {"--shard-size": "2", "--snapshot-every": "5", "--snapshot-interval": "0.5",
          "--redo": "lost", "--on-fault": "shrink", "--comm": "fresh", "--heal-chunk-mb": "8",
-         "--heal-sources": "2", "--nproc": "2"}
+         "--heal-sources": "2", "--verify-every": "10", "--verify-grads-every": "2",
+         "--nproc": "2"}
 ALL_SHARED = ("--shard-size, --snapshot-every, --snapshot-interval, --redo, --on-fault, "
-              "--comm, --heal-chunk-mb, --heal-sources")
+              "--comm, --heal-chunk-mb, --heal-sources, --verify-every, --verify-grads-every")
 
 
 def text(**kw: object) -> str:

@@ -88,7 +88,7 @@ def test_a_rank_heals_and_averages_with_the_same_shard_of_the_other_groups() -> 
 
 
 def test_status_text_names_the_groups_and_their_policy() -> None:
-    from ftrun.cli.render import policy_text, replica_groups_text
+    from ftrun.cli.status_view import policy_text, replica_groups_text
 
     assert policy_text(status(shard_size=2, spares=1, policy="replace")) == \
         "a lost group out, then rejoined (groups of 2, spare groups 1)"

@@ -82,7 +82,7 @@ def test_summary_percentiles() -> None:
 
 
 def test_status_rendering_of_a_document(capsys) -> None:
-    from ftrun.cli.render import print_status
+    from ftrun.cli.status_view import print_status
 
     print_status(status(
         run_id="abc", script="t.py", uptime_s=3.0, generation=2, world_size=2, policy="shrink",

@@ -26,10 +26,12 @@ from ftrun.protocol.progress import SIZE, Progress, Reporter, Slot, pack, unpack
 
 OLD_DRILL_KINDS = ("kill", "segv", "exit", "exception", "hang", "slow", "comm", "spin",
                    "deadlock", "stall", "wedge")
+CORRUPTION_KINDS = ("bitflip", "gradflip")  # appended (#53): the slot's indices go on
 OLD_GPU_KINDS = ("xid", "ecc", "thermal")
 NODE_KINDS_NOW = ("net-down",)  # appended: the slot's drill indices are unchanged
 NOTICE_KINDS_NOW = ("preempt",)  # appended (#48): a node's notice, not a slot drill
-OLD_WORKER_ONLY = ("exit", "exception", "slow", "comm", "spin", "deadlock", "stall", "wedge")
+OLD_WORKER_ONLY = ("exit", "exception", "slow", "comm", "spin", "deadlock", "stall", "wedge",
+                   *CORRUPTION_KINDS)
 OLD_PHASES = ("", "step", "collective", "optimizer", "user", "long", "recovering")
 
 # a slot holding KNOWN, as the old Slot writers laid it out
@@ -64,10 +66,10 @@ REPORTED_BYTES = bytes.fromhex(
 
 # ------------------------------------------------------------------ fault kinds
 def test_fault_kinds_keep_the_old_names_and_orders() -> None:
-    assert SLOT_DRILLS == OLD_DRILL_KINDS and GPU_KINDS == OLD_GPU_KINDS
+    assert (*OLD_DRILL_KINDS, *CORRUPTION_KINDS) == SLOT_DRILLS and GPU_KINDS == OLD_GPU_KINDS
     assert WORKER_ONLY == OLD_WORKER_ONLY and GROUP_DRILLS == ("stall", "wedge")
     assert ALL_KINDS == (*OLD_DRILL_KINDS, *OLD_GPU_KINDS, *NODE_KINDS_NOW,
-                         *NOTICE_KINDS_NOW) == tuple(FaultKind)
+                         *NOTICE_KINDS_NOW, *CORRUPTION_KINDS) == tuple(FaultKind)
     assert NODE_KINDS == NODE_KINDS_NOW
     assert AGENT_SIGNALS == {"kill": signal.SIGKILL, "segv": signal.SIGSEGV,
                              "hang": signal.SIGSTOP}
@@ -76,7 +78,7 @@ def test_fault_kinds_keep_the_old_names_and_orders() -> None:
 
 def test_fault_kinds_read_print_and_serialise_as_their_strings() -> None:
     help_text = "kill, segv, exit, exception, hang, slow, comm, spin, deadlock, stall, wedge, " \
-                "xid, ecc, thermal, net-down, preempt"
+                "xid, ecc, thermal, net-down, preempt, bitflip, gradflip"
     assert ", ".join(ALL_KINDS) == help_text
     for kind in FaultKind:
         assert (str(kind), f"{kind}", f"{kind:>3}") == (kind.value, kind.value,

@@ -308,3 +308,18 @@ def test_without_drain_on_a_degraded_gpu_is_only_shown(watched: Watched) -> None
     watched.watch.uuids = [f"GPU-{i}" for i in range(3)]
     watched.watch.changes.put(("GPU-0", Verdict(Health.DEGRADED, "retired pages pending")))
     assert watched.tick(None, 0.0) == [] and not watched.watch.excluded
+
+
+def test_a_gpu_that_held_corrupt_state_is_suspect_and_avoided(watched: Watched) -> None:
+    """#53: a worker outvoted by its replicas leaves; its GPU shows as suspect in status and
+    the metrics, and no replacement starts on it (a failed verdict still wins)."""
+    watch = watched.watch
+    watch.uuids = [f"GPU-{i}" for i in range(4)]
+    watch.suspect(1, "worker 1 held corrupt state on it (silent corruption)")
+    assert watch.gpu_of(1) == ("GPU-1", "suspect") and watch.gpu_of(0)[1] == "healthy"
+    assert [(g["uuid"], g["health"]) for g in watched.node.of_kind(Event.GPU)] == [
+        ("GPU-1", "suspect")]
+    assert watch.pick_local_rank(1) == 3  # 0-2 busy, 1 suspect
+    assert [g["excluded"] for g in watch.gpu_table()] == [False, True, False, False]
+    watch.suspect(9, "no such device")  # a CPU run has no GPU to suspect: nothing happens
+    assert len(watched.node.of_kind(Event.GPU)) == 1

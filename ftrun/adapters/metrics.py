@@ -169,6 +169,11 @@ def job_families(doc: Status) -> Iterator[Any]:
         gpus.add_metric([g.gpu, str(g.index)],
                         1.0 if g.health == "healthy" and not g.excluded else 0.0)
     yield gpus
+    suspect = GaugeMetricFamily("ftrun_gpu_suspect", "1 if silent corruption was found on "
+                                "the GPU (it is excluded), else 0", labels=["gpu", "index"])
+    for g in doc.gpus:
+        suspect.add_metric([g.gpu, str(g.index)], 1.0 if g.health == "suspect" else 0.0)
+    yield suspect
 
 
 def worker_families(workers: Sequence[WorkerRow]) -> Iterator[Any]:
@@ -232,6 +237,9 @@ def fault_families(faults: Sequence[Fault], summary: Summary) -> Iterator[Any]:
     yield CounterMetricFamily("ftrun_short_handed_steps", "steps committed with fewer ranks "
                               "than the job's size after a fault",
                               value=float(sum(f.short_steps for f in faults)))
+    yield CounterMetricFamily("ftrun_silent_corruptions", "silent corruptions found (replicas "
+                              "that differed, a local gradient far off)",
+                              value=float(sum(f.rolled_back_to is not None for f in faults)))
     if summary.goodput is not None:
         yield GaugeMetricFamily("ftrun_goodput_ratio", "share of the run not lost to faults",
                                 value=float(summary.goodput))

@@ -47,6 +47,7 @@ def worker_env(spec: RunSpec, env: Mapping[str, str], *, rank: int, local_rank: 
         relay=relay, heal_chunk_mb=spec.heal_chunk_mb, heal_sources=spec.heal_sources,
         redo=spec.redo,
         drain_signal=spec.drain_signal,
+        verify_every=spec.verify_every, verify_grads_every=spec.verify_grads_every,
     )
 
 

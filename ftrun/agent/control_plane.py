@@ -150,7 +150,7 @@ class ControlPlane:
         if op.node is not None:  # the node's hook answers a JSON object: checked here
             return reply(read_reply(NetDowned, self.port.net_down(op.node, op.duration)))
         target = self._validate(op)
-        self.drills.put(Drill(target.worker_id, op.kind, op.at_step, op.arg, op.chaos))
+        self.drills.put(Drill(target.worker_id, op.kind, op.at_step, op.slot_arg, op.chaos))
         self.port.wake()
         return reply(Injected(target.worker_id, target.spawned.pid, target.rank))
 
@@ -270,7 +270,7 @@ class ControlPlane:
             metrics=self.metrics_url,
             replica_groups=None if groups is None else tuple(
                 ReplicaGroup.from_json(g) for g in groups),
-            drains=tuple(self.journal.drains.values()) or None)
+            drains=tuple(self.journal.drains.values()) or None, verify_every=spec.verify_every)
 
     def rows(self, now: float, workers: Sequence[Worker] | None = None) -> tuple[WorkerRow, ...]:
         """One row per live worker of this node (or per one of `workers`), from its progress

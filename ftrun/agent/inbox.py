@@ -2,9 +2,9 @@
 
 Owns: `Inbox`: each request checked where it enters (`parse_request`, on the reader's thread,
 which then wakes the main loop), handed out in arrival order to the main loop, malformed ones
-and those of a worker the job never started refused with a notice, the stages taken out
-ahead of the rest (a stage told just before a worker died decides its fault), and the wait
-until the reader took what the store already holds.
+and those of a worker the job never started refused with a notice, those that decide a
+fault taken out ahead of the rest (a stage or a corruption told just before a worker died),
+and the wait until the reader took what the store already holds.
 Must not import: typer, rich, the CLI, the worker library, the agent.
 """
 
@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ftrun.core import timeouts
-from ftrun.protocol.rendezvous import REQUEST_QUEUE, Request, Stage, parse_request
+from ftrun.protocol.rendezvous import REQUEST_QUEUE, Request, parse_request
 
 
 class Inbox:
@@ -45,16 +45,16 @@ class Inbox:
             else:
                 return req
 
-    def stages(self) -> list[Stage]:
-        """The stages queued now, taken out; every other request waits its turn."""
-        taken: list[Stage] = []
+    def take(self, kinds: tuple[type[Request], ...]) -> list[Request]:
+        """The requests of these kinds queued now, taken out; every other one waits its turn."""
+        taken: list[Request] = []
         held: list[Request | str] = []
         while True:
             try:
                 req = self._queue.get_nowait()
             except queue.Empty:
                 break
-            if isinstance(req, Stage):
+            if isinstance(req, kinds):
                 taken.append(req)
             else:
                 held.append(req)

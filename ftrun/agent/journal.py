@@ -20,7 +20,7 @@ from typing import IO, Any
 from ftrun.agent.heals import HealLedger
 from ftrun.core.errors import FtrunError
 from ftrun.core.events import DrainFields, Event, EventSink, RecoveredFields, fields_of
-from ftrun.core.faultkinds import GROUP_DRILLS  # the rebuild answering them names no worker (-1)
+from ftrun.core.faultkinds import CORRUPTION_DRILLS, GROUP_DRILLS  # faults naming no worker
 
 LOG_FILE = "events.jsonl"  # the journal's file in a run's log directory
 PHASES = ("detected", "published", "rebuilt", "healed", "first_commit")
@@ -50,6 +50,8 @@ class FaultRecord:
     redone_fraction: float | None = None  # ...as a fraction of the step's global batch
     redone_s: float | None = None  # ...and the seconds that took (make-up pass or repeat)
     short_steps: int = 0  # steps after it committed with fewer ranks than the job's size
+    rolled_back_to: int | None = None  # silent corruption: the verified step every replica
+    # went back to (a gradient caught before its commit: the step it repeated)
 
 
 class Journal:
@@ -132,21 +134,26 @@ class Journal:
     def _on_fault(self, f: Mapping[str, object]) -> None:
         worker = int(str(f["worker"]))
         detected = float(str(f.get("detected_at", self._now)))
-        drill = self._drills.pop(worker, None) if worker >= 0 else self._group_drill()
-        kind, at = drill if drill else (str(f.get("why", "fault")), detected)
+        why = str(f.get("why", "fault"))
+        drill = self._drills.pop(worker, None) if worker >= 0 else self._group_drill(
+            CORRUPTION_DRILLS if why == "corruption" else GROUP_DRILLS)
+        kind, at = drill if drill else (why, detected)
         rec = FaultRecord(id=len(self.faults) + 1, kind=kind, worker=worker,
                           rank=int(str(f["rank"])), at=at, decision=str(f["decision"]),
                           reason=str(f["reason"]), injected=drill is not None,
                           committed_before=int(str(f.get("committed_before", -1))))
         rec.phases_ms = {"detected": round((detected - at) * 1000, 1)}
+        if f.get("rolled_back_to") is not None:
+            _rolled_back(rec, f)
         self.faults.append(rec)
 
-    def _group_drill(self) -> tuple[str, float] | None:
+    def _group_drill(self, kinds: tuple[str, ...]) -> tuple[str, float] | None:
         """A rebuild covers every live member, and stall and wedge drills only ever target
         live members: it answers every one pending (the earliest names it). Left pending, one
-        would name that worker's next, unrelated fault."""
-        taken = sorted((at, kind) for kind, at in self._drills.values() if kind in GROUP_DRILLS)
-        self._drills = {w: d for w, d in self._drills.items() if d[0] not in GROUP_DRILLS}
+        would name that worker's next, unrelated fault. So does a corruption nobody is
+        blamed for, the bitflips pending."""
+        taken = sorted((at, kind) for kind, at in self._drills.values() if kind in kinds)
+        self._drills = {w: d for w, d in self._drills.items() if d[0] not in kinds}
         return (taken[0][1], taken[0][0]) if taken else None
 
     def _on_failure(self, f: Mapping[str, object]) -> None:
@@ -227,7 +234,8 @@ class Journal:
                     if f.get(key):
                         phases[name] = round((float(str(f[key])) - rec.at) * 1000, 1)
                 rec.phases_ms = phases
-                if f.get("step") is not None and rec.committed_before >= 0:
+                if f.get("step") is not None and rec.committed_before >= 0 and \
+                        rec.rolled_back_to is None:  # a rollback's are counted already
                     rec.lost_steps = max(0, rec.committed_before - int(str(f["step"])))
                 rec.recovered = True
                 rec.recovery_ms = phases.get("first_commit")
@@ -254,6 +262,20 @@ class Journal:
             rec, resumed = self._short
             rec.short_steps += max(0, step - resumed - 1)
             self._short = None
+
+
+def _rolled_back(rec: FaultRecord, f: Mapping[str, object]) -> None:
+    """Silent corruption: every replica went back to a verified step; the steps since are
+    lost, and the time since that state was kept. Recovered where it was found (nobody to
+    replace: a rollback, a redo) when `recovered_at` says so."""
+    rec.rolled_back_to = int(str(f["rolled_back_to"]))
+    rec.lost_steps = max(0, rec.committed_before - rec.rolled_back_to)
+    if f.get("lost_from") is not None:
+        rec.lost_from = min(float(str(f["lost_from"])), rec.at)
+    if f.get("recovered_at") is not None:
+        rec.recovered = True
+        rec.recovery_ms = round((float(str(f["recovered_at"])) - rec.at) * 1000, 1)
+        rec.phases_ms = {**rec.phases_ms, rec.decision: rec.recovery_ms}
 
 
 def _from_the_fault(rec: FaultRecord, f: Mapping[str, object]) -> None:

@@ -14,6 +14,7 @@ import time
 from dataclasses import replace
 from typing import Any
 
+from ftrun.agent.corruption import Corruptions
 from ftrun.agent.drains import Drains
 from ftrun.agent.generations import Generations, Respawns
 from ftrun.agent.inbox import Inbox
@@ -22,10 +23,10 @@ from ftrun.agent.redo import EnterLater
 from ftrun.agent.replica_groups import ReplicaGroups
 from ftrun.agent.roster import RemoteWorker, Worker
 from ftrun.agent.script_ends import ScriptEnds
-from ftrun.agent.spares import Spares
+from ftrun.agent.spares import Spares, near
 from ftrun.core import timeouts
 from ftrun.core.events import Event
-from ftrun.core.exits import describe_exit
+from ftrun.core.exits import EXIT_CORRUPT, describe_exit
 from ftrun.core.membership import Membership, WorkerRole
 from ftrun.core.policy import (
     Action,
@@ -38,10 +39,11 @@ from ftrun.core.policy import (
     decide_late_fault,
     decide_node_loss,
     decide_rebuild,
+    stop_decision,
 )
 from ftrun.protocol.rendezvous import (
-    RELEASE_KEY,
     CommFailed,
+    Corruption,
     Generation,
     Healed,
     Hello,
@@ -82,6 +84,7 @@ class Recovery:
         self.spares = Spares(self.spec, self.gens, self.respawns, self.groups, self.later,
                              self.membership)
         self.drains = Drains(port, self.gens, self.membership, self._snapshot)
+        self.corruptions = Corruptions(self._emit_fault)
         self._trained_told = False  # a member left its training loop: the journal was told
         if adopted is None:
             first = Generation(0, self.membership.members, "start", published_at=time.time())
@@ -155,13 +158,16 @@ class Recovery:
             self._release_if_ended()
             return None
         self.faults += 1
-        return self._on_member_fault(w, f"exited with {describe_exit(code)}")
+        told = self.corruptions.on_exit(wid) if code == EXIT_CORRUPT else None
+        why, fields = told or (f"exited with {describe_exit(code)}", {})
+        return self._on_member_fault(w, why, fields)
 
     def _take_queued(self) -> None:
-        """Requests already queued, stages only: the rest waits for the main loop's turn."""
+        """Requests already queued that decide a fault (a stage, a corruption a worker told
+        before it left): the rest waits for the main loop's turn."""
         self.catch_up()
-        for stage in self.inbox.stages():
-            self._on_stage(stage)
+        for req in self.inbox.take((Stage, Corruption)):
+            self._act_on(req)
 
     def _on_stage(self, req: Stage) -> None:
         if req.stage == "trained" and not self._trained_told:  # the journal's end of training
@@ -173,11 +179,7 @@ class Recovery:
         self._release_if_ended()
 
     def _release_if_ended(self) -> None:
-        """Every live member's script ended: they may exit (each waits for this, healing a
-        replacement meanwhile if one comes)."""
-        if self.store is not None and self.ends.may_release(self.membership.live()):
-            self.ends.released = True
-            self.store.set(RELEASE_KEY, "1")
+        self.ends.release_if_ended(self.store, self.membership.live())
 
     def end_decision(self) -> Decision:
         """Every member finished: the run's verdict (a rank lost after its last step and
@@ -187,7 +189,8 @@ class Recovery:
             self.port.emit(Event.NOTICE, {"text": d.reason})
         return d
 
-    def _on_member_fault(self, w: AnyWorker, why: str) -> Decision | None:
+    def _on_member_fault(self, w: AnyWorker, why: str,
+                         fields: dict[str, Any]) -> Decision | None:
         assert w.exit is not None
         live = self.membership.live()
         node = node_of(w.worker_id)
@@ -195,8 +198,8 @@ class Recovery:
         snap = self._snapshot()
         loop = self.respawns.rank_loop(live.index(w.worker_id),
                                        self.membership.role(w.worker_id) is R.HEALING)
-        snap = replace(snap, spares=_near(snap.spares, node),
-                       starting_spares=_near(snap.starting_spares, node))
+        snap = replace(snap, spares=near(snap.spares, node),
+                       starting_spares=near(snap.starting_spares, node))
         fault_at = w.exit.wall_time
         late = self.ends.training_over(self.membership.members)
         if self.spec.shard_size > 1:
@@ -209,7 +212,7 @@ class Recovery:
             d = self.later.reword(decide_fault(snap, w.worker_id, why, new_id, crash_loop=loop))
         self._emit_fault({"worker": w.worker_id, "rank": live.index(w.worker_id), "why": why,
                           "decision": d.action.value, "reason": d.reason,
-                          "detected_at": w.exit.wall_time})
+                          "detected_at": w.exit.wall_time, **fields})
         if self.spec.shard_size > 1 and d.action is FaultAction.SHRINK:
             self.groups.act_on_fault(d, w.worker_id, fault_at)
             if late:
@@ -232,12 +235,12 @@ class Recovery:
             if d.regrow:
                 self.spares.joiners.append((node, w.local_rank))  # after the first commit
             return None
-        return _stop(d, w.rank)
+        return stop_decision(d, w.rank)
 
     def _emit_fault(self, fields: dict[str, Any]) -> None:
         """A fault event, with the highest step committed before it (the journal's lost work)."""
         steps = [self.port.committed_step(m) for m in self.membership.members]
-        self.port.emit(Event.FAULT, {**fields, "committed_before": max(steps, default=-1)})
+        self.port.emit(Event.FAULT, {"committed_before": max(steps, default=-1), **fields})
 
     def rebuild(self, reason: str) -> bool:
         """The group is stuck, no member to blame: a new communicator (False: over budget)."""
@@ -301,7 +304,7 @@ class Recovery:
             if self.spec.shard_size > 1 and self.groups.out_since is None:  # its groups too
                 self.groups.out_since = min(last_seen, now)
             return None
-        return _stop(d, None)
+        return stop_decision(d, None)
 
     def done(self) -> bool:
         return self.membership.done()
@@ -349,6 +352,8 @@ class Recovery:
                         self.spares.after_first_commit()  # past training: they'd serve nothing
             case Stage():
                 self._on_stage(req)
+            case Corruption():
+                self.faults += self.corruptions.on_request(req, self.membership.live())
         return None
 
     def _on_hello(self, req: Hello) -> None:
@@ -378,7 +383,7 @@ class Recovery:
                           "why": "comm", "decision": d.action.value, "reason": d.reason,
                           "detected_at": time.time()})
         if d.action is not FaultAction.REBUILD:
-            return _stop(d, None)
+            return stop_decision(d, None)
         self.gens.publish(d.members, d.reason, True, time.time())
         return None
 
@@ -393,13 +398,3 @@ class Recovery:
     def catch_up(self, timeout_s: float = timeouts.REQUEST_CATCH_UP_S) -> None:
         self.inbox.catch_up(self.store, timeout_s)
 
-
-def _near(spares: tuple[int, ...], node: int) -> tuple[int, ...]:
-    """Spares on `node` first; otherwise in the order given (oldest first: sorted is stable)."""
-    return tuple(sorted(spares, key=lambda s: node_of(s) != node))
-
-
-def _stop(d: FaultDecision, culprit: int | None) -> Decision:
-    """The run cannot go on in-process: torchrun's whole-group restart, or the end."""
-    action = Action.RESTART_GROUP if d.action is FaultAction.RESTART_GROUP else Action.FAIL
-    return Decision(action, d.reason, culprit)

@@ -12,9 +12,10 @@ Must not import: typer, rich, the CLI, the worker library, the agent.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 from ftrun.core.policy import Action, Decision, FaultAction, FaultDecision
-from ftrun.protocol.rendezvous import Stage
+from ftrun.protocol.rendezvous import RELEASE_KEY, Stage
 
 
 class ScriptEnds:
@@ -80,6 +81,13 @@ class ScriptEnds:
         none is needed to heal a replacement."""
         return (not self.released and bool(live) and not self._unassigned
                 and all(self.ended(m) for m in live))
+
+    def release_if_ended(self, store: Any, live: tuple[int, ...]) -> None:
+        """Every live member's script ended: they may exit (each waits for this, healing a
+        replacement meanwhile if one comes). `store`: the attempt's (None: it is over)."""
+        if store is not None and self.may_release(live):
+            self.released = True
+            store.set(RELEASE_KEY, "1")
 
     def no_group_coming(self) -> None:
         """The replica groups still owed will not come (their joiners kept dying)."""

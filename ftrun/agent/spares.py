@@ -16,6 +16,7 @@ from ftrun.agent.replica_groups import ReplicaGroups
 from ftrun.core.exits import describe_exit
 from ftrun.core.membership import Membership, WorkerRole
 from ftrun.core.spec import RunSpec
+from ftrun.protocol.rendezvous import node_of
 
 R = WorkerRole
 Spot = tuple[int, int]  # (node, local rank)
@@ -76,3 +77,8 @@ class Spares:
             while joiners:
                 node, local_rank = joiners.pop(0)
                 self.gens.spawn(node, local_rank, R.JOINING)
+
+
+def near(spares: tuple[int, ...], node: int) -> tuple[int, ...]:
+    """Spares on `node` first; otherwise in the order given (oldest first: sorted is stable)."""
+    return tuple(sorted(spares, key=lambda s: node_of(s) != node))

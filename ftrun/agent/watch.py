@@ -73,6 +73,9 @@ ROWS_PER_CHECK = 2048  # members judged every CHECK_EVERY_S at most: a larger jo
 # less often (8,192 members: every second; one judgement ~50 ms, which a fault waits behind)
 
 
+SUSPECT = "suspect"  # a GPU's health after silent corruption on it: excluded, not failed
+
+
 class HealthWatch:
     def __init__(self, port: WatchPort, slots: ProgressSlots) -> None:
         self.port = port
@@ -89,6 +92,7 @@ class HealthWatch:
         self.uuids = (uuids_by_local_rank(backend, os.environ.get("CUDA_VISIBLE_DEVICES"))
                       if backend else [])
         self.excluded: set[str] = set()
+        self.suspects: dict[str, str] = {}  # uuid -> why (silent corruption on it)
         self.changes: queue.SimpleQueue[tuple[str, Verdict]] = queue.SimpleQueue()
         self.monitor = GpuMonitor(backend, self._on_change) if backend else None
         self.stragglers: dict[int, str] = {}
@@ -117,7 +121,20 @@ class HealthWatch:
             return None, None
         uuid = self.uuids[local_rank]
         verdict = self.monitor.verdicts.get(uuid) if self.monitor else None
+        if uuid in self.suspects and (verdict is None or verdict.health is not Health.FAILED):
+            return uuid, SUSPECT
         return uuid, verdict.health.value if verdict else "healthy"
+
+    def suspect(self, local_rank: int, why: str) -> None:
+        """A worker on this device held corrupt state (silent corruption, #53): its GPU is
+        suspect, and no replacement starts on it again."""
+        if local_rank >= len(self.uuids):
+            return  # no GPU known: a CPU run, or one without NVML
+        uuid = self.uuids[local_rank]
+        self.suspects[uuid] = why
+        self.excluded.add(uuid)
+        self.port.emit(Event.GPU, {"uuid": uuid, "health": SUSPECT, "reason": why,
+                                   "local_ranks": [local_rank]})
 
     def gpu_table(self) -> list[dict[str, object]]:
         """Every GPU of this node in local-rank order, excluded ones included."""

@@ -25,6 +25,7 @@ from ftrun.agent.services import RunServices
 from ftrun.agent.starter import WorkerStarter
 from ftrun.core import timeouts
 from ftrun.core.events import Event, EventSink
+from ftrun.core.exits import EXIT_CORRUPT
 from ftrun.core.spec import RunSpec
 from ftrun.core.states import WorkerState
 
@@ -150,6 +151,9 @@ class NodeWorkers:
         self.guardian.forget(w.spawned.pid)
         self.emit(Event.EXIT, {"rank": w.rank, "pid": w.spawned.pid, "returncode": code,
                                "by_launcher": by_launcher})
+        if code == EXIT_CORRUPT and not by_launcher:  # outvoted by its replicas (#53)
+            self.services.health.suspect(w.local_rank, f"worker {w.worker_id} held corrupt "
+                                         "state on it (silent corruption)")
         self.on_exit(w)
 
     def kill(self, worker_id: int) -> bool:

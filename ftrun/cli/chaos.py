@@ -18,7 +18,7 @@ from typing import Any
 
 from ftrun.agent.journal import FaultRecord, summarize
 from ftrun.core.errors import UsageError
-from ftrun.core.faultkinds import ALL_KINDS, FaultKind
+from ftrun.core.faultkinds import ALL_KINDS, CORRUPTION_DRILLS, FaultKind
 from ftrun.protocol.control_ops import InjectOp
 from ftrun.protocol.status import Fault, Status
 
@@ -92,6 +92,10 @@ def supported_kinds(doc: Status) -> dict[str, str]:
         elif kind in (FaultKind.WEDGE, FaultKind.PREEMPT):
             why[kind] = ""  # not by default: a wedged thread never returns; a notice to a
             # single node with nowhere to go ends the job for a requeue (see the docs)
+        elif kind in CORRUPTION_DRILLS:  # not by default: they need the replicas compared
+            why[kind] = "" if doc.verify_every else (
+                f"{kind} would go unseen: the job does not compare its replicas "
+                "(--verify-every 0)")
         elif kind == FaultKind.NET_DOWN:
             why[kind] = ("chaos does not cut links; drill a node with `ftrun inject-fault "
                          "--node K --kind net-down`")

@@ -23,7 +23,7 @@ import typer
 from ftrun.adapters import control
 from ftrun.cli import render
 from ftrun.core.errors import FtrunError, UsageError
-from ftrun.core.faultkinds import ALL_KINDS, FaultKind
+from ftrun.core.faultkinds import ALL_KINDS, CORRUPTION_DRILLS, FaultKind
 from ftrun.gpu.verdicts import GpuSample as _Sample
 from ftrun.gpu.verdicts import Health, classify
 from ftrun.protocol.control import GpuInjected, Injected, NetDowned, read_reply
@@ -47,15 +47,17 @@ def status(run_id: Optional[str] = typer.Option(None, "--run-id", help="the job 
         if len(jobs) > 1:
             render.print_runs([agents[0] for agents in jobs])
             return
+    from ftrun.cli import status_view  # loaded for this command alone
+
     info = control.find_run(run_id, node)
     if watch:
-        render.watch_status(lambda: control.status(info))
+        status_view.watch_status(lambda: control.status(info))
         return
     doc = control.status(info)
     if as_json:
         print(json.dumps(doc.to_json(), indent=2, sort_keys=True))
     else:
-        render.print_status(doc)
+        status_view.print_status(doc)
 
 
 @app.command()
@@ -97,6 +99,7 @@ def inject_fault(
     every: float = typer.Option(0.0, "--every", help="seconds between repeated faults (--chaos: their mean)"),  # noqa: E501
     count: int = typer.Option(0, "--count", show_default=False, help="how many faults (default 1; --chaos: no limit)"),  # noqa: E501
     delay: float = typer.Option(0.5, "--delay", help="slow: extra seconds per step"),
+    bit: Optional[int] = typer.Option(None, "--bit", help="bitflip: which bit of the rank's registered state (default: one at random)"),  # noqa: UP045,E501
     xid: Optional[int] = typer.Option(None, "--xid", help="the XID for --kind xid"),  # noqa: UP045
     node: Optional[int] = typer.Option(None, "--node", help="the node whose link to cut (net-down), or whose agent gets a notice (preempt)"),  # noqa: UP045,E501
     duration: float = typer.Option(0.0, "--duration", help="net-down: seconds the link stays down; --chaos: seconds of chaos"),  # noqa: E501
@@ -125,7 +128,7 @@ def inject_fault(
     try:  # the job checks the same way; checking here first gives a usage error, exit 2
         drill = check_request({"op": "inject", "kind": kind, "rank": rank, "gpu": gpu,
                                "at_step": at_step, "arg": delay, "xid": xid, "node": node,
-                               "duration": duration})
+                               "duration": duration, "bit": bit})
     except FtrunError as exc:
         raise UsageError(exc.message, hint=exc.hint) from None
     if kind == FaultKind.PREEMPT:
@@ -166,6 +169,10 @@ def inject_fault(
               "(with --drain-on degraded its rank is handed over to a spare)", flush=True)
         return
     if kind == FaultKind.SLOW or benign_xid:
+        return
+    if kind in CORRUPTION_DRILLS and not first.verify_every:
+        print("ftrun: the job does not compare its replicas (--verify-every 0): the flip goes "
+              "unseen and is trained on", flush=True)
         return
     if kind == FaultKind.NET_DOWN:  # a cut node's own agent cannot see the job meanwhile
         print("ftrun: see the node dropped, fenced and rejoining with `ftrun status` on the "

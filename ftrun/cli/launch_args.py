@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NoReturn
@@ -29,7 +28,7 @@ from ftrun.cli.values import float_value as _float
 from ftrun.cli.values import int_value as _int
 from ftrun.core import timeouts
 from ftrun.core.errors import UsageError
-from ftrun.core.spec import RunSpec, StdMask
+from ftrun.core.spec import VERIFY_EVERY, VERIFY_GRADS_EVERY, RunSpec, StdMask
 
 NPROC_WORDS = ("cpu", "gpu", "auto")
 STATIC_DEFAULT_PORT = 29500
@@ -163,6 +162,10 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
     opt("snapshot-keep", default="2", help="complete snapshots kept on disk per node")
     opt("resume", default="", help="start from the newest complete snapshot in DIR (an "
         "earlier run's --snapshot-dir)")
+    opt("verify-every", default=str(VERIFY_EVERY), help="compare the replicas' registered "
+        "state every N committed steps: a silent corruption is rolled back (0: off)")
+    opt("verify-grads-every", default=str(VERIFY_GRADS_EVERY), help="with --verify-every: "
+        "check the ranks' local gradients every K steps, before the commit (0: off)")
     p.add_argument("--metrics-port", dest="metrics_port", default=env.get(METRICS_PORT_ENV),
                    help=f"serve Prometheus metrics on this port (0: any free one; also "
                    f"{METRICS_PORT_ENV}; off by default)")
@@ -272,7 +275,7 @@ def build_run_spec(
         **sharding,
         **heal_fields(ns),
         **metrics_fields(ns, env),
-        **drain_fields(ns, _parse_signals(ns.signals_to_handle)),
+        **drain_fields(ns),
     )
 
 
@@ -392,14 +395,3 @@ def _shutdown_timeout(raw: object, env: Mapping[str, str]) -> float:
         raise UsageError(f"--shutdown-timeout must be >= 0, got {value}", hint="e.g. 30")
     return value
 
-
-def _parse_signals(text: str) -> tuple[str, ...]:
-    names: list[str] = []
-    for name in filter(None, (s.strip().upper() for s in text.split(","))):
-        if not name.startswith("SIG"):
-            name = "SIG" + name
-        if not hasattr(signal, name) or name in ("SIGKILL", "SIGSTOP"):
-            raise UsageError(f"--signals-to-handle: {name} cannot be handled",
-                             hint="use names like SIGTERM,SIGINT,SIGUSR1")
-        names.append(name)
-    return tuple(names)

@@ -1,14 +1,15 @@
 """Turning results into text for people: rich on a terminal, plain when piped.
 
 Owns: printing agent notices (from the events' typed fields), the end-of-run failure report
-and fault summary, and the `ftrun status` / drill tables (from the `protocol.status` records).
+and fault summary, the drill and report tables (from the `protocol.status` records); the
+`ftrun status` view is cli/status_view.py's.
 Must not import: torch, the agent internals (it receives plain data and records).
 """
 
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from types import SimpleNamespace
 from typing import Any, TextIO
 
@@ -17,13 +18,7 @@ from ftrun.core import events as ev
 from ftrun.core.errors import FtrunError
 from ftrun.protocol.status import (
     Fault,
-    Heal,
-    ReplicaGroup,
-    Snapshot,
-    Status,
     Summary,
-    Zygote,
-    ZygoteUp,
 )
 
 
@@ -102,7 +97,7 @@ def print_failure(title: str, cause: WorkerExit, exits: tuple[WorkerExit, ...],
 
 
 # ------------------------------------------------------------------ status and drills
-def _fmt(value: object, unit: str = "") -> str:
+def fmt(value: object, unit: str = "") -> str:
     if value is None:
         return "-"
     if isinstance(value, float):
@@ -117,104 +112,6 @@ def print_runs(runs: Sequence[Any], stream: TextIO | None = None) -> None:
         print(f"  {r.run_id}  pid {r.pid}  {r.script}", file=stream)
 
 
-def status_tables(doc: Status) -> list[Any]:
-    from rich.table import Table
-
-    head = Table.grid(padding=(0, 2))
-    head.add_row("run", doc.run_id, "script", doc.script)
-    head.add_row("uptime", f"{doc.uptime_s:.0f}s", "generation", str(doc.generation))
-    head.add_row("world size", str(doc.world_size), "policy", policy_text(doc))
-    rate = doc.steps_per_s
-    head.add_row("steps/s", f"{rate:.2f} (last minute)" if rate is not None else "-",
-                 "metrics", doc.metrics or "off (--metrics-port)")
-    if doc.zygote:
-        head.add_row("zygote", _zygote_text(doc.zygote), "", "")
-    if doc.snapshot:
-        head.add_row("snapshot", snapshot_text(doc.snapshot), "", "")
-    if doc.heal.state_bytes:
-        head.add_row("heal", heal_text(doc.heal), "", "")
-    if doc.replica_groups:
-        head.add_row("replica groups", replica_groups_text(doc.replica_groups), "", "")
-    if doc.nodes:
-        served = doc.served_by
-        head.add_row("nodes", str(sum(n.alive for n in doc.nodes)), "store",
-                     (doc.endpoint or "") + (f" (this is node {served.node})" if served
-                                             else " (this node)"))
-    workers = Table(title="workers", title_justify="left")
-    keys: tuple[str, ...] = ("rank", "local_rank", "worker_id", "pid", "state", "role", "step",
-                             "committed_step", "step_time_ms", "since_progress_s", "phase",
-                             "gpu")
-    cols = ["rank", "local", "worker", "pid", "state", "role", "step", "committed", "step ms",
-            "idle s", "phase", "gpu"]
-    if doc.nodes:
-        keys, cols = ("node", "host", *keys), ["node", "host", *cols]
-    for col in cols:
-        workers.add_column(col)
-    for w in sorted(doc.workers, key=lambda w: (w.rank < 0, w.rank)):
-        workers.add_row(*(_fmt(getattr(w, k)) for k in keys))
-    out: list[Any] = [head, workers]
-    out += [drain_line(d, doc.started_at + doc.uptime_s) for d in (doc.drains or ())[-3:]]
-    if doc.faults:
-        out.append(fault_table("faults", doc.faults[-10:]))
-        out += [f"  #{f.id}: {f.reason}" for f in doc.faults[-5:]]
-    return out
-
-
-def drain_line(d: ev.DrainFields, now: float) -> str:
-    """`drain #1 rank 1: waiting, 24 s left (--drain-window): worker 1 hands over to ...`,
-    or a finished one with its figures."""
-    head = f"drain #{d.drain} {d.what}: {d.state}"
-    if d.state in ("waiting", "published") and d.deadline is not None:
-        head += f", {max(0.0, d.deadline - now):.0f} s left (--drain-window)"
-    elif d.state == "done":
-        took = d.phases_ms.get("done")
-        head += f" in {took:.0f} ms" if took is not None else ""
-        head += f", the members' boundary {d.stall_ms:.0f} ms" if d.stall_ms is not None else ""
-    return f"{head}: {d.reason}"
-
-
-def policy_text(doc: Status) -> str:
-    """`replace (spares 1)`, or under --shard-size `a lost group out, then rejoined (groups of
-    2, spare groups 1)`."""
-    if doc.shard_size > 1:
-        return (f"a lost group out, then rejoined (groups of {doc.shard_size}, spare groups "
-                f"{doc.spares})")
-    return f"{doc.policy} (spares {doc.spares})"
-
-
-def replica_groups_text(groups: Sequence[ReplicaGroup]) -> str:
-    """`0 training (ranks 0-1), 1 healing (ranks 2-3); starting: workers 6, 7`."""
-    live = [f"{g.group} {g.state} (ranks {g.ranks[0]}-{g.ranks[-1]})"
-            for g in groups if g.group is not None]
-    starting = [", ".join(map(str, g.workers)) for g in groups if g.group is None]
-    return "; ".join([", ".join(live)] + [f"starting: workers {w}" for w in starting])
-
-
-def snapshot_text(s: Snapshot) -> str:
-    """`step 150, 4 s ago, 120.3 MB, blocking 31 ms, write 412 ms` or `none written yet`."""
-    failed = f"; {s.failed} failed, the last: {s.last_error}" if s.failed else ""
-    if s.step is None:
-        pending = f" (step {s.shm_step} in shared memory)" if s.shm_step is not None else ""
-        return f"none written yet{pending}; to {s.dir}{failed}"
-    return (f"step {s.step}, {s.age_s or 0:.0f} s ago, {(s.bytes or 0) / 1e6:.1f} MB, "
-            f"blocking {s.blocking_ms or 0:.0f} ms, write {s.write_ms or 0:.0f} ms; "
-            f"{s.path}{failed}")
-
-
-def heal_text(h: Heal) -> str:
-    """`state 1502.1 MB per replica; next heal ~0.80 s at 1.88 GB/s; 2 heals so far`."""
-    est = (f"next heal ~{h.estimate_s:.2f} s at {h.gb_per_s or 0:.2f} GB/s"
-           if h.estimate_s is not None else "no heal measured yet")
-    return f"state {h.state_bytes / 1e6:.1f} MB per replica; {est}; {h.count} heals so far"
-
-
-def _zygote_text(z: Zygote) -> str:
-    """`ready, pid 41, 677 MB, 5 forks` or `off (--no-zygote)`."""
-    if not isinstance(z, ZygoteUp):
-        return f"{z.state} ({z.why_not or 'no zygote'})"
-    return f"{z.state}, pid {z.pid}, {z.rss_kb / 1024:.0f} MB, {z.forks} forks"
-
-
 def fault_table(title: str, faults: Sequence[Fault]) -> Any:
     """One row per fault: what, where, the decision, and the recovery phases in ms."""
     from rich.table import Table
@@ -224,37 +121,13 @@ def fault_table(title: str, faults: Sequence[Fault]) -> Any:
         table.add_column(col)
     for f in faults:
         table.add_row(str(f.id), f.kind, str(f.rank), f.decision,
-                      "yes" if f.recovered else "no", _fmt(f.recovery_ms),
-                      *(_fmt(f.phases_ms.get(p)) for p in PHASE_KEYS))
+                      "yes" if f.recovered else "no", fmt(f.recovery_ms),
+                      *(fmt(f.phases_ms.get(p)) for p in PHASE_KEYS))
     return table
 
 
 PHASE_KEYS = ("detected", "published", "rebuilt", "healed", "first_commit")
 PHASE_COLUMNS = ("detected", "published", "comm rebuilt", "healed", "1st commit")
-
-
-def print_status(doc: Status, stream: TextIO | None = None) -> None:
-    stream = stream or sys.stdout
-    from rich.console import Console
-
-    console = Console(file=stream, force_terminal=stream.isatty(), width=140)
-    for part in status_tables(doc):
-        console.print(part)
-
-
-def watch_status(fetch: Callable[[], Status], period_s: float = 1.0) -> None:
-    import time
-
-    from rich.console import Group
-    from rich.live import Live
-
-    with Live(refresh_per_second=4, screen=False) as live:
-        try:
-            while True:
-                live.update(Group(*status_tables(fetch())))
-                time.sleep(period_s)
-        except KeyboardInterrupt:
-            return
 
 
 def print_drill(faults: Sequence[Fault], stream: TextIO | None = None) -> None:
@@ -269,8 +142,8 @@ def print_drill(faults: Sequence[Fault], stream: TextIO | None = None) -> None:
     console = Console(file=stream, force_terminal=stream.isatty(), width=140)
     console.print(fault_table("drill", faults))
     s = Summary.from_json(summarize([FaultRecord(**f.to_json()) for f in faults], 0.0))
-    console.print(f"recovery p50 {_fmt(s.p50_ms, ' ms')}, p95 {_fmt(s.p95_ms, ' ms')}, "
-                  f"max {_fmt(s.max_ms, ' ms')}; committed steps lost: {s.lost_steps}")
+    console.print(f"recovery p50 {fmt(s.p50_ms, ' ms')}, p95 {fmt(s.p95_ms, ' ms')}, "
+                  f"max {fmt(s.max_ms, ' ms')}; committed steps lost: {s.lost_steps}")
 
 
 def print_run_summary(faults: Sequence[Any], run_seconds: float,
@@ -297,18 +170,22 @@ def print_run_summary(faults: Sequence[Any], run_seconds: float,
                f"{'s' if len(resumed) > 1 else ''} {', '.join(map(str, resumed))}; "
                f"{s.lost_steps} committed steps recomputed)")
     print(f"ftrun: survived {s.recovered}/{s.faults} faults{how}; recovery p50 "
-          f"{_fmt(s.p50_ms, ' ms')}, p95 {_fmt(s.p95_ms, ' ms')}, max "
-          f"{_fmt(s.max_ms, ' ms')}{_redone(faults)}; time lost {s.time_lost_s} s; goodput "
-          f"{_fmt(s.goodput)}", file=stream, flush=True)
+          f"{fmt(s.p50_ms, ' ms')}, p95 {fmt(s.p95_ms, ' ms')}, max "
+          f"{fmt(s.max_ms, ' ms')}{_redone(faults)}; time lost {s.time_lost_s} s; goodput "
+          f"{fmt(s.goodput)}", file=stream, flush=True)
 
 
 def _redone(faults: Sequence[Any]) -> str:
     """`; redone 640 samples (0.25 of a step) in 0.31 s; 2 steps short-handed` over the
-    faults whose recovery said (--redo): what a fault cost beside its recovery time."""
+    faults whose recovery said (--redo), and the steps a silent corruption's rollback redid:
+    what a fault cost beside its recovery time."""
     short = sum(getattr(f, "short_steps", 0) for f in faults)
     short_text = f"; {short} step{'s' if short != 1 else ''} short-handed" if short else ""
+    rolled = sum(f.lost_steps for f in faults if getattr(f, "rolled_back_to", None) is not None)
+    if rolled:  # silent corruption: every replica went back to its last verified step
+        short_text = f"; {rolled} committed steps rolled back and redone{short_text}"
     told = [f for f in faults if getattr(f, "redone_samples", None) is not None
-            and f.redone_samples >= 0]
+            and f.redone_samples > 0]  # a fault between two steps redid nothing
     if not told:
         return short_text
     steps = sum(f.redone_fraction or 0.0 for f in told)
@@ -336,8 +213,8 @@ def _unfinished_summary(faults: Sequence[Any], open_faults: Sequence[Any],
         f"({first.kind}, rank {first.rank})" + (" recovered" if first.decision != "fail" else "")
     return (f"ftrun: recovered {s.recovered} of {s.faults} faults; the job {ended} "
             f"{when}, {max(0.0, now - first.at):.1f} s after it; recovery p50 "
-            f"{_fmt(s.p50_ms, ' ms')}, max {_fmt(s.max_ms, ' ms')} (of those "
-            f"recovered); time lost {lost.time_lost_s} s; goodput {_fmt(lost.goodput)}")
+            f"{fmt(s.p50_ms, ' ms')}, max {fmt(s.max_ms, ' ms')} (of those "
+            f"recovered); time lost {lost.time_lost_s} s; goodput {fmt(lost.goodput)}")
 
 
 # ------------------------------------------------------------------ ftrun report
@@ -356,18 +233,18 @@ def print_report(rep: Mapping[str, Any], stream: TextIO | None = None) -> None:
     console.print(f"run {rep['run_dir']}: {rep['seconds']:.1f} s, {rep['attempts']} "
                   f"attempt{'s' if rep['attempts'] != 1 else ''}, world size "
                   f"{' -> '.join(map(str, rep['world_sizes'])) or '-'}, last committed step "
-                  f"{_fmt(rep['last_step'])}")
+                  f"{fmt(rep['last_step'])}")
     console.print(f"faults: {s['faults']}{f' ({kinds})' if kinds else ''}, recovered "
                   f"{s['recovered']}; time lost {s['time_lost_s']} s, goodput "
-                  f"{_fmt(s['goodput'])}, committed steps lost {s['lost_steps']}"
+                  f"{fmt(s['goodput'])}, committed steps lost {s['lost_steps']}"
                   f"{_redone([SimpleNamespace(**f) for f in rep['faults']])}")
     if rep["phases_ms"]:
         table = Table(title="recovery, ms after the fault", title_justify="left")
         for col in ("phase", "faults", "p50", "p95", "max"):
             table.add_column(col)
         for phase, row in rep["phases_ms"].items():
-            table.add_row(phase, str(row["count"]), _fmt(row["p50"]), _fmt(row["p95"]),
-                          _fmt(row["max"]))
+            table.add_row(phase, str(row["count"]), fmt(row["p50"]), fmt(row["p95"]),
+                          fmt(row["max"]))
         console.print(table)
     for st in rep["stragglers"]:
         console.print(f"straggler at +{st['t']:.1f} s: worker {st['worker']} ({st['reason']})"
@@ -382,8 +259,8 @@ def print_report(rep: Mapping[str, Any], stream: TextIO | None = None) -> None:
     snap = rep["snapshots"]
     if snap["count"]:
         console.print(f"snapshots: {snap['count']}, the last of step {snap['last_step']}; "
-                      f"blocking {_fmt(snap['blocking_ms_median'], ' ms')}, write "
-                      f"{_fmt(snap['write_ms_median'], ' ms')} (medians)")
+                      f"blocking {fmt(snap['blocking_ms_median'], ' ms')}, write "
+                      f"{fmt(snap['write_ms_median'], ' ms')} (medians)")
     if snap.get("failed"):
         console.print(f"snapshots that could not be written: {snap['failed']}")
     if rep.get("picture"):

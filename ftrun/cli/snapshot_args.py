@@ -1,5 +1,6 @@
 """The snapshot options: --snapshot-every, --snapshot-interval, --snapshot-dir,
---snapshot-keep, --resume, checked before anything starts.
+--snapshot-keep, --resume, and --verify-every (a snapshot lands on a verified step), checked
+before anything starts.
 
 Owns: turning those options into `RunSpec` fields, with a one-line error for each bad value
 (a --resume directory that holds no complete snapshot, or only other users' ones, included).
@@ -36,7 +37,10 @@ def snapshot_fields(ns: argparse.Namespace) -> dict[str, Any]:
     return {"snapshot_every": every, "snapshot_interval": interval,
             "snapshot_dir": snapshot_dir,
             "snapshot_keep": int_value(ns.snapshot_keep, "--snapshot-keep", minimum=1),
-            "resume": resume}
+            "resume": resume,
+            "verify_every": int_value(ns.verify_every, "--verify-every", minimum=0),
+            "verify_grads_every": int_value(ns.verify_grads_every, "--verify-grads-every",
+                                            minimum=0)}
 
 
 def _directory(raw: object, flag: str) -> str:

@@ -131,6 +131,12 @@ class FaultFields(Fields):
     detected_at: float | None = absent()
     committed_before: int = -1
     node: int | None = absent()  # a lost node's
+    # silent corruption (#53): every replica went back to this verified step, kept at
+    # `lost_from`; `recovered_at`: recovered where it was found (a rollback or a redo with
+    # nobody to replace)
+    rolled_back_to: int | None = absent()
+    lost_from: float | None = absent()
+    recovered_at: float | None = absent()
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,10 @@ from collections.abc import Mapping
 # requeued. sysexits' EX_TEMPFAIL: "a temporary failure; the user is invited to retry".
 # done: 0; failed, do not requeue: 1 (any other code is a failure too)
 EXIT_REQUEUE = 75
+# a worker whose registered state differed from the majority of its replicas (silent
+# corruption, #53) leaves with this code; its agent replaces it and suspects its GPU.
+# sysexits' EX_DATAERR ("the input data was incorrect")
+EXIT_CORRUPT = 65
 
 
 def ignored_notice(env: Mapping[str, str]) -> int | None:

@@ -36,6 +36,11 @@ class FaultKind(TextEnum):
     NET_DOWN = "net-down"  # its link down for --duration seconds
     # a planned leave: the node's agent gets its notice (SIGTERM), as a scheduler sends it
     PREEMPT = "preempt"
+    # silent corruption (#53), acted out by the worker at a step's start: one bit of its
+    # registered state (the slot's argument: which bit, -1: one drawn at random), or one
+    # element of its local gradient in that step (an exponent bit: a huge value)
+    BITFLIP = "bitflip"
+    GRADFLIP = "gradflip"
 
 
 GPU_KINDS = (FaultKind.XID, FaultKind.ECC, FaultKind.THERMAL)
@@ -50,4 +55,6 @@ AGENT_SIGNALS: dict[str, signal.Signals] = {
 WORKER_ONLY = tuple(kind for kind in SLOT_DRILLS if kind not in AGENT_SIGNALS)
 # the whole group stuck in one collective: the rebuild that answers it names no worker
 GROUP_DRILLS = (FaultKind.STALL, FaultKind.WEDGE)
+# silent corruption: found at a later boundary (or step), maybe with no worker to blame
+CORRUPTION_DRILLS = (FaultKind.BITFLIP, FaultKind.GRADFLIP)
 ALL_KINDS = tuple(FaultKind)  # in `ftrun inject-fault --help`'s order

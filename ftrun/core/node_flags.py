@@ -32,6 +32,8 @@ SHARED_FLAGS: tuple[tuple[str, str], ...] = (
     ("comm", "--comm"),
     ("heal_chunk_mb", "--heal-chunk-mb"),
     ("heal_sources", "--heal-sources"),
+    ("verify_every", "--verify-every"),
+    ("verify_grads_every", "--verify-grads-every"),
 )
 # shared only when a replica group spans nodes: (RunSpec field, flag)
 SPAN_FLAGS: tuple[tuple[str, str], ...] = (("nproc", "--nproc"), ("resume", "--resume"))

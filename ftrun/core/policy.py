@@ -292,3 +292,9 @@ def _give_up(reason: str, s: Snapshot) -> FaultDecision:
     if s.restarts_left > 0:
         return FaultDecision(FaultAction.RESTART_GROUP, f"{reason}; restarting all workers")
     return FaultDecision(FaultAction.FAIL, reason)
+
+
+def stop_decision(d: FaultDecision, culprit: int | None) -> Decision:
+    """The run cannot go on in-process: torchrun's whole-group restart, or the end."""
+    action = Action.RESTART_GROUP if d.action is FaultAction.RESTART_GROUP else Action.FAIL
+    return Decision(action, d.reason, culprit)

@@ -46,6 +46,14 @@ class StdMask:
 
 HEAL_CHUNK_MB = 64.0  # a heal moves the state in chunks of this many MB (--heal-chunk-mb)
 HEAL_SOURCES = 4  # the most live replicas one healing member pulls from (--heal-sources)
+# committed steps between two comparisons of the replicas' state (--verify-every): what one
+# costs (a pass over the state on its device, a small all-reduce, a host copy of it) spread
+# over this many steps stays under 0.5 % of a step (scripts/bench_verify.py)
+VERIFY_EVERY = 100
+# ...and steps between two checks of the local gradients' norms (--verify-grads-every): one
+# pass over the gradient, ~0.5 % of a step on CPU (bench_verify.py), so every 4th step keeps
+# the two within 0.5 %. A corrupt gradient in a step not checked is averaged in, unseen
+VERIFY_GRADS_EVERY = 4
 
 
 @dataclass(frozen=True)
@@ -104,6 +112,8 @@ class RunSpec:
     drain_window: float = 30.0  # a notice (SIGTERM, --drain-signal): seconds to hand over in
     drain_signal: str = ""  # a notice besides SIGTERM (Slurm's --signal), e.g. SIGUSR1
     drain_on: str = ""  # "degraded": a GPU whose readings predict a failure is drained
+    verify_every: int = VERIFY_EVERY  # committed steps between replica comparisons (0: off)
+    verify_grads_every: int = VERIFY_GRADS_EVERY  # steps between local gradient checks (0: off)
 
     @property
     def snapshots(self) -> bool:
@@ -165,12 +175,14 @@ _ENV_NAMES: dict[str, str] = {
     "heal_sources": "FTRUN_HEAL_SOURCES",
     "redo": "FTRUN_REDO",
     "drain_signal": "FTRUN_DRAIN_SIGNAL",
+    "verify_every": "FTRUN_VERIFY_EVERY",
+    "verify_grads_every": "FTRUN_VERIFY_GRADS_EVERY",
 }
 
 _OMITTED_AT_DEFAULT = frozenset(
     {"snapshot_shm", "snapshot_every", "snapshot_interval", "resume", "resume_dir",
      "snapshot_spill", "resume_run", "resume_step", "shard_size", "relay", "heal_chunk_mb",
-     "heal_sources", "redo", "drain_signal"})
+     "heal_sources", "redo", "drain_signal", "verify_every", "verify_grads_every"})
 
 
 @dataclass(frozen=True)
@@ -216,6 +228,8 @@ class WorkerEnv:
     # --drain-signal: a notice for the agent; a worker starts with it ignored (Slurm's
     # --signal reaches every process of the step, and its default action ends a process)
     drain_signal: str = ""
+    verify_every: int = 0  # --verify-every (worker/verify.py)
+    verify_grads_every: int = VERIFY_GRADS_EVERY  # --verify-grads-every
 
     def to_env(self) -> dict[str, str]:
         # Snapshot variables appear only when snapshots are on, so a job without

@@ -24,7 +24,8 @@ _MAX_STEP = (1 << 63) - 1  # the drill slot holds the step as an int64
 # each inject field and the `ftrun inject-fault` option that sets it
 _OPTIONS = {"kind": "--kind", "rank": "--rank", "gpu": "--gpu", "at_step": "--at-step",
             "arg": "--delay", "xid": "--xid", "node": "--node", "duration": "--duration",
-            "chaos": "--chaos"}
+            "chaos": "--chaos", "bit": "--bit"}
+_MAX_BIT = (1 << 53) - 1  # the drill slot carries it as a float64, exactly
 _SHOW = reprlib.Repr()
 _SHOW.maxstring, _SHOW.maxother, _SHOW.maxlevel = 40, 40, 2
 
@@ -51,12 +52,22 @@ class InjectOp:
     node: int | None = None
     duration: float = 0.0  # net-down: seconds the link stays down
     chaos: int | None = None  # --chaos: the fault's number in its chaos run (None: a drill)
+    bit: int | None = None  # bitflip: which bit of the registered state (None: at random)
 
     def to_wire(self) -> dict[str, Any]:
         fields = asdict(self)
-        if self.chaos is None:  # a plain drill reads as before to an agent without chaos
-            del fields["chaos"]
+        for optional in ("chaos", "bit"):  # a plain drill reads as before to an older agent
+            if fields[optional] is None:
+                del fields[optional]
         return {"op": "inject", **fields}
+
+    @property
+    def slot_arg(self) -> float:
+        """What the worker's drill slot carries: a slow drill's delay, a bitflip's bit
+        (-1: one drawn at random)."""
+        if self.kind == FaultKind.BITFLIP:
+            return -1.0 if self.bit is None else float(self.bit)
+        return self.arg
 
 
 @dataclass(frozen=True)
@@ -132,9 +143,13 @@ def _check_inject(req: dict[str, Any]) -> InjectOp:
         raise FtrunError("--kind net-down needs --duration SECONDS > 0",
                          hint="e.g. --duration 5")
     at_step = _integer(req, "at_step", -1, _MAX_STEP)
+    bit = _integer(req, "bit", 0, _MAX_BIT)
+    if bit is not None and kind != FaultKind.BITFLIP:
+        raise FtrunError(f"--bit goes with --kind bitflip, not --kind {kind}",
+                         hint="e.g. --kind bitflip --rank 1 --bit 30")
     return InjectOp(FaultKind(kind), rank, gpu, -1 if at_step is None else at_step,
                     _delay(req.get("arg")), _integer(req, "xid", 0, _MAX_INDEX), node,
-                    duration, _integer(req, "chaos", 1, _MAX_STEP))
+                    duration, _integer(req, "chaos", 1, _MAX_STEP), bit)
 
 
 def _integer(req: dict[str, Any], field: str, lo: int, hi: int) -> int | None:

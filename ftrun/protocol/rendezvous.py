@@ -256,6 +256,30 @@ class Suspect:
 
 
 @dataclass(frozen=True)
+class Corruption:
+    """Silent corruption found at committed step `step` (#53). `found`: "state" (the
+    replicas' fingerprints differed: every member rolled back to `verified`, the last step
+    they agreed on) or "gradient" (one rank's local gradient, caught before the commit: the
+    step was repeated). `blamed`: the worker the majority blames ("": two replicas, or a
+    split: no one to blame). A blamed worker tells this itself, then leaves with
+    EXIT_CORRUPT; otherwise the lowest rank tells it and nobody leaves. `tensor`: the first
+    state tensor that differed. Wall clock: found, state restored (or the repeat done), and
+    when the verified state was kept (what the rollback lost is counted from there)."""
+
+    kind: ClassVar[str] = "corruption"
+    worker: int
+    generation: int
+    step: int
+    verified: int
+    blamed: str
+    tensor: str
+    found: str = "state"
+    found_at: float = 0.0
+    restored_at: float = 0.0
+    verified_at: float = 0.0
+
+
+@dataclass(frozen=True)
 class Recovered:
     """A worker's first commit in generation `generation`, with its recovery's phases (wall
     clock), and the work of the broken step it redid, job-wide: samples (-1: not known: the
@@ -330,9 +354,11 @@ class StateSize:
 
 
 STAGES = ("trained", "training", "ended")
-Request = Hello | CommFailed | Suspect | Recovered | Resumed | Stage | Healed | StateSize
+Request = (Hello | CommFailed | Suspect | Recovered | Resumed | Stage | Healed | StateSize
+           | Corruption)
 REQUESTS: dict[str, type[Request]] = {c.kind: c for c in (Hello, CommFailed, Suspect, Recovered,
-                                                          Resumed, Stage, Healed, StateSize)}
+                                                          Resumed, Stage, Healed, StateSize,
+                                                          Corruption)}
 
 
 def send_request(store: Any, req: Request) -> None:

@@ -83,6 +83,7 @@ class Fault(Record):
     redone_fraction: float | None = None  # ...as a fraction of the step's global batch
     redone_s: float | None = None  # ...and the seconds that took (make-up pass or repeat)
     short_steps: int = 0  # steps after it committed with fewer ranks than the job's size
+    rolled_back_to: int | None = None  # silent corruption: the verified step returned to
 
     @property
     def settled(self) -> bool:
@@ -291,3 +292,4 @@ class Status(Record):
     note: str | None = absent()
     control_plane: ControlPlane | None = absent()
     drains: tuple[DrainFields, ...] | None = absent()  # planned leaves, newest state each
+    verify_every: int | None = absent()  # --verify-every (0: off); None: an older agent

@@ -1,15 +1,14 @@
 """The worker API a training script uses: init, wrap, register, loader, steps, batch_slice,
 no_sync, sync, commit, long_phase.
 
-Owns: this worker's committed step, the step protocol (sync: every gradient bucket reduced;
-commit: the user stepped), the commit rule (a step is applied only if every collective of it
-succeeded), random streams replayed when a step is repeated, recovery at the next step
-boundary (what is due and the move to a newer generation: the `member.Member` it holds; then
-aligning.py aligns on the highest committed step and heals those behind; after a total loss,
-worker/snapshots.py loads the newest snapshot first and takes them), where this worker is
-for the agent's hang detector (a few stores into its progress slot per step;
-`ft.long_phase` pauses it), the replica-group properties (read from a `sharded.ReplicaView`
-it holds), and a plain mode for runs outside ftrun.
+Owns: this worker's committed step, the step protocol (sync: every gradient bucket reduced,
+and under --verify-every each rank's local gradient checked against its peers'; commit: the
+user stepped), the commit rule (a step is applied only if every collective of it
+succeeded), random streams replayed when a step is repeated, what each step boundary runs
+(a recovery: worker/recovering.py; the replicas compared and a snapshot: worker/boundary.py),
+where this worker is for the agent's hang detector (a few stores into its progress slot per
+step; `ft.long_phase` pauses it), the replica-group properties (read from a
+`sharded.ReplicaView` it holds), and a plain mode for runs outside ftrun.
 Must not import: typer, rich, NVML, the agent or the CLI. Torch is imported when init() runs.
 """
 
@@ -25,9 +24,10 @@ from ftrun.core.errors import WorkerApiError
 from ftrun.core.spec import WorkerEnv
 from ftrun.core.states import RecoveryMode, StepState
 from ftrun.protocol.progress import Reporter
-from ftrun.protocol.rendezvous import CommFailed, Generation, Request
+from ftrun.protocol.rendezvous import Request
 from ftrun.worker import errorfile
-from ftrun.worker.aligning import STREAMS, Healer, align
+from ftrun.worker.aligning import STREAMS, Healer
+from ftrun.worker.boundary import Boundary
 from ftrun.worker.buckets import GradSync
 from ftrun.worker.comm import Abandoned, CommError, Interrupt
 from ftrun.worker.drills import Drills
@@ -35,10 +35,12 @@ from ftrun.worker.joining import connect, quiet_store_warnings, warm_up
 from ftrun.worker.loader import Loader
 from ftrun.worker.makeup import Makeup, redo_for
 from ftrun.worker.member import Member, join
+from ftrun.worker.recovering import Recovering
 from ftrun.worker.replica_sync import ReplicaSync
 from ftrun.worker.rng import RandomStreams
 from ftrun.worker.sharded import ReplicaView, Sharding, shard_plainly
 from ftrun.worker.snapshots import Snapshots
+from ftrun.worker.verify import flip_bit
 
 
 def init(backend: str | None = None, seed: int = 0) -> FaultTolerant:
@@ -80,8 +82,11 @@ class FaultTolerant:
             torch.cuda.set_device(self.device)
         self._sync: GradSync | ReplicaSync = GradSync(
             self.device, self._wants_switch, self._bucket_starting, self._in_collective)
-        self._drills = Drills(None, -1, self._comm_fault)
+        self._drills = Drills(None, -1, self._comm_failed)
         self._snapshots = Snapshots(wenv) if wenv is not None else None
+        # every boundary: the replicas compared, a snapshot of a verified step
+        self._boundary = Boundary(wenv.verify_every if wenv is not None else 0,
+                                  self._snapshots, wenv.worker_id if wenv else 0, self._post)
         self._healer = Healer.of(wenv, self._post)
         sharding = None  # --shard-size: replica groups (HSDP)
         if wenv is not None and wenv.shard_size > 1:
@@ -89,6 +94,7 @@ class FaultTolerant:
                                 backend, self.device, spare=wenv.spare)
             self._sync = ReplicaSync(self._wants_switch, sharding.group,
                                      self._bucket_starting, self._in_collective)
+            self._boundary.shards = sharding.group  # a rollback takes every shard along
         self._replicas = ReplicaView(lambda: (self.rank, self.world_size), sharding,
                                      None if wenv is not None else self._shard_plainly)
         # --redo: what a broken step leaves, and how a pass's shares are weighed
@@ -106,10 +112,19 @@ class FaultTolerant:
             warm_up()
         if wenv.progress_dir:
             self._progress = Reporter(wenv.progress_dir, wenv.worker_id)
-        self._drills = Drills(self._progress, self.worker_id, self._comm_fault)
+        self._drills = Drills(self._progress, self.worker_id, self._comm_failed,
+                              lambda n, seed: flip_bit(self._objects, n, seed))
         self._member = join(wenv, backend, self.device, self._interrupt, self._progress,
                             sharding)
         self._member.before_leaving = self._final_snapshot
+        if wenv.verify_every > 0 and wenv.verify_grads_every > 0 and \
+                isinstance(self._sync, GradSync):
+            self._boundary.check_gradients(self._sync, wenv.verify_grads_every,
+                                           lambda: self.committed, self._drills.tamper)
+        self._recovering = Recovering(
+            self._member, self._objects, self._streams, self._healer, self._redo,
+            self._snapshots, self._replicas, self._interrupt, self.device, self._progress,
+            self._post, self._sync.prepare)
 
     # ---------------------------------------------------------------- live view
     @property
@@ -181,10 +196,8 @@ class FaultTolerant:
         while True:
             self._reconcile()
             done = self.committed >= total
-            if self._snapshots is not None and self._snapshots.taking and \
-                    self._state is StepState.COMMITTED:
-                self._snapshots.at_boundary(self._member.group.gen, self.committed,
-                                            self._state_objects, final=done)
+            if self._managed and not self._boundary_passed(done):
+                continue  # rolled back, or the comparison's collective failed
             if done:
                 if self._member.finished():
                     self._trained()
@@ -262,6 +275,10 @@ class FaultTolerant:
             return False
         if switch:
             member.escalate(RecoveryMode.SWITCH)
+        if self._boundary.rejects(self.committed, member.group):
+            self._sync.drop()  # a rank's gradient far off: the step repeats, applied nowhere
+            self._state = StepState.FAILED
+            return False
         self._state = StepState.SYNCED
         if self._progress is not None:
             self._progress.optimizer(time.time())
@@ -316,22 +333,17 @@ class FaultTolerant:
         return True
 
     def _behind_in_group(self) -> bool:
-        """Under --shard-size, at a step's start: a rank of this replica group is in a newer
-        generation (its watcher saw it first). Asked once per attempt by every rank; the
-        same collective tells the group the boundary of the next time-based snapshot."""
-        sharding = self._replicas.sharding
-        if not self._managed or sharding is None:
+        """Under --shard-size: a rank of this replica group is in a newer generation."""
+        if not self._managed:
             return False
-        snapshots = self._snapshots
         try:
-            newest, due = sharding.group().agree(self.generation,
-                                                 snapshots.proposed if snapshots else -1)
-            if snapshots is not None:
-                snapshots.agreed_due = due
-            return newest > self.generation
+            return self._replicas.behind(self.generation, self._snapshots)
         except CommError as exc:  # a peer died: the agent takes the group out
             self._member.broke(str(exc))
             return True
+
+    def _comm_failed(self, why: str) -> None:  # a comm drill
+        self._member.comm_failed(why)
 
     def _wants_switch(self) -> bool:
         return self._member.wants_switch()
@@ -342,83 +354,47 @@ class FaultTolerant:
     def _in_collective(self) -> None:
         self._drills.in_collective(self._interrupt, self.generation)
 
-    def _comm_fault(self, why: str) -> None:
-        """This rank's communicator failed (a drill): abandon it, tell the agent."""
-        self._member.group.abandon()
-        self._member.broke(why)
-        self._post(CommFailed(self.worker_id, self.generation, why))
-
     # ---------------------------------------------------------------- recovery
     def _reconcile(self) -> None:
+        """Whatever the boundary owes before the next step (worker/recovering.py)."""
         member = self._member
         if not self._managed:
             if member.mode.broken:
                 raise CommError(member.why)
             return
-        if self.rank < 0:  # a hot spare, model built
-            self._sync.prepare()  # allocate the gradient buckets now, not on the first step
-            member.await_assignment()
-        if not member.due():
-            return
-        noticed = time.time()
-        if self._progress is not None:
-            self._progress.recovering(noticed)
-        self._replay_streams()  # before a peer heals from us: the streams of the step's start
-        while True:
-            try:
-                member.move()
-                rebuilt = time.time()
-                self._align()
-                self._redo.after_align(member.group, self.committed, self._interrupt,
-                                       self.device, member.generation_record)
-                break
-            except Abandoned:
-                continue
-            except CommError as exc:
-                member.broke(str(exc))
-        member.settle(noticed, rebuilt, self.committed)
+        self.committed = self._recovering.reconcile(self.committed, self._replay_streams)
 
     @property
     def _state_objects(self) -> dict[str, Any]:
         return {**self._objects, STREAMS: self._streams}
 
-    def _align(self) -> None:
-        """Agree on the highest committed step; those behind load a peer's state (after a
-        total loss, the newest snapshot first)."""
-        if self._snapshots is not None and self._snapshots.resuming and self._objects:
-            resumed = self._snapshots.resume(self._state_objects)
-            if resumed is not None:
-                self.committed = resumed.step
-                self._post(resumed)
-        sharding = self._replicas.sharding
-        mesh = sharding.group().mesh if sharding is not None else None
-        self.committed = align(self._member.group, self.committed, self._objects,
-                               self._streams, self._interrupt, self.device, mesh, self._healer)
+    def _boundary_passed(self, done: bool) -> bool:
+        """The replicas compared where due (worker/boundary.py); False: the loop goes round
+        again (a rollback moved the committed step back, or the comparison's collective
+        failed: a recovery follows)."""
+        try:
+            step = self._boundary.passed(
+                self._member.group, self.committed, self._objects, self._state_objects,
+                self.device, self._interrupt, self._state is StepState.COMMITTED, done)
+        except (CommError, Abandoned) as exc:
+            self._member.broke(str(exc))
+            return False
+        if step == self.committed:
+            return True
+        self.committed, self._state, self._replay = step, StepState.IDLE, None
+        return False
 
     def _final_snapshot(self) -> None:
         """Every member leaves at this boundary (a notice with nowhere to go): the node's
         replica takes the snapshot a requeued job resumes from."""
-        if self._snapshots is not None and self._snapshots.taking and \
-                self._state is StepState.COMMITTED:
-            self._snapshots.at_boundary(self._member.group.gen, self.committed,
-                                        self._state_objects, final=True)
+        if self._state is StepState.COMMITTED:
+            self._boundary.final_snapshot(self._member.group, self.committed, self._objects,
+                                          self._state_objects, self.device, self._interrupt)
 
     # ---------------------------------------------------------------- past training
     def _trained(self) -> None:
-        """Out of ft.steps() with the final state; at the script's end this worker waits
-        for its peers' (member.py), serving any replacement that comes in."""
-        if self._managed:
-            self._member.trained(lambda: self.committed, self._serve_at_end)
-
-    def _serve_at_end(self, gen: Generation) -> None:
-        """A replacement comes in after training: rebuild with it, heal it, and the final
-        collective it runs too. Nothing of this replica's own was recovered."""
-        self._member.escalate(RecoveryMode.ALIGN)
-        while True:
-            self._reconcile()
-            if self._member.finished():
-                break
-        self._member.recovered = None
+        if self._managed:  # at the script's end it waits for its peers', serving
+            self._recovering.trained(lambda: self.committed, self._replay_streams)
 
     def _post(self, request: Request) -> None:
         self._member.post(request)

@@ -38,13 +38,16 @@ FIRST_BUCKET_BYTES = 2**20
 
 
 class Bucket:
-    def __init__(self, params: list[Any], device: Any, flag: bool) -> None:
+    def __init__(self, params: list[Any], device: Any, flag: bool, slots: int = 0) -> None:
+        """`flag`: the last bucket, with the step-boundary vote as its last element and, in
+        front of it, `slots` more: each rank's local gradient norm (--verify-every)."""
         import torch
 
         self.params = params
         self.dtype = params[0].dtype
         total = sum(p.numel() for p in params)
-        self.flat = torch.zeros(total + (1 if flag else 0), dtype=self.dtype, device=device)
+        self.extra = 1 + slots if flag else 0
+        self.flat = torch.zeros(total + self.extra, dtype=self.dtype, device=device)
         self.views: list[Any] = []
         offset = 0
         for p in params:
@@ -57,7 +60,7 @@ class Bucket:
         self.flagged = flag  # its last element is the step-boundary vote
 
     def grads(self) -> Any:
-        return self.flat[:-1] if self.flagged else self.flat
+        return self.flat[:-self.extra] if self.extra else self.flat
 
     def take(self, p: Any, view: Any) -> None:
         """Make the bucket hold `p`'s gradient; bind the grad as a view where possible."""
@@ -93,6 +96,15 @@ class GradSync:
         self._kept_now = 0  # buckets copied in this pass
         # how this pass's gradients enter the sum (worker/makeup.py: Blend); None: as they are
         self.blend: Callable[[], Any] = lambda: None
+        # --verify-every: each rank's local gradient norm travels in the last bucket, one
+        # slot a rank, and a rank far above its peers' fails the step (worker/verify.py)
+        self.check_norms = False
+        self.norms_due: Callable[[], bool] = lambda: True  # this step's are checked
+        self._norming = False  # ...as next_step found
+        self.tamper: Callable[[Any], None] = lambda grads: None  # a gradflip drill
+        self.norms: list[float] = []  # after a sync: every rank's log2 local gradient norm
+        self._sq: Any = None  # this rank's squared norm so far in this pass
+        self._norm_slots = 0  # the norm slots the buckets were laid out with
 
     # ---------------------------------------------------------------- layout
     def add(self, params: list[Any], bucket_mb: float) -> None:
@@ -106,7 +118,9 @@ class GradSync:
     def _layout(self) -> list[Bucket]:
         if self._buckets is None:
             groups = bucket_groups(self.params, self.bucket_bytes)
-            self._buckets = [Bucket(ps, self.device, i == len(groups) - 1)
+            self._norm_slots = self.group.size if self.check_norms and self.group else 0
+            self._buckets = [Bucket(ps, self.device, i == len(groups) - 1,
+                                    self._norm_slots if i == len(groups) - 1 else 0)
                              for i, ps in enumerate(groups)]
             self._slots = {id(p): (b, view) for b in self._buckets
                            for p, view in zip(b.params, b.views, strict=True)}
@@ -159,11 +173,19 @@ class GradSync:
         assert self.group is not None
         if self._next == 0:
             self._held = not self.first_start()
+            if self._norming:  # a gradflip drill waits for a step whose norms are checked
+                self.tamper(bucket.grads())  # before anything reads them
+            self._sq = None
         bucket.started = True
         self._next += 1
-        if self._next == len(self._buckets or ()):
+        last = self._next == len(self._buckets or ())
+        if last:
             bucket.flat[-1:].fill_(1.0 if self.want_switch() else 0.0)
         divisor = self._keep_or_blend(bucket, self._next - 1)
+        if self._norming:
+            self._add_norm(bucket, last)
+        elif last and self._norm_slots:  # nothing of this rank: no stale sum goes round
+            bucket.flat[-1 - self._norm_slots:-1].zero_()
         if divisor > 1:  # averaged before the sum, as DDP does: no pass over the buckets
             bucket.grads().div_(divisor)  # after the wait, the step's exposed tail
         if self._held or self.group.pg is None or self.group.size == 1:
@@ -172,6 +194,19 @@ class GradSync:
             bucket.work = self.group.pg.allreduce([bucket.flat])
         except RuntimeError as exc:  # the group broke: sync() reports it
             bucket.work = _Failed(first_line(exc))
+
+    def _add_norm(self, bucket: Bucket, last: bool) -> None:
+        """This rank's local gradient, as it enters the sum: its squared norm, added up on
+        its device (no sync); the last bucket carries log2 of the norm in this rank's slot
+        (a zero gradient reads as -100: never above its peers)."""
+        import torch
+
+        sq = torch.linalg.vector_norm(bucket.grads(), dtype=torch.float32) ** 2
+        self._sq = sq if self._sq is None else self._sq + sq
+        if last and self.group is not None:
+            slots = bucket.flat[-1 - self._norm_slots:-1]
+            slots.zero_()
+            slots[self.group.rank] = torch.log2(torch.sqrt(self._sq).clamp_min(1e-30))
 
     def _keep_or_blend(self, bucket: Bucket, index: int) -> int:
         """Keep or blend the bucket's local gradients (--redo lost); the divisor of its
@@ -234,11 +269,18 @@ class GradSync:
                 grad = p.grad  # a view of its bucket but where it cannot be (another device)
                 if grad is not view and (grad is None or grad.data_ptr() != view.data_ptr()):
                     p.grad = view.to(p.dtype).clone() if grad is None else grad.copy_(view)
-        return bool(buckets[-1].flat[-1].item() > 0)
+        tail = buckets[-1].flat[-1 - self._norm_slots:].tolist()  # one read: norms, vote
+        self.norms = [float(v) for v in tail[:-1]] if self._norming else []
+        return bool(tail[-1] > 0)
 
     def next_step(self, group: Group) -> None:
-        """A new step begins on `group`: every bucket may start again."""
+        """A new step begins on `group`: every bucket may start again (laid out again when
+        the norms' slots no longer fit the group's size)."""
         self.group = group
+        if self.check_norms and self._buckets is not None and \
+                self._norm_slots != group.size:
+            self.drop()
+        self._norming = self.check_norms and self.norms_due()
         self._held = False
         self._kept_now = 0
         if self._buckets is not None:

@@ -14,6 +14,7 @@ import os
 import sys
 import time
 from collections.abc import Callable
+from typing import Any
 
 from ftrun.core.faultkinds import AGENT_SIGNALS, GROUP_DRILLS, FaultKind
 from ftrun.protocol.progress import Reporter, hang_here
@@ -22,10 +23,15 @@ from ftrun.worker.comm import Interrupt, never_completes
 
 class Drills:
     def __init__(self, progress: Reporter | None, worker_id: int,
-                 comm_fault: Callable[[str], None]) -> None:
+                 comm_fault: Callable[[str], None],
+                 flip_bit: Callable[[int, int], str] | None = None) -> None:
         self._progress = progress
         self._worker_id = worker_id
         self._comm_fault = comm_fault  # break this rank's communicator, with the reason
+        # bitflip: flip bit N (-1: one at random, seeded by the second) of the registered
+        # state; what was flipped, in words
+        self._flip_bit = flip_bit
+        self.gradflip_due = False  # gradflip: the step's first bucket is tampered with
         self._slow = 0.0
         self._stall: tuple[FaultKind, int] | None = None  # a stall or wedge drill, its generation
         self._comm_due = False
@@ -57,6 +63,19 @@ class Drills:
             self._stall = (kind, generation)
         elif kind == FaultKind.COMM:
             self._comm_due = True
+        elif kind == FaultKind.BITFLIP and self._flip_bit is not None:
+            what = self._flip_bit(int(arg), self._worker_id * 1_000_003 + step)
+            print(f"ftrun: drill: bitflip: {what}", file=sys.stderr, flush=True)
+        elif kind == FaultKind.GRADFLIP:
+            self.gradflip_due = True
+
+    def tamper(self, grads: Any) -> None:
+        """gradflip, as the step's first bucket starts: one element of this rank's local
+        gradient gets the top bit of its exponent flipped (a huge value, or inf)."""
+        if not self.gradflip_due or grads.numel() == 0:
+            return
+        self.gradflip_due = False
+        flip_exponent(grads)
 
     def bucket_starting(self, generation: int) -> bool:
         """The step's first gradient bucket is about to start (or the sync, if none did).
@@ -81,3 +100,13 @@ class Drills:
             self._stall = None
             return
         never_completes(interrupt, generation)
+
+
+def flip_exponent(t: Any) -> None:
+    """The top bit of the first element's exponent (a float tensor): 0.01 becomes ~1e36
+    in fp32, a bf16 or fp16 value about as far from its own."""
+    import torch
+
+    width = t.element_size()
+    words = t.reshape(-1)[:1].view({2: torch.int16, 4: torch.int32, 8: torch.int64}[width])
+    words ^= torch.tensor(1 << (8 * width - 2), dtype=words.dtype)

@@ -33,6 +33,7 @@ from ftrun.core.spec import WorkerEnv
 from ftrun.core.states import RecoveryMode
 from ftrun.protocol.progress import Reporter
 from ftrun.protocol.rendezvous import (
+    CommFailed,
     Generation,
     Hello,
     Recovered,
@@ -177,6 +178,13 @@ class Member:
 
     def escalate(self, mode: RecoveryMode) -> None:
         self.mode = self.mode.escalate(mode)
+
+    def comm_failed(self, why: str) -> None:
+        """This rank's communicator failed (a drill): abandon it, tell the agent."""
+        self.group.abandon()
+        self.broke(why)
+        if self._link is not None:
+            self.post(CommFailed(self._link.worker_id, self.generation, why))
 
     def broke(self, why: str) -> None:
         self.why = why

@@ -302,6 +302,19 @@ class ReplicaView:
                                  hint="launch with ftrun --shard-size N")
         return self.sharding
 
+    def behind(self, generation: int, snapshots: Any) -> bool:
+        """Under --shard-size, at a step's start: a rank of this replica group is in a newer
+        generation (its watcher saw it first). Asked once per attempt by every rank; the
+        same collective tells the group the boundary of the next time-based snapshot
+        (`snapshots`: worker/snapshots.py's, or None). Raises CommError."""
+        if self.sharding is None:
+            return False
+        newest, due = self.sharding.group().agree(generation,
+                                                  snapshots.proposed if snapshots else -1)
+        if snapshots is not None:
+            snapshots.agreed_due = due
+        return bool(newest > generation)
+
     def placement(self) -> Placement:
         size = self.sharding.shard_size if self.sharding is not None else 1
         return Placement(*self._live(), size)
