@@ -26,6 +26,7 @@ from ftrun.cluster.link import Endpoint, reach
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRAPE_S = 5.0  # one member's /metrics
 RECEIVED = re.compile(r'^grpc_server_msg_received_total\{[^}]*grpc_method="(\w+)"[^}]*\} (\S+)$')
+BYTES = re.compile(r"^etcd_network_client_grpc_(received|sent)_bytes_total (\S+)$")
 
 
 def start_lab() -> Any:
@@ -38,6 +39,12 @@ def start_lab() -> Any:
 
 def received(lab: Any) -> Counter[str]:
     """Messages every live member has received so far, by gRPC method."""
+    return Counter({k: v for k, v in counters(lab).items() if not k.startswith("bytes_")})
+
+
+def counters(lab: Any) -> Counter[str]:
+    """Every live member's counts so far, summed: messages received by gRPC method, and the
+    bytes its clients sent it (`bytes_received`) and it sent them (`bytes_sent`)."""
     counts: Counter[str] = Counter()
     for i in range(lab.count):
         if not lab.alive(i):
@@ -48,6 +55,8 @@ def received(lab: Any) -> Counter[str]:
         for line in text.splitlines():
             if (m := RECEIVED.match(line)) and float(m.group(2)):
                 counts[m.group(1)] += int(float(m.group(2)))
+            elif m := BYTES.match(line):
+                counts[f"bytes_{m.group(1)}"] += int(float(m.group(2)))
     return counts
 
 
@@ -96,6 +105,10 @@ class JobPlane:
     def requests(self) -> Counter[str]:
         """Messages etcd received so far, by gRPC method (none on c10d)."""
         return Counter() if self.lab is None else received(self.lab)
+
+    def traffic(self) -> Counter[str]:
+        """etcd's counts so far (`counters`; none on c10d)."""
+        return Counter() if self.lab is None else counters(self.lab)
 
     def close(self) -> None:
         if self.lab is not None:

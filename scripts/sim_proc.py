@@ -39,7 +39,7 @@ class SimFailed(RuntimeError):
 
 
 # ------------------------------------------------------------------ in the child process
-def _prepare_process() -> None:
+def prepare_process() -> None:
     """What the simulator needs of a process: many sockets and threads, a calm GIL, a quick
     resolver; and it dies with its parent (a killed run leaves no simulator behind)."""
     os.environ.setdefault("RES_OPTIONS", "timeout:1 attempts:1")
@@ -120,7 +120,7 @@ class Played:
 def serve(conn: Connection, scripts_dir: str, store: tuple[str, int] | None, rdzv_id: str,
           watchers: int, relays: bool, etcd: dict[str, Any] | None) -> None:
     """A simulator process's life: a Sim, then calls until `close`."""
-    _prepare_process()
+    prepare_process()
     sys.path.insert(0, scripts_dir)
     from sim_cluster import Sim
 
@@ -130,49 +130,26 @@ def serve(conn: Connection, scripts_dir: str, store: tuple[str, int] | None, rdz
     conf = None if etcd is None else EtcdConf.parse(tuple(etcd["endpoints"]), etcd["conf"],
                                                     rdzv_id)
     ep = None if store is None else Endpoint(*store)
-    played = Played(Sim(ep, rdzv_id, watchers, relays, conf))
-    while True:
-        method, args = conn.recv()
-        if method == "close":
-            conn.send(("ok", None))
-            break
-        try:
-            conn.send(("ok", getattr(played, method)(*args)))
-        except Exception:
-            conn.send(("error", traceback.format_exc().strip().splitlines()[-1]))
-    sys.stdout.flush()
-    sys.stderr.flush()
-    # thousands of threads sit in c10d calls: tearing C++ statics down under them aborts the
-    # exit (as in sim_scale's child)
-    os._exit(0)
+    answer(conn, Played(Sim(ep, rdzv_id, watchers, relays, conf)))
 
 
 # ------------------------------------------------------------------ in the parent
-class SimProcs:
-    """K simulator processes and the nodes each plays."""
+class Procs:
+    """K processes each running `target(conn, *args)` (multiprocessing's spawn), spoken to over
+    a pipe, one call at a time per process."""
 
-    def __init__(self, count: int, scripts_dir: str, store: tuple[str, int] | None,
-                 rdzv_id: str, watchers: int, relays: bool,
-                 etcd_endpoints: list[str] | None, conf: dict[str, str] | None = None
-                 ) -> None:
-        """`conf`: the job's --rdzv-conf keys, which a simulated node's etcd seat reads as a
-        real follower's does (its lease's TTL)."""
+    def __init__(self, count: int, target: Any, args: tuple[Any, ...]) -> None:
         ctx = multiprocessing.get_context("spawn")
-        etcd = None if etcd_endpoints is None else {"endpoints": etcd_endpoints,
-                                                    "conf": conf or {}}
         self.conns: list[Connection] = []
         self.procs: list[Any] = []
         for _ in range(count):
             parent, child = ctx.Pipe()
-            proc = ctx.Process(target=serve, daemon=True, name="sim-proc",
-                               args=(child, scripts_dir, store, rdzv_id, watchers, relays,
-                                     etcd))
+            proc = ctx.Process(target=target, daemon=True, name="sim-proc",
+                               args=(child, *args))
             proc.start()
             child.close()
             self.conns.append(parent)
             self.procs.append(proc)
-        self.nodes: list[tuple[int, int]] = []  # (process, position), rounds across processes
-        self.indexes: dict[tuple[int, int], int] = {}  # the node index each drew
 
     def _send(self, proc: int, method: str, *args: Any) -> None:
         self.conns[proc].send((method, args))
@@ -195,6 +172,61 @@ class SimProcs:
         for i in range(len(self.conns)):
             self._send(i, method, *(per_proc[i] if per_proc else args))
         return [self._recv(i, timeout) for i in range(len(self.conns))]
+
+    def close(self) -> None:
+        """Every process asked to leave, then killed if it has not."""
+        for i in range(len(self.conns)):
+            with contextlib.suppress(OSError, EOFError, TimeoutError, SimFailed):
+                self._send(i, "close")
+                self._recv(i, CLOSE_S)
+        for proc in self.procs:
+            proc.join(CLOSE_S)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(CLOSE_S)
+
+    def kill(self) -> None:
+        """The watchdog's end: no goodbye."""
+        for proc in self.procs:
+            with contextlib.suppress(Exception):
+                proc.kill()
+
+
+def answer(conn: Connection, played: Any) -> None:
+    """A simulator process's calls, answered by `played`'s methods until `close`; then the
+    process ends at once."""
+    while True:
+        method, args = conn.recv()
+        if method == "close":
+            with contextlib.suppress(Exception):
+                played.close()
+            conn.send(("ok", None))
+            break
+        try:
+            conn.send(("ok", getattr(played, method)(*args)))
+        except Exception:
+            conn.send(("error", traceback.format_exc().strip().splitlines()[-1]))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # thousands of threads sit in c10d calls: tearing C++ statics down under them aborts the
+    # exit (as in sim_scale's child)
+    os._exit(0)
+
+
+class SimProcs(Procs):
+    """K simulator processes and the nodes each plays."""
+
+    def __init__(self, count: int, scripts_dir: str, store: tuple[str, int] | None,
+                 rdzv_id: str, watchers: int, relays: bool,
+                 etcd_endpoints: list[str] | None, conf: dict[str, str] | None = None
+                 ) -> None:
+        """`conf`: the job's --rdzv-conf keys, which a simulated node's etcd seat reads as a
+        real follower's does (its lease's TTL)."""
+        etcd = None if etcd_endpoints is None else {"endpoints": etcd_endpoints,
+                                                    "conf": conf or {}}
+        super().__init__(count, serve, (scripts_dir, store, rdzv_id, watchers, relays, etcd))
+        self.nodes: list[tuple[int, int]] = []  # (process, position), rounds across processes
+        self.indexes: dict[tuple[int, int], int] = {}  # the node index each drew
 
     def add_nodes(self, count: int, nproc: int) -> None:
         k = len(self.conns)
@@ -233,21 +265,3 @@ class SimProcs:
         states = self.everywhere("state", timeout=CLOSE_S)
         return ([e for s in states for e in s["errors"]][:10],
                 max(s["max_gap"] for s in states))
-
-    def close(self) -> None:
-        """Every process asked to leave, then killed if it has not."""
-        for i in range(len(self.conns)):
-            with contextlib.suppress(OSError, EOFError, TimeoutError, SimFailed):
-                self._send(i, "close")
-                self._recv(i, CLOSE_S)
-        for proc in self.procs:
-            proc.join(CLOSE_S)
-            if proc.is_alive():
-                proc.kill()
-                proc.join(CLOSE_S)
-
-    def kill(self) -> None:
-        """The watchdog's end: no goodbye."""
-        for proc in self.procs:
-            with contextlib.suppress(Exception):
-                proc.kill()

@@ -39,7 +39,6 @@ import os
 import resource
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -48,6 +47,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from simscale.coordinator import RDZV_ID, Coordinator, status, until
 
 if TYPE_CHECKING:
     from sim_etcd import JobPlane
@@ -58,105 +59,8 @@ GOAL_CPU_PCT = 50.0  # the coordinator at steady state with 512 nodes
 GOAL_LOSS_MS = 1000.0  # node loss detected after a broken connection
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def until(cond: Any, timeout_s: float, what: str, poll_s: float = 0.005) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = cond()
-        if value:
-            return value
-        time.sleep(poll_s)
-    raise TimeoutError(f"timed out after {timeout_s:g} s waiting for {what}")
-
-
-class Coordinator:
-    """A real `ftrun` agent with real workers (`sim_worker.py`) and what it shows: the
-    coordinator (node 0), or with `name` another a real follower (its workers watch its
-    relay, as on a real cluster). Every real node's workers write into the same folder."""
-
-    def __init__(self, nodes: int, node_size: int, rdzv: list[str], workdir: Path,
-                 conf: str = "", name: str = "coordinator") -> None:
-        """`rdzv`: the backend's arguments (--rdzv-backend, --rdzv-endpoint, ...)."""
-        self.dir = workdir
-        self.log = open(workdir / f"{name}.log", "w")  # noqa: SIM115 (closed in stop)
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "FTRUN_RUN_DIR": str(workdir / "run")}
-        if name != "coordinator":
-            env["FTRUN_RUN_DIR"] = str(workdir / f"run-{name}")
-        cmd = [sys.executable, "-m", "ftrun", "--nnodes", f"2:{nodes}", "--nproc", str(node_size),
-               *rdzv, "--rdzv-id", RDZV_ID, "--rdzv-conf",
-               ",".join(filter(None, ("join_timeout=300,last_call_timeout=300", conf))),
-               str(HERE / "sim_worker.py"), "--dir", str(workdir)]
-        self.started = time.time()
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env,
-                                     start_new_session=True)
-
-    def cpu_s(self) -> float:
-        import psutil
-
-        t = psutil.Process(self.proc.pid).cpu_times()
-        return float(t.user + t.system)
-
-    def runq_wait_s(self) -> float:
-        """Seconds its threads have spent runnable but waiting for a core (the kernel's
-        schedstat run_delay, summed over threads): how much this host starved it."""
-        total = 0
-        for task in Path(f"/proc/{self.proc.pid}/task").iterdir():
-            with contextlib.suppress(OSError, ValueError, IndexError):
-                total += int((task / "schedstat").read_text().split()[1])
-        return total / 1e9
-
-    def seen(self) -> dict[int, dict[int, float]]:
-        """The real nodes' workers: worker id -> generation -> when its watcher saw it."""
-        out: dict[int, dict[int, float]] = {}
-        for path in self.dir.glob("seen-*"):
-            lines = path.read_text().splitlines()
-            out[int(path.name[5:])] = {int(a): float(b) for a, b in
-                                       (line.split() for line in lines if line.count(" ") == 1)}
-        return out
-
-    def decided(self, reason: str) -> float | None:
-        """When the coordinator decided on the fault that the generation for `reason` answers
-        (its journal's fault event: its own clock; `detected_at` is the report's, a worker
-        exit's wall time), or None if not journaled yet."""
-        try:  # the live run's journal is in its log folder, named in last-run
-            log_dir = json.loads((self.dir / "run" / "last-run").read_text())["log_dir"]
-        except (OSError, ValueError, KeyError):
-            return None
-        for path in Path(log_dir).glob("events.jsonl"):
-            for line in path.read_text().splitlines():
-                event = json.loads(line) if line.startswith("{") else {}
-                if event.get("event") == "fault" and event.get("reason") == reason:
-                    return float(event["t"])
-        return None
-
-    def kill(self) -> None:
-        os.killpg(self.proc.pid, signal.SIGKILL)
-
-    def stop(self, timeout_s: float) -> int | None:
-        try:
-            return self.proc.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(10)
-            return None
-        finally:
-            self.log.close()
-
-
-def status(store: Any) -> dict[str, Any]:
-    from ftrun.cluster.link import STATUS_KEY
-
-    return dict(json.loads(store.get(STATUS_KEY)))
-
-
 CLEANUPS: list[Callable[[], None]] = []  # the watchdog's: what the child started, last first
 CHILD_GRACE_S = 30.0  # the parent waits this much longer than the child's watchdog
-RDZV_ID = "sim"
 
 
 def give_up() -> None:
@@ -318,25 +222,69 @@ def _node_loss(row: dict[str, Any], coord: Coordinator, sims: Any, suspect: bool
 
 
 # ---------------------------------------------------------------------- the whole curve
-def run_child(ranks: int, args: argparse.Namespace) -> dict[str, Any]:
+def run_child(size: int, args: argparse.Namespace, backend: str) -> dict[str, Any]:
     """Each size in a process of its own: thousands of threads and sockets go with it."""
     out = Path(tempfile.mkstemp(prefix="ftrun-sim-", suffix=".json")[1])
-    cmd = [sys.executable, __file__, "--one", str(ranks), "--node-size", str(args.node_size),
+    cmd = [sys.executable, __file__, "--one", str(size), "--node-size", str(args.node_size),
            "--steady-s", str(args.steady_s), "--json", str(out), "--watchers",
            str(args.watchers), "--rdzv-conf", args.rdzv_conf, "--timeout-s", str(args.timeout_s),
-           "--rdzv-backend", args.rdzv_backend, "--sim-procs", str(args.sim_procs),
-           "--real-followers", str(args.real_followers),
+           "--rdzv-backend", backend, "--sim-procs", str(args.sim_procs),
+           "--real-followers", str(args.real_followers), "--faults", str(args.faults),
+           *(["--per-fault"] if args.per_fault else []),
            *(["--no-relay"] if args.no_relay else []), *(["--keep"] if args.keep else [])]
+    key = "nodes" if args.per_fault else "ranks"
     try:  # the child's own watchdog (and its coordinator's end) comes first
         done = subprocess.run(cmd, timeout=args.timeout_s + CHILD_GRACE_S, capture_output=True,
                               text=True)
         if done.returncode != 0:
-            return {"ranks": ranks, "errors": [done.stderr.strip().splitlines()[-1:]]}
+            return {key: size, "backend": backend,
+                    "errors": [done.stderr.strip().splitlines()[-1:]]}
         return dict(json.loads(out.read_text()))
     except subprocess.TimeoutExpired:
-        return {"ranks": ranks, "errors": [f"timed out after {args.timeout_s} s"]}
+        return {key: size, "backend": backend, "errors": [f"timed out after {args.timeout_s} s"]}
     finally:
         out.unlink(missing_ok=True)
+
+
+def one_size(args: argparse.Namespace) -> None:
+    """The child: one size, its row written to --json; it ends at once (see below)."""
+    threading.Timer(args.timeout_s, give_up).start()
+    if args.per_fault:
+        from simscale import faults
+
+        row = faults.measure(args.one, args.rdzv_backend, args.faults, args.sim_procs,
+                             args.keep, CLEANUPS)
+    else:
+        row = measure(args.one, args.node_size, args.steady_s, args.watchers,
+                      not args.no_relay, args.rdzv_conf, args.rdzv_backend, args.sim_procs,
+                      args.keep, args.real_followers)
+    Path(args.json).write_text(json.dumps(row))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # thousands of threads sit in c10d calls (dead nodes' watchers, relays): tearing C++
+    # statics down under them aborts the exit, as it does for a worker (errorfile.py)
+    os._exit(0)
+
+
+def sweep(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Every size (every backend, per fault), each in a child; the table printed."""
+    if args.rebuild:
+        from simscale import rebuild
+
+        rows = [r for n in args.ranks.split(",")
+                for r in rebuild.measure(int(n), args.sim_procs, args.sample)]
+        rebuild.print_rows(rows)
+        return rows
+    if args.per_fault:
+        from simscale import faults
+
+        backends = ("c10d", "etcd") if args.rdzv_backend == "both" else (args.rdzv_backend,)
+        rows = [run_child(int(n), args, b) for b in backends for n in args.nodes.split(",")]
+        faults.print_rows(rows)
+        return rows
+    rows = [run_child(int(n), args, args.rdzv_backend) for n in args.ranks.split(",")]
+    print_table(rows)
+    return rows
 
 
 COLUMNS = ("ranks", "nodes", "up_s", "coord_cpu_pct", "coord_runq_wait_pct", "coord_ops_s",
@@ -376,8 +324,19 @@ def main() -> int:
                     help="the coordinator's --rdzv-conf additions, e.g. quiet_timeout=3,"
                          "cut_timeout=5 where this host cannot keep simulated heartbeats "
                          "under 1.3 s apart (the row says so)")
-    ap.add_argument("--rdzv-backend", choices=("c10d", "etcd"), default="c10d",
-                    help="etcd: a real 3-member etcd on loopback is the control plane")
+    ap.add_argument("--rdzv-backend", choices=("c10d", "etcd", "both"), default="c10d",
+                    help="etcd: a real 3-member etcd on loopback is the control plane; both: "
+                         "each size on c10d, then on etcd (--per-fault)")
+    ap.add_argument("--per-fault", action="store_true",
+                    help="what one fault costs at --nodes nodes (simscale/faults.py): "
+                         "--faults worker faults one by one, then a burst")
+    ap.add_argument("--nodes", default="64,256,1024,4096", help="--per-fault's sizes")
+    ap.add_argument("--faults", type=int, default=20, help="--per-fault: faults per size")
+    ap.add_argument("--rebuild", action="store_true",
+                    help="a rebuild's store exchange at --ranks ranks, before and after #52 "
+                         "(simscale/rebuild.py; --sim-procs member processes)")
+    ap.add_argument("--sample", type=int, default=64,
+                    help="--rebuild: members whose reads are run before #52 (scaled to all)")
     ap.add_argument("--sim-procs", type=int, default=min(4, os.cpu_count() or 1),
                     help="processes that play the simulated nodes, a share each")
     ap.add_argument("--real-followers", type=int, default=0,
@@ -405,21 +364,11 @@ def main() -> int:
     # 20 ms), a cost real workers (processes of their own) do not have
     sys.setswitchinterval(0.02)
     if args.one:
-        threading.Timer(args.timeout_s, give_up).start()
-        row = measure(args.one, args.node_size, args.steady_s, args.watchers,
-                      not args.no_relay, args.rdzv_conf, args.rdzv_backend, args.sim_procs,
-                      args.keep, args.real_followers)
-        Path(args.json).write_text(json.dumps(row))
-        sys.stdout.flush()
-        sys.stderr.flush()
-        # thousands of threads sit in c10d calls (dead nodes' watchers, relays): tearing C++
-        # statics down under them aborts the exit, as it does for a worker (errorfile.py)
-        os._exit(0)
-    rows = [run_child(int(n), args) for n in args.ranks.split(",")]
-    print_table(rows)
+        one_size(args)
+    rows = sweep(args)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
-    return 0 if all(r.get("exit_code") == 0 and not r.get("errors") for r in rows) else 1
+    return 0 if all(r.get("exit_code", 0) == 0 and not r.get("errors") for r in rows) else 1
 
 
 if __name__ == "__main__":

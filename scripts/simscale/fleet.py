@@ -1,0 +1,387 @@
+"""Light simulated nodes for the per-fault sweep (`faults`, issue #52): thousands of followers
+on one host, each on the node-side path a real agent runs for a generation, at two threads and
+three store connections a node.
+
+Each node's own, as on a real follower: its `QueueReader` of commands (Start, Spawn, Ping,
+Kill, Stop, End answered as `sim_cluster.SimNode` answers them) and its `GenerationRelay`
+(`ftrun.cluster.relay`: its reader blocked on the node's relay queue, its copy of each record
+from the coordinator's store). The relay copies into `NodeCopy` instead of a loopback store
+its workers would watch: it decodes each record once (`Generation.from_json`, as a worker's
+watcher does) and keeps when it arrived: that is when the node was notified.
+Shared by a process's nodes, where a real host has one of each per node (the coordinator sees
+the same requests, on fewer connections): the heartbeats (one thread bumps every node's
+counter once a period and sets its payload when rebuilt, as `link.Heartbeat` does), the reports
+(one `Outbox`: the coordinator reads one agent queue anyway), the workers' hellos (one
+connection), and on etcd the leases (one client grants each node a lease, puts its node key on
+it and keeps it alive KEEPALIVES_PER_TTL times a TTL, the requests `EtcdPlane` sends; the
+simulated nodes do not stand in the election). No worker process runs.
+Must not import: `sim_scale`, the agent's loop, the CLI.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import threading
+import time
+from dataclasses import asdict
+from datetime import timedelta
+from typing import Any
+
+from ftrun.adapters.store import QueueReader, client
+from ftrun.cluster.link import (
+    AGENT_QUEUE,
+    NODE_COUNTER,
+    Endpoint,
+    Outbox,
+    command_queue,
+    connect,
+    heartbeat_key,
+    payload_key,
+)
+from ftrun.cluster.messages import (
+    Bye,
+    End,
+    Exited,
+    Join,
+    Kill,
+    Ping,
+    Pong,
+    Spawn,
+    Spawned,
+    Start,
+    Stop,
+    Stopped,
+    parse_command,
+)
+from ftrun.cluster.relay import GenerationRelay
+from ftrun.core import timeouts
+from ftrun.core.policy import Liveness
+from ftrun.core.states import Phase
+from ftrun.protocol.rendezvous import Generation, Hello, gen_key, send_request
+
+CONNECT_S = 120.0
+STEP_S = 0.5  # what the payloads report as a step
+POLL_S = 0.005  # a process looking at its nodes' copies while the parent waits
+KEEPALIVES_PER_TTL = 3  # as etcd_lease's
+GEN_PREFIX = gen_key(0)[:-1]  # a generation's record is GEN_PREFIX + its number
+
+
+class NodeCopy:
+    """A node's copy of the job's generations (what `GenerationRelay` writes to), with the
+    wall clock of each record's arrival: when the node's agent holds it. Its workers would
+    decode it then, each on its own core; here one decode is done on demand (`gen`), off the
+    path that is timed, as this host has no core per node."""
+
+    def __init__(self) -> None:
+        self._keys: dict[str, bytes] = {}
+        self.arrived: dict[int, float] = {}  # generation -> when its record was copied here
+
+    def set(self, key: str, value: str | bytes) -> None:
+        raw = value.encode() if isinstance(value, str) else bytes(value)
+        self._keys[key] = raw
+        if key.startswith(GEN_PREFIX) and key[len(GEN_PREFIX):].isdigit():
+            self.arrived.setdefault(int(key[len(GEN_PREFIX):]), time.time())
+
+    def get(self, key: str) -> bytes:
+        return self._keys[key]
+
+    def check(self, keys: list[str]) -> bool:
+        return all(k in self._keys for k in keys)
+
+    def gen(self, number: int) -> tuple[Generation, int] | None:
+        """Generation `number` decoded, as a worker's watcher decodes it, and its size."""
+        raw = self._keys.get(gen_key(number))
+        return None if raw is None else (Generation.from_json(raw), len(raw))
+
+
+class LightNode:
+    """One simulated follower: its own command reader and relay, the rest shared."""
+
+    def __init__(self, fleet: Fleet, nproc: int) -> None:
+        self.fleet, self.nproc = fleet, nproc
+        self.index = -1
+        self.workers: dict[int, bool] = {}  # worker id -> alive
+        self.copy = NodeCopy()
+        self.relay: GenerationRelay | None = None
+        self.attempt = 0
+        self.ended = False
+
+    def join(self) -> None:
+        fleet = self.fleet
+        with fleet.lock:
+            self.index = int(fleet.link.add(NODE_COUNTER, 1))
+            fleet.link.delete_key(command_queue(self.index))
+        self._reader = QueueReader(lambda: connect(fleet.ep, CONNECT_S),
+                                   command_queue(self.index), self._command, fleet.lost,
+                                   f"sim-node-{self.index}")
+        fleet.report(Join(node=self.index, host=socket.gethostname(), pid=os.getpid(),
+                          nproc=self.nproc, rdzv_id=fleet.rdzv_id, net_drill="simulated",
+                          running=""))
+
+    def _command(self, raw: str | bytes) -> None:  # the reader's thread
+        try:
+            self._obey(parse_command(raw))
+        except Exception as exc:  # a simulation fault: reported, never hidden
+            self.fleet.errors.append(f"node {self.index}: {type(exc).__name__}: {exc}")
+
+    def _obey(self, cmd: Any) -> None:
+        fleet = self.fleet
+        match cmd:
+            case Start():
+                self.attempt = cmd.attempt
+                fleet.attempt_store(cmd.addr, cmd.port)
+                self.relay = GenerationRelay(lambda: client(cmd.addr, cmd.port, CONNECT_S),
+                                             self.index, fleet.lost, local=self.copy)
+                for i in range(self.nproc):
+                    self.spawn(cmd.first_id + i, i)
+            case Spawn():
+                self.spawn(cmd.worker, cmd.local_rank)
+            case Ping():
+                fleet.report(Pong(node=self.index, seq=cmd.seq))
+            case Kill():
+                self.exit(cmd.worker, -9, by_launcher=True)
+            case Stop():
+                fleet.report(Stopped(node=self.index))
+            case End():
+                self.ended = True
+                fleet.report(Bye(node=self.index))
+            case str():
+                fleet.errors.append(f"node {self.index}: refused command ({cmd})")
+
+    def spawn(self, worker: int, local_rank: int) -> None:
+        self.workers[worker] = True
+        self.fleet.report(Spawned(node=self.index, worker=worker, pid=os.getpid(),
+                                  local_rank=local_rank))
+        self.fleet.hello(worker)
+
+    def exit(self, worker: int, code: int, by_launcher: bool = False) -> float:
+        """A worker of this node ends with `code`, reported as a follower reports it."""
+        self.workers[worker] = False
+        now = time.time()
+        self.fleet.report(Exited(node=self.index, worker=worker, attempt=self.attempt,
+                                 pid=os.getpid(), returncode=code, wall_time=now, error="",
+                                 by_launcher=by_launcher))
+        return now
+
+    def payload(self, now: float, started: float) -> str:
+        """The heartbeat payload, shaped as a real follower's (`sim_cluster.SimNode`)."""
+        step, into = int((now - started) / STEP_S), (now - started) % STEP_S
+        live = [w for w, alive in self.workers.items() if alive]
+        newest = max(self.copy.arrived, default=0)
+        liveness = [asdict(Liveness(worker=w, rank=-1, step=step, idle_s=into, waiting_s=None,
+                                    stopped=False, compute_s=STEP_S / 2, step_s=STEP_S,
+                                    generation=newest, phase=Phase.STEP, step_p95_s=STEP_S))
+                    for w in live]
+        rows = [{"worker_id": w, "rank": -1, "local_rank": w % 10_000, "pid": os.getpid(),
+                 "state": "running", "role": "member", "step": step, "committed_step": step - 1,
+                 "step_time_ms": STEP_S * 1000, "since_progress_s": round(into, 2),
+                 "phase": f"step {step}", "cpu": "busy", "gpu": None, "health": None,
+                 "straggler": None} for w in live]
+        return json.dumps({"workers": rows, "liveness": liveness, "snapshot": None})
+
+    def close(self) -> None:
+        self._reader.close(None)
+        if self.relay is not None:
+            self.relay.close(link_works=False)
+
+
+class Fleet:
+    """Many light nodes of one simulator process, against the coordinator's store at `ep`."""
+
+    def __init__(self, ep: Endpoint, rdzv_id: str, beat_s: float, payload_s: float,
+                 etcd: Any = None) -> None:
+        self.ep, self.rdzv_id = ep, rdzv_id
+        self.beat_s, self.payload_s = beat_s, payload_s
+        self.lock = threading.Lock()
+        self.link = connect(ep, CONNECT_S)
+        self.nodes: list[LightNode] = []
+        self.errors: list[str] = []
+        self.started = time.time()
+        self.max_gap = 0.0  # the longest a beat round took past its period
+        self._outbox = Outbox(ep, AGENT_QUEUE, timeouts.STORE_LOST_S, self.lost)
+        self._requests: Any = None
+        self._stop = threading.Event()
+        self._seats = None if etcd is None else Seats(etcd)
+        threading.Thread(target=self._beat, name="sim-beats", daemon=True).start()
+
+    def lost(self, why: str) -> None:
+        if not self._stop.is_set():
+            self.errors.append(f"lost the store: {why}")
+
+    def report(self, msg: Any) -> None:
+        self._outbox.put(msg)
+
+    def attempt_store(self, host: str, port: int) -> None:
+        with self.lock:
+            if self._requests is None:
+                self._requests = client(host, port, CONNECT_S)
+                self._requests.set_timeout(timedelta(seconds=CONNECT_S))
+
+    def hello(self, worker: int) -> None:
+        with self.lock:
+            send_request(self._requests, Hello(worker, os.getpid(), spare=False))
+
+    def add_nodes(self, count: int, nproc: int) -> list[int]:
+        for _ in range(count):
+            node = LightNode(self, nproc)
+            node.join()
+            with self.lock:
+                self.nodes.append(node)
+            if self._seats is not None:
+                self._seats.take(node.index)
+        return [n.index for n in self.nodes]
+
+    def _beat(self) -> None:
+        """Every node's heartbeat, one round a period: its counter, its payload when rebuilt
+        (every `payload_s`), as `link.Heartbeat` sends them."""
+        beats = connect(self.ep, CONNECT_S)
+        sent: dict[int, float] = {}
+        while not self._stop.wait(self.beat_s):
+            start = time.time()
+            with self.lock:
+                nodes = [n for n in self.nodes if not n.ended]
+            try:
+                for node in nodes:
+                    if start - sent.get(node.index, 0.0) >= self.payload_s:
+                        beats.set(payload_key(node.index), node.payload(start, self.started))
+                        sent[node.index] = start
+                    beats.add(heartbeat_key(node.index), 1)
+            except Exception as exc:
+                self.lost(str(exc))
+                return
+            self.max_gap = max(self.max_gap, time.time() - start)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._outbox.close(timeouts.THREAD_JOIN_S)
+        for node in self.nodes:
+            node.close()
+        if self._seats is not None:
+            self._seats.close()
+
+
+class Seats:
+    """The etcd seats of a process's nodes: a lease each with the node's key on it, kept alive
+    at the rate a real agent's lease thread keeps it (requests through one client, on a thread
+    of its own)."""
+
+    def __init__(self, conf: Any) -> None:
+        from ftrun.adapters.etcd import EtcdClient
+
+        self.conf = conf
+        self.client = EtcdClient(conf)
+        self.leases: list[int] = []
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        threading.Thread(target=self._keep_alive, name="sim-leases", daemon=True).start()
+
+    def take(self, index: int) -> None:
+        with self._lock:
+            reply = self.client.request("lease/grant", {"TTL": self.conf.lease_ttl})
+            lease = int(reply["ID"])
+            self.client.put(f"{self.conf.prefix}nodes/{index}", socket.gethostname(), lease)
+            self.leases.append(lease)
+
+    def _keep_alive(self) -> None:
+        """Each lease refreshed once every TTL / KEEPALIVES_PER_TTL."""
+        while not self._stop.wait(self.conf.lease_ttl / KEEPALIVES_PER_TTL):
+            with self._lock:
+                leases = list(self.leases)
+                for lease in leases:
+                    self.client.request("lease/keepalive", {"ID": lease})
+
+    def close(self) -> None:
+        self._stop.set()
+        with self._lock:
+            for lease in self.leases:
+                try:
+                    self.client.request("lease/revoke", {"ID": lease})
+                except Exception:  # the lab may be gone: the lease lapses on its own
+                    break
+            self.client.close()
+
+
+# ------------------------------------------------------------------ a simulator process
+class Played:
+    """The calls one fleet process answers (`sim_proc.answer`)."""
+
+    def __init__(self, fleet: Fleet) -> None:
+        self.fleet = fleet
+
+    def add_nodes(self, count: int, nproc: int) -> list[int]:
+        return self.fleet.add_nodes(count, nproc)
+
+    def wait_up(self, timeout: float) -> bool:
+        """Every node started, its workers said hello, its relay holds generation 0."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if all(n.relay is not None and 0 in n.copy.arrived for n in self.fleet.nodes):
+                return True
+            time.sleep(POLL_S * 10)
+        return False
+
+    def held(self, number: int, timeout: float) -> list[float] | None:
+        """When each live node got generation `number` (None: not every one in `timeout`)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            nodes = [n for n in self.fleet.nodes if not n.ended]
+            times = [n.copy.arrived.get(number) for n in nodes]
+            if all(t is not None for t in times):
+                return [t for t in times if t is not None]
+            time.sleep(POLL_S)
+        return None
+
+    def record(self, number: int) -> tuple[float, str, int, int, float] | None:
+        """Generation `number` as a node holds it: (published at, reason, members, bytes in
+        the store, seconds one decode took)."""
+        for node in self.fleet.nodes:
+            start = time.perf_counter()
+            if (held := node.copy.gen(number)) is not None:
+                gen, size = held
+                return (gen.published_at, gen.reason, gen.world_size, size,
+                        time.perf_counter() - start)
+        return None
+
+    def newest(self) -> int:
+        return max((max(n.copy.arrived, default=0) for n in self.fleet.nodes), default=0)
+
+    def exit_worker(self, position: int) -> tuple[float, int]:
+        """A live worker of the node at `position` exits 1: (when, the node's index)."""
+        node = self.fleet.nodes[position]
+        worker = next(w for w, alive in node.workers.items() if alive)
+        return node.exit(worker, 1), node.index
+
+    def workers_of(self, position: int) -> int:
+        return len(self.fleet.nodes[position].workers)
+
+    def state(self) -> dict[str, Any]:
+        return {"errors": list(self.fleet.errors[:10]), "max_gap": self.fleet.max_gap}
+
+    def end(self) -> None:
+        """Every live worker exits 0 (the job's end)."""
+        for node in self.fleet.nodes:
+            for worker, alive in list(node.workers.items()):
+                if alive:
+                    node.exit(worker, 0)
+
+    def close(self) -> None:
+        self.fleet.close()
+
+
+def serve(conn: Any, scripts_dir: str, store: tuple[str, int], rdzv_id: str, beat_s: float,
+          payload_s: float, etcd: dict[str, Any] | None) -> None:
+    """A fleet process's life: its nodes, then calls until `close`."""
+    import sys
+
+    sys.path.insert(0, scripts_dir)
+    from sim_proc import answer, prepare_process
+
+    prepare_process()
+    conf = None
+    if etcd is not None:
+        from ftrun.adapters.etcd_conf import EtcdConf
+
+        conf = EtcdConf.parse(tuple(etcd["endpoints"]), etcd["conf"], rdzv_id)
+    answer(conn, Played(Fleet(Endpoint(*store), rdzv_id, beat_s, payload_s, conf)))
