@@ -6,9 +6,8 @@ and under --verify-every each rank's local gradient checked against its peers'; 
 user stepped), the commit rule (a step is applied only if every collective of it
 succeeded), random streams replayed when a step is repeated, what each step boundary runs
 (a recovery: worker/recovering.py; the replicas compared and a snapshot: worker/boundary.py),
-where this worker is for the agent's hang detector (a few stores into its progress slot per
-step; `ft.long_phase` pauses it), the replica-group properties (read from a
-`sharded.ReplicaView` it holds), and a plain mode for runs outside ftrun.
+where this worker is for the hang detector (its progress slot; `ft.long_phase` pauses it),
+the replica-group properties (a `sharded.ReplicaView`), a plain mode outside ftrun.
 Must not import: typer, rich, NVML, the agent or the CLI. Torch is imported when init() runs.
 """
 
@@ -365,24 +364,25 @@ class FaultTolerant:
         self.committed = self._recovering.reconcile(self.committed, self._replay_streams)
 
     @property
-    def _state_objects(self) -> dict[str, Any]:
+    def _state_objects(self) -> dict[str, Any]:  # what is kept and restored: streams too
         return {**self._objects, STREAMS: self._streams}
 
-    def _boundary_passed(self, done: bool) -> bool:
+    def _boundary_passed(self, done: bool, committing: bool = True) -> bool:
         """The replicas compared where due (worker/boundary.py); False: the loop goes round
-        again (a rollback moved the committed step back, or the comparison's collective
-        failed: a recovery follows)."""
+        again (a rollback, or the compare's collective failed: a recovery follows). Serving a
+        late replacement, `committing` is False: no snapshot follows the compare."""
         try:
             step = self._boundary.passed(
                 self._member.group, self.committed, self._objects, self._state_objects,
-                self.device, self._interrupt, self._state is StepState.COMMITTED, done)
+                self.device, self._interrupt, committing and self._state is StepState.COMMITTED,
+                done)
         except (CommError, Abandoned) as exc:
             self._member.broke(str(exc))
             return False
-        if step == self.committed:
-            return True
-        self.committed, self._state, self._replay = step, StepState.IDLE, None
-        return False
+        kept = step == self.committed
+        if not kept:
+            self.committed, self._state, self._replay = step, StepState.IDLE, None
+        return kept
 
     def _final_snapshot(self) -> None:
         """Every member leaves at this boundary (a notice with nowhere to go): the node's
@@ -391,10 +391,10 @@ class FaultTolerant:
             self._boundary.final_snapshot(self._member.group, self.committed, self._objects,
                                           self._state_objects, self.device, self._interrupt)
 
-    # ---------------------------------------------------------------- past training
-    def _trained(self) -> None:
-        if self._managed:  # at the script's end it waits for its peers', serving
-            self._recovering.trained(lambda: self.committed, self._replay_streams)
+    def _trained(self) -> None:  # at the script's end it waits for its peers', serving
+        if self._managed:
+            self._recovering.trained(lambda: self.committed, self._replay_streams,
+                                     lambda: self._boundary_passed(True, committing=False))
 
     def _post(self, request: Request) -> None:
         self._member.post(request)

@@ -1,10 +1,11 @@
 """What a step boundary owes the run: the replicas compared (and a rollback when they differ),
-then a snapshot, of a verified step only.
+then a snapshot (by steps and the final one: of a compared step).
 
 Owns: `Boundary`, which the worker API calls at every step boundary: every --verify-every
 committed steps the members compare their registered state (worker/verify.py; a boundary
 passed again compares again, on every member alike); when they agree, that state is kept as
-the rollback target and a due snapshot is taken (with verification off, as before); when
+the rollback target; a snapshot by steps is due only where they compare (one by time is taken
+where its clock says, between compares: no other replica knows of it); when
 they differ, every member rolls back to the last verified step, one tells its agent
 (`Corruption`), and a member the majority blames leaves with EXIT_CORRUPT for its agent to
 replace it. The final boundary (every step committed) and a planned end's (a notice with
@@ -67,7 +68,6 @@ class Boundary:
         too); `committing`: the step before was committed here (a snapshot may follow).
         Raises CommError or Abandoned when the comparison's collective fails."""
         verifier = self.verifier
-        verified = False
         now, self._compare_now = self._compare_now, False  # every member asks alike
         snapshot_due = snapshots_by_step(self.snapshots, committed)  # compared first
         if verifier.every > 0 and (verifier.due(committed) or final or now or snapshot_due) \
@@ -80,10 +80,10 @@ class Boundary:
             if not equal:
                 return self._roll_back(verdict, group, committed, state)
             verifier.keep(committed, state)
-            verified = True
         snapshots = self.snapshots
-        if snapshots is not None and snapshots.taking and committing and \
-                (verified or verifier.every == 0):
+        # a snapshot by steps (and the final one) was compared above; one by time is taken
+        # where its clock says, between compares: no other replica knows of it to compare
+        if snapshots is not None and snapshots.taking and committing:
             snapshots.at_boundary(group.gen, committed, state, final=final)
         return committed
 

@@ -89,20 +89,24 @@ class Recovering:
         return align(self.member.group, committed, self.objects, self.streams, self.interrupt,
                      self.device, mesh, self.healer)
 
-    def serve_at_end(self, committed: int, replay: Callable[[], bool]) -> None:
-        """A replacement comes in after training: rebuild with it, heal it, and the final
-        collective it runs too. Nothing of this replica's own was recovered."""
+    def serve_at_end(self, committed: int, replay: Callable[[], bool],
+                     compared: Callable[[], bool]) -> None:
+        """A replacement comes in after training: rebuild with it, heal it, then the
+        collectives it runs at the end of its ft.steps(): the final compare (`compared`:
+        False when its collective failed, and a recovery follows) and the last one. Nothing
+        of this replica's own was recovered."""
         self.member.escalate(RecoveryMode.ALIGN)
         while True:
             committed = self.reconcile(committed, replay)
-            if self.member.finished():
+            if compared() and self.member.finished():
                 break
         self.member.recovered = None
 
-    def trained(self, committed: Callable[[], int], replay: Callable[[], bool]) -> None:
+    def trained(self, committed: Callable[[], int], replay: Callable[[], bool],
+                compared: Callable[[], bool]) -> None:
         """Out of ft.steps() with the final state; at the script's end this worker waits
         for its peers' (member.py), serving any replacement that comes in."""
         def serve(gen: Generation) -> None:
-            self.serve_at_end(committed(), replay)
+            self.serve_at_end(committed(), replay, compared)
 
         self.member.trained(committed, serve)
