@@ -12,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 from conftest import FIXTURES, ftrun_cmd, pid_alive, run_ftrun, wait_for
 
 from ftrun.adapters.zygote import Target, wants_torch
@@ -275,3 +276,17 @@ def test_a_stalled_preload_is_named_and_its_exit_status_reported(tmp_path) -> No
     assert "the zygote exited with 3 while importing stalling_mod; starting workers as new " \
         "processes" in err
     assert [p["zygote"] for p in probes(tmp_path).values()] == [0]
+
+
+def test_the_zygote_warms_torch_before_its_first_fork_where_workers_outnumber_the_cores(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Forked cold, each worker pays torch's first optimizer, save and load (~1.4 s of CPU)
+    itself: free with a core each, queued where they and the agent outnumber the cores."""
+    from ftrun.adapters.zygote import warm_first, zygote_argv
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
+    assert not warm_first(8) and warm_first(16)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    assert warm_first(2) and not warm_first(1)
+    assert zygote_argv("py", 3, True, (), True)[-1] == "--warm-first"
+    assert "--warm-first" not in zygote_argv("py", 3, False, (), True)  # no torch to warm

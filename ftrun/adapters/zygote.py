@@ -147,15 +147,31 @@ def thread_count() -> int:
     return int(psutil.Process().num_threads())
 
 
-def zygote_argv(python: str, fd: int, with_torch: bool, preload: Sequence[str]) -> list[str]:
+def zygote_argv(python: str, fd: int, with_torch: bool, preload: Sequence[str],
+                warm_first: bool = False) -> list[str]:
     argv = [python, "-u", "-c", ZYGOTE_BOOT, "--fd", str(fd)]
     return argv + (["--torch"] if with_torch else []) + (
-        ["--preload", ",".join(preload)] if preload else [])
+        ["--preload", ",".join(preload)] if preload else []) + (
+        ["--warm-first"] if warm_first and with_torch else [])
+
+
+def warm_first(workers: int) -> bool:
+    """Whether the zygote pays torch's lazy first uses (~1.4 s of CPU: the first optimizer,
+    a save and a load) before it forks the first workers: where they and the agent outnumber
+    this host's cores. Forked cold, each worker pays it on its own; with a core each that
+    costs no wall time, on fewer cores they queue for it (4 workers on 2 cores: ~5.7 s of
+    CPU for ~1.4)."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    return workers + 1 > cores  # the agent's own core
 
 
 class Zygote:
     def __init__(self, python: str, env: Mapping[str, str], preload: Sequence[str],
-                 with_torch: bool) -> None:
+                 with_torch: bool, warm: bool = False) -> None:
+        """`warm`: torch's warm-up before the first fork (`warm_first`)."""
         self.python = python
         self.preload = tuple(preload)
         self.ready: Ready | None = None
@@ -165,7 +181,7 @@ class Zygote:
         self.exit_code: int | None = None  # its own exit's status, if it ended before close()
         self._closed = False
         self._sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        argv = zygote_argv(python, theirs.fileno(), with_torch, self.preload)
+        argv = zygote_argv(python, theirs.fileno(), with_torch, self.preload, warm)
         try:
             self._proc = spawn(argv, {**env, **ONE_THREAD_ENV}, None, None,  # a preload's prints
                                pass_fds=(theirs.fileno(),))

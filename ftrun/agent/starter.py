@@ -22,6 +22,7 @@ from ftrun.adapters.zygote import (
     ZygoteGone,
     ZygoteState,
     wants_torch,
+    warm_first,
 )
 from ftrun.core.errors import UsageError
 from ftrun.core.events import Event, EventSink
@@ -57,7 +58,8 @@ class WorkerStarter:
         python = env.get("PYTHON_EXEC", sys.executable)
         try:
             self.zygote = Zygote(python, env, spec.preload,
-                                 wants_torch(spec.script, spec.module, spec.run_path))
+                                 wants_torch(spec.script, spec.module, spec.run_path),
+                                 warm_first(spec.nproc + spec.spares))
         except OSError as exc:
             self._give_up(f"cannot start the zygote ({exc.strerror}); {_NEW}")
             return

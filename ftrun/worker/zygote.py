@@ -44,6 +44,7 @@ TORCH_MODULES = ("torch", "torch.distributed", "torch.nn.parallel", "torch.optim
                  "ftrun.worker.transfer", "ftrun.worker.buckets", "ftrun.worker.aligning",
                  "ftrun.worker.loader", "ftrun.worker.rng")
 WARM_WHEN_IDLE_S = 0.2  # no fork request for this long: time for torch's warm-up
+WARM_UP = "torch (warm-up)"
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -51,24 +52,26 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--fd", type=int, required=True)
     ap.add_argument("--torch", action="store_true")
     ap.add_argument("--preload", default="")
+    ap.add_argument("--warm-first", action="store_true")  # adapters.zygote.warm_first
     ns = ap.parse_args(argv)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the agent decides when the zygote ends
     agent_pid = os.getppid()
     sock = socket.socket(fileno=ns.fd)
     preloads = [m for m in ns.preload.split(",") if m]
     try:
-        answer = preload(preloads, ns.torch, sock)
+        answer = preload(preloads, ns.torch, sock, ns.warm_first)
         send(sock, answer)
     except ChannelClosed:
         return
     if isinstance(answer, Refused):
         return
-    plan = serve(sock, agent_pid)
+    plan = serve(sock, agent_pid, warmed=ns.warm_first)
     if plan is not None:
         become_worker(plan)  # this process is a worker now; the interpreter exits after it
 
 
-def preload(modules: list[str], with_torch: bool, sock: socket.socket) -> Ready | Refused:
+def preload(modules: list[str], with_torch: bool, sock: socket.socket,
+            warm: bool = False) -> Ready | Refused:
     started = time.monotonic()
     # torch.cuda.is_available() through NVML: no CUDA context, which would not survive fork
     os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"
@@ -80,6 +83,12 @@ def preload(modules: list[str], with_torch: bool, sock: socket.socket) -> Ready 
         except BaseException as exc:  # noqa: BLE001 - SystemExit from a module, too
             return Refused("preload", name, f"{type(exc).__name__}: {exc}")
         refusal = _unsafe_after(name)
+        if refusal is not None:
+            return refusal
+    if warm and with_torch:
+        send(sock, Importing(WARM_UP))
+        _warm_torch()
+        refusal = _unsafe_after(WARM_UP)
         if refusal is not None:
             return refusal
     gc.collect()
@@ -114,16 +123,17 @@ def _warm_torch() -> None:
     torch.random.set_rng_state(state)
 
 
-def serve(sock: socket.socket, agent_pid: int) -> Plan | None:
+def serve(sock: socket.socket, agent_pid: int, warmed: bool = False) -> Plan | None:
     """Answer fork requests until the agent closes the socket. Returns in a forked worker
-    only, with its orders. Torch's warm-up waits for the first quiet moment: the first
-    workers are not kept waiting for it."""
-    cold = "torch" in sys.modules
+    only, with its orders. Unless it `warmed` before its first fork (more workers than
+    cores), torch's warm-up waits for the first quiet moment: the first workers, a core
+    each, are not kept waiting for it."""
+    cold = "torch" in sys.modules and not warmed
     while True:
         if cold and not select.select([sock], [], [], WARM_WHEN_IDLE_S)[0]:
             cold = False
             _warm_torch()
-            if _unsafe_after("torch (warm-up)") is not None:
+            if _unsafe_after(WARM_UP) is not None:
                 return None  # the agent sees the zygote gone and starts new processes
             gc.freeze()
         try:
