@@ -1,7 +1,7 @@
 """The torchrun-compatible command line, parsed in-process (no workers started)."""
 import pytest
 
-from ftrun.cli.launch_args import parse_endpoint, parse_run_args
+from ftrun.cli.launch_args import build_run_spec, parse_endpoint, parse_run_args
 from ftrun.cli.main import main
 from ftrun.core.errors import UsageError
 from ftrun.core.spec import StdMask
@@ -141,3 +141,18 @@ def test_edge_values_that_stay_valid() -> None:
     assert parse("--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:0", "t.py").nproc == 1
     static = parse("--rdzv-endpoint", "[::1]:5", "t.py")
     assert (static.master_addr, static.master_port) == ("::1", 5)
+
+
+def test_a_rdzv_conf_key_nobody_reads_is_said_in_one_line_and_torchruns_are_accepted() -> None:
+    """torchrun runs `join_timout=5` with the default timeout and no word (#49)."""
+    said: list[str] = []
+    spec = build_run_spec(["--rdzv-conf", "join_timout=5,keep_alive_interval=5,'x=1", "t.py"],
+                          env={}, gpu_count=lambda: 0, notice=said.append)
+    assert dict(spec.rdzv_conf)["join_timout"] == "5"  # kept, as torchrun keeps it
+    assert len(said) == 1 and said[0].startswith(
+        "--rdzv-conf 'x, join_timout: no keys ftrun or torchrun reads (ignored); ftrun reads ")
+    assert "join_timeout" in said[0] and "keep_alive_interval" not in said[0]
+    quiet: list[str] = []
+    build_run_spec(["--rdzv-conf", "join_timeout=5,last_call_timeout=1,timeout=5,is_host=1",
+                    "t.py"], env={}, gpu_count=lambda: 0, notice=quiet.append)
+    assert quiet == []

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from ftrun.adapters.etcd_conf import DEFAULT_PORT, EtcdConf, join_hostport
 from ftrun.cli.endpoints import parse_endpoint
 from ftrun.core.errors import UsageError
+from ftrun.core.rdzv_keys import unknown_keys
 from ftrun.core.spec import RunSpec
 
 V2_NAME = "etcd-v2"  # torchrun's name for its etcd backend over etcd's v2 API
@@ -58,11 +59,15 @@ def etcd_members(text: str) -> tuple[str, ...]:
 
 
 def check_etcd_conf(conf: tuple[tuple[str, str], ...], members: tuple[str, ...],
-                    run_id: str) -> tuple[tuple[str, str], ...]:
+                    run_id: str, notice: Callable[[str], None]) -> tuple[tuple[str, str], ...]:
     """The --rdzv-conf pairs, unchanged; for etcd (members given) its TLS and timing keys
-    are checked first (files exist, protocol=https with certificates, lease_ttl whole)."""
+    are checked first (files exist, protocol=https with certificates, lease_ttl whole); a
+    key neither ftrun nor torchrun reads is one notice (core/rdzv_keys.py)."""
     if members:
         EtcdConf.parse(members, dict(conf), run_id)
+    misspelt = unknown_keys(key for key, _ in conf)
+    if misspelt is not None:
+        notice(misspelt)
     return conf
 
 

@@ -241,7 +241,7 @@ def build_run_spec(
         rdzv_backend=ns.rdzv_backend,
         rdzv_endpoint=ns.rdzv_endpoint,
         rdzv_id=ns.rdzv_id,
-        rdzv_conf=check_etcd_conf(_parse_conf(ns.rdzv_conf), members, ns.rdzv_id),
+        rdzv_conf=check_etcd_conf(_parse_conf(ns.rdzv_conf), members, ns.rdzv_id, notice),
         rdzv_endpoints=members,
         standalone=ns.standalone,
         master_addr=ns.master_addr,
@@ -363,9 +363,9 @@ def _parse_conf(text: str) -> tuple[tuple[str, str], ...]:
         key, sep, value = item.partition("=")
         if not sep or not key.strip() or not value.strip():
             raise UsageError(f"--rdzv-conf item {item!r} is not key=value", hint="e.g. timeout=60")
-        pairs.append((key.strip(), value.strip()))
-        if key.strip().endswith(_CONF_SECONDS):
-            _conf_seconds(key.strip(), value.strip())
+        pairs.append((key := key.strip(), value := value.strip()))
+        if key.endswith(_CONF_SECONDS):
+            _conf_seconds(key, value)
     return tuple(pairs)
 
 
