@@ -28,7 +28,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, "..", "tests"))
 
-from bench_node_loss import WORKER, _kill_session, _kill_strays, read_events  # noqa: E402
+from bench_procs import WORKER, kill_session, kill_strays, read_events  # noqa: E402
 
 
 def job(a: argparse.Namespace, endpoints: str, run_id: str, out: str) -> list[str]:
@@ -61,8 +61,8 @@ def one_run(a: argparse.Namespace, lab: object, run_id: str, kill: bool) -> dict
             return _observe(a, lab, out, procs, kill)
         finally:
             for p in procs:
-                _kill_session(p)
-            _kill_strays(out)
+                kill_session(p)
+            kill_strays(out)
 
 
 def _observe(a: argparse.Namespace, lab: object, out: str,

@@ -30,15 +30,15 @@ import contextlib
 import glob
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
 import tempfile
 import time
 
+from bench_procs import WORKER, kill_session, kill_strays, read_events
+
 HERE = os.path.dirname(os.path.abspath(__file__))
-WORKER = os.path.join(HERE, "bench_recovery_worker.py")
 
 
 def free_port() -> int:
@@ -65,14 +65,6 @@ def launcher(kind: str, a: argparse.Namespace, port: int, out: str) -> list[str]
     mode = "ftrun" if kind == "ftrun" else "ddp"
     return [*head, *rdzv, WORKER, "--mode", mode, "--out", out, "--steps", str(a.steps),
             "--batch", str(16 * a.nodes * a.nproc)]
-
-
-def read_events(out: str) -> list[dict[str, float]]:
-    try:
-        with open(os.path.join(out, "events.jsonl")) as f:
-            return [json.loads(line) for line in f if line.strip()]
-    except (OSError, ValueError):
-        return []
 
 
 def measure(kind: str, a: argparse.Namespace) -> dict[str, float | str]:
@@ -108,36 +100,8 @@ def measure(kind: str, a: argparse.Namespace) -> dict[str, float | str]:
             return result
         finally:
             for p in procs:
-                _kill_session(p)
-            _kill_strays(out)
-
-
-def _kill_strays(out: str) -> None:
-    """Workers a launcher started in sessions of their own (torchrun does) go too."""
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                if out.encode() in f.read():
-                    os.kill(int(pid), signal.SIGKILL)
-        except OSError:
-            continue
-
-
-def _kill_session(p: subprocess.Popen[bytes]) -> None:
-    """The launcher and every process under it (torchrun's workers run in sessions of their
-    own and would outlive it), at once, as a host failure would."""
-    import psutil
-
-    try:
-        victims = [psutil.Process(p.pid), *psutil.Process(p.pid).children(recursive=True)]
-    except psutil.NoSuchProcess:
-        victims = []
-    for v in victims:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            v.kill()
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(p.pid, signal.SIGKILL)
-    p.wait(30)
+                kill_session(p)
+            kill_strays(out)
 
 
 def _observe(kind: str, a: argparse.Namespace, out: str,
@@ -156,7 +120,7 @@ def _observe(kind: str, a: argparse.Namespace, out: str,
     before = {e["pid"] for e in read_events(out) if e["ev"] == "step"}
     killed_at = time.time()
     victim = procs[0] if a.coordinator else procs[-1]
-    _kill_session(victim)  # launcher and workers together
+    kill_session(victim)  # launcher and workers together
     survivors = [p for p in procs if p is not victim]
     if watch:
         watch.killed_at = killed_at

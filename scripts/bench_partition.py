@@ -29,11 +29,10 @@ from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
-from bench_node_loss import _kill_session as kill_tree  # noqa: E402
+from bench_procs import WORKER, kill_session  # noqa: E402
 
 from tests import netlab  # noqa: E402
 
-WORKER = os.path.join(HERE, "bench_recovery_worker.py")
 PORT = 29400
 
 
@@ -105,7 +104,7 @@ def measure(kind: str, a: argparse.Namespace) -> dict[str, float | str]:
             return observe(kind, a, lab, out, procs)
         finally:
             for p in procs:
-                kill_tree(p)
+                kill_session(p)
 
 
 def observe(kind: str, a: argparse.Namespace, lab: netlab.NetLab, out: str,
