@@ -167,12 +167,14 @@ def test_lost_store_is_one_line_per_worker(tmp_path: Path) -> None:
 
 LEAKER = """
 import multiprocessing as mp
+import sys
 from multiprocessing import shared_memory
 q = mp.Queue()
 q.put(1)
 q.get()
 shm = shared_memory.SharedMemory(create=True, size=4096)
-print("segment", shm.name, flush=True)
+sys.stdout.write(f"segment {shm.name}\\n")  # one write: print's pieces interleave across workers
+sys.stdout.flush()
 shm.close()  # never unlinked: the resource tracker does it once this process is gone
 """
 
