@@ -11,7 +11,7 @@ Must not import: typer, rich, NVML, the agent, worker.api. Torch is imported whe
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,6 +28,12 @@ from ftrun.worker.transfer import (
 )
 
 STREAMS = "ftrun.random_streams"  # the random streams' name beside the registered objects
+
+
+def with_streams(registered: Mapping[str, Any], streams: Any) -> dict[str, Any]:
+    """What travels in a heal and is kept for a rollback: the registered objects, and the
+    random streams beside them under STREAMS."""
+    return {**registered, STREAMS: streams}
 
 
 @dataclass
@@ -117,7 +123,7 @@ def align(group: Group, committed: int, registered: dict[str, Any], streams: Any
     if plan and not registered:
         raise WorkerApiError("a replica must heal but nothing is registered",
                              hint="call ft.register(model=..., optimizer=...) before steps()")
-    objects = {**registered, STREAMS: streams}
+    objects = with_streams(registered, streams)
     for dst, sources in sorted(plan.items()):
         if group.rank in sources:
             healer.last = ("sent", send_heal(group, dst, sources, objects, interrupt, device,

@@ -25,7 +25,7 @@ from ftrun.core.states import RecoveryMode, StepState
 from ftrun.protocol.progress import Reporter
 from ftrun.protocol.rendezvous import Request
 from ftrun.worker import errorfile
-from ftrun.worker.aligning import STREAMS, Healer
+from ftrun.worker.aligning import Healer, with_streams
 from ftrun.worker.boundary import Boundary
 from ftrun.worker.buckets import GradSync
 from ftrun.worker.comm import Abandoned, CommError, Interrupt
@@ -83,7 +83,7 @@ class FaultTolerant:
             self.device, self._wants_switch, self._bucket_starting, self._in_collective)
         self._drills = Drills(None, -1, self._comm_failed)
         self._snapshots = Snapshots(wenv) if wenv is not None else None
-        # every boundary: the replicas compared, a snapshot of a verified step
+        # every boundary: the replicas compared where due, a snapshot where due
         self._boundary = Boundary(wenv.verify_every if wenv is not None else 0,
                                   self._snapshots, wenv.worker_id if wenv else 0, self._post)
         self._healer = Healer.of(wenv, self._post)
@@ -365,7 +365,7 @@ class FaultTolerant:
 
     @property
     def _state_objects(self) -> dict[str, Any]:  # what is kept and restored: streams too
-        return {**self._objects, STREAMS: self._streams}
+        return with_streams(self._objects, self._streams)
 
     def _boundary_passed(self, done: bool, committing: bool = True) -> bool:
         """The replicas compared where due (worker/boundary.py); False: the loop goes round

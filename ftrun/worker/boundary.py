@@ -138,6 +138,6 @@ class Boundary:
 def snapshots_by_step(snapshots: Snapshots | None, committed: int) -> bool:
     """A snapshot by steps is due at this boundary (--snapshot-every): on every member alike
     (the option's value, not whether this rank takes it), so the replicas compare there too.
-    One by time waits for the next verified boundary."""
+    One by time is taken where its clock says, between compares."""
     return snapshots is not None and snapshots.every > 0 and committed > 0 and \
         committed % snapshots.every == 0

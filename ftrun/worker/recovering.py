@@ -21,7 +21,7 @@ from typing import Any
 from ftrun.core.states import RecoveryMode
 from ftrun.protocol.progress import Reporter
 from ftrun.protocol.rendezvous import Generation, Request
-from ftrun.worker.aligning import STREAMS, Healer, align
+from ftrun.worker.aligning import Healer, align, with_streams
 from ftrun.worker.comm import Abandoned, CommError, Interrupt
 from ftrun.worker.makeup import Redo
 from ftrun.worker.member import Member
@@ -73,7 +73,7 @@ class Recovering:
 
     def state_objects(self) -> dict[str, Any]:
         """What travels and is kept: the registered objects and the random streams."""
-        return {**self.objects, STREAMS: self.streams}
+        return with_streams(self.objects, self.streams)
 
     def _align(self, committed: int) -> int:
         """Agree on the highest committed step; those behind load a peer's state (after a
