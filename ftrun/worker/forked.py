@@ -10,8 +10,10 @@ Must not import: typer, rich, NVML, the agent. Torch only if the zygote imported
 
 from __future__ import annotations
 
+import atexit
 import builtins
 import ctypes
+import gc
 import importlib.machinery
 import io
 import os
@@ -63,6 +65,10 @@ def become_worker(plan: Plan) -> None:
     os.chdir(req.cwd)
     global ZYGOTE_PID
     ZYGOTE_PID = plan.zygote_pid
+    # registered first, so run last: the zygote froze its objects (gc.freeze) to keep their
+    # pages shared; left frozen, the exit never frees them and triton's bindings, which
+    # torch's warm-up imports, print ~30 lines of "nanobind: leaked ..." as it ends
+    atexit.register(gc.unfreeze)
     run(req)
 
 

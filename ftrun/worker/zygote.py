@@ -14,6 +14,7 @@ Must not import: typer, rich, NVML, the agent. Torch only when asked to (--torch
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import importlib
 import os
@@ -22,6 +23,7 @@ import signal
 import socket
 import sys
 import time
+from typing import NoReturn
 
 from ftrun.adapters.zygote import rss_kb, thread_count
 from ftrun.core import timeouts
@@ -62,12 +64,23 @@ def main(argv: list[str] | None = None) -> None:
         answer = preload(preloads, ns.torch, sock, ns.warm_first)
         send(sock, answer)
     except ChannelClosed:
-        return
+        _leave()
     if isinstance(answer, Refused):
-        return
+        _leave()
     plan = serve(sock, agent_pid, warmed=ns.warm_first)
-    if plan is not None:
-        become_worker(plan)  # this process is a worker now; the interpreter exits after it
+    if plan is None:
+        _leave()
+    become_worker(plan)  # this process is a worker now; the interpreter exits after it
+
+
+def _leave() -> NoReturn:
+    """End the zygote without the interpreter's teardown: it holds nothing to flush but its
+    streams, and torch's warm-up imports triton, whose bindings print ~60 lines of "nanobind:
+    leaked ..." at a normal exit, at the end of every run."""
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(0)
 
 
 def preload(modules: list[str], with_torch: bool, sock: socket.socket,
