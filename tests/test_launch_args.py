@@ -156,3 +156,23 @@ def test_a_rdzv_conf_key_nobody_reads_is_said_in_one_line_and_torchruns_are_acce
     build_run_spec(["--rdzv-conf", "join_timeout=5,last_call_timeout=1,timeout=5,is_host=1",
                     "t.py"], env={}, gpu_count=lambda: 0, notice=quiet.append)
     assert quiet == []
+
+
+def test_the_node_protocols_rdzv_conf_keys_are_read_once_into_a_record() -> None:
+    """No code reads a --rdzv-conf key by name (#49): the spec carries NodeTimings, parsed at
+    construction; a slow heartbeat set alone widens the windows that count its beats."""
+    from ftrun.core import timeouts
+    from ftrun.core.errors import UsageError
+    from ftrun.core.rdzv_keys import NodeTimings
+    from ftrun.core.spec import RunSpec
+
+    spec = parse("--rdzv-conf", "heartbeat=0.5,join_timeout=7,last_call_timeout=0", "t.py")
+    t = spec.timings
+    assert (t.heartbeat, t.join_timeout, t.last_call_timeout) == (0.5, 7.0, 0.0)
+    assert (t.suspect_timeout, t.quiet_timeout, t.cut_timeout) == (5.0, 2.5, 5.0)
+    assert t.node_timeout == timeouts.NODE_LOST_S and RunSpec("t.py").timings == NodeTimings()
+    assert NodeTimings.parse([("cut_timeout", "2")]).cut_timeout == 2.0
+    with pytest.raises(UsageError, match="heartbeat='soon' is not a finite number"):
+        RunSpec("t.py", rdzv_conf=(("heartbeat", "soon"),))
+    with pytest.raises(UsageError, match="join_timeout='0' is not a finite number"):
+        NodeTimings.parse([("join_timeout", "0")])

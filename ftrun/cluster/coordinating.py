@@ -29,7 +29,7 @@ from ftrun.cluster.drained import NodeDrains
 from ftrun.cluster.ending import Ending
 from ftrun.cluster.host import NodeHost
 from ftrun.cluster.jobnodes import NodeTable
-from ftrun.cluster.link import AGENT_QUEUE, Endpoint, conf_float, connect
+from ftrun.cluster.link import AGENT_QUEUE, Endpoint, connect
 from ftrun.cluster.messages import (
     Bye,
     Draining,
@@ -81,9 +81,9 @@ class Coordinating:
         self.workers = RemoteWorkers()
         self._inbox: queue.SimpleQueue[Report | str] = queue.SimpleQueue()
         self.members: tuple[int, ...] = ()
-        self.beat_s = conf_float(spec, "heartbeat", timeouts.NODE_HEARTBEAT_S)
-        self.lost_after_s = conf_float(spec, "node_timeout", timeouts.NODE_LOST_S)
-        self.watch = NodeWatch.from_conf(spec, self.beat_s, self.lost_after_s)
+        self.beat_s = spec.timings.heartbeat
+        self.lost_after_s = spec.timings.node_timeout
+        self.watch = NodeWatch.from_timings(spec.timings)
         self._reader: QueueReader | None = None
         self._lost_nodes: list[tuple[int, str, float]] = []  # node, why, silent for (s)
         self._waiting = Waiting()  # nodes that joined a running job and wait for room
@@ -167,8 +167,8 @@ class Coordinating:
 
     def _gather_nodes(self) -> None:
         """Wait for the nodes of this attempt: MAX, or MIN and then a last call for more."""
-        join_s = conf_float(self.spec, "join_timeout", timeouts.NODE_JOIN_S)
-        last_call_s = conf_float(self.spec, "last_call_timeout", timeouts.LAST_CALL_S)
+        join_s = self.spec.timings.join_timeout
+        last_call_s = self.spec.timings.last_call_timeout
         start = time.monotonic()
         enough_at: float | None = None
         while True:

@@ -21,7 +21,7 @@ from ftrun.agent.cluster import Cluster
 from ftrun.cluster.coordinating import Coordinating
 from ftrun.cluster.following import Following
 from ftrun.cluster.host import NodeHost
-from ftrun.cluster.link import Endpoint, conf_float
+from ftrun.cluster.link import Endpoint
 from ftrun.cluster.plane import EtcdPlane, agent_name
 from ftrun.cluster.stepdown import rejoin
 from ftrun.core import timeouts
@@ -45,7 +45,7 @@ def elected(host: NodeHost) -> Cluster:
                                              f"{plane.conf.where}); its store is at {ep}"})
             return Coordinating(host, hosted, ep, plane,
                                 step_down=functools.partial(rejoin, host, plane, Following))
-        join_s = conf_float(spec, "join_timeout", timeouts.NODE_JOIN_S)
+        join_s = spec.timings.join_timeout
         ep = plane.wait_store(join_s, lambda: bool(host.wakeup.signals))
         return Following(host, ep, plane)
     except BaseException:

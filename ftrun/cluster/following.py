@@ -37,7 +37,6 @@ from ftrun.cluster.link import (
     JobStatus,
     Outbox,
     command_queue,
-    conf_float,
     open_channels,
 )
 from ftrun.cluster.messages import (
@@ -93,8 +92,8 @@ class Following(NoOtherNodes):
         self._beat: Heartbeat | None = None
         self._outbox: Outbox | None = None
         self._payload = NodePayload(host.services)
-        self.fence_after_s = conf_float(spec, "fence_timeout", timeouts.NODE_FENCE_S)
-        self.rejoin = Rejoin(host, ep, conf_float(spec, "rejoin_timeout", timeouts.NODE_REJOIN_S),
+        self.fence_after_s = spec.timings.fence_timeout
+        self.rejoin = Rejoin(host, ep, spec.timings.rejoin_timeout,
                              self.plane.store_now if self.plane.backend == "etcd" else None)
         self._leaderless: Leaderless | None = None  # the coordinator's store lost, workers kept
         self.net: NetDrills | None = None
@@ -121,8 +120,7 @@ class Following(NoOtherNodes):
     def drive(self, attempts: Callable[[], RunResult]) -> RunResult:
         """What the coordinator commands, membership after membership (not `attempts`: the
         coordinator's are the job's)."""
-        link = self.rejoin.first_connect(conf_float(self.spec, "join_timeout",
-                                                       timeouts.NODE_JOIN_S))
+        link = self.rejoin.first_connect(self.spec.timings.join_timeout)
         self.net = NetDrills(self.ep.host, self.host.emit)
         running = ""
         try:
@@ -156,7 +154,7 @@ class Following(NoOtherNodes):
         self.host.services.snapshots.bind_node(self.index)
         link.delete_key(command_queue(self.index))  # an earlier agent's unread commands
         self._outbox, reader, self._beat = open_channels(
-            self.ep, self.index, conf_float(self.spec, "heartbeat", timeouts.NODE_HEARTBEAT_S),
+            self.ep, self.index, self.spec.timings.heartbeat,
             self._payload, functools.partial(self._deliver, session=session),
             functools.partial(self._on_lost, session=session))
         assert self.net is not None

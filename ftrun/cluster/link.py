@@ -66,17 +66,6 @@ def is_multinode(spec: RunSpec) -> bool:
     return spec.nnodes_max > 1
 
 
-def conf_float(spec: RunSpec, key: str, default: float) -> float:
-    raw = dict(spec.rdzv_conf).get(key)
-    if raw is None:
-        return default
-    try:
-        return float(raw)
-    except ValueError:
-        raise FtrunError(f"--rdzv-conf {key}={raw!r} is not a number",
-                         hint=f"e.g. --rdzv-conf {key}={default:g}") from None
-
-
 @dataclass(frozen=True)
 class Endpoint:
     host: str

@@ -16,11 +16,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ftrun.cluster.link import conf_float, heartbeat_key
+from ftrun.cluster.link import heartbeat_key
 from ftrun.core import timeouts
 from ftrun.core.fencing import quiet_nodes
 from ftrun.core.policy import find_lost_nodes
-from ftrun.core.spec import RunSpec
+from ftrun.core.rdzv_keys import NodeTimings
 
 
 class Probe:
@@ -108,14 +108,12 @@ class NodeWatch:
         self._unanswered: set[int] = set()  # asked in a finished round, silent since
 
     @classmethod
-    def from_conf(cls, spec: RunSpec, beat_s: float, lost_after_s: float) -> NodeWatch:
+    def from_timings(cls, timings: NodeTimings) -> NodeWatch:
         """After a broken connection: silent this long means gone (a busy host's agent may
         miss a few beats; killing a healthy node costs far more than a second); quiet this
         long, every node is pinged (a cut link breaks no connection: the beats just stop)."""
-        return cls(lost_after_s,
-                   conf_float(spec, "suspect_timeout", max(10 * beat_s, timeouts.NODE_SUSPECT_S)),
-                   conf_float(spec, "quiet_timeout", max(5 * beat_s, timeouts.NODE_QUIET_S)),
-                   conf_float(spec, "cut_timeout", max(10 * beat_s, timeouts.NODE_CUT_S)))
+        return cls(timings.node_timeout, timings.suspect_timeout, timings.quiet_timeout,
+                   timings.cut_timeout)
 
     def watch(self, node: int, now: float | None = None) -> None:
         self.beats.watch(node, now)

@@ -19,9 +19,8 @@ from collections.abc import Callable
 from ftrun.agent.cluster import Cluster
 from ftrun.agent.roster import RunResult
 from ftrun.cluster.host import NodeHost
-from ftrun.cluster.link import Endpoint, conf_float
+from ftrun.cluster.link import Endpoint
 from ftrun.cluster.plane import EtcdPlane, Plane, agent_name
-from ftrun.core import timeouts
 from ftrun.core.errors import FtrunError
 from ftrun.core.events import Event
 
@@ -34,7 +33,7 @@ def rejoin(host: NodeHost, old: Plane, follower: Follower, result: RunResult,
     """The run's result as a follower of the new leader, or `result` (exit 1, saying why it
     could not rejoin) when no new leader's store is found within the rejoin window."""
     assert isinstance(old, EtcdPlane) and old.ousted is not None
-    rejoin_s = conf_float(host.spec, "rejoin_timeout", timeouts.NODE_REJOIN_S)
+    rejoin_s = host.spec.timings.rejoin_timeout
     if rejoin_s <= 0:
         return _ended(host, result, f"{old.ousted}; --rdzv-conf rejoin_timeout=0")
     host.emit(Event.NOTICE, {"text": "this agent coordinates the job no more; it joins the job "

@@ -2,7 +2,7 @@
 
 Owns: `StdMask` (torchrun's -r/-t values), `RunSpec` (what the user asked for, resolved),
 `WorkerEnv` (the typed contract between agent and worker, with to_env/from_env).
-Must not import: torch, typer, rich, or any ftrun module but `errors`.
+Must not import: torch, typer, rich, or any ftrun module but `errors`, `timeouts`, `rdzv_keys`.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from dataclasses import MISSING, dataclass, field, fields
 
 from ftrun.core import timeouts
 from ftrun.core.errors import UsageError
+from ftrun.core.rdzv_keys import NodeTimings
 
 STDOUT = 1
 STDERR = 2
@@ -114,6 +115,12 @@ class RunSpec:
     drain_on: str = ""  # "degraded": a GPU whose readings predict a failure is drained
     verify_every: int = VERIFY_EVERY  # committed steps between replica comparisons (0: off)
     verify_grads_every: int = VERIFY_GRADS_EVERY  # steps between local gradient checks (0: off)
+    timings: NodeTimings = field(init=False, repr=False, compare=False)  # from rdzv_conf
+
+    def __post_init__(self) -> None:
+        # c10d's node protocol reads its --rdzv-conf keys here, once: a bad value is a usage
+        # error at launch, and no code reads a key by name
+        object.__setattr__(self, "timings", NodeTimings.parse(self.rdzv_conf))
 
     @property
     def snapshots(self) -> bool:
