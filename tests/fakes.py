@@ -1,7 +1,8 @@
 """Fakes with real semantics for the agent's unit tests without processes: worker processes
 that are records (under the real `NodeWorkers`), and the agent as its cluster and helpers see
-it (`FakeNode`, typed as `NodeHost` and `AgentPort`: test_layering runs mypy on the
-test files that use it, so a member the protocols gain is a member this fake must have).
+it (`FakeNode`, typed as `NodeHost`: test_layering runs mypy on the test files that use it,
+so a member the protocol gains is a member this fake must have). Its helpers' port is the
+agent's own `NodePort`: the routing between this node and the others is not copied here.
 
 Nothing here forks, signals or listens: a fake worker's pid lies past the kernel's largest
 (`PID_MAX_LIMIT`), so what the real code still signals or reads of it finds no such process.
@@ -19,21 +20,19 @@ from ftrun.adapters.procs import Guardian, Spawned
 from ftrun.adapters.store import HostedStore
 from ftrun.adapters.wakeup import Wakeup
 from ftrun.agent.cluster import Cluster, Local
+from ftrun.agent.nodeport import NodePort
 from ftrun.agent.ports import AgentPort
 from ftrun.agent.recovery import Recovery
-from ftrun.agent.roster import RemoteWorker, RunResult, Worker
+from ftrun.agent.roster import RunResult, Worker
 from ftrun.agent.services import RunServices
 from ftrun.agent.starter import WorkerStarter
 from ftrun.agent.watch import Finding
 from ftrun.agent.workers import NodeWorkers
 from ftrun.cluster.host import NodeHost
-from ftrun.core.drains import DrainRequest
 from ftrun.core.events import Event, EventSink
 from ftrun.core.exits import signal_name
-from ftrun.core.policy import Liveness
 from ftrun.core.spec import RunSpec
 from ftrun.core.states import WorkerState
-from ftrun.protocol.rendezvous import Generation, node_of
 
 FAKE_PID = 4_194_305  # past PID_MAX_LIMIT (2**22): no process has it, no group either
 # ------------------------------------------------------------------ processes
@@ -168,11 +167,15 @@ class FakeNode:
         self.wakeup = Wakeup()
         self.cluster: Cluster = Local()
         self.emit: EventSink = self._record  # the journal's once the services exist
-        self.services = RunServices(spec, run_id, self._record, self, NoGuardian())
+        # the agent's own port, routing and all: only the node around it is a fake
+        self.port = NodePort(spec, run_id, self.wake, self._record, lambda: self.cluster,
+                             lambda: self.recovery, lambda: self.restarts)
+        self.services = RunServices(spec, run_id, self._record, self.port, NoGuardian())
         self.emit = self.services.journal.emit
         # the protocol's type for what the cluster reads, the fake's for what a test does
         self.fake_workers = FakeWorkers(spec, self.services, self.wakeup, self.emit)
         self.workers: NodeWorkers = self.fake_workers
+        self.port.attach(self.workers, self.services)
 
     def attach(self, cluster: Cluster) -> None:
         """As the agent does once its cluster is made: exits go to the cluster."""
@@ -216,84 +219,6 @@ class FakeNode:
                          exits=self.workers.exits(), restarts_used=restarts,
                          signal_received=signal_name(sig))
 
-    # ------------------------------------------------------------ AgentPort
-    def _here(self, worker_id: int) -> bool:
-        return node_of(worker_id) == self.cluster.index
-
-    def allocate_id(self, node: int) -> int:
-        if node == self.cluster.index:
-            return self.workers.allocate_id()
-        return self.cluster.allocate_id(node)
-
-    def peek_id(self, node: int) -> int:
-        return self.workers.next_id if node == self.cluster.index else self.cluster.peek_id(node)
-
-    def place(self, worker_id: int, rank: int, local_rank: int, spare: bool) -> None:
-        if self._here(worker_id):
-            self.workers.spawn(worker_id, rank,
-                               self.services.health.pick_local_rank(local_rank), spare)
-        else:
-            self.cluster.place(worker_id, rank, local_rank, spare)
-
-    def live_nodes(self) -> list[int]:
-        return [self.cluster.index, *self.cluster.other_nodes()]
-
-    def initial_members(self) -> tuple[int, ...]:
-        return self.cluster.initial_members() or tuple(range(self.spec.nproc))
-
-    def all_workers(self) -> list[Worker | RemoteWorker]:
-        return [*self.workers.all, *self.cluster.remote_workers()]
-
-    def workers_snapshot(self) -> list[Worker]:
-        return self.workers.alive()
-
-    def worker_by_id(self, worker_id: int) -> Worker | None:
-        return self.workers.by_id(worker_id)
-
-    def live_members(self) -> list[Worker]:
-        if self.recovery is None or not self.recovery.uses_api:
-            return sorted(self.workers.alive(), key=lambda w: w.rank)
-        by_id = {w.worker_id: w for w in self.workers.alive()}
-        return [by_id[m] for m in self.recovery.membership.members if m in by_id]
-
-    def committed_step(self, worker_id: int) -> int:
-        if self._here(worker_id):
-            return self.services.slots.committed_step(worker_id)
-        return self.cluster.committed_step(worker_id)
-
-    def kill_worker(self, worker_id: int) -> bool:
-        if self.workers.by_id(worker_id) is not None:
-            return self.workers.kill(worker_id)
-        return self.cluster.kill_remote(worker_id)
-
-    def remote_liveness(self) -> list[Liveness]:
-        return self.cluster.remote_liveness()
-
-    def resumable(self) -> tuple[int, int]:
-        return self.services.snapshots.resumable()
-
-    def suspect(self) -> None:
-        self.cluster.suspect()
-
-    def fence_generation(self, gen: Generation) -> None:
-        self.cluster.fence_generation(gen)
-
-    def net_down(self, node: int, duration: float) -> dict[str, Any]:
-        return self.cluster.net_down(node, duration)
-
-    def start_drain(self, request: DrainRequest) -> None:
-        if self.recovery is not None:
-            self.recovery.drains.start(request)
-
-    def uses_api(self) -> bool:
-        return self.cluster.uses_api(self.recovery is not None and self.recovery.uses_api)
-
-    def control_name(self) -> str:
-        return self.run_id
-
-    def decorate_status(self, doc: dict[str, Any]) -> dict[str, Any]:
-        return self.cluster.decorate_status(doc)
-
 
 def _typed(node: FakeNode) -> tuple[NodeHost, AgentPort]:
-    return node, node  # mypy checks here that the fake fits both protocols
+    return node, node.port  # mypy checks here that the fake fits the host protocol

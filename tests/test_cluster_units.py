@@ -83,7 +83,7 @@ class Job:
 
     def recovery(self) -> Recovery:
         """In-process recovery for the attempt, its script using the API (worker 0's hello)."""
-        self.node.recovery = rec = Recovery(self.node, self.worker_store)
+        self.node.recovery = rec = Recovery(self.node.port, self.worker_store)
         rec.deliver(encode(Hello(worker=0, pid=1, spare=False)))
         assert rec.handle_requests() is None and rec.uses_api
         return rec

@@ -251,7 +251,8 @@ def test_cli_module_does_not_import_torch() -> None:
 # fakes of a protocol: mypy checks they fit it
 TYPED_TESTS = ["tests/test_recovery_core.py", "tests/fakes.py", "tests/fakestore.py",
                "tests/test_cluster_units.py", "tests/test_following_units.py",
-               "tests/test_watch_units.py", "tests/test_replica_groups_recovery.py"]
+               "tests/test_watch_units.py", "tests/test_replica_groups_recovery.py",
+               "tests/test_nodeport.py"]
 
 
 @pytest.mark.slow  # a cold mypy reads the whole package: ~20 s of CPU

@@ -18,13 +18,13 @@ import time
 import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import replace
-from typing import Any
 
 from ftrun.adapters.procs import Guardian
 from ftrun.adapters.store import LOOPBACK, HostedStore, QueueReader, advertised_addr, client
 from ftrun.adapters.wakeup import Wakeup
 from ftrun.adapters.workerspec import shared_env, static_port, worker_env
 from ftrun.agent.cluster import Cluster, Local
+from ftrun.agent.nodeport import NodePort
 from ftrun.agent.notices import Notices
 from ftrun.agent.outcomes import group_decision, on_exit
 from ftrun.agent.recovery import Recovery
@@ -35,13 +35,12 @@ from ftrun.agent.timeline import EVERY_S as TIMELINE_EVERY_S
 from ftrun.agent.watch import Drain, Finding, Kill, Rebuild
 from ftrun.agent.workers import NodeWorkers
 from ftrun.core import timeouts
-from ftrun.core.drains import DrainRequest
 from ftrun.core.errors import Deposed, SteppingDown
 from ftrun.core.events import Event, EventSink
 from ftrun.core.exits import EXIT_REQUEUE, signal_name
-from ftrun.core.policy import Action, Decision, Liveness
+from ftrun.core.policy import Action, Decision
 from ftrun.core.spec import RunSpec
-from ftrun.protocol.rendezvous import REQUEST_QUEUE, Generation, node_of
+from ftrun.protocol.rendezvous import REQUEST_QUEUE
 
 Adopt = Callable[[HostedStore], Recovery]  # the recovery of an attempt already running
 
@@ -77,10 +76,13 @@ class Agent:
             self.wakeup = Wakeup()
             self.starter = WorkerStarter(spec, lambda kind, fields: self.emit(kind, fields),
                                          self.wakeup, self.guardian.watch)
-            self.services = RunServices(spec, self.run_id, emit, self, self.guardian)
+            self.port = NodePort(spec, self.run_id, self.wakeup.wake, emit, lambda: self.cluster,
+                                 lambda: self.recovery, lambda: self.restarts)
+            self.services = RunServices(spec, self.run_id, emit, self.port, self.guardian)
             self.emit = self.services.journal.emit
             self.workers = NodeWorkers(spec, self.base_env, self.starter, self.guardian,
                                        self.wakeup, self.services, self._env_for, self.emit)
+            self.port.attach(self.workers, self.services, self.starter)
             self.cluster = cluster(self)
         except BaseException:
             self.guardian.close()
@@ -148,7 +150,7 @@ class Agent:
         self._start_group(restarts, hosted)
         hosted.serve()  # (new processes:) imports torch while the workers import theirs
         if self.spec.on_fault != "restart":
-            self._start_recovery(hosted, Recovery(self, hosted.store))
+            self._start_recovery(hosted, Recovery(self.port, hosted.store))
 
     def _attempt(self, restarts: int) -> RunResult | None:
         """Supervise the attempt to its end: the run's result, or None to restart it."""
@@ -163,7 +165,7 @@ class Agent:
             code = EXIT_REQUEUE if decision.action is Action.REQUEUE else 0
             return RunResult(code, decision.reason, exits=tuple(outcome.exits),
                              restarts_used=restarts, log_dir=log_dir)
-        if not self.uses_api():  # in-process faults were announced already
+        if not self.port.uses_api():  # in-process faults were announced already
             self.emit(Event.FAILURE, {"reason": decision.reason, "rank": decision.culprit})
         stop_sig = self._stop_workers(signal.SIGTERM, self.spec.shutdown_timeout)
         self.workers.close_streams()
@@ -241,7 +243,7 @@ class Agent:
         except Deposed as exc:  # its leadership ended (etcd refused a generation, or lapsed)
             if isinstance(exc, SteppingDown):  # another agent leads: this one will follow it
                 self.emit(Event.NOTICE, {"text": exc.one_line()})
-            elif self.uses_api():  # else _attempt tells it
+            elif self.port.uses_api():  # else _attempt tells it
                 self.emit(Event.FAILURE, {"reason": exc.one_line(), "rank": None})
             outcome.decision = Decision(Action.FAIL, exc.one_line())
             return outcome
@@ -265,7 +267,7 @@ class Agent:
                     on_exit(self.recovery, worker, outcome)
                 if outcome.decision is None:
                     outcome.decision = group_decision(self.recovery, outcome,
-                                                      self.all_workers(), self.restarts,
+                                                      self.port.all_workers(), self.restarts,
                                                       self.spec.max_restarts)
         return outcome
 
@@ -285,10 +287,6 @@ class Agent:
         rec.drains.start(req)
         return None
 
-    def start_drain(self, request: DrainRequest) -> None:
-        if self.recovery is not None:
-            self.recovery.drains.start(request)
-
     def _idle_wait(self) -> float | None:
         return self.cluster.idle_wait(self.services.health.wait_s(time.time())
                                       if self.recovery else TIMELINE_EVERY_S)
@@ -305,14 +303,14 @@ class Agent:
         for f in findings:
             if isinstance(f, Kill):
                 key = (self.restarts, f.worker)
-                if key in self._killed or not self.kill_worker(f.worker):
+                if key in self._killed or not self.port.kill_worker(f.worker):
                     continue
                 self._killed.add(key)
                 self.services.journal.drill_injected(f.worker, f.why, time.time())
                 if f.notice:
                     self.emit(Event.NOTICE, {"text": f.notice})
             elif isinstance(f, Drain):
-                self.start_drain(f.request)
+                self.port.start_drain(f.request)
             elif (isinstance(f, Rebuild) and self.recovery is not None
                   and self.recovery.rebuild(f.reason)):
                 self.services.health.rebuilt(self.recovery.membership.generation, f.stuck_at,
@@ -340,91 +338,7 @@ class Agent:
                          signal_received=signal_name(sig))
 
 
-    # ----------------------------------------------------------------- the helpers' ports
+    # ----------------------------------------------------------------- for the cluster
     def wake(self) -> None:
         """Interrupt the event loop from another thread (the request reader)."""
         self.wakeup.wake()
-
-    def _here(self, worker_id: int) -> bool:
-        return node_of(worker_id) == self.cluster.index
-
-    def allocate_id(self, node: int) -> int:
-        if node == self.cluster.index:
-            return self.workers.allocate_id()
-        return self.cluster.allocate_id(node)
-
-    def peek_id(self, node: int) -> int:  # what allocate_id(node) returns next
-        return self.workers.next_id if node == self.cluster.index else self.cluster.peek_id(node)
-
-    def place(self, worker_id: int, rank: int, local_rank: int, spare: bool) -> None:
-        """Start a worker of the current attempt on its node."""
-        if self._here(worker_id):
-            self.workers.spawn(worker_id, rank,
-                               self.services.health.pick_local_rank(local_rank), spare)
-        else:
-            self.cluster.place(worker_id, rank, local_rank, spare)
-
-    def live_nodes(self) -> list[int]:
-        return [self.cluster.index, *self.cluster.other_nodes()]
-
-    def initial_members(self) -> tuple[int, ...]:
-        return self.cluster.initial_members() or tuple(range(self.spec.nproc))
-
-    def all_workers(self) -> list[Worker | RemoteWorker]:
-        return [*self.workers.all, *self.cluster.remote_workers()]
-
-    def workers_snapshot(self) -> list[Worker]:
-        return self.workers.alive()
-
-    def worker_by_id(self, worker_id: int) -> Worker | None:
-        return self.workers.by_id(worker_id)
-
-    def live_members(self) -> list[Worker]:
-        """Workers of the current generation in rank order (all live workers without FT)."""
-        if self.recovery is None or not self.recovery.uses_api:
-            return sorted(self.workers.alive(), key=lambda w: w.rank)
-        by_id = {w.worker_id: w for w in self.workers.all}
-        members = self.recovery.membership.members
-        return [by_id[m] for m in members if m in by_id and by_id[m].alive]
-
-    def committed_step(self, worker_id: int) -> int:
-        if self._here(worker_id):
-            return self.services.slots.committed_step(worker_id)
-        return self.cluster.committed_step(worker_id)
-
-    def kill_worker(self, worker_id: int) -> bool:
-        """SIGKILL a live worker of this job, on whichever node it runs; False: not alive."""
-        if self.workers.by_id(worker_id) is not None:
-            return self.workers.kill(worker_id)
-        return self.cluster.kill_remote(worker_id)
-
-    def remote_liveness(self) -> list[Liveness]:
-        return self.cluster.remote_liveness()
-
-    def resumable(self) -> tuple[int, int]:
-        return self.services.snapshots.resumable()
-
-    def suspect(self) -> None:
-        """A worker saw a peer's connection break (several nodes: check them now)."""
-        self.cluster.suspect()
-
-    def net_down(self, node: int, duration: float) -> dict[str, Any]:
-        return self.cluster.net_down(node, duration)
-
-    def fence_generation(self, gen: Generation) -> None:
-        self.cluster.fence_generation(gen)
-
-    def uses_api(self) -> bool:
-        return self.cluster.uses_api(self.recovery is not None and self.recovery.uses_api)
-
-    def control_name(self) -> str:
-        if self.spec.nnodes_max > 1:  # several agents of one job may share a host
-            return f"{self.run_id[:16]}.{os.getpid()}"
-        return self.run_id if self.run_id != "none" else f"none-{os.getpid()}"
-
-    def decorate_status(self, doc: dict[str, Any]) -> dict[str, Any]:
-        forked = [w.spawned.pid for w in self.workers.alive() if w.spawned.via == "zygote"]
-        svc = self.services
-        return self.cluster.decorate_status(
-            {**doc, "zygote": self.starter.describe(forked),
-             "snapshot": svc.snapshots.describe(time.time())})

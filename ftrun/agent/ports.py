@@ -42,7 +42,9 @@ class WatchPort(Notifying, Protocol):
 class RecoveryPort(Notifying, Protocol):
     """What in-process recovery does to the job: ids, placement on any node, kills."""
 
-    restarts: int
+    @property
+    def restarts(self) -> int:
+        """Whole-group restarts so far (the attempt's number)."""
 
     def allocate_id(self, node: int) -> int: ...
     def peek_id(self, node: int) -> int: ...
@@ -66,7 +68,9 @@ class ControlPort(Notifying, Protocol):
     """What `ftrun status`, drills and the metrics endpoint read or ask of the node."""
 
     run_id: str
-    restarts: int
+    @property
+    def restarts(self) -> int:
+        """Whole-group restarts so far (the attempt's number)."""
 
     def workers_snapshot(self) -> list[Worker]: ...
     def live_members(self) -> list[Worker]: ...

@@ -39,7 +39,7 @@ def adopt(coord: Coordinating, workers_store: HostedStore, held: Generation,
     alive = {w.worker_id for w in host.workers.alive()} | {
         w.worker_id for w in coord.workers.by_id.values() if w.alive}
     spares = [w for w in sorted(alive) if w not in held.members]
-    rec = Recovery(host, workers_store.store,
+    rec = Recovery(host.port, workers_store.store,
                    Membership.adopted(View(held.number, held.members), spares),
                    store_at=f"{host.master_addr}:{workers_store.port}")
     for w in coord.workers.by_id.values():

@@ -15,7 +15,7 @@ from typing import Protocol
 from ftrun.adapters.store import HostedStore
 from ftrun.adapters.wakeup import Wakeup
 from ftrun.agent.cluster import Cluster
-from ftrun.agent.ports import RecoveryPort
+from ftrun.agent.ports import AgentPort
 from ftrun.agent.recovery import Recovery
 from ftrun.agent.roster import RunResult
 from ftrun.agent.services import RunServices
@@ -25,8 +25,9 @@ from ftrun.core.events import Event
 from ftrun.core.spec import RunSpec
 
 
-class NodeHost(RecoveryPort, Protocol):
-    """The agent: its recovery's port (a new coordinator builds one), and what follows."""
+class NodeHost(Protocol):
+    """The agent: the port its helpers reach it through (a new coordinator builds a
+    recovery on it), and what follows."""
 
     spec: RunSpec
     run_id: str
@@ -42,6 +43,8 @@ class NodeHost(RecoveryPort, Protocol):
     workers: NodeWorkers
     services: RunServices
 
+    @property
+    def port(self) -> AgentPort: ...
     def emit(self, kind: Event, fields: Mapping[str, object]) -> None: ...
     def wake(self) -> None: ...
     def act(self, findings: list[Finding]) -> None:

@@ -1,0 +1,84 @@
+"""The port the agent's helpers reach their node through (`agent.nodeport.NodePort`): a
+question about a worker goes to this node's workers or, for another node's, to the cluster;
+the routing exists once, for the agent and for `tests/fakes.FakeNode` alike (#49)."""
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from fakes import FakeNode
+
+from ftrun.agent.cluster import Local
+from ftrun.agent.ports import AgentPort
+from ftrun.core.spec import RunSpec
+from ftrun.protocol.rendezvous import WORKER_ID_STRIDE
+
+
+class OtherNodes(Local):
+    """This node is 0; node 1's workers are the cluster's to start, read and kill."""
+
+    def __init__(self) -> None:
+        self.placed: list[tuple[int, int]] = []
+        self.killed: list[int] = []
+
+    def other_nodes(self) -> list[int]:
+        return [1]
+
+    def allocate_id(self, node: int) -> int:
+        return node * WORKER_ID_STRIDE + 7
+
+    def peek_id(self, node: int) -> int:
+        return node * WORKER_ID_STRIDE + 7
+
+    def place(self, worker_id: int, rank: int, local_rank: int, spare: bool) -> None:
+        self.placed.append((worker_id, rank))
+
+    def committed_step(self, worker_id: int) -> int:
+        return 41
+
+    def kill_remote(self, worker_id: int) -> bool:
+        self.killed.append(worker_id)
+        return True
+
+
+@pytest.fixture
+def node(tmp_path: Path) -> Iterator[FakeNode]:
+    n = FakeNode(RunSpec("train.py", nproc=2, gpu_backend="none", log_dir=str(tmp_path)))
+    n.attach(OtherNodes())
+    yield n
+    n.close()
+
+
+def test_a_question_about_another_nodes_worker_goes_to_the_cluster(node: FakeNode) -> None:
+    port: AgentPort = node.port  # mypy: the agent's port fits every helper's protocol
+    cluster = node.cluster
+    assert isinstance(cluster, OtherNodes)
+    here = port.allocate_id(0)
+    port.place(here, rank=0, local_rank=0, spare=False)
+    there = port.allocate_id(1)
+    assert node_of_ids(here, there) == (0, 1) and port.peek_id(1) == there
+    port.place(there, rank=1, local_rank=0, spare=False)
+    assert [w.worker_id for w in node.workers.all] == [here] and cluster.placed == [(there, 1)]
+    assert port.live_nodes() == [0, 1]
+    assert port.committed_step(there) == 41 and port.committed_step(here) == -1
+    assert port.kill_worker(there) and cluster.killed == [there]
+    assert port.kill_worker(here) and cluster.killed == [there]  # this node's own
+    assert port.initial_members() == (0, 1)  # the cluster names none: this node's nproc
+
+
+def test_members_are_this_nodes_live_workers_in_rank_order(node: FakeNode) -> None:
+    port = node.port
+    ids = {}
+    for rank in (1, 0):
+        ids[rank] = port.allocate_id(0)
+        port.place(ids[rank], rank=rank, local_rank=rank, spare=False)
+    assert [w.rank for w in port.live_members()] == [0, 1]
+    node.fake_workers.end(ids[0], 0)
+    assert [w.rank for w in port.live_members()] == [1]
+    assert not port.uses_api() and port.control_name() == "units"
+    assert "snapshot" in port.decorate_status({}) and "zygote" not in port.decorate_status({})
+
+
+def node_of_ids(*ids: int) -> tuple[int, ...]:
+    return tuple(i // WORKER_ID_STRIDE for i in ids)
