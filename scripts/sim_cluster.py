@@ -66,7 +66,8 @@ from ftrun.core import timeouts
 from ftrun.core.policy import Liveness
 from ftrun.core.states import Phase
 from ftrun.protocol.rendezvous import Generation, Hello, Suspect, send_request
-from ftrun.worker.comm import GenerationWatcher, Interrupt
+from ftrun.worker.comm import Interrupt
+from ftrun.worker.genwatch import GenerationWatcher
 from ftrun.worker.waits import first_generation
 
 SPAWNERS = 4  # threads starting simulated workers (connections wait on the resolver)

@@ -18,7 +18,8 @@ from ftrun.adapters.store import client
 from ftrun.core.spec import WorkerEnv
 from ftrun.protocol.progress import Reporter
 from ftrun.protocol.rendezvous import Generation, Hello, send_request
-from ftrun.worker.comm import GenerationWatcher, Interrupt
+from ftrun.worker.comm import Interrupt
+from ftrun.worker.genwatch import GenerationWatcher
 from ftrun.worker.joining import watch_connect
 from ftrun.worker.waits import first_generation
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from ftrun.cluster.admission import Waiting, why_refused, why_wait
+from ftrun.cluster.admission import Waiting, gathered, why_refused, why_wait
 from ftrun.core import timeouts
 from ftrun.core.node_flags import shared_flags
 from ftrun.core.spec import RunSpec
@@ -30,6 +30,17 @@ def test_a_node_waits_while_the_job_is_full_and_enters_when_there_is_room() -> N
     assert restart is not None and "--on-fault restart" in restart
     early = why_wait(2, 3, recovers_in_process=True, uses_api=False)
     assert early is not None and "ftrun API" in early
+
+
+def test_an_attempt_starts_with_max_nodes_or_min_after_a_last_call_else_waits_or_fails(
+        ) -> None:
+    def verdict(count: int, waited_s: float, enough_for_s: float | None) -> bool | str:
+        return gathered(count, (2, 4), waited_s, enough_for_s, join_s=60, last_call_s=1)
+    assert verdict(4, 0, 0) is True  # MAX: no last call
+    assert verdict(3, 5, 0.5) is False and verdict(3, 5, 1.0) is True  # MIN, then a last call
+    assert verdict(1, 59, None) is False
+    assert verdict(1, 61, None) == "only 1 of 2 nodes joined the rendezvous"
+    assert verdict(2, 61, 0.2) is False  # enough in: the last call runs past join_timeout
 
 
 def test_a_join_is_refused_for_another_job_a_taken_index_or_other_flags_in_that_order(

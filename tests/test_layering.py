@@ -106,6 +106,15 @@ def test_every_module_lives_in_a_layered_package() -> None:
             layer_of(package_of(name) or name.split(".")[1])
 
 
+MODULE_LINES_MAX = 400  # a module holds one idea a reader takes in at once
+
+
+def test_every_module_is_at_most_400_lines() -> None:
+    long = {name: n for name, path in modules().items()
+            if (n := len(path.read_text().splitlines())) > MODULE_LINES_MAX}
+    assert long == {}, f"split these by idea, not by trimming: {long}"
+
+
 def test_packages_import_only_downwards() -> None:
     for name, path in modules().items():
         me = package_of(name)

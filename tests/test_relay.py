@@ -10,7 +10,8 @@ import time
 from ftrun.adapters.store import LOOPBACK, HostedStore, client
 from ftrun.cluster.relay import GenerationRelay
 from ftrun.protocol.rendezvous import LATEST_KEY, Generation, gen_key, publish
-from ftrun.worker.comm import GenerationWatcher, Interrupt
+from ftrun.worker.comm import Interrupt
+from ftrun.worker.genwatch import GenerationWatcher
 
 
 def _gen(number: int) -> Generation:

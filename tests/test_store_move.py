@@ -35,7 +35,8 @@ from ftrun.protocol.rendezvous import (
     parse_request,
     publish,
 )
-from ftrun.worker.comm import CommError, GenerationWatcher, Interrupt
+from ftrun.worker.comm import CommError, Interrupt
+from ftrun.worker.genwatch import GenerationWatcher
 from ftrun.worker.jobstore import JobStore
 
 

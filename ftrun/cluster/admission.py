@@ -5,16 +5,29 @@ the coordinator's table, in join order, and enters (its workers as joiners, or a
 the world size is whole) as soon as a node is lost and the job has room again. Nothing but
 the first in line is considered: nodes enter in the order they came.
 
-Owns: `why_refused` (a join the coordinator turns away for good: another job's, an index in
-use, other shared flags), `why_wait` (None: admit now; else the one-line reason it waits)
-and `Waiting`, which says each reason once per node instead of at every pass of the
-coordinator's loop.
+Owns: `gathered` (whether the nodes of a new attempt are in: MAX of them, or MIN and a last
+call; or why the wait failed), `why_refused` (a join the coordinator turns away for good:
+another job's, an index in use, other shared flags), `why_wait` (None: admit now; else the
+one-line reason it waits) and `Waiting`, which says each reason once per node instead of at
+every pass of the coordinator's loop.
 Must not import: anything beyond the standard library and `ftrun.core.node_flags`.
 """
 
 from __future__ import annotations
 
 from ftrun.core.node_flags import flags_differ
+
+
+def gathered(count: int, nnodes: tuple[int, int], waited_s: float, enough_for_s: float | None,
+             join_s: float, last_call_s: float) -> bool | str:
+    """True: start the attempt with the `count` nodes in (this one included); False: wait
+    on; a text: why the wait failed. `enough_for_s`: how long MIN nodes have been in."""
+    nmin, nmax = nnodes
+    if count >= nmax or (enough_for_s is not None and enough_for_s >= last_call_s):
+        return True
+    if count < nmin and waited_s > join_s:
+        return f"only {count} of {nmin} nodes joined the rendezvous"  # the caller says where
+    return False
 
 
 def why_refused(*, rdzv_id: str, flags: str, joining_rdzv_id: str, joining_flags: str,

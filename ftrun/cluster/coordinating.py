@@ -24,7 +24,7 @@ from ftrun.adapters.store import CountingStore, HostedStore, QueueReader
 from ftrun.agent.cluster import StopLocal
 from ftrun.agent.jobview import Node
 from ftrun.agent.roster import RemoteWorker, RunResult, Worker
-from ftrun.cluster.admission import Waiting, why_refused, why_wait
+from ftrun.cluster.admission import Waiting, gathered, why_refused, why_wait
 from ftrun.cluster.drained import NodeDrains
 from ftrun.cluster.ending import Ending
 from ftrun.cluster.host import NodeHost
@@ -132,15 +132,12 @@ class Coordinating:
         self._inbox.put(parse_report(raw))
         self.host.wake()
 
-    def _alive(self) -> list[Node]:
-        return self.table.alive()
-
     # ----------------------------------------------------------------- rendezvous
     def start_group(self, restarts: int, hosted: HostedStore,
                     start_local: Callable[[], None]) -> None:
         self._gather_nodes()
         # in join order, up to --nnodes MAX; the rest wait for room (a node lost)
-        order = sorted(self._alive(), key=lambda n: n.index)[:self.spec.nnodes_max - 1]
+        order = sorted(self.table.alive(), key=lambda n: n.index)[:self.spec.nnodes_max - 1]
         span = max(1, self.spec.shard_size // self.spec.nproc)  # nodes a replica group spans
         order = order[:len(order) - (1 + len(order)) % span]  # whole groups; the rest wait
         host = self.host
@@ -157,39 +154,40 @@ class Coordinating:
                     spare: bool = False) -> list[int]:
         """Tell `node` to start its workers (ranks from `base_rank`; -1: joiners or spares)."""
         ids = self.workers.start(node.index, node.nproc, base_rank)
-        h = self.host
-        self.table.send(node, Start(attempt=h.restarts, addr=h.master_addr, port=h.worker_port,
-                               base_rank=base_rank, world_size=h.world_size,
-                               group_rank=group_rank, group_world_size=h.group_world_size,
-                               first_id=ids[0], run_id=h.run_id, spare=spare, adopt=False))
+        self.table.send(node, self._start(base_rank, group_rank, ids[0], spare, adopt=False))
         node.in_attempt = True
         return ids
 
+    def _start(self, base_rank: int, group_rank: int, first_id: int, spare: bool,
+               adopt: bool) -> Start:
+        """The order to a node's agent: this attempt's facts as this agent holds them."""
+        h = self.host
+        return Start(attempt=h.restarts, addr=h.master_addr, port=h.worker_port,
+                     base_rank=base_rank, world_size=h.world_size, group_rank=group_rank,
+                     group_world_size=h.group_world_size, first_id=first_id, run_id=h.run_id,
+                     spare=spare, adopt=adopt)
+
     def _gather_nodes(self) -> None:
         """Wait for the nodes of this attempt: MAX, or MIN and then a last call for more."""
-        join_s = self.spec.timings.join_timeout
-        last_call_s = self.spec.timings.last_call_timeout
-        start = time.monotonic()
-        enough_at: float | None = None
+        t, start, enough_at = self.spec.timings, time.monotonic(), None
         while True:
             self.drain_inbox(running=False)
             for index, why in find_lost_nodes(self.watch.beats.ages(self.rdzv.store),
                                               self.lost_after_s):
                 self._node_lost(self.nodes[index], why, time.time())  # no attempt runs
-            count = 1 + len(self._alive())
-            if count >= self.spec.nnodes_max:
-                return
-            now = time.monotonic()
+            count, now = 1 + len(self.table.alive()), time.monotonic()
             if count >= self.spec.nnodes_min:
                 enough_at = enough_at or now
-                if now - enough_at >= last_call_s:
-                    return
-            elif now - start > join_s:
-                raise FtrunError(f"only {count} of {self.spec.nnodes_min} nodes joined the "
-                                 f"rendezvous at {self.ep} within {join_s:g} s"
-                                 + (f" ({self._last_refusal})" if self._last_refusal else ""),
-                                 hint="start ftrun on the other nodes with the same "
-                                      "--rdzv-endpoint and flags, or lower --nnodes")
+            verdict = gathered(count, (self.spec.nnodes_min, self.spec.nnodes_max), now - start,
+                               None if enough_at is None else now - enough_at,
+                               t.join_timeout, t.last_call_timeout)
+            if verdict is True:
+                return
+            if verdict:
+                raise FtrunError(f"{verdict} at {self.ep} within {t.join_timeout:g} s" + (
+                    f" ({self._last_refusal})" if self._last_refusal else ""),
+                    hint="start ftrun on the other nodes with the same --rdzv-endpoint and "
+                         "flags, or lower --nnodes")
             if self.host.wakeup.pop_signal() is not None:
                 raise FtrunError("interrupted while waiting for nodes to join")
             self.host.wakeup.wait(self.beat_s)  # a join wakes it at once
@@ -250,20 +248,17 @@ class Coordinating:
         its agent now follows this one's stores."""
         ids = self.workers.adopt(node.index, running)
         node.in_attempt = True
-        h = self.host
-        self.table.send(node, Start(attempt=h.restarts, addr=h.master_addr, port=h.worker_port,
-                               base_rank=-1, world_size=h.world_size, group_rank=node.index,
-                               group_world_size=h.group_world_size, first_id=0,
-                               run_id=h.run_id, spare=False, adopt=True))
-        h.emit(Event.NOTICE, {"text": f"{node.label} came over with {len(ids)} live workers"})
+        self.table.send(node, self._start(-1, node.index, 0, spare=False, adopt=True))
+        self.host.emit(Event.NOTICE,
+                       {"text": f"{node.label} came over with {len(ids)} live workers"})
 
     def _admit_waiting(self) -> None:
         """Nodes that joined the running job enter in join order while it has room: at
         once, or when a node is lost; the first that must wait holds the rest back."""
         rec = self.host.recovery
-        for node in sorted((n for n in self._alive() if not n.in_attempt),
+        for node in sorted((n for n in self.table.alive() if not n.in_attempt),
                            key=lambda n: n.index):
-            why = why_wait(1 + sum(n.in_attempt for n in self._alive()), self.spec.nnodes_max,
+            why = why_wait(1 + sum(n.in_attempt for n in self.table.alive()), self.spec.nnodes_max,
                            rec is not None, rec is not None and rec.uses_api) or (
                 rec.groups.node_waits(len(self.members)) if rec is not None else None)
             if why is not None:
@@ -313,7 +308,7 @@ class Coordinating:
             return pending
         self.table.publish_status()
         self.table.send_net_drills()
-        verdict = self.watch.check(self.rdzv.store, [n.index for n in self._alive()])
+        verdict = self.watch.check(self.rdzv.store, [n.index for n in self.table.alive()])
         self.table.ping(verdict.ping)
         if (stepping_down := self.drained.tick()) is not None:
             return stepping_down  # this node drained (etcd): the job goes on without it
@@ -333,7 +328,7 @@ class Coordinating:
     def suspect(self) -> None:
         """A worker saw a peer's connection break: ping every node of the attempt (a live
         agent answers in ms) and check the heartbeats on a short fuse."""
-        self.table.ping(self.watch.suspect([n.index for n in self._alive() if n.in_attempt]))
+        self.table.ping(self.watch.suspect([n.index for n in self.table.alive() if n.in_attempt]))
 
     def _node_lost(self, node: Node, why: str, last_seen: float) -> Decision | None:
         """`last_seen`: wall clock of its last sign of life, the fault's best estimate. The
@@ -347,8 +342,8 @@ class Coordinating:
         gone = self.workers.lost(node.index)
         rec = self.host.recovery
         if rec is not None and rec.uses_api:
-            left = 1 + len(self._alive())  # a waiting node keeps the job above --nnodes MIN
-            waiting = len(self._alive()) - len(self.other_nodes())
+            left = 1 + len(self.table.alive())  # a waiting node keeps the job above --nnodes MIN
+            waiting = len(self.table.alive()) - len(self.other_nodes())
             return rec.on_node_lost(node.index, node.label, list(gone), left, last_seen,
                                     waiting)
         self.workers.also_exited(gone)  # torchrun: a failed member restarts or ends the job
@@ -368,7 +363,7 @@ class Coordinating:
                                            spare=spare))
 
     def other_nodes(self) -> list[int]:
-        return [n.index for n in self._alive() if n.in_attempt]
+        return [n.index for n in self.table.alive() if n.in_attempt]
 
     def kill_remote(self, worker_id: int) -> bool:
         w = self.workers.by_id.get(worker_id)

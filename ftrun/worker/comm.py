@@ -4,7 +4,7 @@ Owns: building a process group for a generation (the native reconfigure path whe
 offers it, a fresh gloo/nccl group under the generation's never-used store prefix otherwise),
 waiting on a collective while watching for a newer generation (gloo's abort() does not cancel
 a pending op, so the op is abandoned, its reference kept by `reaper.REAPER`, and the group
-rebuilt), and the generation watcher thread.
+rebuilt). The thread that sees the next generation arrive is `genwatch.GenerationWatcher`.
 Must not import: typer, rich, NVML, the agent. Torch is imported lazily by the worker.
 """
 
@@ -18,10 +18,9 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Protocol
 
-from ftrun.adapters.store import is_timeout
 from ftrun.core import timeouts
 from ftrun.core.errors import first_line
-from ftrun.protocol.rendezvous import Generation, Store, gen_key
+from ftrun.protocol.rendezvous import Generation, Store
 from ftrun.worker.reaper import REAPER as REAPER  # where the other modules find it
 
 
@@ -341,72 +340,3 @@ def _new_pg(store: Store, gen: Generation, rank: int, backend: str, device: Any,
 
     # gloo's full-mesh address exchange gathered: O(N) store requests, not N² (exchange.py)
     return dist.ProcessGroupGloo(gathered(prefixed, rank, size), rank, size, timeout)
-
-
-class GenerationWatcher:
-    """A thread blocked on the store for the next generation key, with its own connection,
-    so the training loop never polls the store. `arriving` runs before a generation is made
-    known (the job's store moving with it: every client moves before its group is formed);
-    True from it: this watcher's own store moved too, it reconnects."""
-
-    def __init__(self, connect: Callable[[], Store], start_after: int, interrupt: Interrupt,
-                 on_generation: Callable[[Generation], None] | None = None,
-                 arriving: Callable[[Generation], bool] | None = None) -> None:
-        self._connect = connect
-        self._next = start_after + 1
-        self._interrupt = interrupt
-        self._on_generation = on_generation
-        self._arriving = arriving
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name="ftrun-gen-watch", daemon=True)
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-
-    def observe(self, on_generation: Callable[[Generation], None]) -> None:
-        """Call `on_generation` (on this thread) with each generation as it arrives."""
-        self._on_generation = on_generation
-
-    def _loop(self) -> None:
-        try:
-            store = self._connect()
-        except Exception as exc:
-            self._lost(exc)
-            return
-        while not self._stop.is_set():
-            key = gen_key(self._next)
-            try:
-                store.wait([key], timedelta(seconds=timeouts.WATCH_POLL_S))
-                gen = Generation.from_json(store.get(key))
-            except Exception as exc:
-                if is_timeout(exc):
-                    continue
-                self._lost(exc)
-                return
-            # a relay fills a number its new source never held with the next record: go on
-            # from the record's own number
-            expected, self._next = self._next, max(self._next, gen.number) + 1
-            if gen.number < expected:
-                continue  # not a generation after ours
-            if self._arriving is not None and self._arriving(gen):
-                try:
-                    store = self._connect()
-                except Exception as exc:
-                    self._lost(exc)
-                    return
-            self._deliver(gen)
-
-    def _deliver(self, gen: Generation) -> None:
-        intr = self._interrupt
-        intr.newest = gen
-        if gen.urgent:
-            intr.urgent_above = max(intr.urgent_above, gen.number)
-        if self._on_generation is not None:
-            self._on_generation(gen)
-        intr.wake.set()
-
-    def _lost(self, exc: Exception) -> None:
-        if not self._stop.is_set():
-            self._interrupt.store_lost = first_line(exc)
-            self._interrupt.wake.set()

@@ -49,11 +49,11 @@ from ftrun.worker.comm import (
     Abandoned,
     Build,
     CommError,
-    GenerationWatcher,
     Group,
     Interrupt,
     build_group,
 )
+from ftrun.worker.genwatch import GenerationWatcher
 from ftrun.worker.jobstore import JobStore
 from ftrun.worker.joining import native_group, plain_group
 from ftrun.worker.script_end import ReleaseWatch, wait_at_end

@@ -25,7 +25,8 @@ from ftrun.protocol.rendezvous import (
     latest_number,
     read_generation,
 )
-from ftrun.worker.comm import GenerationWatcher, Interrupt
+from ftrun.worker.comm import Interrupt
+from ftrun.worker.genwatch import GenerationWatcher
 
 Post = Callable[[Request], None]  # a request to the agent
 
