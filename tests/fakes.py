@@ -13,6 +13,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from typing import IO, Any
 
 from ftrun.adapters.logs import WorkerStreams
@@ -23,7 +24,7 @@ from ftrun.agent.cluster import Cluster, Local
 from ftrun.agent.nodeport import NodePort
 from ftrun.agent.ports import AgentPort
 from ftrun.agent.recovery import Recovery
-from ftrun.agent.roster import RunResult, Worker
+from ftrun.agent.roster import Attempt, RunResult, Worker
 from ftrun.agent.services import RunServices
 from ftrun.agent.starter import WorkerStarter
 from ftrun.agent.watch import Finding
@@ -149,17 +150,13 @@ class FakeWorkers(NodeWorkers):
 
 # ------------------------------------------------------------------ the agent
 class FakeNode:
-    """The agent as its cluster (`NodeHost`) and its helpers (`AgentPort`) reach it: real
-    services and worker records, the same routing as `agent.node.Agent` (this node's workers
-    here, the others through the cluster), and a record of what it was told."""
+    """The agent as its cluster reaches it (`NodeHost`): real services and worker records,
+    the agent's own `NodePort` for its helpers, and a record of what it was told."""
 
     def __init__(self, spec: RunSpec, run_id: str = "units") -> None:
         self.spec = spec
-        self.run_id = run_id
-        self.restarts = 0
+        self.attempt = Attempt(run_id=run_id, world_size=spec.nproc)
         self.recovery: Recovery | None = None
-        self.master_addr, self.worker_port, self.relay_addr = "", 0, ""
-        self.world_size, self.group_rank, self.group_world_size = spec.nproc, 0, 1
         self.events: list[tuple[Event, dict[str, Any]]] = []
         self.findings: list[Finding] = []
         self._woken = threading.Condition()
@@ -168,8 +165,8 @@ class FakeNode:
         self.cluster: Cluster = Local()
         self.emit: EventSink = self._record  # the journal's once the services exist
         # the agent's own port, routing and all: only the node around it is a fake
-        self.port = NodePort(spec, run_id, self.wake, self._record, lambda: self.cluster,
-                             lambda: self.recovery, lambda: self.restarts)
+        self.port = NodePort(spec, self.wake, self._record, lambda: self.cluster,
+                             lambda: self.recovery, lambda: self.attempt)
         self.services = RunServices(spec, run_id, self._record, self.port, NoGuardian())
         self.emit = self.services.journal.emit
         # the protocol's type for what the cluster reads, the fake's for what a test does
@@ -197,6 +194,9 @@ class FakeNode:
         return [f for k, f in self.events if k is kind]
 
     # ------------------------------------------------------------ NodeHost
+    def update_attempt(self, **changes: Any) -> None:
+        self.attempt = replace(self.attempt, **changes)
+
     def wake(self) -> None:  # any thread
         with self._woken:
             self.wakes += 1

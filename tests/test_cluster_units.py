@@ -131,7 +131,7 @@ def test_the_first_attempt_ranks_nodes_in_join_order_up_to_nnodes_max(
     assert job.coord.other_nodes() == [1]
     assert [(w.worker_id, w.rank) for w in job.coord.remote_workers()] == [(10_000, 2),
                                                                            (10_001, 3)]
-    assert (job.node.world_size, job.node.group_world_size) == (4, 2)
+    assert (job.node.attempt.world_size, job.node.attempt.group_world_size) == (4, 2)
 
 
 def test_a_join_of_another_job_or_under_a_taken_index_is_refused_on_its_queue(
@@ -208,7 +208,7 @@ def test_nodes_joining_a_running_job_enter_in_join_order_as_joiners_then_as_spar
     roles = {w: rec.membership.role(w) for w in (20_000, 20_001, 30_000, 30_001)}
     assert roles == {20_000: R.JOINING, 20_001: R.JOINING,
                      30_000: R.STARTING_SPARE, 30_001: R.STARTING_SPARE}
-    assert job.node.world_size == 4 and job.coord.other_nodes() == [2, 3]
+    assert job.node.attempt.world_size == 4 and job.coord.other_nodes() == [2, 3]
 
 
 def test_nodes_wait_in_line_while_the_job_is_full_told_once_and_enter_when_one_is_lost(
@@ -347,7 +347,7 @@ def test_close_ends_every_live_node_and_joins_its_reader(
     # the reader's own connection, to the store in memory instead of over TCP
     monkeypatch.setattr(coordinating, "connect", lambda ep, timeout_s: job.store.client())
     job.coord.prepare()
-    assert job.node.master_addr == "127.0.0.1"
+    assert job.node.attempt.master_addr == "127.0.0.1"
     for msg in (join(1), join(2), Bye(node=2)):  # as the followers push them
         job.store.queue_push(AGENT_QUEUE, encode(msg))
     job.node.wait_wakes(3)

@@ -89,10 +89,10 @@ def follower(private_run_dir: Path, tmp_path: Path) -> Iterator[Follower]:
 
 def test_start_runs_this_nodes_workers_in_the_coordinators_ranks_and_reports_each(
         follower: Follower) -> None:
-    node = follower.node
-    assert (node.restarts, node.run_id, node.master_addr, node.worker_port) == (
+    node, a = follower.node, follower.node.attempt
+    assert (a.restarts, a.run_id, a.master_addr, a.worker_port) == (
         1, "job-run", "10.0.0.1", 1234)
-    assert (node.world_size, node.group_rank, node.group_world_size) == (4, 1, 2)
+    assert (a.world_size, a.group_rank, a.group_world_size) == (4, 1, 2)
     workers = node.workers.all
     assert [(w.worker_id, w.rank, w.local_rank) for w in workers] == [(10_000, 2, 0),
                                                                      (10_001, 3, 1)]

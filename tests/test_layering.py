@@ -115,6 +115,40 @@ def test_every_module_is_at_most_400_lines() -> None:
     assert long == {}, f"split these by idea, not by trimming: {long}"
 
 
+def _assigned(tree: ast.AST) -> list[ast.expr]:
+    targets: list[ast.expr] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign):
+            targets += node.targets
+        elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+            targets.append(node.target)
+    flat: list[ast.expr] = []
+    while targets:
+        t = targets.pop()
+        if isinstance(t, (ast.Tuple, ast.List)):
+            targets += t.elts
+        else:
+            flat.append(t)
+    return flat
+
+
+def _is_the_host(expr: ast.expr) -> bool:
+    """`host`, `h` or `self.host`: the agent as a cluster holds it (cluster/host.NodeHost)."""
+    if isinstance(expr, ast.Name):
+        return expr.id in ("host", "h")
+    return isinstance(expr, ast.Attribute) and expr.attr == "host"
+
+
+def test_no_cluster_assigns_an_attribute_of_its_agent() -> None:
+    """The seam is one-way: a cluster reads the agent's `attempt` and says what changed
+    (`update_attempt`); it never writes an agent's attribute (#49: 17 such writes before)."""
+    writes = [f"{path.name}:{t.lineno}" for name, path in modules().items()
+              if package_of(name) == "cluster"
+              for t in _assigned(ast.parse(path.read_text()))
+              if isinstance(t, ast.Attribute) and _is_the_host(t.value)]
+    assert writes == []
+
+
 def test_packages_import_only_downwards() -> None:
     for name, path in modules().items():
         me = package_of(name)

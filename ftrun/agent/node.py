@@ -18,6 +18,7 @@ import time
 import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import replace
+from typing import Any
 
 from ftrun.adapters.procs import Guardian
 from ftrun.adapters.store import LOOPBACK, HostedStore, QueueReader, advertised_addr, client
@@ -28,7 +29,7 @@ from ftrun.agent.nodeport import NodePort
 from ftrun.agent.notices import Notices
 from ftrun.agent.outcomes import group_decision, on_exit
 from ftrun.agent.recovery import Recovery
-from ftrun.agent.roster import Outcome, RemoteWorker, RunResult, Worker
+from ftrun.agent.roster import Attempt, Outcome, RemoteWorker, RunResult, Worker
 from ftrun.agent.services import RunServices
 from ftrun.agent.starter import WorkerStarter
 from ftrun.agent.timeline import EVERY_S as TIMELINE_EVERY_S
@@ -60,15 +61,10 @@ class Agent:
         self.spec = spec
         self.base_env = dict(os.environ if env is None else env)
         self.emit: EventSink = emit  # the journal's once the services exist
-        self.run_id = spec.rdzv_id if spec.rdzv_id != "none" or self._static_port() else ""
-        self.run_id = self.run_id or str(uuid.uuid4())
-        self.restarts = 0
+        run_id = spec.rdzv_id if spec.rdzv_id != "none" or self._static_port() else ""
+        self.attempt = Attempt(run_id=run_id or str(uuid.uuid4()), world_size=spec.nproc)
         self.recovery: Recovery | None = None  # this attempt's, when recovery is in-process
         self._requests: QueueReader | None = None  # the recovery's request reader
-        self.master_addr = ""  # where workers reach this attempt's store
-        self.worker_port = 0
-        self.group_rank, self.group_world_size, self.world_size = 0, 1, spec.nproc
-        self.relay_addr = ""  # a follower's generation relay, which its workers watch
         self._killed: set[tuple[int, int]] = set()  # (attempt, worker) the watch had killed
         self.notices = Notices(spec)  # a preemption notice: this node's ranks hand over
         self.guardian = Guardian()  # before any thread or socket of the run exists
@@ -76,9 +72,10 @@ class Agent:
             self.wakeup = Wakeup()
             self.starter = WorkerStarter(spec, lambda kind, fields: self.emit(kind, fields),
                                          self.wakeup, self.guardian.watch)
-            self.port = NodePort(spec, self.run_id, self.wakeup.wake, emit, lambda: self.cluster,
-                                 lambda: self.recovery, lambda: self.restarts)
-            self.services = RunServices(spec, self.run_id, emit, self.port, self.guardian)
+            self.port = NodePort(spec, self.wakeup.wake, emit, lambda: self.cluster,
+                                 lambda: self.recovery, lambda: self.attempt)
+            self.services = RunServices(spec, self.attempt.run_id, emit, self.port,
+                                        self.guardian)
             self.emit = self.services.journal.emit
             self.workers = NodeWorkers(spec, self.base_env, self.starter, self.guardian,
                                        self.wakeup, self.services, self._env_for, self.emit)
@@ -113,13 +110,13 @@ class Agent:
     def _run_attempts(self, adopt: Adopt | None = None) -> RunResult:
         """Attempt after attempt (torchrun's whole-group restarts); `adopt`: the first one is
         an attempt already running, whose recovery this agent takes over."""
-        restarts = self.restarts
+        restarts = self.attempt.restarts
         while True:
             hosted = HostedStore.for_workers(self.spec, self._static_port() or 0,
-                                             self.master_addr)
-            self.restarts = restarts
+                                             self.attempt.master_addr)
+            self.update_attempt(restarts=restarts)
             try:
-                self.worker_port = hosted.port
+                self.update_attempt(worker_port=hosted.port)
                 if adopt is not None:
                     hosted.serve()
                     self._start_recovery(hosted, adopt(hosted))
@@ -206,19 +203,19 @@ class Agent:
         notice = shared_env(self.spec, self.base_env)
         if notice:
             self.emit(Event.NOTICE, {"text": notice})
-        self.master_addr = (self.spec.master_addr if self._static_port() is not None
+        self.update_attempt(master_addr=self.spec.master_addr if self._static_port() is not None
                             else advertised_addr(self.spec.local_addr))
 
     def _env_for(self, worker_id: int, rank: int, local_rank: int, spare: bool,
                  error_file: str) -> dict[str, str]:
-        svc = self.services
+        svc, a = self.services, self.attempt
         wenv = worker_env(self.spec, self.base_env, rank=rank, local_rank=local_rank,
-                          worker_id=worker_id, restarts=self.restarts, run_id=self.run_id,
-                          master_addr=self.master_addr, port=self.worker_port,
+                          worker_id=worker_id, restarts=a.restarts, run_id=a.run_id,
+                          master_addr=a.master_addr, port=a.worker_port,
                           error_file=error_file, spare=spare, progress_dir=svc.progress_dir,
-                          world_size=self.world_size, group_rank=self.group_rank,
-                          group_world_size=self.group_world_size, relay=self.relay_addr)
-        wenv = replace(wenv, **svc.snapshots.worker_fields(worker_id, self.restarts))
+                          world_size=a.world_size, group_rank=a.group_rank,
+                          group_world_size=a.group_world_size, relay=a.relay_addr)
+        wenv = replace(wenv, **svc.snapshots.worker_fields(worker_id, a.restarts))
         return {**self.base_env, **wenv.to_env()}
 
     # ----------------------------------------------------------------- workers
@@ -232,9 +229,9 @@ class Agent:
             return
         for local_rank in range(self.spec.nproc):
             self.workers.spawn(local_rank, rank=local_rank, local_rank=local_rank)
-        self.emit(Event.STARTED, {"attempt": restarts, "world_size": self.world_size,
+        self.emit(Event.STARTED, {"attempt": restarts, "world_size": self.attempt.world_size,
                                   "pids": [w.spawned.pid for w in self.workers.all],
-                                  "master": f"{self.master_addr}:{hosted.port}"})
+                                  "master": f"{self.attempt.master_addr}:{hosted.port}"})
 
     def _supervise(self) -> Outcome:
         outcome = Outcome()
@@ -266,9 +263,9 @@ class Agent:
                 for worker in ended:
                     on_exit(self.recovery, worker, outcome)
                 if outcome.decision is None:
-                    outcome.decision = group_decision(self.recovery, outcome,
-                                                      self.port.all_workers(), self.restarts,
-                                                      self.spec.max_restarts)
+                    outcome.decision = group_decision(
+                        self.recovery, outcome, self.port.all_workers(),
+                        self.attempt.restarts, self.spec.max_restarts)
         return outcome
 
     def _signal(self, now: float) -> int | None:
@@ -302,7 +299,7 @@ class Agent:
         it runs), rebuild a stuck communicator and have the watch follow it up."""
         for f in findings:
             if isinstance(f, Kill):
-                key = (self.restarts, f.worker)
+                key = (self.attempt.restarts, f.worker)
                 if key in self._killed or not self.port.kill_worker(f.worker):
                     continue
                 self._killed.add(key)
@@ -339,6 +336,11 @@ class Agent:
 
 
     # ----------------------------------------------------------------- for the cluster
+    def update_attempt(self, **changes: Any) -> None:
+        """What the cluster learnt of the attempt (a start order, a node entering): the
+        facts the next workers get are replaced whole, in one place."""
+        self.attempt = replace(self.attempt, **changes)
+
     def wake(self) -> None:
         """Interrupt the event loop from another thread (the request reader)."""
         self.wakeup.wake()

@@ -7,7 +7,8 @@ members of the current generation in rank order, and what `ftrun status` adds ab
 node. The agent hands its helpers (recovery, health watch, control plane) a `NodePort`, not
 itself; the unit tests' fake node builds the same one, so the routing exists once.
 The agent's cluster, recovery and attempt are read through callables: a takeover changes
-the first, an attempt the others, and the port never holds a stale one.
+the first, an attempt the others (a follower learns its run id), and the port never holds
+a stale one.
 Must not import: the agent (`node`), torch, typer, rich.
 """
 
@@ -19,7 +20,7 @@ from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from ftrun.agent.cluster import Cluster
-from ftrun.agent.roster import RemoteWorker, Worker
+from ftrun.agent.roster import Attempt, RemoteWorker, Worker
 from ftrun.agent.services import RunServices
 from ftrun.agent.starter import WorkerStarter
 from ftrun.agent.workers import NodeWorkers
@@ -34,17 +35,16 @@ if TYPE_CHECKING:
 
 
 class NodePort:
-    def __init__(self, spec: RunSpec, run_id: str, wake: Callable[[], None], sink: EventSink,
+    def __init__(self, spec: RunSpec, wake: Callable[[], None], sink: EventSink,
                  cluster: Callable[[], Cluster], recovery: Callable[[], Recovery | None],
-                 restarts: Callable[[], int]) -> None:
+                 attempt: Callable[[], Attempt]) -> None:
         """Built before the services and workers, which are built with it: `attach` them."""
         self.spec = spec
-        self.run_id = run_id
         self._wake = wake
         self._sink = sink  # the journal's once attached
         self._cluster = cluster
         self._recovery = recovery
-        self._restarts = restarts
+        self._attempt = attempt
         self.workers: NodeWorkers | None = None
         self.services: RunServices | None = None
         self.starter: WorkerStarter | None = None
@@ -56,7 +56,11 @@ class NodePort:
 
     @property
     def restarts(self) -> int:
-        return self._restarts()
+        return self._attempt().restarts
+
+    @property
+    def run_id(self) -> str:  # a follower learns its coordinator's
+        return self._attempt().run_id
 
     def emit(self, kind: Event, fields: Mapping[str, object]) -> None:
         self._sink(kind, fields)

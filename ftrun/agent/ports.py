@@ -67,7 +67,8 @@ class RecoveryPort(Notifying, Protocol):
 class ControlPort(Notifying, Protocol):
     """What `ftrun status`, drills and the metrics endpoint read or ask of the node."""
 
-    run_id: str
+    @property
+    def run_id(self) -> str: ...
     @property
     def restarts(self) -> int:
         """Whole-group restarts so far (the attempt's number)."""

@@ -72,3 +72,19 @@ class RemoteWorker:
     @property
     def alive(self) -> bool:
         return self.exit is None
+
+
+@dataclass(frozen=True)
+class Attempt:
+    """What this node's workers are told of the attempt they start in (their environment):
+    the agent holds one, replaced whole through `Agent.update_attempt`; the clusters read it
+    and say what changed, never assign an agent's attribute."""
+
+    restarts: int = 0  # whole-group restarts so far: the attempt's number
+    run_id: str = ""
+    master_addr: str = ""  # where workers reach this attempt's store
+    worker_port: int = 0
+    world_size: int = 1
+    group_rank: int = 0
+    group_world_size: int = 1
+    relay_addr: str = ""  # a follower's generation relay, which its workers watch

@@ -34,20 +34,20 @@ FollowRelay = Callable[[str, int], None]  # this node's relay: copy from this st
 def adopt(coord: Coordinating, workers_store: HostedStore, held: Generation,
           registered: set[int], follow_relay: FollowRelay, lost_at: float) -> Recovery:
     host = coord.host
-    follow_relay(host.master_addr, workers_store.port)  # this node's workers watch it
+    follow_relay(host.attempt.master_addr, workers_store.port)  # this node's workers watch it
     _await_nodes(coord, registered - {coord.index}, timeouts.ETCD_REJOIN_WAIT_S)
     alive = {w.worker_id for w in host.workers.alive()} | {
         w.worker_id for w in coord.workers.by_id.values() if w.alive}
     spares = [w for w in sorted(alive) if w not in held.members]
     rec = Recovery(host.port, workers_store.store,
                    Membership.adopted(View(held.number, held.members), spares),
-                   store_at=f"{host.master_addr}:{workers_store.port}")
+                   store_at=f"{host.attempt.master_addr}:{workers_store.port}")
     for w in coord.workers.by_id.values():
         rank = held.rank_of(w.worker_id)
         w.rank = -1 if rank is None else rank
     coord.members = held.members
-    host.world_size = len(held.members)
-    host.group_world_size = 1 + len(coord.other_nodes())
+    host.update_attempt(world_size=len(held.members),
+                        group_world_size=1 + len(coord.other_nodes()))
     lost = [m for m in held.members if m not in alive]
     host.emit(Event.NOTICE, {"text": f"took over generation {held.number} of {len(alive)} "
                                      f"live workers; {len(lost)} of its members are lost"})
@@ -59,7 +59,7 @@ def adopt(coord: Coordinating, workers_store: HostedStore, held: Generation,
     if not lost:  # no member lost (the coordinator's node had drained): the members move here
         rec.gens.publish(held.members, f"node {coord.index} coordinates the job now: the "
                          "members move to its workers' store at "
-                         f"{host.master_addr}:{workers_store.port}", False)
+                         f"{host.attempt.master_addr}:{workers_store.port}", False)
     return rec
 
 

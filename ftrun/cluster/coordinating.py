@@ -120,7 +120,7 @@ class Coordinating:
     def prepare(self) -> None:
         """After the guardian is forked (no thread may exist before): serve the store."""
         # every follower reached the store through the endpoint host: their workers can too
-        self.host.master_addr = self.spec.local_addr or self.ep.host
+        self.host.update_attempt(master_addr=self.spec.local_addr or self.ep.host)
         self.rdzv.serve()
         self.plane.served(self.ep)
         self.plane.register(self.index)
@@ -140,9 +140,8 @@ class Coordinating:
         order = sorted(self.table.alive(), key=lambda n: n.index)[:self.spec.nnodes_max - 1]
         span = max(1, self.spec.shard_size // self.spec.nproc)  # nodes a replica group spans
         order = order[:len(order) - (1 + len(order)) % span]  # whole groups; the rest wait
-        host = self.host
-        host.group_world_size = 1 + len(order)
-        host.world_size = self.spec.nproc + sum(n.nproc for n in order)
+        self.host.update_attempt(group_world_size=1 + len(order),
+                                 world_size=self.spec.nproc + sum(n.nproc for n in order))
         self.workers.new_attempt()  # nothing of an earlier attempt
         start_local()
         members = list(range(self.spec.nproc))
@@ -161,7 +160,7 @@ class Coordinating:
     def _start(self, base_rank: int, group_rank: int, first_id: int, spare: bool,
                adopt: bool) -> Start:
         """The order to a node's agent: this attempt's facts as this agent holds them."""
-        h = self.host
+        h = self.host.attempt
         return Start(attempt=h.restarts, addr=h.master_addr, port=h.worker_port,
                      base_rank=base_rank, world_size=h.world_size, group_rank=group_rank,
                      group_world_size=h.group_world_size, first_id=first_id, run_id=h.run_id,
@@ -205,7 +204,7 @@ class Coordinating:
                 case Join():
                     self._on_join(msg)
                 case Exited() if (msg.worker in self.workers.by_id
-                                  and msg.attempt == self.host.restarts):
+                                  and msg.attempt == self.host.attempt.restarts):
                     self._on_remote_exit(msg)
                 case Spawned() if msg.worker in self.workers.by_id:
                     self.workers.by_id[msg.worker].pid = msg.pid
@@ -274,20 +273,21 @@ class Coordinating:
         they wait as spares."""
         rec, host = self.host.recovery, self.host
         assert rec is not None
-        host.group_world_size += 1  # group ranks are never reused within an attempt
+        group_rank = host.attempt.group_world_size  # never reused within an attempt
+        host.update_attempt(group_world_size=group_rank + 1)
         entering = len(rec.membership.members) + len(
             rec.membership.with_role(WorkerRole.JOINING, WorkerRole.READY))
         self.host.emit(Event.NOTICE, {"text": f"{node.label} enters the running job"})
         if entering >= len(self.members):
-            rec.add_spares(self._start_node(node, -1, host.group_world_size - 1, spare=True))
+            rec.add_spares(self._start_node(node, -1, group_rank, spare=True))
             return
-        host.world_size = entering + node.nproc
-        rec.add_joiners(self._start_node(node, -1, host.group_world_size - 1))
+        host.update_attempt(world_size=entering + node.nproc)
+        rec.add_joiners(self._start_node(node, -1, group_rank))
 
     def _on_remote_exit(self, msg: Exited) -> None:
         w = self.workers.by_id[msg.worker]
         self.workers.exited(msg, self.host.services.logs.keep_error(  # its own is on its node
-            self.host.restarts, f"node{w.node}.w{w.worker_id}", msg.error))
+            self.host.attempt.restarts, f"node{w.node}.w{w.worker_id}", msg.error))
 
     # ----------------------------------------------------------------- supervision hooks
     def remote_exits(self) -> list[RemoteWorker]:

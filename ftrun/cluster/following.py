@@ -231,18 +231,17 @@ class Following(NoOtherNodes):
     def _start(self, cmd: Start) -> None:
         host = self.host
         if cmd.adopt:  # a new coordinator: the workers run on, under its stores
-            host.master_addr, host.worker_port = cmd.addr, cmd.port
-            host.world_size, host.group_world_size = cmd.world_size, cmd.group_world_size
+            host.update_attempt(master_addr=cmd.addr, worker_port=cmd.port,
+                                world_size=cmd.world_size,
+                                group_world_size=cmd.group_world_size)
             if self._relay is not None:
                 self._relay.follow(connector(f"{cmd.addr}:{cmd.port}"))
             return
-        host.restarts = cmd.attempt
-        host.run_id = cmd.run_id
-        host.master_addr, host.worker_port = cmd.addr, cmd.port
+        host.update_attempt(restarts=cmd.attempt, run_id=cmd.run_id, master_addr=cmd.addr,
+                            worker_port=cmd.port)
         self._start_relay(cmd)
-        host.world_size = cmd.world_size
-        host.group_rank = cmd.group_rank
-        host.group_world_size = cmd.group_world_size
+        host.update_attempt(world_size=cmd.world_size, group_rank=cmd.group_rank,
+                            group_world_size=cmd.group_world_size)
         base, first = cmd.base_rank, cmd.first_id
         host.workers.new_attempt(cmd.attempt, first + self.spec.nproc)
         for i in range(self.spec.nproc):
@@ -250,9 +249,10 @@ class Following(NoOtherNodes):
                                    spare=cmd.spare)
             self._report(Spawned(node=self.index, worker=w.worker_id, pid=w.spawned.pid,
                                  local_rank=i))
-        host.emit(Event.STARTED, {"attempt": host.restarts, "world_size": host.world_size,
+        a = host.attempt
+        host.emit(Event.STARTED, {"attempt": a.restarts, "world_size": a.world_size,
                                   "pids": [w.spawned.pid for w in host.workers.all],
-                                  "master": f"{host.master_addr}:{host.worker_port}",
+                                  "master": f"{a.master_addr}:{a.worker_port}",
                               "node": self.index})
 
     def _start_relay(self, cmd: Start) -> None:
@@ -261,14 +261,15 @@ class Following(NoOtherNodes):
         if self.spec.on_fault == "restart":
             return  # its workers follow no generation
         self._relay, why = open_relay(cmd.addr, cmd.port, self.index)
-        self.host.relay_addr = self._relay.addr if self._relay is not None else ""
+        self.host.update_attempt(relay_addr=self._relay.addr if self._relay is not None else "")
         if why:
             self.host.emit(Event.NOTICE, {"text": why})
 
     def _close_relay(self, link_works: bool) -> None:
         if self._relay is not None:
             self._relay.close(link_works)
-        self._relay, self.host.relay_addr = None, ""
+        self._relay = None
+        self.host.update_attempt(relay_addr="")
 
     def _follow(self) -> RunResult | Fenced | Leaderless | None:
         """This node's workers run: report exits, obey commands. None when told to stop."""
@@ -351,7 +352,7 @@ class Following(NoOtherNodes):
     def on_local_exit(self, w: Worker) -> None:
         """Every exit is reported at once: the coordinator decides what it means."""
         assert w.exit is not None  # its @record traceback travels: the job's report shows it
-        self._report(Exited(node=self.index, worker=w.worker_id, attempt=self.host.restarts,
+        self._report(Exited(node=self.index, worker=w.worker_id, attempt=self.host.attempt.restarts,
                             pid=w.exit.pid, returncode=w.exit.returncode,
                             wall_time=w.exit.wall_time, by_launcher=w.exit.killed_by_launcher,
                             error=error_text(w.exit.error_file, MAX_ERROR_FILE_BYTES)))

@@ -1,8 +1,9 @@
 """The agent as a multi-node cluster sees it.
 
 Owns: `NodeHost`, the members of `agent.node.Agent` that the coordinating and following
-clusters use: the run's facts they set (attempt, addresses, world size), this node's workers
-and services, the wakeup, and the few actions they ask for. A cluster is built with the
+clusters use: the attempt's facts they read and replace (`Attempt`: addresses, world size;
+no cluster assigns an agent's attribute), this node's workers and services, the wakeup, and
+the few actions they ask for. A cluster is built with the
 agent it belongs to and typed against this, so its decisions can be tested with a fake.
 Must not import: the agent's node, typer, rich, the CLI or the worker library.
 """
@@ -10,14 +11,14 @@ Must not import: the agent's node, typer, rich, the CLI or the worker library.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Protocol
+from typing import Any, Protocol
 
 from ftrun.adapters.store import HostedStore
 from ftrun.adapters.wakeup import Wakeup
 from ftrun.agent.cluster import Cluster
 from ftrun.agent.ports import AgentPort
 from ftrun.agent.recovery import Recovery
-from ftrun.agent.roster import RunResult
+from ftrun.agent.roster import Attempt, RunResult
 from ftrun.agent.services import RunServices
 from ftrun.agent.watch import Finding
 from ftrun.agent.workers import NodeWorkers
@@ -30,21 +31,18 @@ class NodeHost(Protocol):
     recovery on it), and what follows."""
 
     spec: RunSpec
-    run_id: str
-    restarts: int
     recovery: Recovery | None
-    master_addr: str
-    worker_port: int
-    world_size: int
-    group_rank: int
-    group_world_size: int
-    relay_addr: str
     wakeup: Wakeup
     workers: NodeWorkers
     services: RunServices
 
     @property
     def port(self) -> AgentPort: ...
+    @property
+    def attempt(self) -> Attempt:
+        """What this node's workers are told of the attempt (`update_attempt` changes it)."""
+    def update_attempt(self, **changes: Any) -> None:
+        """Replace `Attempt` fields: a start order's facts, a node entering, the relay."""
     def emit(self, kind: Event, fields: Mapping[str, object]) -> None: ...
     def wake(self) -> None: ...
     def act(self, findings: list[Finding]) -> None:

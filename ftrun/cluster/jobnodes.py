@@ -128,7 +128,7 @@ class NodeTable:
         rec = self.host.recovery
         membership = rec.membership if rec is not None else None
         mine = Status.from_json(doc)  # this node's, its zygote and snapshots included
-        job = merge_job_status(mine, nodes, payloads, membership, self.host.world_size,
+        job = merge_job_status(mine, nodes, payloads, membership, self.host.attempt.world_size,
                                str(self.ep), getattr(self.rdzv.store, "calls", None))
         return job.to_json()
 

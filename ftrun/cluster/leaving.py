@@ -65,7 +65,7 @@ class Leaving:
         workers = self.host.workers
         workers.stop(sig, self.host.spec.shutdown_timeout)
         workers.close_streams()
-        return self.host.signal_result(sig, self.host.restarts)
+        return self.host.signal_result(sig, self.host.attempt.restarts)
 
     def ended(self, cmd: End) -> RunResult:
         """The coordinator ended this node (not `lost`): what is left stops, the code is its."""
@@ -84,5 +84,5 @@ class Leaving:
         elif cmd.code == 0 and self.draining:
             self.host.emit(Event.NOTICE, {"text": reason})
         return RunResult(cmd.code, reason, exits=workers.exits(),
-                         restarts_used=self.host.restarts,
+                         restarts_used=self.host.attempt.restarts,
                          log_dir=self.host.services.logs.run_dir)

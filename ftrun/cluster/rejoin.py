@@ -91,7 +91,7 @@ class Rejoin:
                     return connect(self.ep, timeouts.CONNECT_TRY_S)
                 stable_since = None
             self.host.wakeup.wait(REJOIN_RETRY_S)
-        return self.host.signal_result(sig, self.host.restarts)
+        return self.host.signal_result(sig, self.host.attempt.restarts)
 
     def _moved(self) -> bool:
         """etcd: another leader's store is published: rejoin there (as a new node)."""
@@ -113,5 +113,5 @@ class Rejoin:
 
     def _ended(self, reason: str) -> RunResult:
         self.host.emit(Event.FAILURE, {"reason": reason, "rank": None})
-        return RunResult(1, reason, restarts_used=self.host.restarts,
+        return RunResult(1, reason, restarts_used=self.host.attempt.restarts,
                          log_dir=self.host.services.logs.run_dir)
