@@ -35,7 +35,7 @@ from ftrun.agent.timeline import Timeline, sample_every_s
 from ftrun.agent.watch import HealthWatch
 from ftrun.core.drains import DrainRequest
 from ftrun.core.errors import FtrunError
-from ftrun.core.events import DrillFields, Event, NoticeFields
+from ftrun.core.events import DrillFields, emit_as, notice
 from ftrun.core.faultkinds import AGENT_SIGNALS, GPU_KINDS, NOTICE_KINDS, WORKER_ONLY, FaultKind
 from ftrun.core.membership import Membership
 from ftrun.core.policy import phase_text
@@ -125,8 +125,7 @@ class ControlPlane:
             self.timeline.sample(doc, now)
         except Exception as exc:  # the history must never stop the job: said once, skipped
             if self.timeline.failed(now):
-                self.port.emit(Event.NOTICE,
-                               NoticeFields(f"could not sample the timeline: {exc}").to_fields())
+                notice(self.port.emit, f"could not sample the timeline: {exc}")
 
     # ------------------------------------------------------------ requests (server thread)
     def handle(self, req: dict[str, Any]) -> dict[str, Any]:
@@ -238,8 +237,8 @@ class ControlPlane:
                 self._drill_seq += 1
                 self.slots.write_drill(worker.worker_id, self._drill_seq, kind, at_step,
                                        drill.arg)
-            self.port.emit(Event.DRILL, DrillFields(worker.worker_id, worker.rank, kind,
-                                                    at_step, drill.chaos).to_fields())
+            emit_as(self.port.emit, DrillFields(worker.worker_id, worker.rank, kind, at_step,
+                                                drill.chaos))
 
     # ------------------------------------------------------------ status
     def status(self) -> Status:

@@ -29,7 +29,7 @@ from ftrun.core.drains import (
     new_members,
     plan_drain,
 )
-from ftrun.core.events import DrainFields, Event
+from ftrun.core.events import DrainFields, emit_as
 from ftrun.core.exits import describe_exit
 from ftrun.core.membership import Membership, WorkerRole
 from ftrun.core.policy import Action, Decision, Snapshot
@@ -231,8 +231,8 @@ class Drains:
 
     def _emit(self, drain: Drain) -> None:
         start = drain.phases["requested"]
-        self.port.emit(Event.DRAIN, DrainFields(
+        emit_as(self.port.emit, DrainFields(
             drain.id, drain.request.what, drain.state.value, drain.reason, drain.request.token,
             drain.request.leavers, tuple(t for t in drain.takers.values() if t is not None),
             drain.request.deadline, drain.generation, drain.stall_ms,
-            {k: round((v - start) * 1000, 1) for k, v in drain.phases.items()}).to_fields())
+            {k: round((v - start) * 1000, 1) for k, v in drain.phases.items()}))

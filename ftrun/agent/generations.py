@@ -17,7 +17,7 @@ from typing import Any
 
 from ftrun.agent.ports import RecoveryPort
 from ftrun.agent.script_ends import ScriptEnds
-from ftrun.core.events import Event
+from ftrun.core.events import GenerationFields, emit_as, notice
 from ftrun.core.membership import Membership, WorkerRole
 from ftrun.core.policy import Snapshot, decide_respawn
 from ftrun.protocol.rendezvous import Generation, publish
@@ -44,9 +44,8 @@ class Generations:
                          store=self.store_at, snapshot_first=snapshot_first)
         self.port.fence_generation(gen)
         publish(self.store, gen, self.relays())
-        self.port.emit(Event.GENERATION, {"generation": number, "world_size": len(members),
-                                          "reason": reason, "urgent": urgent,
-                                          "published_at": gen.published_at})
+        emit_as(self.port.emit, GenerationFields(number, len(members), gen.published_at,
+                                                 reason, urgent))
 
     def relays(self) -> list[int]:
         """The other nodes: their agents relay each generation to their workers."""
@@ -86,7 +85,7 @@ class Respawns:
         count = self.early_failures[key] = self.early_failures.get(key, 0) + 1
         r = decide_respawn(self.snapshot(), what, kind, key[1], count,
                            key[1] in self.port.live_nodes())
-        self.port.emit(Event.NOTICE, {"text": r.reason})
+        notice(self.port.emit, r.reason)
         return r.allowed
 
     def rank_loop(self, rank: int, healing: bool) -> int:

@@ -19,7 +19,15 @@ from typing import IO, Any
 
 from ftrun.agent.heals import HealLedger
 from ftrun.core.errors import FtrunError
-from ftrun.core.events import DrainFields, Event, EventSink, RecoveredFields, fields_of
+from ftrun.core.events import (
+    DrainFields,
+    Event,
+    EventSink,
+    InjectedFields,
+    RecoveredFields,
+    emit_as,
+    fields_of,
+)
 from ftrun.core.faultkinds import CORRUPTION_DRILLS, GROUP_DRILLS  # faults naming no worker
 
 LOG_FILE = "events.jsonl"  # the journal's file in a run's log directory
@@ -125,7 +133,7 @@ class Journal:
         """The next fault of `worker` is this drill (the first one named wins: a SIGSTOP drill
         stays a "hang" dated from the injection, when the hang detector later kills it).
         An event of its own, so that a replay of the log names the fault the same way."""
-        self.emit(Event.INJECTED, {"worker": worker, "kind": kind, "at": at})
+        emit_as(self.emit, InjectedFields(worker, kind, at))
 
     def _on_injected(self, f: Mapping[str, object]) -> None:
         self._drills.setdefault(int(str(f["worker"])), (str(f["kind"]), float(str(f["at"]))))

@@ -37,7 +37,15 @@ from ftrun.agent.watch import Drain, Finding, Kill, Rebuild
 from ftrun.agent.workers import NodeWorkers
 from ftrun.core import timeouts
 from ftrun.core.errors import Deposed, SteppingDown
-from ftrun.core.events import Event, EventSink
+from ftrun.core.events import (
+    EventSink,
+    FailureFields,
+    RestartFields,
+    SignalFields,
+    StartedFields,
+    emit_as,
+    notice,
+)
 from ftrun.core.exits import EXIT_REQUEUE, signal_name
 from ftrun.core.policy import Action, Decision
 from ftrun.core.spec import RunSpec
@@ -163,14 +171,14 @@ class Agent:
             return RunResult(code, decision.reason, exits=tuple(outcome.exits),
                              restarts_used=restarts, log_dir=log_dir)
         if not self.port.uses_api():  # in-process faults were announced already
-            self.emit(Event.FAILURE, {"reason": decision.reason, "rank": decision.culprit})
+            emit_as(self.emit, FailureFields(decision.reason, decision.culprit))
         stop_sig = self._stop_workers(signal.SIGTERM, self.spec.shutdown_timeout)
         self.workers.close_streams()
         if stop_sig is not None:
             return self.signal_result(stop_sig, restarts)
         if decision.action is Action.RESTART_GROUP:
             self.services.snapshots.restarting()
-            self.emit(Event.RESTART, {"reason": decision.reason, "attempt": restarts + 1})
+            emit_as(self.emit, RestartFields(decision.reason, restarts + 1))
             return None
         return RunResult(1, decision.reason, cause=outcome.cause, exits=self.workers.exits(),
                          restarts_used=restarts, log_dir=log_dir)
@@ -200,9 +208,9 @@ class Agent:
         return static_port(self.spec)
 
     def _prepare_env(self) -> None:
-        notice = shared_env(self.spec, self.base_env)
-        if notice:
-            self.emit(Event.NOTICE, {"text": notice})
+        said = shared_env(self.spec, self.base_env)
+        if said:
+            notice(self.emit, said)
         self.update_attempt(master_addr=self.spec.master_addr if self._static_port() is not None
                             else advertised_addr(self.spec.local_addr))
 
@@ -229,9 +237,9 @@ class Agent:
             return
         for local_rank in range(self.spec.nproc):
             self.workers.spawn(local_rank, rank=local_rank, local_rank=local_rank)
-        self.emit(Event.STARTED, {"attempt": restarts, "world_size": self.attempt.world_size,
-                                  "pids": [w.spawned.pid for w in self.workers.all],
-                                  "master": f"{self.attempt.master_addr}:{hosted.port}"})
+        emit_as(self.emit, StartedFields(restarts, self.attempt.world_size,
+                                         tuple(w.spawned.pid for w in self.workers.all),
+                                         f"{self.attempt.master_addr}:{hosted.port}"))
 
     def _supervise(self) -> Outcome:
         outcome = Outcome()
@@ -239,9 +247,9 @@ class Agent:
             return self._watch(outcome)
         except Deposed as exc:  # its leadership ended (etcd refused a generation, or lapsed)
             if isinstance(exc, SteppingDown):  # another agent leads: this one will follow it
-                self.emit(Event.NOTICE, {"text": exc.one_line()})
+                notice(self.emit, exc.one_line())
             elif self.port.uses_api():  # else _attempt tells it
-                self.emit(Event.FAILURE, {"reason": exc.one_line(), "rank": None})
+                emit_as(self.emit, FailureFields(exc.one_line()))
             outcome.decision = Decision(Action.FAIL, exc.one_line())
             return outcome
 
@@ -278,9 +286,9 @@ class Agent:
         whole = self.spec.nnodes_max > 1 and self.spec.rdzv_backend != "etcd" and \
             self.cluster.index == 0  # the c10d store goes with this node
         req = self.notices.take(sig, self.cluster.index, rec.membership.members, whole)
-        self.emit(Event.NOTICE, {"text": f"received {signal_name(sig)}: a notice; handing "
-                                 f"this node's ranks over within {self.spec.drain_window:g} s "
-                                 "(--drain-window; a second signal stops at once)"})
+        notice(self.emit, f"received {signal_name(sig)}: a notice; handing "
+                          f"this node's ranks over within {self.spec.drain_window:g} s "
+                          "(--drain-window; a second signal stops at once)")
         rec.drains.start(req)
         return None
 
@@ -305,7 +313,7 @@ class Agent:
                 self._killed.add(key)
                 self.services.journal.drill_injected(f.worker, f.why, time.time())
                 if f.notice:
-                    self.emit(Event.NOTICE, {"text": f.notice})
+                    notice(self.emit, f.notice)
             elif isinstance(f, Drain):
                 self.port.start_drain(f.request)
             elif (isinstance(f, Rebuild) and self.recovery is not None
@@ -320,11 +328,10 @@ class Agent:
         assert outcome.signum is not None
         sig = outcome.signum
         alive = len(self.workers.alive())
-        self.emit(Event.SIGNAL, {"signal": signal_name(sig), "workers": alive,
-                             "grace_s": self.spec.shutdown_timeout})
+        emit_as(self.emit, SignalFields(signal_name(sig), alive, self.spec.shutdown_timeout))
         again = self._stop_workers(sig, self.spec.shutdown_timeout)
         if again is not None:
-            self.emit(Event.SIGNAL, {"signal": signal_name(again), "workers": 0, "grace_s": 0})
+            emit_as(self.emit, SignalFields(signal_name(again), 0, 0.0))
         self.workers.close_streams()
         return self.signal_result(sig, restarts)
 

@@ -21,11 +21,12 @@ from ftrun.agent.inbox import Inbox
 from ftrun.agent.ports import RecoveryPort
 from ftrun.agent.redo import EnterLater
 from ftrun.agent.replica_groups import ReplicaGroups
+from ftrun.agent.reports import event_of
 from ftrun.agent.roster import RemoteWorker, Worker
 from ftrun.agent.script_ends import ScriptEnds
 from ftrun.agent.spares import Spares, near
 from ftrun.core import timeouts
-from ftrun.core.events import Event
+from ftrun.core.events import FaultFields, TrainedFields, emit_as, notice
 from ftrun.core.exits import EXIT_CORRUPT, describe_exit
 from ftrun.core.membership import Membership, WorkerRole
 from ftrun.core.policy import (
@@ -55,7 +56,6 @@ from ftrun.protocol.rendezvous import (
     Suspect,
     node_of,
     publish,
-    to_fields,
 )
 from ftrun.protocol.snapshots import EXIT_CANNOT_RESUME
 
@@ -72,7 +72,7 @@ class Recovery:
         self.store = store
         self.membership = adopted or Membership(port.initial_members())
         self.faults = 0
-        self.inbox = Inbox(port.wake, lambda text: port.emit(Event.NOTICE, {"text": text}))
+        self.inbox = Inbox(port.wake, lambda text: notice(port.emit, text))
         self._known: set[int] = set()  # workers this job started, as last looked up
         self._reported: set[int] = set()  # generations whose recovery was announced
         self.ends = ScriptEnds()  # past training: scripts ended, post-training work owed
@@ -152,8 +152,8 @@ class Recovery:
             self._take_queued()  # a stage it told just before it died decides the fault
         if code == 0 or self.ends.ended(wid):
             if code != 0:  # its script had ended: its work is done, it cannot heal anyone
-                self.port.emit(Event.NOTICE, {"text": f"worker {wid} exited with "
-                                              f"{describe_exit(code)} after its script ended"})
+                notice(self.port.emit, f"worker {wid} exited with "
+                                       f"{describe_exit(code)} after its script ended")
             self.membership.move(wid, R.FINISHED)
             self._release_if_ended()
             return None
@@ -172,10 +172,10 @@ class Recovery:
     def _on_stage(self, req: Stage) -> None:
         if req.stage == "trained" and not self._trained_told:  # the journal's end of training
             self._trained_told = True
-            self.port.emit(Event.TRAINED, {"worker": req.worker, "step": req.step})
+            emit_as(self.port.emit, TrainedFields(req.step, req.worker))
         refused = self.ends.on_stage(req)
         if refused:
-            self.port.emit(Event.NOTICE, {"text": refused})
+            notice(self.port.emit, refused)
         self._release_if_ended()
 
     def _release_if_ended(self) -> None:
@@ -186,7 +186,7 @@ class Recovery:
         never replaced fails it)."""
         d = self.ends.verdict()
         if d.action is Action.FAIL:
-            self.port.emit(Event.NOTICE, {"text": d.reason})
+            notice(self.port.emit, d.reason)
         return d
 
     def _on_member_fault(self, w: AnyWorker, why: str,
@@ -240,14 +240,15 @@ class Recovery:
     def _emit_fault(self, fields: dict[str, Any]) -> None:
         """A fault event, with the highest step committed before it (the journal's lost work)."""
         steps = [self.port.committed_step(m) for m in self.membership.members]
-        self.port.emit(Event.FAULT, {"committed_before": max(steps, default=-1), **fields})
+        emit_as(self.port.emit,
+                FaultFields(**{"committed_before": max(steps, default=-1), **fields}))
 
     def rebuild(self, reason: str) -> bool:
         """The group is stuck, no member to blame: a new communicator (False: over budget)."""
         self.faults += 1
         d = decide_rebuild(self._snapshot(), reason)
         if d.action is FaultAction.NONE:
-            self.port.emit(Event.NOTICE, {"text": d.reason})
+            notice(self.port.emit, d.reason)
             return False
         self._emit_fault({"worker": -1, "rank": -1, "why": "comm", "decision": d.action.value,
                           "reason": d.reason, "detected_at": time.time()})
@@ -333,18 +334,13 @@ class Recovery:
                 return self._on_comm_failed(req)
             case Suspect():
                 self.port.suspect()
-            case Resumed():
-                self.port.emit(Event.RESUMED, to_fields(req))
-            case Healed():
-                rate = req.nbytes / req.seconds / 1e9 if req.seconds > 0 else 0.0
-                self.port.emit(Event.HEALED, {**to_fields(req), "gb_per_s": round(rate, 3)})
-            case StateSize():
-                self.port.emit(Event.STATE_SIZE, to_fields(req))
+            case Resumed() | Healed() | StateSize():
+                emit_as(self.port.emit, event_of(req))
             case Recovered():
                 self._committed_first(req.worker)
                 if req.generation not in self._reported:
                     self._reported.add(req.generation)  # the first member to commit
-                    self.port.emit(Event.RECOVERED, to_fields(req))
+                    emit_as(self.port.emit, event_of(req))
                     self.groups.back_in_service(req)
                     self.later.committed()
                     self.drains.recovered(req)

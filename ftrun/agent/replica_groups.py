@@ -23,7 +23,7 @@ from typing import Any
 from ftrun.agent.generations import Generations, Respawns
 from ftrun.agent.ports import RecoveryPort
 from ftrun.agent.script_ends import ScriptEnds
-from ftrun.core.events import Event
+from ftrun.core.events import notice
 from ftrun.core.membership import Membership, WorkerRole
 from ftrun.core.policy import FaultDecision, Snapshot
 from ftrun.core.replica_groups import (
@@ -227,7 +227,7 @@ class ReplicaGroups:
         if self.out_since is None or not full or req.fault_at:
             return
         ms = (req.first_commit - self.out_since) * 1000
-        self.port.emit(Event.NOTICE, {"text": f"replica groups back in service: generation "
-                                              f"{req.generation} committed step {req.step} at "
-                                              f"full size, {ms:.0f} ms after the fault"})
+        notice(self.port.emit, f"replica groups back in service: generation "
+                               f"{req.generation} committed step {req.step} at "
+                               f"full size, {ms:.0f} ms after the fault")
         self.out_since = None

@@ -25,7 +25,7 @@ from ftrun.agent.roster import RunResult
 from ftrun.agent.snapshots import SnapshotKeeper
 from ftrun.agent.timeline import FILE as TIMELINE_FILE
 from ftrun.agent.watch import HealthWatch
-from ftrun.core.events import Event, EventSink
+from ftrun.core.events import EventSink, notice
 from ftrun.core.spec import RunSpec
 
 
@@ -65,7 +65,7 @@ class RunServices:
         if self.metrics is not None:
             self.control_plane.metrics_url = self.metrics.url
             self.metrics.serve(self.control_plane.status)
-            self.journal.emit(Event.NOTICE, {"text": self.metrics.notice})
+            notice(self.journal.emit, self.metrics.notice)
         self.control_plane.serve()  # last: a request may come at once, from another thread
 
     def finish(self, result: RunResult) -> RunResult:

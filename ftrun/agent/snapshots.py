@@ -37,7 +37,15 @@ from ftrun.adapters import room, sharded_io, snapshot_io
 from ftrun.adapters.leftovers import remove_dead_slots, shm_prefix, shm_root, spill_prefix
 from ftrun.core import timeouts
 from ftrun.core.errors import FtrunError, first_line
-from ftrun.core.events import Event, EventSink
+from ftrun.core.events import (
+    EventSink,
+    Fields,
+    NoticeFields,
+    SnapshotFailedFields,
+    SnapshotFields,
+    emit_as,
+    notice,
+)
 from ftrun.core.spec import RunSpec
 from ftrun.protocol.rendezvous import WORKER_ID_STRIDE
 from ftrun.protocol.shard_sets import complete_sets
@@ -92,7 +100,7 @@ class SnapshotKeeper:
         self.last: dict[str, Any] | None = None  # the newest snapshot written to disk
         self.failed: list[str] = []  # why each failed write failed
         self._written_step = -1
-        self._results: queue.SimpleQueue[tuple[Event, dict[str, Any]]] = queue.SimpleQueue()
+        self._results: queue.SimpleQueue[Fields] = queue.SimpleQueue()  # events, in order
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.off = ""  # why a worker found no room for its slots anywhere: snapshots are off
@@ -116,7 +124,7 @@ class SnapshotKeeper:
         others = [(s, owner) for s, p in disk_snapshots(self.base)
                   if (owner := owner_of(p)) is not None]
         if others and not spec.resume:
-            self._emit(Event.NOTICE, {"text": _others_text(self.base, self.run, *others[0])})
+            notice(self._emit, _others_text(self.base, self.run, *others[0]))
 
     @property
     def private_dirs(self) -> tuple[str, ...]:
@@ -176,10 +184,10 @@ class SnapshotKeeper:
         """The main loop reports what the writer thread did (the journal is not thread-safe)."""
         while True:
             try:
-                kind, fields = self._results.get_nowait()
+                fields = self._results.get_nowait()
             except queue.Empty:
                 return
-            self._emit(kind, fields)
+            emit_as(self._emit, fields)
 
     def describe(self, now: float) -> dict[str, Any] | None:
         if not self.on:
@@ -203,9 +211,9 @@ class SnapshotKeeper:
             self.drain()
         if self.failed:  # the end of the run says it, not only the moment it happened
             newest = f"step {self.last['step']}" if self.last else "none"
-            self._emit(Event.NOTICE, {"text": f"snapshots: {len(self.failed)} could not be "
+            notice(self._emit, f"snapshots: {len(self.failed)} could not be "
                                               f"written (the last: {self.failed[-1]}); the "
-                                              f"newest on disk: {newest}"})
+                                              f"newest on disk: {newest}")
         for d in self.private_dirs:
             shutil.rmtree(d, ignore_errors=True)
         self.shm = self.spill = ""
@@ -222,8 +230,8 @@ class SnapshotKeeper:
                 self._write_newest()
                 self._heard_off()
             except Exception as exc:  # the writer outlives any one snapshot's trouble
-                self._results.put((Event.NOTICE, {"text": f"snapshot writer: "
-                                                          f"{type(exc).__name__}: {exc}"[:300]}))
+                self._results.put(NoticeFields(
+                    f"snapshot writer: {type(exc).__name__}: {exc}"[:300]))
             if stopping:
                 return
 
@@ -231,7 +239,7 @@ class SnapshotKeeper:
         """A worker found no room for its slots anywhere: one line and an event, once."""
         if not self.off and (why := told_off(self.private_dirs)):
             self.off = why
-            self._results.put((Event.NOTICE, {"text": why}))
+            self._results.put(NoticeFields(why))
 
     def _write_newest(self) -> None:
         if self.spec.shard_size > 1:
@@ -313,15 +321,14 @@ class SnapshotKeeper:
             why = first_line(f"{type(exc).__name__}: {exc}")
             why += _room(self.disk, rec.total_bytes)
             self.failed.append(why)
-            self._results.put((Event.SNAPSHOT_FAILED, {"step": rec.step, "dir": self.disk,
-                                                       "error": why}))
+            self._results.put(SnapshotFailedFields(rec.step, self.disk, why))
             return
         self._written_step = rec.step
         prune(self.disk, self.spec.snapshot_keep, self.run)
         self.last = {"step": rec.step, "taken_at": rec.taken_at, "bytes": rec.total_bytes,
                      "blocking_ms": rec.blocking_ms,
                      "write_ms": round((time.time() - started) * 1000, 1), "path": final}
-        self._results.put((Event.SNAPSHOT, dict(self.last)))
+        self._results.put(SnapshotFields(**self.last))
 
 
 def _others_text(base: str, run: str, step: int, owner: str) -> str:

@@ -25,7 +25,7 @@ from ftrun.adapters.zygote import (
     warm_first,
 )
 from ftrun.core.errors import UsageError
-from ftrun.core.events import Event, EventSink
+from ftrun.core.events import EventSink, notice
 from ftrun.core.exits import describe_exit
 from ftrun.core.spec import RunSpec
 
@@ -138,7 +138,7 @@ class WorkerStarter:
             self._notice(why)
 
     def _notice(self, text: str) -> None:
-        self.emit(Event.NOTICE, {"text": text})
+        notice(self.emit, text)
 
     def reap_strays(self, workers: Sequence[int], guardian: int) -> None:
         """Orphans the kernel handed to the agent (a dead worker's children) are reaped."""

@@ -24,7 +24,7 @@ from ftrun.agent.ports import WatchPort
 from ftrun.core import timeouts
 from ftrun.core.drains import DrainRequest
 from ftrun.core.errors import FtrunError
-from ftrun.core.events import Event
+from ftrun.core.events import GpuFields, StragglerFields, emit_as, notice
 from ftrun.core.membership import Membership
 from ftrun.core.policy import (
     Liveness,
@@ -87,7 +87,7 @@ class HealthWatch:
             spec.nproc + spec.spares + (1 if spec.spares == 0 else 0))
         backend, message = open_backend(spec.gpu_backend, count)
         if message:
-            port.emit(Event.NOTICE, {"text": message})
+            notice(port.emit, message)
         self.backend = backend
         self.uuids = (uuids_by_local_rank(backend, os.environ.get("CUDA_VISIBLE_DEVICES"))
                       if backend else [])
@@ -133,8 +133,7 @@ class HealthWatch:
         uuid = self.uuids[local_rank]
         self.suspects[uuid] = why
         self.excluded.add(uuid)
-        self.port.emit(Event.GPU, {"uuid": uuid, "health": SUSPECT, "reason": why,
-                                   "local_ranks": [local_rank]})
+        emit_as(self.port.emit, GpuFields(uuid, SUSPECT, why, (local_rank,)))
 
     def gpu_table(self) -> list[dict[str, object]]:
         """Every GPU of this node in local-rank order, excluded ones included."""
@@ -149,8 +148,8 @@ class HealthWatch:
         for local_rank, uuid in enumerate(self.uuids):
             if uuid not in self.excluded and local_rank not in busy:
                 return local_rank
-        self.port.emit(Event.NOTICE, {"text": "no healthy GPU is free: the replacement starts "
-                                          "without one of its own"})
+        notice(self.port.emit, "no healthy GPU is free: the replacement starts "
+                               "without one of its own")
         return len(self.uuids) + preferred
 
     def inject(self, index: int, kind: str, xid: int | None) -> str:
@@ -167,8 +166,8 @@ class HealthWatch:
             except queue.Empty:
                 return found
             local = [i for i, u in enumerate(self.uuids) if u == uuid]
-            self.port.emit(Event.GPU, {"uuid": uuid, "health": verdict.health.value,
-                                   "reason": verdict.reason, "local_ranks": local})
+            emit_as(self.port.emit, GpuFields(uuid, verdict.health.value, verdict.reason,
+                                              tuple(local)))
             if verdict.health is Health.FAILED:
                 self.excluded.add(uuid)
                 found += [Kill(w.worker_id, f"gpu: {verdict.reason}")
@@ -302,7 +301,7 @@ class HealthWatch:
         if all(m.generation >= generation for m in rows):  # one replica kept: not again
             self._kept.update(m.worker for m in rows if m.worker not in out)
             self._kept_step = step
-        self.port.emit(Event.NOTICE, {"text": f"hang: {why}"})
+        notice(self.port.emit, f"hang: {why}")
         return [Kill(worker, "hang") for worker in out]
 
     def _check_straggler(self, members: list[Liveness]) -> list[Finding]:
@@ -313,7 +312,7 @@ class HealthWatch:
             return []
         self.stragglers[found[0]] = found[1]
         evict = self.port.spec.evict_stragglers
-        self.port.emit(Event.STRAGGLER, {"worker": found[0], "reason": found[1], "evicted": evict})
+        emit_as(self.port.emit, StragglerFields(found[0], found[1], evict))
         return [Kill(found[0], "straggler")] if evict else []
 
 

@@ -24,7 +24,7 @@ from ftrun.agent.roster import Worker
 from ftrun.agent.services import RunServices
 from ftrun.agent.starter import WorkerStarter
 from ftrun.core import timeouts
-from ftrun.core.events import Event, EventSink
+from ftrun.core.events import EventSink, ExitFields, SpawnedFields, emit_as
 from ftrun.core.exits import EXIT_CORRUPT
 from ftrun.core.spec import RunSpec
 from ftrun.core.states import WorkerState
@@ -89,9 +89,8 @@ class NodeWorkers:
         self.next_id = max(self.next_id, worker_id + 1)
         if self._sel is not None and spawned.pidfd is not None:
             self._sel.register(spawned.pidfd, selectors.EVENT_READ, worker)
-        self.emit(Event.SPAWNED, {"worker": worker_id, "rank": rank, "local_rank": local_rank,
-                                  "pid": spawned.pid, "via": spawned.via, "spare": spare,
-                                  "zygote": self.starter.zygote_pid(spawned)})
+        emit_as(self.emit, SpawnedFields(worker_id, rank, local_rank, spawned.pid, spawned.via,
+                                         spare, self.starter.zygote_pid(spawned)))
         return worker
 
     @contextlib.contextmanager
@@ -149,8 +148,7 @@ class NodeWorkers:
         w.spawned.close()
         end_group(w.spawned.pid)  # what it left in its group goes too (a resource tracker last)
         self.guardian.forget(w.spawned.pid)
-        self.emit(Event.EXIT, {"rank": w.rank, "pid": w.spawned.pid, "returncode": code,
-                               "by_launcher": by_launcher})
+        emit_as(self.emit, ExitFields(w.rank, w.spawned.pid, code, by_launcher))
         if code == EXIT_CORRUPT and not by_launcher:  # outvoted by its replicas (#53)
             self.services.health.suspect(w.local_rank, f"worker {w.worker_id} held corrupt "
                                          "state on it (silent corruption)")

@@ -24,7 +24,7 @@ from ftrun.agent.roster import RemoteWorker
 from ftrun.cluster.coordinating import Coordinating
 from ftrun.cluster.link import NODE_COUNTER
 from ftrun.core import timeouts
-from ftrun.core.events import Event
+from ftrun.core.events import notice
 from ftrun.core.membership import Membership, View
 from ftrun.protocol.rendezvous import Generation, node_of
 
@@ -49,8 +49,8 @@ def adopt(coord: Coordinating, workers_store: HostedStore, held: Generation,
     host.update_attempt(world_size=len(held.members),
                         group_world_size=1 + len(coord.other_nodes()))
     lost = [m for m in held.members if m not in alive]
-    host.emit(Event.NOTICE, {"text": f"took over generation {held.number} of {len(alive)} "
-                                     f"live workers; {len(lost)} of its members are lost"})
+    notice(host.emit, f"took over generation {held.number} of {len(alive)} "
+                      f"live workers; {len(lost)} of its members are lost")
     for node in sorted({node_of(m) for m in lost}):
         gone = [_lost_worker(held, m, node, lost_at) for m in lost if node_of(m) == node]
         left = 1 + len(coord.other_nodes())

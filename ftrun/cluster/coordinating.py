@@ -50,7 +50,7 @@ from ftrun.cluster.plane import C10dPlane, Plane, deposed
 from ftrun.cluster.remotes import RemoteWorkers
 from ftrun.core import timeouts
 from ftrun.core.errors import FtrunError
-from ftrun.core.events import Event
+from ftrun.core.events import notice
 from ftrun.core.membership import WorkerRole
 from ftrun.core.node_flags import shared_flags
 from ftrun.core.policy import Decision, Liveness, find_lost_nodes
@@ -199,8 +199,7 @@ class Coordinating:
                 return
             match msg:
                 case str():
-                    self.host.emit(Event.NOTICE,
-                                   {"text": f"ignored a malformed agent message ({msg})"})
+                    notice(self.host.emit, f"ignored a malformed agent message ({msg})")
                 case Join():
                     self._on_join(msg)
                 case Exited() if (msg.worker in self.workers.by_id
@@ -231,14 +230,14 @@ class Coordinating:
         if refused is not None:
             self.table.send(node, End(code=1, reason=refused, lost=False, refused=True))
             self._last_refusal = f"{node.label} was refused: {refused}"
-            self.host.emit(Event.NOTICE, {"text": f"{node.label} refused: {refused}"})
+            notice(self.host.emit, f"{node.label} refused: {refused}")
             return
         self.nodes[node.index] = node
         self.watch.watch(node.index)  # a node waiting to be used can die too
         if msg.running:
             self._adopt_node(node, msg.running)
             return
-        self.host.emit(Event.NOTICE, {"text": f"{node.label} joined with {node.nproc} workers"})
+        notice(self.host.emit, f"{node.label} joined with {node.nproc} workers")
         # while an attempt runs, the main loop's next pass admits it (`_admit_waiting`)
 
     # ----------------------------------------------------------------- a takeover (etcd)
@@ -248,8 +247,7 @@ class Coordinating:
         ids = self.workers.adopt(node.index, running)
         node.in_attempt = True
         self.table.send(node, self._start(-1, node.index, 0, spare=False, adopt=True))
-        self.host.emit(Event.NOTICE,
-                       {"text": f"{node.label} came over with {len(ids)} live workers"})
+        notice(self.host.emit, f"{node.label} came over with {len(ids)} live workers")
 
     def _admit_waiting(self) -> None:
         """Nodes that joined the running job enter in join order while it has room: at
@@ -262,7 +260,7 @@ class Coordinating:
                 rec.groups.node_waits(len(self.members)) if rec is not None else None)
             if why is not None:
                 if self._waiting.news(node.index, why):
-                    self.host.emit(Event.NOTICE, {"text": f"{node.label} waits: {why}"})
+                    notice(self.host.emit, f"{node.label} waits: {why}")
                 return
             self._waiting.forget(node.index)
             self._admit(node)
@@ -277,7 +275,7 @@ class Coordinating:
         host.update_attempt(group_world_size=group_rank + 1)
         entering = len(rec.membership.members) + len(
             rec.membership.with_role(WorkerRole.JOINING, WorkerRole.READY))
-        self.host.emit(Event.NOTICE, {"text": f"{node.label} enters the running job"})
+        notice(self.host.emit, f"{node.label} enters the running job")
         if entering >= len(self.members):
             rec.add_spares(self._start_node(node, -1, group_rank, spare=True))
             return
@@ -336,7 +334,7 @@ class Coordinating:
         node.alive = False
         self.watch.forget(node.index)
         self._waiting.forget(node.index)
-        self.host.emit(Event.NOTICE, {"text": f"{node.label} is lost: {why}"})
+        notice(self.host.emit, f"{node.label} is lost: {why}")
         self.table.send(node, End(code=1, reason=f"the coordinator dropped this node ({why})",
                              lost=True, refused=False))
         gone = self.workers.lost(node.index)

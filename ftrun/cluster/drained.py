@@ -27,7 +27,7 @@ from ftrun.cluster.messages import Draining, End
 from ftrun.cluster.nodewatch import NodeWatch
 from ftrun.cluster.remotes import RemoteWorkers
 from ftrun.core.drains import DrainRequest, DrainState
-from ftrun.core.events import Event
+from ftrun.core.events import notice
 from ftrun.core.policy import Action, Decision
 from ftrun.protocol.rendezvous import node_of
 
@@ -123,4 +123,4 @@ class NodeDrains:
         return Decision(Action.SUCCEED, self.stepping_down)
 
     def _say(self, text: str) -> None:
-        self.host.emit(Event.NOTICE, {"text": text})
+        notice(self.host.emit, text)

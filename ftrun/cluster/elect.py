@@ -25,7 +25,7 @@ from ftrun.cluster.link import Endpoint
 from ftrun.cluster.plane import EtcdPlane, agent_name
 from ftrun.cluster.stepdown import rejoin
 from ftrun.core import timeouts
-from ftrun.core.events import Event
+from ftrun.core.events import notice
 
 
 def elected(host: NodeHost) -> Cluster:
@@ -36,13 +36,13 @@ def elected(host: NodeHost) -> Cluster:
     load_c10d()  # before the lease: its keep-alive thread must never wait out libtorch's load
     name, hostname = agent_name()
     plane = EtcdPlane(EtcdConf.from_spec(spec), name, hostname,
-                      lambda text: host.emit(Event.NOTICE, {"text": text}))
+                      lambda text: notice(host.emit, text))
     try:
         if plane.lead(timeouts.ETCD_FIRST_CAMPAIGN_S):
             hosted = HostedStore(0)  # a free port on every interface
             ep = Endpoint(spec.local_addr or hostname, hosted.port)
-            host.emit(Event.NOTICE, {"text": f"this agent leads the job (elected in etcd at "
-                                             f"{plane.conf.where}); its store is at {ep}"})
+            notice(host.emit, f"this agent leads the job (elected in etcd at "
+                              f"{plane.conf.where}); its store is at {ep}")
             return Coordinating(host, hosted, ep, plane,
                                 step_down=functools.partial(rejoin, host, plane, Following))
         join_s = spec.timings.join_timeout

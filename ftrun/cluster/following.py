@@ -66,7 +66,7 @@ from ftrun.cluster.succession import Leaderless, leaderless, succeed
 from ftrun.cluster.succession import Rejoin as Rejoining
 from ftrun.core import timeouts
 from ftrun.core.errors import FtrunError
-from ftrun.core.events import Event
+from ftrun.core.events import StartedFields, emit_as, notice
 from ftrun.core.fencing import cut_off
 from ftrun.core.node_flags import shared_flags
 
@@ -163,8 +163,7 @@ class Following(NoOtherNodes):
                           net_drill=self.net.refusal, running=running,
                           flags=shared_flags(self.spec)))
         self.plane.register(self.index)
-        self.host.emit(Event.NOTICE,
-                       {"text": f"joined the rendezvous at {self.ep} as node {self.index}"})
+        notice(self.host.emit, f"joined the rendezvous at {self.ep} as node {self.index}")
         try:
             return self._serve()
         finally:
@@ -197,7 +196,7 @@ class Following(NoOtherNodes):
                     self._refused(why)
 
     def _refused(self, why: str) -> None:
-        self.host.emit(Event.NOTICE, {"text": f"ignored a malformed command ({why})"})
+        notice(self.host.emit, f"ignored a malformed command ({why})")
 
     def _net_down(self, cmd: NetDown) -> None:
         assert self.net is not None
@@ -250,10 +249,9 @@ class Following(NoOtherNodes):
             self._report(Spawned(node=self.index, worker=w.worker_id, pid=w.spawned.pid,
                                  local_rank=i))
         a = host.attempt
-        host.emit(Event.STARTED, {"attempt": a.restarts, "world_size": a.world_size,
-                                  "pids": [w.spawned.pid for w in host.workers.all],
-                                  "master": f"{a.master_addr}:{a.worker_port}",
-                              "node": self.index})
+        emit_as(host.emit, StartedFields(a.restarts, a.world_size,
+                                         tuple(w.spawned.pid for w in host.workers.all),
+                                         f"{a.master_addr}:{a.worker_port}", self.index))
 
     def _start_relay(self, cmd: Start) -> None:
         """This attempt's generation relay, before its workers start (they watch it)."""
@@ -263,7 +261,7 @@ class Following(NoOtherNodes):
         self._relay, why = open_relay(cmd.addr, cmd.port, self.index)
         self.host.update_attempt(relay_addr=self._relay.addr if self._relay is not None else "")
         if why:
-            self.host.emit(Event.NOTICE, {"text": why})
+            notice(self.host.emit, why)
 
     def _close_relay(self, link_works: bool) -> None:
         if self._relay is not None:

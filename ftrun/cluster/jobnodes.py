@@ -30,7 +30,7 @@ from ftrun.cluster.netdrill import NetDrills, check_duration, refuse
 from ftrun.cluster.nodewatch import NodeWatch
 from ftrun.core import timeouts
 from ftrun.core.errors import FtrunError, first_line
-from ftrun.core.events import Event
+from ftrun.core.events import notice
 from ftrun.core.policy import Liveness
 from ftrun.protocol.rendezvous import node_of
 from ftrun.protocol.status import Status
@@ -173,9 +173,9 @@ class NodeTable:
         for node, why in list(self._refused.items()):
             if node not in self._told:
                 self._told.add(node)
-                self.host.emit(Event.NOTICE, {"text": f"node {node}'s heartbeat payload is "
-                                                      f"refused ({why}): its workers are not "
-                                                      "shown nor watched"})
+                notice(self.host.emit, f"node {node}'s heartbeat payload is "
+                                       f"refused ({why}): its workers are not "
+                                       "shown nor watched")
 
     def publish_status(self) -> None:
         """Main loop: say what the status thread could not do; start it the first time."""
@@ -183,7 +183,7 @@ class NodeTable:
         if self._status is None:
             self._status = StatusThread(self._build_status, lambda: connect(self.ep, 30.0))
         if (why := self._status.failed()) is not None:
-            self.host.emit(Event.NOTICE, {"text": f"could not publish the job status: {why}"})
+            notice(self.host.emit, f"could not publish the job status: {why}")
 
     def _build_status(self) -> str:
         return json.dumps(self.host.services.control_plane.status().to_json())

@@ -21,7 +21,7 @@ from ftrun.agent.notices import Notices
 from ftrun.agent.roster import RunResult
 from ftrun.cluster.host import NodeHost
 from ftrun.cluster.messages import Draining, End, Left, Report
-from ftrun.core.events import Event
+from ftrun.core.events import FailureFields, emit_as, notice
 from ftrun.core.exits import EXIT_REQUEUE, signal_name
 
 
@@ -45,10 +45,10 @@ class Leaving:
         window = self.host.spec.drain_window
         self.report(Draining(node=index, reason=f"{signal_name(sig)}: a notice",
                              window_s=window))
-        self.host.emit(Event.NOTICE, {"text": f"received {signal_name(sig)}: a notice; the "
-                                      "coordinator hands this node's ranks over to other "
-                                      f"nodes within {window:g} s (--drain-window; a second "
-                                      "signal stops at once)"})
+        notice(self.host.emit, f"received {signal_name(sig)}: a notice; the "
+                               "coordinator hands this node's ranks over to other "
+                               f"nodes within {window:g} s (--drain-window; a second "
+                               "signal stops at once)")
         return None
 
     def expired(self, index: int) -> RunResult | None:
@@ -80,9 +80,9 @@ class Leaving:
         else:
             reason = f"the coordinator ended the job: {cmd.reason}"
         if cmd.code not in (0, EXIT_REQUEUE):  # a requeue is the scheduler's, not a failure
-            self.host.emit(Event.FAILURE, {"reason": reason, "rank": None})
+            emit_as(self.host.emit, FailureFields(reason))
         elif cmd.code == 0 and self.draining:
-            self.host.emit(Event.NOTICE, {"text": reason})
+            notice(self.host.emit, reason)
         return RunResult(cmd.code, reason, exits=workers.exits(),
                          restarts_used=self.host.attempt.restarts,
                          log_dir=self.host.services.logs.run_dir)

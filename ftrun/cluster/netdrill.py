@@ -12,7 +12,7 @@ from typing import Any
 
 from ftrun.adapters.netlink import NAMESPACE_HINT, LinkDrill, drill_target
 from ftrun.core.errors import FtrunError
-from ftrun.core.events import Event, EventSink
+from ftrun.core.events import EventSink, notice
 
 MAX_NET_DOWN_S = 3600.0
 
@@ -40,8 +40,8 @@ class NetDrills:
         if self.refusal:
             raise refuse(node, self.refusal)
         self._drill.start(self.device, check_duration(duration))
-        self._emit(Event.NOTICE, {"text": f"net-down drill: {self.device} down for "
-                                          f"{duration:g} s"})
+        notice(self._emit, f"net-down drill: {self.device} down for "
+                                          f"{duration:g} s")
         return {"node": node, "device": self.device, "duration": duration}
 
     def start_commanded(self, node: int, duration: float) -> None:
@@ -49,15 +49,15 @@ class NetDrills:
         try:
             self.start(node, duration)
         except FtrunError as exc:
-            self._emit(Event.NOTICE, {"text": f"net-down drill refused: {exc.message}"})
+            notice(self._emit, f"net-down drill refused: {exc.message}")
 
     def check(self) -> None:
         """The main loop's pass: a link that did not come back up is said once."""
         failed, self._drill.failed = self._drill.failed, None
         if failed:
-            self._emit(Event.NOTICE, {"text": failed})
+            notice(self._emit, failed)
 
     def close(self) -> None:
         failed = self._drill.restore()
         if failed:
-            self._emit(Event.NOTICE, {"text": failed})
+            notice(self._emit, failed)

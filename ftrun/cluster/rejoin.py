@@ -21,7 +21,7 @@ from ftrun.cluster.host import NodeHost
 from ftrun.cluster.link import Endpoint, connect, reach
 from ftrun.core import timeouts
 from ftrun.core.errors import FtrunError
-from ftrun.core.events import Event
+from ftrun.core.events import FailureFields, emit_as, notice
 from ftrun.core.fencing import Next, rejoin_step
 from ftrun.core.policy import _s
 
@@ -70,9 +70,8 @@ class Rejoin:
             return self._ended(f"{fenced.why}; stopped {fenced.stopped} worker"
                                f"{_s(fenced.stopped)} of this node")
         if self.rejoin_s > 0:
-            self.host.emit(Event.NOTICE, {
-                "text": f"fenced: cut off from {self._store_lost(fenced)}; trying to rejoin "
-                        f"for up to {self.rejoin_s:g} s"})
+            notice(self.host.emit, f"fenced: cut off from {self._store_lost(fenced)}; trying "
+                                   f"to rejoin for up to {self.rejoin_s:g} s")
         start, stable_since = time.monotonic(), None
         while (sig := self.host.wakeup.pop_signal()) is None:
             if self._moved():
@@ -112,6 +111,6 @@ class Rejoin:
         return self._ended(f"lost {self._store_lost(fenced)}; {why}")
 
     def _ended(self, reason: str) -> RunResult:
-        self.host.emit(Event.FAILURE, {"reason": reason, "rank": None})
+        emit_as(self.host.emit, FailureFields(reason))
         return RunResult(1, reason, restarts_used=self.host.attempt.restarts,
                          log_dir=self.host.services.logs.run_dir)

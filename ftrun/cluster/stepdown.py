@@ -22,7 +22,7 @@ from ftrun.cluster.host import NodeHost
 from ftrun.cluster.link import Endpoint
 from ftrun.cluster.plane import EtcdPlane, Plane, agent_name
 from ftrun.core.errors import FtrunError
-from ftrun.core.events import Event
+from ftrun.core.events import FailureFields, emit_as, notice
 
 Follower = Callable[[NodeHost, Endpoint, Plane], Cluster]  # cluster.following.Following
 CloseOld = Callable[[RunResult | None], None]  # the deposed coordinator's `close`
@@ -36,9 +36,9 @@ def rejoin(host: NodeHost, old: Plane, follower: Follower, result: RunResult,
     rejoin_s = host.spec.timings.rejoin_timeout
     if rejoin_s <= 0:
         return _ended(host, result, f"{old.ousted}; --rdzv-conf rejoin_timeout=0")
-    host.emit(Event.NOTICE, {"text": "this agent coordinates the job no more; it joins the job "
-                                     "again as a follower of the new leader (trying for up to "
-                                     f"{rejoin_s:g} s)"})
+    notice(host.emit, "this agent coordinates the job no more; it joins the job "
+                      "again as a follower of the new leader (trying for up to "
+                      f"{rejoin_s:g} s)")
     name, hostname = agent_name()
     try:
         plane = EtcdPlane(old.conf, name, hostname, old.records.notice)
@@ -54,5 +54,5 @@ def rejoin(host: NodeHost, old: Plane, follower: Follower, result: RunResult,
 
 
 def _ended(host: NodeHost, result: RunResult, reason: str) -> RunResult:
-    host.emit(Event.FAILURE, {"reason": reason, "rank": None})
+    emit_as(host.emit, FailureFields(reason))
     return dataclasses.replace(result, reason=reason)

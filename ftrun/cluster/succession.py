@@ -30,7 +30,7 @@ from ftrun.cluster.relay import GenerationRelay, connector
 from ftrun.cluster.stepdown import Follower, rejoin
 from ftrun.core import timeouts
 from ftrun.core.errors import FtrunError, first_line
-from ftrun.core.events import Event
+from ftrun.core.events import notice
 from ftrun.protocol.rendezvous import Generation
 
 
@@ -91,17 +91,17 @@ def _end_a_dead_leaders_lease(host: NodeHost, plane: EtcdPlane, old: Endpoint) -
     failed = probe_refusal(old)
     if failed is None or failed.errno != errno.ECONNREFUSED:
         how = "accepts connections" if failed is None else f"does not answer ({failed})"
-        host.emit(Event.NOTICE, {"text": f"the coordinator's store at {old} {how}: its etcd "
-                                         "lease is left to lapse"})
+        notice(host.emit, f"the coordinator's store at {old} {how}: its etcd "
+                          "lease is left to lapse")
         return
     try:
         outcome = plane.revoke_leader_of(old)
     except FtrunError as exc:  # etcd busy or away: the lease lapses on its own
-        host.emit(Event.NOTICE, {"text": f"the coordinator's store at {old} refuses "
-                                         f"connections; revoking its lease failed: {exc.message}"})
+        notice(host.emit, f"the coordinator's store at {old} refuses "
+                          f"connections; revoking its lease failed: {exc.message}")
         return
-    host.emit(Event.NOTICE, {"text": f"the coordinator's store at {old} refuses connections: "
-                                     f"{outcome}"})
+    notice(host.emit, f"the coordinator's store at {old} refuses connections: "
+                      f"{outcome}")
 
 
 def probe_refusal(old: Endpoint) -> OSError | None:
@@ -135,8 +135,8 @@ def _take_over(host: NodeHost, plane: EtcdPlane, index: int, relay: GenerationRe
                          step_down=functools.partial(rejoin, host, plane, follower))
     registered = plane.registered()
     plane.leader_changes += 1
-    host.emit(Event.NOTICE, {"text": f"the coordinator is gone ({lost.why}): node {index} "
-                                     f"coordinates the job now, its store at {ep}"})
+    notice(host.emit, f"the coordinator is gone ({lost.why}): node {index} "
+                      f"coordinates the job now, its store at {ep}")
 
     def follow(addr: str, port: int) -> None:
         relay.follow(connector(f"{addr}:{port}"))

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from dataclasses import fields as dataclass_fields
 from typing import Any, ClassVar, TypeVar
 
 from ftrun.core import records
@@ -165,6 +166,8 @@ class RecoveredFields(Fields):
     step: int | None = None
     first_commit: float | None = None
     redone_s: float | None = None  # --redo: the seconds its redo took (make-up or repeat)
+    redone_samples: int | None = None  # --redo: samples recomputed, job-wide (-1: not known)
+    redone_fraction: float | None = None  # ...as a fraction of the step's global batch
 
     def phases(self) -> list[tuple[str, float]]:
         """The phases that happened, by name, in order (wall clock)."""
@@ -306,6 +309,23 @@ FIELDS: dict[Event, type[Fields]] = {c.event: c for c in (
     FaultFields, GenerationFields, RecoveredFields, DrillFields, InjectedFields, GpuFields,
     StragglerFields, SnapshotFields, SnapshotFailedFields, ResumedFields, HealedFields,
     StateSizeFields, NoticeFields, TrainedFields, DrainFields)}
+
+
+def emit_as(sink: EventSink, fields: Fields) -> None:
+    """Emit `fields` under its own kind: every event ftrun emits is built as its record
+    (a layering test holds it), so a misspelt or missing field is a type error."""
+    sink(fields.event, fields.to_fields())
+
+
+def fields_from(kind: type[F], message: Any, **more: Any) -> F:
+    """`kind`'s record from a message (a dataclass) that carries its fields, and `more`."""
+    return kind(**{f.name: getattr(message, f.name) for f in dataclass_fields(message)},
+                **more)
+
+
+def notice(sink: EventSink, text: str) -> None:
+    """One line for the operator."""
+    emit_as(sink, NoticeFields(text))
 
 
 def fields_of(kind: Event, fields: Mapping[str, object]) -> Fields:
