@@ -71,14 +71,15 @@ def test_the_status_document_and_metrics_carry_each_heal_and_the_next_ones_estim
     from ftrun.adapters.metrics import heal_families
     from ftrun.agent.heals import HealLedger
     from ftrun.cli.status_view import heal_text
+    from ftrun.core.events import HealedFields, StateSizeFields
     from ftrun.protocol.status import Heal
 
     ledger = HealLedger()
     assert ledger.describe().estimate_s is None  # nothing measured yet
-    ledger.on_state_size({"worker": 0, "nbytes": 2_000_000_000})
+    ledger.on_state_size(StateSizeFields(worker=0, nbytes=2_000_000_000))
     for worker, nbytes, seconds in ((3, 1_000_000_000, 1.0), (4, 2_000_000_000, 0.5)):
-        ledger.on_healed({"worker": worker, "generation": 2, "step": 9, "nbytes": nbytes,
-                          "seconds": seconds, "sources": 2, "source_ranks": "0,2"}, 100.0)
+        ledger.on_healed(HealedFields(worker=worker, generation=2, step=9, nbytes=nbytes,
+                                      seconds=seconds, sources=2, source_ranks="0,2"), 100.0)
     doc = ledger.describe()
     assert doc.count == 2 and doc.bytes_total == 3_000_000_000
     assert doc.gb_per_s == 2.5 and doc.estimate_s == 0.8  # median of 1 and 4 GB/s

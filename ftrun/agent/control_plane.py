@@ -28,7 +28,7 @@ from ftrun.adapters.control import RunInfo, run_dir
 from ftrun.adapters.control_server import ControlServer
 from ftrun.adapters.slots import ProgressSlots
 from ftrun.agent.jobview import role_of
-from ftrun.agent.journal import Journal, fault_docs, summarize
+from ftrun.agent.journal import Journal, summarize
 from ftrun.agent.ports import ControlPort
 from ftrun.agent.roster import Worker
 from ftrun.agent.timeline import Timeline, sample_every_s
@@ -52,7 +52,7 @@ from ftrun.protocol.control import (
 )
 from ftrun.protocol.control_ops import DrainOp, InjectOp, StatusOp, check_request
 from ftrun.protocol.rendezvous import node_of
-from ftrun.protocol.status import Fault, Gpu, ReplicaGroup, Status, Summary, WorkerRow
+from ftrun.protocol.status import Gpu, ReplicaGroup, Status, Summary, WorkerRow
 
 
 def job_of(spec: RunSpec) -> str | None:
@@ -262,7 +262,7 @@ class ControlPlane:
             policy=spec.on_fault, spares=spec.spares, shard_size=spec.shard_size,
             attempt=port.restarts, log_dir=self.info.log_dir, ft_api=bool(ms and ms.uses_api),
             workers=self.rows(now), hang_timeout_s=round(self.health.timeout_s, 2) or None,
-            faults=tuple(Fault.from_json(f) for f in fault_docs(faults)),
+            faults=tuple(r.fault() for r in faults),
             summary=Summary.from_json(summarize(faults, now - self.info.started_at)),
             heal=self.journal.heals.describe(), steps_per_s=self.timeline.steps_per_s(),
             gpus=tuple(Gpu.from_json(g) for g in self.health.gpu_table()),

@@ -10,7 +10,6 @@ Must not import: torch, typer, rich, the CLI.
 from __future__ import annotations
 
 import statistics
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from ftrun.core.events import HealedFields, StateSizeFields
@@ -27,11 +26,10 @@ class HealLedger:
     bytes_total: int = 0
     seconds: list[float] = field(default_factory=list)  # every heal's, for the histogram
 
-    def on_state_size(self, fields: Mapping[str, object]) -> None:
-        self.state_bytes = max(self.state_bytes, StateSizeFields.of(fields).nbytes)
+    def on_state_size(self, f: StateSizeFields) -> None:
+        self.state_bytes = max(self.state_bytes, f.nbytes)
 
-    def on_healed(self, fields: Mapping[str, object], at: float) -> None:
-        f = HealedFields.of(fields)
+    def on_healed(self, f: HealedFields, at: float) -> None:
         self.count += 1
         self.bytes_total += f.nbytes
         self.seconds.append(f.seconds)

@@ -18,20 +18,33 @@ from dataclasses import asdict, dataclass, field
 from typing import IO, Any
 
 from ftrun.agent.heals import HealLedger
-from ftrun.core.errors import FtrunError
 from ftrun.core.events import (
     DrainFields,
     Event,
     EventSink,
+    FailureFields,
+    FaultFields,
+    GenerationFields,
+    HealedFields,
     InjectedFields,
     RecoveredFields,
+    RestartFields,
+    ResumedFields,
+    StartedFields,
+    StateSizeFields,
+    TrainedFields,
     emit_as,
     fields_of,
 )
 from ftrun.core.faultkinds import CORRUPTION_DRILLS, GROUP_DRILLS  # faults naming no worker
+from ftrun.protocol.status import Fault
 
 LOG_FILE = "events.jsonl"  # the journal's file in a run's log directory
 PHASES = ("detected", "published", "rebuilt", "healed", "first_commit")
+FOLDED = frozenset({  # the kinds fault records are made of
+    Event.FAULT, Event.FAILURE, Event.RESTART, Event.STARTED, Event.GENERATION,
+    Event.RECOVERED, Event.TRAINED, Event.DRAIN, Event.RESUMED, Event.HEALED,
+    Event.STATE_SIZE, Event.INJECTED})
 
 
 @dataclass
@@ -61,6 +74,11 @@ class FaultRecord:
     rolled_back_to: int | None = None  # silent corruption: the verified step every replica
     # went back to (a gradient caught before its commit: the step it repeated)
 
+    def fault(self) -> Fault:
+        """As the journal hands it out (`ftrun status`, the run's result): the protocol's
+        frozen record, no JSON in between."""
+        return Fault(**asdict(self))
+
 
 class Journal:
     def __init__(self, sink: EventSink, log_path: str | None = None) -> None:
@@ -73,16 +91,6 @@ class Journal:
         self._attempt_started_at = self.started_at
         self._restarting: list[FaultRecord] = []  # faults a whole-group restart answers
         self._restarted: list[FaultRecord] = []  # ...and that the attempt's resume may answer
-        self._folds = {Event.FAULT: self._on_fault, Event.FAILURE: self._on_failure,
-                       Event.RESTART: self._on_restart, Event.STARTED: self._on_started,
-                       Event.GENERATION: self._on_generation,
-                       Event.RECOVERED: self._on_recovered,
-                       Event.TRAINED: self._on_trained,
-                       Event.DRAIN: self._on_drain,
-                       Event.RESUMED: self._on_resumed,
-                       Event.HEALED: self._on_healed,
-                       Event.STATE_SIZE: self.heals.on_state_size,
-                       Event.INJECTED: self._on_injected}  # what fault records are made of
         self._now = self.started_at  # the time of the event being folded
         self.drains: dict[int, DrainFields] = {}  # drain id -> its newest state
         self._sizes: dict[int, int] = {}  # generation -> its world size
@@ -105,10 +113,35 @@ class Journal:
         self._sink(kind, fields)
 
     def _fold(self, kind: Event, fields: Mapping[str, object], now: float) -> None:
-        fold = self._folds.get(kind)
-        if fold is not None:
-            self._now = now
-            fold(fields)
+        """Fold an event of a kind fault records are made of, read as its record."""
+        if kind not in FOLDED:
+            return
+        self._now = now
+        match fields_of(kind, fields):
+            case FaultFields() as f:
+                self._on_fault(f)
+            case FailureFields() as f:
+                self._on_failure(f)
+            case RestartFields():
+                self._on_restart()
+            case StartedFields() as f:
+                self._on_started(f)
+            case GenerationFields() as f:
+                self._on_generation(f)
+            case RecoveredFields() as f:
+                self._on_recovered(f)
+            case TrainedFields() as f:
+                self._end_short(f.step)
+            case DrainFields() as f:
+                self.drains[f.drain] = f
+            case ResumedFields() as f:
+                self._on_resumed(f)
+            case HealedFields() as f:
+                self.heals.on_healed(f, now)
+            case StateSizeFields() as f:
+                self.heals.on_state_size(f)
+            case InjectedFields() as f:
+                self._drills.setdefault(f.worker, (f.kind, f.at))
 
     @classmethod
     def replay(cls, lines: list[dict[str, Any]]) -> Journal:
@@ -135,24 +168,18 @@ class Journal:
         An event of its own, so that a replay of the log names the fault the same way."""
         emit_as(self.emit, InjectedFields(worker, kind, at))
 
-    def _on_injected(self, f: Mapping[str, object]) -> None:
-        self._drills.setdefault(int(str(f["worker"])), (str(f["kind"]), float(str(f["at"]))))
-
     # -------------------------------------------------------------- folding events
-    def _on_fault(self, f: Mapping[str, object]) -> None:
-        worker = int(str(f["worker"]))
-        detected = float(str(f.get("detected_at", self._now)))
-        why = str(f.get("why", "fault"))
-        drill = self._drills.pop(worker, None) if worker >= 0 else self._group_drill(
-            CORRUPTION_DRILLS if why == "corruption" else GROUP_DRILLS)
-        kind, at = drill if drill else (why, detected)
-        rec = FaultRecord(id=len(self.faults) + 1, kind=kind, worker=worker,
-                          rank=int(str(f["rank"])), at=at, decision=str(f["decision"]),
-                          reason=str(f["reason"]), injected=drill is not None,
-                          committed_before=int(str(f.get("committed_before", -1))))
+    def _on_fault(self, f: FaultFields) -> None:
+        detected = self._now if f.detected_at is None else f.detected_at
+        drill = self._drills.pop(f.worker, None) if f.worker >= 0 else self._group_drill(
+            CORRUPTION_DRILLS if f.why == "corruption" else GROUP_DRILLS)
+        kind, at = drill if drill else (f.why, detected)
+        rec = FaultRecord(id=len(self.faults) + 1, kind=kind, worker=f.worker, rank=f.rank,
+                          at=at, decision=f.decision, reason=f.reason,
+                          injected=drill is not None, committed_before=f.committed_before)
         rec.phases_ms = {"detected": round((detected - at) * 1000, 1)}
-        if f.get("rolled_back_to") is not None:
-            _rolled_back(rec, f)
+        if f.rolled_back_to is not None:
+            _rolled_back(rec, f, f.rolled_back_to)
         self.faults.append(rec)
 
     def _group_drill(self, kinds: tuple[str, ...]) -> tuple[str, float] | None:
@@ -164,18 +191,18 @@ class Journal:
         self._drills = {w: d for w, d in self._drills.items() if d[0] not in kinds}
         return (taken[0][1], taken[0][0]) if taken else None
 
-    def _on_failure(self, f: Mapping[str, object]) -> None:
+    def _on_failure(self, f: FailureFields) -> None:
         """A failure on torchrun's path (a script without the API): a fault record too."""
-        rank = int(str(f["rank"])) if f.get("rank") is not None else -1
+        rank = -1 if f.rank is None else f.rank
         drill = self._drills.pop(rank, None)  # first-attempt worker ids are the ranks
         now = self._now
         kind, at = drill if drill else ("failure", now)
         self.faults.append(FaultRecord(id=len(self.faults) + 1, kind=kind, worker=rank,
                                        rank=rank, at=at, decision="fail",
-                                       reason=str(f["reason"]), injected=drill is not None,
+                                       reason=f.reason, injected=drill is not None,
                                        phases_ms={"detected": round((now - at) * 1000, 1)}))
 
-    def _on_restart(self, f: Mapping[str, object]) -> None:
+    def _on_restart(self) -> None:
         """Every fault not recovered yet is answered by the restart (a replacement that was
         still healing when the last replica died included)."""
         for rec in self.faults:
@@ -184,7 +211,7 @@ class Journal:
                     rec.decision = "restart-group"
                 self._restarting.append(rec)
 
-    def _on_started(self, f: Mapping[str, object]) -> None:
+    def _on_started(self, f: StartedFields) -> None:
         """A new attempt runs: the faults it answers are recovered. What they cost: the time
         until now, and, for API scripts (which restart from step 0), every committed step of
         the attempt before, with the time spent reaching them."""
@@ -198,17 +225,14 @@ class Journal:
                 rec.lost_from = self._attempt_started_at
         self._restarted, self._restarting = self._restarting, []
         self._attempt_started_at = now
-        self._full, self._sizes, self._short = int(str(f.get("world_size", 0))), {}, None
+        self._full, self._sizes, self._short = f.world_size or 0, {}, None
 
-    def _on_healed(self, f: Mapping[str, object]) -> None:
-        self.heals.on_healed(f, self._now)
-
-    def _on_resumed(self, f: Mapping[str, object]) -> None:
+    def _on_resumed(self, f: ResumedFields) -> None:
         """The restarted workers resumed from a snapshot (the first one to say so counts): only
         the steps after it were lost, and the time since it was taken; recovery ends here."""
-        step, taken_at = int(str(f["step"])), float(str(f["taken_at"]))
+        step, taken_at = f.step, f.taken_at
         for i, rec in enumerate(self._restarted):
-            rec.recovery_ms = round((float(str(f["loaded_at"])) - rec.at) * 1000, 1)
+            rec.recovery_ms = round((f.loaded_at - rec.at) * 1000, 1)
             rec.phases_ms = {**rec.phases_ms, "resumed": rec.recovery_ms}
             if rec.committed_before >= 0:
                 rec.lost_steps = max(0, rec.committed_before - step) if i == 0 else 0
@@ -216,20 +240,19 @@ class Journal:
             rec.resumed_step = step
         self._restarted = []
 
-    def _on_generation(self, f: Mapping[str, object]) -> None:
-        self._sizes[int(str(f["generation"]))] = int(str(f["world_size"]))
-        if not f.get("urgent"):
+    def _on_generation(self, f: GenerationFields) -> None:
+        self._sizes[f.generation] = f.world_size
+        if not f.urgent:
             return
         for rec in reversed(self.faults):
             if rec.generation is None and rec.decision in ("replace", "shrink", "rebuild"):
-                rec.generation = int(str(f["generation"]))
-                ms = round((float(str(f["published_at"])) - rec.at) * 1000, 1)
+                rec.generation = f.generation
+                ms = round((f.published_at - rec.at) * 1000, 1)
                 rec.phases_ms = {**rec.phases_ms, "published": ms}  # copy: status reads it
                 return
 
-    def _on_recovered(self, f: Mapping[str, object]) -> None:
-        gen = int(str(f["generation"]))
-        step = int(str(f["step"])) if f.get("step") is not None else None
+    def _on_recovered(self, f: RecoveredFields) -> None:
+        gen, step = f.generation, f.step
         if step is not None:
             self._end_short(step)
         for rec in self.faults:  # faults close together are all recovered by the newest gen
@@ -237,31 +260,24 @@ class Journal:
                 if rec.generation == gen:
                     _from_the_fault(rec, f)
                 phases = dict(rec.phases_ms)
-                for name, key in (("rebuilt", "rebuilt"), ("healed", "healed"),
-                                  ("first_commit", "first_commit")):
-                    if f.get(key):
-                        phases[name] = round((float(str(f[key])) - rec.at) * 1000, 1)
+                for name, at in (("rebuilt", f.rebuilt), ("healed", f.healed),
+                                 ("first_commit", f.first_commit)):
+                    if at:
+                        phases[name] = round((at - rec.at) * 1000, 1)
                 rec.phases_ms = phases
-                if f.get("step") is not None and rec.committed_before >= 0 and \
+                if step is not None and rec.committed_before >= 0 and \
                         rec.rolled_back_to is None:  # a rollback's are counted already
-                    rec.lost_steps = max(0, rec.committed_before - int(str(f["step"])))
+                    rec.lost_steps = max(0, rec.committed_before - step)
                 rec.recovered = True
                 rec.recovery_ms = phases.get("first_commit")
-                if f.get("redone_samples") is not None:
-                    rec.redone_samples = int(str(f["redone_samples"]))
-                    rec.redone_fraction = float(str(f.get("redone_fraction", 0.0)))
-                if f.get("redone_s") is not None:
-                    rec.redone_s = float(str(f["redone_s"]))
+                if f.redone_samples is not None:
+                    rec.redone_samples = f.redone_samples
+                    rec.redone_fraction = f.redone_fraction or 0.0
+                if f.redone_s is not None:
+                    rec.redone_s = f.redone_s
                 if rec.generation == gen and step is not None and \
                         self._sizes.get(gen, self._full) < self._full:
                     self._short = (rec, step)  # it resumed at `step` short of ranks
-
-    def _on_drain(self, f: Mapping[str, object]) -> None:
-        drain = DrainFields.of(f)
-        self.drains[drain.drain] = drain
-
-    def _on_trained(self, f: Mapping[str, object]) -> None:
-        self._end_short(int(str(f["step"])))
 
     def _end_short(self, step: int) -> None:
         """The job is whole again, or in its next recovery, or trained, at `step`: the steps
@@ -272,30 +288,26 @@ class Journal:
             self._short = None
 
 
-def _rolled_back(rec: FaultRecord, f: Mapping[str, object]) -> None:
+def _rolled_back(rec: FaultRecord, f: FaultFields, to_step: int) -> None:
     """Silent corruption: every replica went back to a verified step; the steps since are
     lost, and the time since that state was kept. Recovered where it was found (nobody to
     replace: a rollback, a redo) when `recovered_at` says so."""
-    rec.rolled_back_to = int(str(f["rolled_back_to"]))
-    rec.lost_steps = max(0, rec.committed_before - rec.rolled_back_to)
-    if f.get("lost_from") is not None:
-        rec.lost_from = min(float(str(f["lost_from"])), rec.at)
-    if f.get("recovered_at") is not None:
+    rec.rolled_back_to = to_step
+    rec.lost_steps = max(0, rec.committed_before - to_step)
+    if f.lost_from is not None:
+        rec.lost_from = min(f.lost_from, rec.at)
+    if f.recovered_at is not None:
         rec.recovered = True
-        rec.recovery_ms = round((float(str(f["recovered_at"])) - rec.at) * 1000, 1)
+        rec.recovery_ms = round((f.recovered_at - rec.at) * 1000, 1)
         rec.phases_ms = {**rec.phases_ms, rec.decision: rec.recovery_ms}
 
 
-def _from_the_fault(rec: FaultRecord, f: Mapping[str, object]) -> None:
+def _from_the_fault(rec: FaultRecord, f: RecoveredFields) -> None:
     """One fault, one origin: where the workers' phases count from (its generation's fault
     time: when a lost node was last seen, when the coordinator's store was lost; or the first
     phase, if earlier) is earlier than the agent's detection: the record counts from there
     too. A drill keeps its injection time."""
-    try:
-        fields = fields_of(Event.RECOVERED, f)
-    except FtrunError:  # a line of a log written by hand: its figures stay as they are
-        return
-    origin = fields.origin() if isinstance(fields, RecoveredFields) else None
+    origin = f.origin()
     if rec.injected or origin is None or origin >= rec.at:
         return
     shift = round((rec.at - origin) * 1000, 1)
@@ -303,7 +315,7 @@ def _from_the_fault(rec: FaultRecord, f: Mapping[str, object]) -> None:
     rec.at = origin
 
 
-def summarize(faults: list[FaultRecord], run_seconds: float) -> dict[str, Any]:
+def summarize(faults: Sequence[FaultRecord | Fault], run_seconds: float) -> dict[str, Any]:
     """Figures for a drill table or the end-of-run summary."""
     times = sorted(r.recovery_ms for r in faults if r.recovery_ms is not None)
     lost_s = _union_s([(r.at if r.lost_from is None else r.lost_from, r.at + r.recovery_ms / 1000)

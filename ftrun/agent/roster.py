@@ -12,9 +12,9 @@ from dataclasses import dataclass, field
 from ftrun.adapters.logs import WorkerStreams
 from ftrun.adapters.procs import Spawned
 from ftrun.adapters.report import WorkerExit
-from ftrun.agent.journal import FaultRecord
 from ftrun.core.policy import Decision
 from ftrun.core.states import WorkerState, check_transition
+from ftrun.protocol.status import Fault
 
 
 @dataclass
@@ -45,7 +45,7 @@ class RunResult:
     restarts_used: int = 0
     log_dir: str | None = None
     signal_received: str | None = None
-    faults: tuple[FaultRecord, ...] = ()
+    faults: tuple[Fault, ...] = ()
 
 
 @dataclass

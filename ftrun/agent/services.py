@@ -69,7 +69,7 @@ class RunServices:
         self.control_plane.serve()  # last: a request may come at once, from another thread
 
     def finish(self, result: RunResult) -> RunResult:
-        result = replace(result, faults=tuple(self.journal.faults))
+        result = replace(result, faults=tuple(r.fault() for r in self.journal.faults))
         succeeded = result.exit_code == 0
         if self.logs.run_dir and self.logs.removable(succeeded):
             # for `ftrun report --last`

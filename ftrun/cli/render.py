@@ -132,7 +132,7 @@ PHASE_COLUMNS = ("detected", "published", "comm rebuilt", "healed", "1st commit"
 
 def print_drill(faults: Sequence[Fault], stream: TextIO | None = None) -> None:
     stream = stream or sys.stdout
-    from ftrun.agent.journal import FaultRecord, summarize
+    from ftrun.agent.journal import summarize
 
     if not faults:
         print("ftrun: no fault was recorded (the job may have ended first)", file=stream)
@@ -141,7 +141,7 @@ def print_drill(faults: Sequence[Fault], stream: TextIO | None = None) -> None:
 
     console = Console(file=stream, force_terminal=stream.isatty(), width=140)
     console.print(fault_table("drill", faults))
-    s = Summary.from_json(summarize([FaultRecord(**f.to_json()) for f in faults], 0.0))
+    s = Summary.from_json(summarize(faults, 0.0))
     console.print(f"recovery p50 {fmt(s.p50_ms, ' ms')}, p95 {fmt(s.p95_ms, ' ms')}, "
                   f"max {fmt(s.max_ms, ' ms')}; committed steps lost: {s.lost_steps}")
 
