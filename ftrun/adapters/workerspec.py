@@ -13,6 +13,7 @@ import sys
 from collections.abc import Mapping
 
 from ftrun.core.errors import FtrunError, UsageError
+from ftrun.core.options import OnFault, RdzvBackend
 from ftrun.core.spec import RunSpec, WorkerEnv
 
 
@@ -42,7 +43,7 @@ def worker_env(spec: RunSpec, env: Mapping[str, str], *, rank: int, local_rank: 
         use_agent_store=True,
         nccl_async_error_handling=env.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
         error_file=error_file, worker_id=worker_id, attempt=restarts,
-        ft_mode="restart" if spec.on_fault == "restart" else "inprocess",
+        ft_mode="restart" if spec.on_fault is OnFault.RESTART else "inprocess",
         spare=spare, comm=spec.comm, progress_dir=progress_dir, shard_size=spec.shard_size,
         relay=relay, heal_chunk_mb=spec.heal_chunk_mb, heal_sources=spec.heal_sources,
         redo=spec.redo,
@@ -62,7 +63,7 @@ def spawn_error(spec: RunSpec, exc: OSError) -> FtrunError:
 def static_port(spec: RunSpec) -> int | None:
     """torchrun's static store port; multi-node worker stores take a free port (the
     endpoint's port serves the agents' rendezvous store)."""
-    if spec.standalone or spec.rdzv_backend != "static" or spec.nnodes_max > 1:
+    if spec.standalone or spec.rdzv_backend is not RdzvBackend.STATIC or spec.nnodes_max > 1:
         return None
     return spec.master_port
 

@@ -38,6 +38,7 @@ from ftrun.core.errors import FtrunError
 from ftrun.core.events import DrillFields, emit_as, notice
 from ftrun.core.faultkinds import AGENT_SIGNALS, GPU_KINDS, NOTICE_KINDS, WORKER_ONLY, FaultKind
 from ftrun.core.membership import Membership
+from ftrun.core.options import RdzvBackend
 from ftrun.core.policy import phase_text
 from ftrun.core.replica_groups import group_rows
 from ftrun.core.spec import RunSpec
@@ -60,7 +61,7 @@ def job_of(spec: RunSpec) -> str | None:
     `ftrun status` shows agents of one job on one host as one job."""
     if spec.nnodes_max <= 1:
         return None
-    where = (f"{spec.master_addr}:{spec.master_port}" if spec.rdzv_backend == "static"
+    where = (f"{spec.master_addr}:{spec.master_port}" if spec.rdzv_backend is RdzvBackend.STATIC
              else spec.rdzv_endpoint)
     return f"{spec.rdzv_backend}://{where}/{spec.rdzv_id}"
 

@@ -47,6 +47,7 @@ from ftrun.core.events import (
     notice,
 )
 from ftrun.core.exits import EXIT_REQUEUE, signal_name
+from ftrun.core.options import OnFault, RdzvBackend
 from ftrun.core.policy import Action, Decision
 from ftrun.core.spec import RunSpec
 from ftrun.protocol.rendezvous import REQUEST_QUEUE
@@ -154,7 +155,7 @@ class Agent:
             hosted.serve()  # imports torch while the zygote imports its own
         self._start_group(restarts, hosted)
         hosted.serve()  # (new processes:) imports torch while the workers import theirs
-        if self.spec.on_fault != "restart":
+        if self.spec.on_fault is not OnFault.RESTART:
             self._start_recovery(hosted, Recovery(self.port, hosted.store))
 
     def _attempt(self, restarts: int) -> RunResult | None:
@@ -283,7 +284,7 @@ class Agent:
         rec = self.recovery
         if sig is None or rec is None or not rec.uses_api or not self.notices.is_notice(sig):
             return sig if sig is not None else self.notices.expired(now)
-        whole = self.spec.nnodes_max > 1 and self.spec.rdzv_backend != "etcd" and \
+        whole = self.spec.nnodes_max > 1 and self.spec.rdzv_backend is not RdzvBackend.ETCD and \
             self.cluster.index == 0  # the c10d store goes with this node
         req = self.notices.take(sig, self.cluster.index, rec.membership.members, whole)
         notice(self.emit, f"received {signal_name(sig)}: a notice; handing "

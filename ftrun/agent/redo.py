@@ -18,13 +18,14 @@ from dataclasses import replace
 
 from ftrun.agent.generations import Generations
 from ftrun.core.membership import Membership, WorkerRole
+from ftrun.core.options import Redo
 from ftrun.core.policy import Decision, FaultAction, FaultDecision
 from ftrun.core.spec import RunSpec
 
 
 class EnterLater:
     def __init__(self, spec: RunSpec, gens: Generations, membership: Membership) -> None:
-        self.on = spec.redo == "lost" and spec.shard_size == 1  # replica groups: as before
+        self.on = spec.redo is Redo.LOST and spec.shard_size == 1  # replica groups: as before
         self.gens = gens
         self.membership = membership
         self._spares: list[int] = []  # spares that enter after the make-up

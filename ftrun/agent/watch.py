@@ -26,6 +26,7 @@ from ftrun.core.drains import DrainRequest
 from ftrun.core.errors import FtrunError
 from ftrun.core.events import GpuFields, StragglerFields, emit_as, notice
 from ftrun.core.membership import Membership
+from ftrun.core.options import DrainOn
 from ftrun.core.policy import (
     Liveness,
     find_hang,
@@ -180,7 +181,7 @@ class HealthWatch:
     def _degraded_drains(self, now: float) -> list[Finding]:
         """--drain-on degraded: a GPU whose readings predict a failure (worn memory at once,
         throttling once sustained) hands its member's rank over, once; it is not used again."""
-        if self.port.spec.drain_on != "degraded":
+        if self.port.spec.drain_on is not DrainOn.DEGRADED:
             return []
         found: list[Finding] = []
         members = {w.local_rank: w for w in self.port.live_members()}

@@ -28,6 +28,7 @@ from ftrun.cli.values import float_value as _float
 from ftrun.cli.values import int_value as _int
 from ftrun.core import timeouts
 from ftrun.core.errors import UsageError
+from ftrun.core.options import RdzvBackend
 from ftrun.core.spec import VERIFY_EVERY, VERIFY_GRADS_EVERY, RunSpec, StdMask
 
 NPROC_WORDS = ("cpu", "gpu", "auto")
@@ -184,7 +185,7 @@ def parse_run_args(
     """The launch's spec, and for an etcd backend the check that its cluster answers,
     before any worker starts (one-line errors)."""
     spec = build_run_spec(argv, env, gpu_count, notice=_say)
-    if spec.rdzv_backend == "etcd":
+    if spec.rdzv_backend is RdzvBackend.ETCD:
         check_etcd(spec)
     return spec
 

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 from ftrun.core.errors import EXIT_FAILURE, FtrunError, UsageError
 from ftrun.core.exits import EXIT_REQUEUE
+from ftrun.core.options import RdzvBackend
 
 if TYPE_CHECKING:
     from ftrun.agent.node import Agent
@@ -107,7 +108,7 @@ def _agent_for(spec: RunSpec) -> Agent:
     agent: Agent
     if not is_multinode(spec):
         agent = Agent(spec, emit=render.notice)
-    elif spec.rdzv_backend == "etcd":
+    elif spec.rdzv_backend is RdzvBackend.ETCD:
         from ftrun.cluster.elect import elected
 
         agent = Agent(spec, elected, emit=render.notice)

@@ -69,6 +69,7 @@ from ftrun.core.errors import FtrunError
 from ftrun.core.events import StartedFields, emit_as, notice
 from ftrun.core.fencing import cut_off
 from ftrun.core.node_flags import shared_flags
+from ftrun.core.options import OnFault, RdzvBackend
 
 MAX_ERROR_FILE_BYTES = 64 * 1024
 
@@ -148,7 +149,7 @@ class Following(NoOtherNodes):
         session, self._lost, self._commands = self._session, None, queue.SimpleQueue()
         self._outage = False
         link.set_timeout(timedelta(seconds=timeouts.STORE_LOST_S))
-        static = self.spec.rdzv_backend == "static"
+        static = self.spec.rdzv_backend is RdzvBackend.STATIC
         if not running:
             self.index = self.spec.node_rank if static else int(link.add(NODE_COUNTER, 1))
         self.host.services.snapshots.bind_node(self.index)
@@ -256,7 +257,7 @@ class Following(NoOtherNodes):
     def _start_relay(self, cmd: Start) -> None:
         """This attempt's generation relay, before its workers start (they watch it)."""
         self._close_relay(link_works=True)
-        if self.spec.on_fault == "restart":
+        if self.spec.on_fault is OnFault.RESTART:
             return  # its workers follow no generation
         self._relay, why = open_relay(cmd.addr, cmd.port, self.index)
         self.host.update_attempt(relay_addr=self._relay.addr if self._relay is not None else "")

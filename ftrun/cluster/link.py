@@ -27,6 +27,7 @@ from ftrun.adapters.store import HostedStore, QueueReader, client
 from ftrun.cluster.messages import Command, Report
 from ftrun.core import timeouts
 from ftrun.core.errors import FtrunError, StoreError, first_line
+from ftrun.core.options import RdzvBackend
 from ftrun.core.spec import RunSpec
 from ftrun.protocol.rendezvous import WORKER_ID_STRIDE, encode
 
@@ -76,7 +77,7 @@ class Endpoint:
 
 
 def endpoint_of(spec: RunSpec) -> Endpoint:
-    if spec.rdzv_backend == "static":
+    if spec.rdzv_backend is RdzvBackend.STATIC:
         return Endpoint(spec.master_addr, spec.master_port or 29500)
     text = spec.rdzv_endpoint
     if not text:
@@ -117,7 +118,7 @@ def try_host(spec: RunSpec, ep: Endpoint) -> HostedStore | None:
 
     Static: node rank 0 serves. c10d (as torchrun): the agent on the endpoint host serves;
     when several agents share that host (tests, one-box trials) the first to bind wins."""
-    if spec.rdzv_backend == "static":
+    if spec.rdzv_backend is RdzvBackend.STATIC:
         return HostedStore(ep.port) if spec.node_rank == 0 else None
     if not _is_local(ep.host):
         return None

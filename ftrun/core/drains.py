@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ftrun.core.options import OnFault
 from ftrun.core.policy import Snapshot
 from ftrun.core.states import TextEnum
 
@@ -89,7 +90,7 @@ def plan_drain(s: Snapshot, leavers: tuple[int, ...], what: str, *, node_leaves:
                          DrainState.REFUSED)
     pool = [w for w in (*s.spares, *s.starting_spares)
             if w not in reserved and w not in leaving_spares]
-    replace_new = s.on_fault == "replace" and not node_leaves
+    replace_new = s.on_fault is OnFault.REPLACE and not node_leaves
     handovers = []
     for leaver in sorted(leavers, key=s.members.index):
         if pool:
@@ -101,7 +102,7 @@ def plan_drain(s: Snapshot, leavers: tuple[int, ...], what: str, *, node_leaves:
     if plan.shrinks and left == 0:
         return DrainPlan(plan.handovers, f"{what}: every member leaves and no spare is left "
                          "to take a rank: nowhere to go", DrainState.REQUEUE)
-    may_shrink = s.on_fault == "shrink" or node_leaves
+    may_shrink = s.on_fault is OnFault.SHRINK or node_leaves
     if plan.shrinks and (not may_shrink or left < s.min_nproc):
         why = (f"{left} left would be below --min-nproc {s.min_nproc}" if may_shrink
                else "no spare, and --on-fault shrink is not set")

@@ -30,6 +30,7 @@ from ftrun.core.detectors import hang_timeout as hang_timeout
 from ftrun.core.detectors import phase_text as phase_text
 from ftrun.core.detectors import replace_after_rebuild as replace_after_rebuild
 from ftrun.core.exits import describe_exit
+from ftrun.core.options import OnFault
 
 
 class Action(str, enum.Enum):
@@ -103,7 +104,7 @@ class Snapshot:
     faults: int = 0
     max_faults: int = 0
     restarts_left: int = 0
-    on_fault: str = "replace"
+    on_fault: OnFault = OnFault.REPLACE
     min_nproc: int = 1
     nodes_left: int = 1  # the job's nodes after a node loss, those waiting to join included
     nodes_waiting: int = 0  # ...of which this many wait to be admitted (they hold no rank)
@@ -112,6 +113,9 @@ class Snapshot:
     # node's first); still ahead of a new process, so used when no ready one is left
     snapshot_step: int = -1  # the newest step a total loss can resume from (-1: no snapshot)
     snapshot_resumes: int = 0  # whole-group restarts that already resumed from that step
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "on_fault", OnFault(self.on_fault))  # a plain string too
 
     @property
     def over_budget(self) -> bool:
@@ -150,7 +154,7 @@ def decide_fault(s: Snapshot, lost: int, why: str, new_worker_id: int,
     if crash_loop >= CRASH_LOOP_LIMIT:
         return _crash_loop(head, crash_loop, rank, survivors, s.min_nproc)
     pool = s.spares + s.starting_spares
-    if s.on_fault == "replace" or pool:  # shrink with a spare: no need to shrink
+    if s.on_fault is OnFault.REPLACE or pool:  # shrink with a spare: no need to shrink
         spare = pool[0] if pool else None
         joiner = new_worker_id if spare is None else spare
         how = f"new worker {joiner}" if spare is None else f"{_spare_kind(s, joiner)} {joiner}"

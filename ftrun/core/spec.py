@@ -14,7 +14,9 @@ from dataclasses import MISSING, dataclass, field, fields
 
 from ftrun.core import timeouts
 from ftrun.core.errors import UsageError
+from ftrun.core.options import Comm, DrainOn, OnFault, RdzvBackend, Redo
 from ftrun.core.rdzv_keys import NodeTimings
+from ftrun.core.states import TextEnum
 
 STDOUT = 1
 STDERR = 2
@@ -57,6 +59,10 @@ VERIFY_EVERY = 100
 VERIFY_GRADS_EVERY = 4
 
 
+_CHOICES: dict[str, type[TextEnum]] = {"rdzv_backend": RdzvBackend, "on_fault": OnFault,
+                                       "comm": Comm, "redo": Redo, "drain_on": DrainOn}
+
+
 @dataclass(frozen=True)
 class RunSpec:
     """A single launch, as the user asked for it, after validation."""
@@ -67,7 +73,7 @@ class RunSpec:
     nnodes_min: int = 1
     nnodes_max: int = 1
     node_rank: int = 0
-    rdzv_backend: str = "static"
+    rdzv_backend: RdzvBackend = RdzvBackend.STATIC
     rdzv_endpoint: str = ""
     rdzv_id: str = "none"
     rdzv_conf: tuple[tuple[str, str], ...] = ()
@@ -87,11 +93,11 @@ class RunSpec:
     local_addr: str | None = None
     shutdown_timeout: float = timeouts.SHUTDOWN_GRACE_S
     signals_to_handle: tuple[str, ...] = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
-    on_fault: str = "replace"  # replace | shrink | restart (for scripts using the ftrun API)
+    on_fault: OnFault = OnFault.REPLACE  # for scripts using the ftrun API
     min_nproc: int = 1
     spares: int = 0
     max_faults: int = 100
-    comm: str = "auto"  # auto | native | fresh
+    comm: Comm = Comm.AUTO
     gpu_backend: str = "auto"  # auto | nvml | sim | none
     hang_timeout: float | None = None  # seconds; None: derived from step times
     straggler_factor: float = 1.5
@@ -109,10 +115,10 @@ class RunSpec:
     heal_chunk_mb: float = HEAL_CHUNK_MB
     heal_sources: int = HEAL_SOURCES
     rdzv_endpoints: tuple[str, ...] = ()  # etcd: every member, HOST:PORT or [IPV6]:PORT
-    redo: str = "step"  # after a fault: repeat the broken step (step) or only its lost share
+    redo: Redo = Redo.STEP  # after a fault: repeat the broken step or only its lost share
     drain_window: float = 30.0  # a notice (SIGTERM, --drain-signal): seconds to hand over in
     drain_signal: str = ""  # a notice besides SIGTERM (Slurm's --signal), e.g. SIGUSR1
-    drain_on: str = ""  # "degraded": a GPU whose readings predict a failure is drained
+    drain_on: DrainOn = DrainOn.NOTHING  # DEGRADED: a GPU predicted to fail is drained
     verify_every: int = VERIFY_EVERY  # committed steps between replica comparisons (0: off)
     verify_grads_every: int = VERIFY_GRADS_EVERY  # steps between local gradient checks (0: off)
     timings: NodeTimings = field(init=False, repr=False, compare=False)  # from rdzv_conf
@@ -121,6 +127,8 @@ class RunSpec:
         # c10d's node protocol reads its --rdzv-conf keys here, once: a bad value is a usage
         # error at launch, and no code reads a key by name
         object.__setattr__(self, "timings", NodeTimings.parse(self.rdzv_conf))
+        for name, kind in _CHOICES.items():  # a spec built with a plain string gets the member
+            object.__setattr__(self, name, kind(getattr(self, name)))
 
     @property
     def snapshots(self) -> bool:
@@ -215,7 +223,7 @@ class WorkerEnv:
     error_file: str
     worker_id: int
     spare: bool = False  # a hot spare: waits in steps() to be called in
-    comm: str = "auto"  # how communicators are re-formed: auto | native | fresh
+    comm: Comm = Comm.AUTO  # how communicators are re-formed
     progress_dir: str = ""  # where the progress/drill slot lives ("" = none)
     attempt: int = 0
     ft_mode: str = "restart"
@@ -231,12 +239,17 @@ class WorkerEnv:
     relay: str = ""  # HOST:PORT of the node agent's generation relay ("": watch the store)
     heal_chunk_mb: float = HEAL_CHUNK_MB  # --heal-chunk-mb
     heal_sources: int = HEAL_SOURCES  # --heal-sources
-    redo: str = "step"  # --redo: step | lost (worker/makeup.py)
+    redo: Redo = Redo.STEP  # --redo (worker/makeup.py)
     # --drain-signal: a notice for the agent; a worker starts with it ignored (Slurm's
     # --signal reaches every process of the step, and its default action ends a process)
     drain_signal: str = ""
     verify_every: int = 0  # --verify-every (worker/verify.py)
     verify_grads_every: int = VERIFY_GRADS_EVERY  # --verify-grads-every
+
+    def __post_init__(self) -> None:
+        # read from the environment as text: the member it names
+        object.__setattr__(self, "comm", Comm(self.comm))
+        object.__setattr__(self, "redo", Redo(self.redo))
 
     def to_env(self) -> dict[str, str]:
         # Snapshot variables appear only when snapshots are on, so a job without

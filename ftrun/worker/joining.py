@@ -18,6 +18,7 @@ from typing import Any
 from ftrun.adapters.store import client
 from ftrun.core import timeouts
 from ftrun.core.errors import WorkerApiError
+from ftrun.core.options import Comm
 from ftrun.core.spec import WorkerEnv
 from ftrun.protocol.rendezvous import PREFIX, Generation, Store
 from ftrun.worker.comm import CommError, Group
@@ -33,7 +34,7 @@ def native_group(store: Any, wenv: WorkerEnv, backend: str) -> NativeGroup | Non
     """--comm: native reconfigure or a fresh group per generation; every member of a job
     uses the same path."""
     supported = native_reconfigure_supported(backend)
-    if wenv.comm == "fresh" or (wenv.comm == "auto" and not supported):
+    if wenv.comm is Comm.FRESH or (wenv.comm is Comm.AUTO and not supported):
         return None
     if not supported:
         import torch

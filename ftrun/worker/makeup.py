@@ -19,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from ftrun.core.options import Redo as RedoOption
 from ftrun.core.spec import WorkerEnv
 from ftrun.protocol.rendezvous import Generation
 from ftrun.worker.buckets import GradSync
@@ -105,7 +106,7 @@ def plan_for(step: int, old: Generation, new: Generation, worker_id: int) -> Pla
 
 def redo_for(wenv: WorkerEnv | None, sync: Any, place: Place) -> Redo:
     """The worker's Redo; under --redo lost its gradient sync keeps and blends (buckets.py)."""
-    lost = wenv is not None and wenv.redo == "lost"
+    lost = wenv is not None and wenv.redo is RedoOption.LOST
     redo = Redo(lost, wenv.worker_id if wenv is not None else 0, place,
                 "" if isinstance(sync, GradSync) else "--shard-size groups")
     if redo.lost:
