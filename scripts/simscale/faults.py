@@ -11,6 +11,9 @@ node (a worker exits 1; its node reports it as a follower does; the coordinator 
 - the leader's CPU: its process's CPU (every thread: the agent, both store servers) from just
   before the exit to `TAIL_S` after the last node held it, less its CPU at rest over as long
   (measured for `BASE_S` before the faults, once it has worked off its start: `settle`);
+  `cpu_noise_ms`: twice the spread of that rest rate over `TAIL_S` windows, times a fault's
+  window: a `cpu_ms` below it (even negative, where the coordinator's rest is busy with
+  thousands of heartbeats) is not told apart from the rest;
 - etcd: the requests its members received and the bytes they and their clients exchanged over
   the same window, less the keep-alives' share at rest.
 Then a burst: `BURST` workers of different nodes exit within a few ms, and the generations the
@@ -151,11 +154,17 @@ def settle(job: Job) -> float:
 
 
 def at_rest(job: Job) -> dict[str, float]:
-    """The coordinator's CPU and etcd's traffic a second, with no fault."""
+    """The coordinator's CPU and etcd's traffic a second, with no fault; and how much its
+    CPU rate moves between windows as long as a fault's (`cpu_sd`: a fault's CPU below ~2 of
+    those is not told apart from its rest)."""
     (cpu0, t0), start = job.traffic(), time.monotonic()
-    time.sleep(BASE_S)
+    rates = []
+    for _ in range(int(BASE_S / TAIL_S)):
+        c0, w0 = job.coord.cpu_s(), time.monotonic()
+        time.sleep(TAIL_S)
+        rates.append((job.coord.cpu_s() - c0) / (time.monotonic() - w0))
     (cpu1, t1), span = job.traffic(), time.monotonic() - start
-    rest = {"cpu": (cpu1 - cpu0) / span}
+    rest = {"cpu": (cpu1 - cpu0) / span, "cpu_sd": statistics.stdev(rates)}
     for key in ("requests", "bytes"):
         rest[key] = _etcd(t1, key) - _etcd(t0, key)
         rest[key] /= span
@@ -187,6 +196,7 @@ def one_fault(job: Job, k: int, rest: dict[str, float]) -> dict[str, Any]:
             "record_bytes": record[3] if record else None,
             "decode_ms": 1000 * record[4] if record else None,
             "cpu_ms": 1000 * ((cpu1 - cpu0) - rest["cpu"] * span),
+            "cpu_noise_ms": 1000 * 2 * rest["cpu_sd"] * span,
             "etcd_requests": (_etcd(e1, "requests") - _etcd(e0, "requests")
                               - rest["requests"] * span),
             "etcd_bytes": _etcd(e1, "bytes") - _etcd(e0, "bytes") - rest["bytes"] * span}
@@ -254,13 +264,15 @@ def summarize(row: dict[str, Any], samples: list[dict[str, Any]]) -> None:
                    s["publish_ms"] for s in samples if s["publish_ms"] is not None), 1),
                cpu_ms=round(statistics.mean(s["cpu_ms"] for s in samples), 1),
                cpu_p50_ms=round(quantile([s["cpu_ms"] for s in samples], 0.5), 1),
+               cpu_noise_ms=round(statistics.mean(s["cpu_noise_ms"] for s in samples), 1),
                etcd_req=round(statistics.mean(s["etcd_requests"] for s in samples), 1),
                etcd_kb=round(statistics.mean(s["etcd_bytes"] for s in samples) / 1e3, 1),
                faults=len(samples))
 
 
 COLUMNS = ("backend", "nodes", "ranks", "faults", "notified_p50_ms", "last_p50_ms",
-           "last_p99_ms", "publish_p50_ms", "cpu_ms", "cpu_p50_ms", "etcd_req", "etcd_kb",
+           "last_p99_ms", "publish_p50_ms", "cpu_ms", "cpu_p50_ms", "cpu_noise_ms", "etcd_req",
+           "etcd_kb",
            "generations_for_burst", "rest_cpu_pct", "exit_code")
 
 
