@@ -38,6 +38,7 @@ from ftrun.cluster.messages import (
 from ftrun.cluster.rejoin import Fenced
 from ftrun.core.errors import FtrunError
 from ftrun.core.events import Event
+from ftrun.core.options import OnFault, RdzvBackend
 from ftrun.core.spec import RunSpec
 from ftrun.protocol.progress import Reporter
 from ftrun.protocol.rendezvous import encode
@@ -73,8 +74,9 @@ class Follower:
 
 @pytest.fixture
 def follower(private_run_dir: Path, tmp_path: Path) -> Iterator[Follower]:
-    spec = RunSpec("train.py", nproc=2, nnodes_min=2, nnodes_max=2, rdzv_backend="c10d",
-                   rdzv_endpoint=str(EP), rdzv_id="job", on_fault="restart", gpu_backend="none",
+    spec = RunSpec("train.py", nproc=2, nnodes_min=2, nnodes_max=2,
+                   rdzv_backend=RdzvBackend.C10D, rdzv_endpoint=str(EP), rdzv_id="job",
+                   on_fault=OnFault.RESTART, gpu_backend="none",
                    log_dir=str(tmp_path / "logs"), shutdown_timeout=1.0)
     node = FakeNode(spec)
     cluster = Following(node, EP)
