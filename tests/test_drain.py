@@ -159,8 +159,12 @@ def test_a_notice_with_nowhere_to_go_snapshots_requeues_and_resumes_bitwise(
 @pytest.mark.timeout(400)
 def test_a_gpu_whose_memory_wears_out_hands_its_rank_to_a_spare(
         tmp_path: Path, private_run_dir: Path, reference: dict[str, torch.Tensor]) -> None:
+    # NVML's counters are read every GPU_POLL_S (5 s): the run must outlast the first poll
+    # after the injection, which comes once the spare is ready (at 0.03 s steps it sometimes
+    # ended first, with no drain at all); the step time only sleeps, the result is the same
+    slower = ("--steps", str(STEPS), "--step-time", "0.06")
     proc = start("drain-gpu", tmp_path, "--nproc", "3", "--spares", "1", "--gpu-backend",
-                 "sim", "--drain-on", "degraded")
+                 "sim", "--drain-on", "degraded", args=slower)
     try:
         at_step("drain-gpu", 30, spare=True)
         r = run_ftrun("inject-fault", "--gpu", "1", "--kind", "ecc", "--run-id", "drain-gpu",
