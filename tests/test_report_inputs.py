@@ -124,3 +124,20 @@ def test_a_report_of_a_run_with_only_bad_lines_is_empty_not_an_error(tmp_path: P
     rep = runreport.build_report(rec)
     assert rep["summary"]["faults"] == 0 and rep["skipped_lines"]["events.jsonl"]["count"] == 2
     assert picture.write_html(picture.chart_of(rec), str(tmp_path / "p.html"), "t") == 0
+
+
+@pytest.mark.parametrize("line", [
+    {"t": 100.0, "event": "fault", "worker": 1, "rank": 1, "decision": 3, "reason": "x"},
+    {"t": 100.0, "event": "healed", "worker": 1},  # a kind the field table does not check
+    {"t": 100.0, "event": "drain", "drain": "one"},
+])
+def test_a_line_that_is_not_its_kinds_record_is_left_out_not_an_error(line: dict) -> None:
+    """The replay reads each folded line as its record (core.events): a line the field table
+    lets through but that is no such record ended `ftrun report` with an error."""
+    from ftrun.agent.journal import Journal
+
+    assert line_problem(line, timeline=False) is not None
+    good = {"t": 100.0, "event": "fault", "worker": 1, "rank": 1, "decision": "replace",
+            "reason": "x"}
+    assert line_problem(good, timeline=False) is None
+    assert len(Journal.replay([good]).faults) == 1
