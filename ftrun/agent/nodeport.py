@@ -69,28 +69,33 @@ class NodePort:
         """Interrupt the agent's event loop from another thread."""
         self._wake()
 
-    def _local(self) -> tuple[NodeWorkers, RunServices]:
-        assert self.workers is not None and self.services is not None, "attach() first"
-        return self.workers, self.services
+    @property
+    def _workers(self) -> NodeWorkers:
+        assert self.workers is not None, "attach() first"
+        return self.workers
+
+    @property
+    def _services(self) -> RunServices:
+        assert self.services is not None, "attach() first"
+        return self.services
 
     def _here(self, worker_id: int) -> bool:
         return node_of(worker_id) == self._cluster().index
 
     def allocate_id(self, node: int) -> int:
         cluster = self._cluster()
-        return self._local()[0].allocate_id() if node == cluster.index else \
-            cluster.allocate_id(node)
+        return self._workers.allocate_id() if node == cluster.index else cluster.allocate_id(node)
 
     def peek_id(self, node: int) -> int:
         """What `allocate_id(node)` returns next."""
         cluster = self._cluster()
-        return self._local()[0].next_id if node == cluster.index else cluster.peek_id(node)
+        return self._workers.next_id if node == cluster.index else cluster.peek_id(node)
 
     def place(self, worker_id: int, rank: int, local_rank: int, spare: bool) -> None:
         """Start a worker of the current attempt on its node."""
         if self._here(worker_id):
-            self._local()[0].spawn(worker_id, rank,
-                               self._local()[1].health.pick_local_rank(local_rank), spare)
+            self._workers.spawn(worker_id, rank,
+                                self._services.health.pick_local_rank(local_rank), spare)
         else:
             self._cluster().place(worker_id, rank, local_rank, spare)
 
@@ -102,40 +107,40 @@ class NodePort:
         return self._cluster().initial_members() or tuple(range(self.spec.nproc))
 
     def all_workers(self) -> list[Worker | RemoteWorker]:
-        return [*self._local()[0].all, *self._cluster().remote_workers()]
+        return [*self._workers.all, *self._cluster().remote_workers()]
 
     def workers_snapshot(self) -> list[Worker]:
-        return self._local()[0].alive()
+        return self._workers.alive()
 
     def worker_by_id(self, worker_id: int) -> Worker | None:
-        return self._local()[0].by_id(worker_id)
+        return self._workers.by_id(worker_id)
 
     def live_members(self) -> list[Worker]:
         """This node's workers of the current generation in rank order (all live workers
         without in-process recovery)."""
         recovery = self._recovery()
         if recovery is None or not recovery.uses_api:
-            return sorted(self._local()[0].alive(), key=lambda w: w.rank)
-        by_id = {w.worker_id: w for w in self._local()[0].all}
+            return sorted(self._workers.alive(), key=lambda w: w.rank)
+        by_id = {w.worker_id: w for w in self._workers.all}
         return [by_id[m] for m in recovery.membership.members
                 if m in by_id and by_id[m].alive]
 
     def committed_step(self, worker_id: int) -> int:
         if self._here(worker_id):
-            return self._local()[1].slots.committed_step(worker_id)
+            return self._services.slots.committed_step(worker_id)
         return self._cluster().committed_step(worker_id)
 
     def kill_worker(self, worker_id: int) -> bool:
         """SIGKILL a live worker of this job, on whichever node it runs; False: not alive."""
-        if self._local()[0].by_id(worker_id) is not None:
-            return self._local()[0].kill(worker_id)
+        if self._workers.by_id(worker_id) is not None:
+            return self._workers.kill(worker_id)
         return self._cluster().kill_remote(worker_id)
 
     def remote_liveness(self) -> list[Liveness]:
         return self._cluster().remote_liveness()
 
     def resumable(self) -> tuple[int, int]:
-        return self._local()[1].snapshots.resumable()
+        return self._services.snapshots.resumable()
 
     def suspect(self) -> None:
         """A worker saw a peer's connection break (several nodes: check them now)."""
@@ -163,7 +168,7 @@ class NodePort:
         return self.run_id if self.run_id != "none" else f"none-{os.getpid()}"
 
     def decorate_status(self, doc: dict[str, Any]) -> dict[str, Any]:
-        workers, services = self._local()
+        workers, services = self._workers, self._services
         doc = dict(doc)
         if self.starter is not None:  # the unit tests' fake node starts no process
             forked = [w.spawned.pid for w in workers.alive() if w.spawned.via == "zygote"]

@@ -212,8 +212,8 @@ class SnapshotKeeper:
         if self.failed:  # the end of the run says it, not only the moment it happened
             newest = f"step {self.last['step']}" if self.last else "none"
             notice(self._emit, f"snapshots: {len(self.failed)} could not be "
-                                              f"written (the last: {self.failed[-1]}); the "
-                                              f"newest on disk: {newest}")
+                               f"written (the last: {self.failed[-1]}); the "
+                               f"newest on disk: {newest}")
         for d in self.private_dirs:
             shutil.rmtree(d, ignore_errors=True)
         self.shm = self.spill = ""

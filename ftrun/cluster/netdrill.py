@@ -41,7 +41,7 @@ class NetDrills:
             raise refuse(node, self.refusal)
         self._drill.start(self.device, check_duration(duration))
         notice(self._emit, f"net-down drill: {self.device} down for "
-                                          f"{duration:g} s")
+                           f"{duration:g} s")
         return {"node": node, "device": self.device, "duration": duration}
 
     def start_commanded(self, node: int, duration: float) -> None:

@@ -2,7 +2,8 @@
 
 Owns: `StdMask` (torchrun's -r/-t values), `RunSpec` (what the user asked for, resolved),
 `WorkerEnv` (the typed contract between agent and worker, with to_env/from_env).
-Must not import: torch, typer, rich, or any ftrun module but `errors`, `timeouts`, `rdzv_keys`.
+Must not import: torch, typer, rich, or any ftrun module but core's `errors`, `timeouts`,
+`rdzv_keys`, `options` and `states`.
 """
 
 from __future__ import annotations

@@ -65,9 +65,10 @@ def become_worker(plan: Plan) -> None:
     os.chdir(req.cwd)
     global ZYGOTE_PID
     ZYGOTE_PID = plan.zygote_pid
-    # registered first, so run last: the zygote froze its objects (gc.freeze) to keep their
-    # pages shared; left frozen, the exit never frees them and triton's bindings, which
-    # torch's warm-up imports, print ~30 lines of "nanobind: leaked ..." as it ends
+    # registered before the script's own handlers, so run after them: the zygote froze its
+    # objects (gc.freeze) to keep their pages shared; left frozen, the exit never frees them
+    # and triton's bindings, which torch's warm-up imports, print ~30 lines of "nanobind:
+    # leaked ..." as the interpreter ends
     atexit.register(gc.unfreeze)
     run(req)
 
