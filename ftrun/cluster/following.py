@@ -238,10 +238,9 @@ class Following(NoOtherNodes):
                 self._relay.follow(connector(f"{cmd.addr}:{cmd.port}"))
             return
         host.update_attempt(restarts=cmd.attempt, run_id=cmd.run_id, master_addr=cmd.addr,
-                            worker_port=cmd.port)
+                            worker_port=cmd.port, world_size=cmd.world_size,
+                            group_rank=cmd.group_rank, group_world_size=cmd.group_world_size)
         self._start_relay(cmd)
-        host.update_attempt(world_size=cmd.world_size, group_rank=cmd.group_rank,
-                            group_world_size=cmd.group_world_size)
         base, first = cmd.base_rank, cmd.first_id
         host.workers.new_attempt(cmd.attempt, first + self.spec.nproc)
         for i in range(self.spec.nproc):
