@@ -12,13 +12,12 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import IO, Any
 
 from ftrun.adapters.logs import WorkerStreams
 from ftrun.adapters.procs import Guardian, Spawned
-from ftrun.adapters.store import HostedStore
 from ftrun.adapters.wakeup import Wakeup
 from ftrun.agent.cluster import Cluster, Local
 from ftrun.agent.nodeport import NodePort
@@ -209,10 +208,6 @@ class FakeNode:
 
     def act(self, findings: list[Finding]) -> None:
         self.findings += findings
-
-    def take_over(self, cluster: Cluster,
-                  adopt: Callable[[HostedStore], Recovery] | None = None) -> RunResult:
-        raise AssertionError("no coordinator is lost in these tests")
 
     def signal_result(self, sig: int, restarts: int) -> RunResult:
         return RunResult(1, f"received {signal_name(sig)}; workers stopped",

@@ -127,9 +127,9 @@ def test_the_first_attempt_ranks_nodes_in_join_order_up_to_nnodes_max(
                   group_world_size=2, first_id=10_000, run_id="units", spare=False)
     assert job.sent(1) == [first]
     assert job.sent(2) == []  # over --nnodes max: it waits for room
-    assert job.coord.initial_members() == (0, 1, 10_000, 10_001)
-    assert job.coord.other_nodes() == [1]
-    assert [(w.worker_id, w.rank) for w in job.coord.remote_workers()] == [(10_000, 2),
+    assert job.coord.others.initial_members() == (0, 1, 10_000, 10_001)
+    assert job.coord.others.other_nodes() == [1]
+    assert [(w.worker_id, w.rank) for w in job.coord.others.remote_workers()] == [(10_000, 2),
                                                                            (10_001, 3)]
     assert (job.node.attempt.world_size, job.node.attempt.group_world_size) == (4, 2)
 
@@ -208,7 +208,7 @@ def test_nodes_joining_a_running_job_enter_in_join_order_as_joiners_then_as_spar
     roles = {w: rec.membership.role(w) for w in (20_000, 20_001, 30_000, 30_001)}
     assert roles == {20_000: R.JOINING, 20_001: R.JOINING,
                      30_000: R.STARTING_SPARE, 30_001: R.STARTING_SPARE}
-    assert job.node.attempt.world_size == 4 and job.coord.other_nodes() == [2, 3]
+    assert job.node.attempt.world_size == 4 and job.coord.others.other_nodes() == [2, 3]
 
 
 def test_nodes_wait_in_line_while_the_job_is_full_told_once_and_enter_when_one_is_lost(
@@ -251,7 +251,7 @@ def test_a_remote_exit_is_kept_with_its_error_and_its_replacement_spawned_on_its
     assert rec.on_exit(w) is None
     assert job.sent(1) == [Spawn(worker=10_002, rank=3, local_rank=1, spare=False)]
     assert generation(job.worker_store).members == (0, 1, 10_000, 10_002)
-    assert job.coord.remote_workers()[-1].worker_id == 10_002
+    assert job.coord.others.remote_workers()[-1].worker_id == 10_002
 
 
 def test_kill_remote_sends_kill_only_for_a_live_worker_on_a_live_node(
@@ -259,13 +259,13 @@ def test_kill_remote_sends_kill_only_for_a_live_worker_on_a_live_node(
     job = make()
     job.start(1, 2)
     job.sent(1), job.sent(2)
-    assert job.coord.kill_remote(10_000)
+    assert job.coord.others.kill_remote(10_000)
     assert job.sent(1) == [Kill(worker=10_000)]
     job.report(exited(10_001, 1), Bye(node=2))  # node 2 ends; its workers' exits unseen
     job.coord.remote_exits()
-    assert not job.coord.kill_remote(10_001)  # already dead
-    assert not job.coord.kill_remote(20_000)  # alive as far as we know, but its node is gone
-    assert not job.coord.kill_remote(10_007)  # never started
+    assert not job.coord.others.kill_remote(10_001)  # already dead
+    assert not job.coord.others.kill_remote(20_000)  # alive as far as we know, but its node is gone
+    assert not job.coord.others.kill_remote(10_007)  # never started
     assert job.sent(1) == [] and job.sent(2) == []
 
 
@@ -282,14 +282,14 @@ def test_a_node_that_left_is_dropped_and_its_workers_handed_to_recovery_in_one_d
     assert job.coord.tick() is None
     assert job.sent(1) == [End(code=1, reason="the coordinator dropped this node (its agent "
                                "left (received SIGTERM))", lost=True, refused=False)]
-    lost = [w for w in job.coord.remote_workers() if w.node == 1]
+    lost = [w for w in job.coord.others.remote_workers() if w.node == 1]
     assert [w.exit.returncode for w in lost if w.exit] == [-signal.SIGKILL] * 2
     fault, = job.node.of_kind(Event.FAULT)  # once, for both of its members
     assert fault["why"] == "node 1 (h1) lost" and fault["decision"] == "shrink"
     gen = generation(job.worker_store)
     assert (gen.number, gen.members) == (1, (0, 1, 20_000, 20_001))
     assert rec.membership.role(10_000) is rec.membership.role(10_001) is R.GONE
-    assert job.coord.other_nodes() == [2]
+    assert job.coord.others.other_nodes() == [2]
 
 
 def test_nodes_lost_in_one_pass_are_judged_with_all_of_them_gone(
@@ -334,7 +334,7 @@ def test_stop_workers_stops_the_nodes_of_the_attempt_and_this_nodes_own(
     assert not job.coord.nodes[1].in_attempt
     assert [(w.exit.returncode, w.exit.killed_by_launcher) for w in job.node.workers.all
             if w.exit] == [(-signal.SIGTERM, True)] * 2
-    assert not any(w.alive for w in job.coord.remote_workers())
+    assert not any(w.alive for w in job.coord.others.remote_workers())
 
 
 @pytest.mark.parametrize(("result", "code", "reason"), [
@@ -352,7 +352,8 @@ def test_close_ends_every_live_node_and_joins_its_reader(
         job.store.queue_push(AGENT_QUEUE, encode(msg))
     job.node.wait_wakes(3)
     job.coord.remote_exits()
-    assert job.coord.other_nodes() == [] and [n.index for n in job.coord.table.alive()] == [1]
+    assert job.coord.others.other_nodes() == []
+    assert [n.index for n in job.coord.table.alive()] == [1]
     job.store.queue_push(AGENT_QUEUE, encode(Bye(node=1)))  # node 1's answer to its End
     job.coord.close(result)
     assert job.sent(1) == [End(code=code, reason=reason, lost=False, refused=False)]

@@ -90,7 +90,7 @@ def test_a_followers_notice_hands_its_ranks_to_spares_elsewhere_then_ends_it_cle
     assert job.coord.tick() is None
     (end,) = job.sent(2)
     assert isinstance(end, End) and end.code == 0 and not end.lost and "hands over" in end.reason
-    assert not job.coord.nodes[2].alive and job.coord.other_nodes() == [1]
+    assert not job.coord.nodes[2].alive and job.coord.others.other_nodes() == [1]
     assert rec.membership.role(20_002) is R.GONE  # its spare: stopped by its own agent
     job.report(exited(20_002, -15), Left(node=2, reason="received SIGTERM"))
     assert job.coord.remote_exits() == []  # expected: no exit handed over, no loss

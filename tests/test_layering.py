@@ -149,6 +149,37 @@ def test_no_cluster_assigns_an_attribute_of_its_agent() -> None:
     assert writes == []
 
 
+def _is_a_role(expr: ast.expr) -> bool:
+    """`coord`, `cluster`, `role` or `x.cluster`: a role (agent/cluster.Cluster) held by
+    another object."""
+    if isinstance(expr, ast.Name):
+        return expr.id in ("coord", "cluster", "role", "follower")
+    return isinstance(expr, ast.Attribute) and expr.attr == "cluster"
+
+
+def test_no_module_assigns_an_attribute_of_a_role_it_holds() -> None:
+    """A role changes its own state: adopting a running attempt tells the coordinating role
+    what it found (`Coordinating.decided`, `JobDirectory.ranked_as`) instead of writing its
+    members, ranks and pending decision (#49: cluster/adoption.py wrote its members and pending
+    decision, and each remote worker's rank)."""
+    writes = [f"{path.name}:{t.lineno}" for name, path in modules().items()
+              for t in _assigned(ast.parse(path.read_text()))
+              if isinstance(t, ast.Attribute) and _is_a_role(t.value)]
+    assert writes == []
+
+
+def test_only_the_agents_loop_drives_a_role() -> None:
+    """One loop at the top swaps roles on what `drive` returns (`agent.node.Agent.run`): no
+    role drives the next from inside its own run (#49: a takeover ran the rest of the job
+    nested in the follower's frame, through `Agent.take_over`)."""
+    drives = [f"{path.name}:{node.lineno}" for name, path in modules().items()
+              if name != "ftrun.agent.node"
+              for node in ast.walk(ast.parse(path.read_text()))
+              if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+              and node.func.attr in ("drive", "take_over")]
+    assert drives == []
+
+
 def test_every_event_is_emitted_as_its_record() -> None:
     """`emit_as(sink, XFields(...))` or `notice(sink, text)`, never `emit(Event.X, {...})`:
     a misspelt or missing field is a type error, not a line the journal cannot fold (#49:

@@ -9,14 +9,14 @@ from pathlib import Path
 import pytest
 from fakes import FakeNode
 
-from ftrun.agent.cluster import Local
+from ftrun.agent.cluster import Local, NoOtherNodes
 from ftrun.agent.ports import AgentPort
 from ftrun.core.spec import RunSpec
 from ftrun.protocol.rendezvous import WORKER_ID_STRIDE
 
 
-class OtherNodes(Local):
-    """This node is 0; node 1's workers are the cluster's to start, read and kill."""
+class NodeOne(NoOtherNodes):
+    """This node is 0; node 1's workers are the directory's to start, read and kill."""
 
     def __init__(self) -> None:
         self.placed: list[tuple[int, int]] = []
@@ -42,18 +42,23 @@ class OtherNodes(Local):
         return True
 
 
+class WithNodeOne(Local):
+    def __init__(self) -> None:
+        self.others = NodeOne()
+
+
 @pytest.fixture
 def node(tmp_path: Path) -> Iterator[FakeNode]:
     n = FakeNode(RunSpec("train.py", nproc=2, gpu_backend="none", log_dir=str(tmp_path)))
-    n.attach(OtherNodes())
+    n.attach(WithNodeOne())
     yield n
     n.close()
 
 
 def test_a_question_about_another_nodes_worker_goes_to_the_cluster(node: FakeNode) -> None:
     port: AgentPort = node.port  # mypy: the agent's port fits every helper's protocol
-    cluster = node.cluster
-    assert isinstance(cluster, OtherNodes)
+    cluster = node.cluster.others
+    assert isinstance(cluster, NodeOne)
     here = port.allocate_id(0)
     port.place(here, rank=0, local_rank=0, spare=False)
     there = port.allocate_id(1)

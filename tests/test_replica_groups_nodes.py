@@ -174,7 +174,7 @@ def test_the_first_attempt_takes_whole_groups_and_a_node_left_over_waits(
         make: Callable[..., Job]) -> None:  # noqa: F811
     job = make(nproc=2, shard_size=4, nnodes_min=2, nnodes_max=4)
     job.start(1, 2)  # 3 nodes at the last call: 2 make a group, the third waits
-    assert job.coord.initial_members() == (0, 1, 10_000, 10_001)
+    assert job.coord.others.initial_members() == (0, 1, 10_000, 10_001)
     assert job.sent(2) == []
     job.recovery()
     assert job.coord.tick() is None and job.sent(2) == []

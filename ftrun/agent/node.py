@@ -24,7 +24,7 @@ from ftrun.adapters.procs import Guardian
 from ftrun.adapters.store import LOOPBACK, HostedStore, QueueReader, advertised_addr, client
 from ftrun.adapters.wakeup import Wakeup
 from ftrun.adapters.workerspec import shared_env, static_port, worker_env
-from ftrun.agent.cluster import Cluster, Local
+from ftrun.agent.cluster import Adopt, Cluster, Handover, Local
 from ftrun.agent.nodeport import NodePort
 from ftrun.agent.notices import Notices
 from ftrun.agent.outcomes import group_decision, on_exit
@@ -50,9 +50,8 @@ from ftrun.core.exits import EXIT_REQUEUE, signal_name
 from ftrun.core.options import OnFault, RdzvBackend
 from ftrun.core.policy import Action, Decision
 from ftrun.core.spec import RunSpec
+from ftrun.core.states import TransitionError, role_change_refused
 from ftrun.protocol.rendezvous import REQUEST_QUEUE
-
-Adopt = Callable[[HostedStore], Recovery]  # the recovery of an attempt already running
 
 
 def _ignore(kind: str, fields: Mapping[str, object]) -> None:
@@ -104,7 +103,10 @@ class Agent:
             self.cluster.prepare()
             self.starter.open(self.base_env)  # the zygote imports torch meanwhile
             self.services.serve(self.cluster.remembered)
-            result = self.services.finish(self.cluster.drive(self._run_attempts))
+            ran = self.cluster.drive(self._run_attempts)
+            while isinstance(ran, Handover):  # this node plays another part from now on
+                ran = self._play(ran)
+            result = self.services.finish(ran)
             return result
         finally:
             try:
@@ -140,15 +142,17 @@ class Agent:
                 self._end_recovery(hosted)
                 hosted.close()
 
-    def take_over(self, cluster: Cluster, adopt: Adopt | None = None) -> RunResult:
-        """This agent plays another part in the job from now on, `cluster`'s: it coordinates
-        (the one that did is gone: `adopt` gives the recovery of the attempt that is running,
-        whose workers, this node's and the other nodes', go on), or it follows another
-        coordinator (its own leadership ended)."""
-        self.cluster = cluster
-        self.workers.on_exit = cluster.on_local_exit
-        cluster.prepare()
-        return cluster.drive(lambda: self._run_attempts(adopt))
+    def _play(self, handover: Handover) -> RunResult | Handover:
+        """The next role's run (`Handover`): the last one's has returned (its frames are
+        gone) and handed over what goes on (its workers, its relay); it is closed already
+        or, when it took over, shares its control plane with the new one."""
+        refused = role_change_refused(self.cluster.role, handover.to.role)
+        if refused is not None:
+            raise TransitionError(refused)  # a defect: the CLI asks for a report
+        self.cluster = handover.to
+        self.workers.on_exit = handover.to.on_local_exit
+        handover.to.prepare()
+        return handover.to.drive(lambda: self._run_attempts(handover.adopt))
 
     def _start_attempt(self, restarts: int, hosted: HostedStore) -> None:
         if self.starter.zygote is not None:

@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from ftrun.agent.cluster import Cluster
+from ftrun.agent.cluster import Cluster, OtherNodes
 from ftrun.agent.roster import Attempt, RemoteWorker, Worker
 from ftrun.agent.services import RunServices
 from ftrun.agent.starter import WorkerStarter
@@ -79,17 +79,21 @@ class NodePort:
         assert self.services is not None, "attach() first"
         return self.services
 
+    @property
+    def _others(self) -> OtherNodes:
+        return self._cluster().others
+
     def _here(self, worker_id: int) -> bool:
         return node_of(worker_id) == self._cluster().index
 
     def allocate_id(self, node: int) -> int:
-        cluster = self._cluster()
-        return self._workers.allocate_id() if node == cluster.index else cluster.allocate_id(node)
+        here = node == self._cluster().index
+        return self._workers.allocate_id() if here else self._others.allocate_id(node)
 
     def peek_id(self, node: int) -> int:
         """What `allocate_id(node)` returns next."""
-        cluster = self._cluster()
-        return self._workers.next_id if node == cluster.index else cluster.peek_id(node)
+        here = node == self._cluster().index
+        return self._workers.next_id if here else self._others.peek_id(node)
 
     def place(self, worker_id: int, rank: int, local_rank: int, spare: bool) -> None:
         """Start a worker of the current attempt on its node."""
@@ -97,17 +101,17 @@ class NodePort:
             self._workers.spawn(worker_id, rank,
                                 self._services.health.pick_local_rank(local_rank), spare)
         else:
-            self._cluster().place(worker_id, rank, local_rank, spare)
+            self._others.place(worker_id, rank, local_rank, spare)
 
     def live_nodes(self) -> list[int]:
         cluster = self._cluster()
-        return [cluster.index, *cluster.other_nodes()]
+        return [cluster.index, *cluster.others.other_nodes()]
 
     def initial_members(self) -> tuple[int, ...]:
-        return self._cluster().initial_members() or tuple(range(self.spec.nproc))
+        return self._others.initial_members() or tuple(range(self.spec.nproc))
 
     def all_workers(self) -> list[Worker | RemoteWorker]:
-        return [*self._workers.all, *self._cluster().remote_workers()]
+        return [*self._workers.all, *self._others.remote_workers()]
 
     def workers_snapshot(self) -> list[Worker]:
         return self._workers.alive()
@@ -128,16 +132,16 @@ class NodePort:
     def committed_step(self, worker_id: int) -> int:
         if self._here(worker_id):
             return self._services.slots.committed_step(worker_id)
-        return self._cluster().committed_step(worker_id)
+        return self._others.committed_step(worker_id)
 
     def kill_worker(self, worker_id: int) -> bool:
         """SIGKILL a live worker of this job, on whichever node it runs; False: not alive."""
         if self._workers.by_id(worker_id) is not None:
             return self._workers.kill(worker_id)
-        return self._cluster().kill_remote(worker_id)
+        return self._others.kill_remote(worker_id)
 
     def remote_liveness(self) -> list[Liveness]:
-        return self._cluster().remote_liveness()
+        return self._others.remote_liveness()
 
     def resumable(self) -> tuple[int, int]:
         return self._services.snapshots.resumable()

@@ -42,20 +42,17 @@ def adopt(coord: Coordinating, workers_store: HostedStore, held: Generation,
     rec = Recovery(host.port, workers_store.store,
                    Membership.adopted(View(held.number, held.members), spares),
                    store_at=f"{host.attempt.master_addr}:{workers_store.port}")
-    for w in coord.workers.by_id.values():
-        rank = held.rank_of(w.worker_id)
-        w.rank = -1 if rank is None else rank
-    coord.members = held.members
+    coord.others.ranked_as(held)
     host.update_attempt(world_size=len(held.members),
-                        group_world_size=1 + len(coord.other_nodes()))
+                        group_world_size=1 + len(coord.others.other_nodes()))
     lost = [m for m in held.members if m not in alive]
     notice(host.emit, f"took over generation {held.number} of {len(alive)} "
                       f"live workers; {len(lost)} of its members are lost")
     for node in sorted({node_of(m) for m in lost}):
         gone = [_lost_worker(held, m, node, lost_at) for m in lost if node_of(m) == node]
-        left = 1 + len(coord.other_nodes())
-        coord.pending = coord.pending or rec.on_node_lost(
-            node, f"node {node} (the coordinator's)", list(gone), left, lost_at)
+        left = 1 + len(coord.others.other_nodes())
+        coord.decided(rec.on_node_lost(node, f"node {node} (the coordinator's)", list(gone),
+                                       left, lost_at))
     if not lost:  # no member lost (the coordinator's node had drained): the members move here
         rec.gens.publish(held.members, f"node {coord.index} coordinates the job now: the "
                          "members move to its workers' store at "

@@ -21,10 +21,11 @@ from collections.abc import Callable
 from typing import Any
 
 from ftrun.adapters.store import CountingStore, HostedStore, QueueReader
-from ftrun.agent.cluster import StopLocal
+from ftrun.agent.cluster import Handover, StopLocal
 from ftrun.agent.jobview import Node
 from ftrun.agent.roster import RemoteWorker, RunResult, Worker
 from ftrun.cluster.admission import Waiting, gathered, why_refused, why_wait
+from ftrun.cluster.directory import JobDirectory
 from ftrun.cluster.drained import NodeDrains
 from ftrun.cluster.ending import Ending
 from ftrun.cluster.host import NodeHost
@@ -36,43 +37,46 @@ from ftrun.cluster.messages import (
     End,
     Exited,
     Join,
-    Kill,
     Left,
     Pong,
     Report,
-    Spawn,
     Spawned,
-    Start,
     parse_report,
 )
 from ftrun.cluster.nodewatch import NodeWatch
 from ftrun.cluster.plane import C10dPlane, Plane, deposed
+from ftrun.cluster.relay import GenerationRelay
 from ftrun.cluster.remotes import RemoteWorkers
 from ftrun.core import timeouts
 from ftrun.core.errors import FtrunError
 from ftrun.core.events import notice
 from ftrun.core.membership import WorkerRole
 from ftrun.core.node_flags import shared_flags
-from ftrun.core.policy import Decision, Liveness, find_lost_nodes
-from ftrun.protocol.rendezvous import Generation, node_of
+from ftrun.core.policy import Decision, find_lost_nodes
+from ftrun.core.states import NodeRole
+from ftrun.protocol.rendezvous import Generation
 
-# (the result this coordinator ends with, its `close`) -> the run's result as a follower
-StepDown = Callable[[RunResult, Callable[[RunResult | None], None]], RunResult]
+# (the result this coordinator ends with, its `close`) -> the follower it plays on as
+StepDown = Callable[[RunResult, Callable[[RunResult | None], None]], RunResult | Handover]
 
 
 class Coordinating:
     remembered = True  # the job's run: `ftrun report --last` shows it
+    role = NodeRole.COORDINATING
 
     def __init__(self, host: NodeHost, rdzv: HostedStore, ep: Endpoint,
                  plane: Plane | None = None, index: int = 0,
-                 step_down: StepDown | None = None) -> None:
+                 step_down: StepDown | None = None, relay: GenerationRelay | None = None
+                 ) -> None:
         """`index`: this node's (0, unless it took over from a coordinator that is gone);
         `step_down`: the rest of the run once this agent's leadership ended while the control
-        plane answers (it follows the new leader: `cluster.stepdown`)."""
+        plane answers (it follows the new leader: `cluster.stepdown`); `relay`: its workers'
+        generation relay, when it took over as the follower it was (they watch it to the end)."""
         self.host = host
         self.index = index
         self.step_down = step_down
-        self.pending: Decision | None = None  # decided while adopting a running attempt
+        self.relay = relay
+        self._pending: Decision | None = None  # decided while adopting a running attempt
         self.plane = plane or C10dPlane(ep, leading=True)
         self.spec = spec = host.spec
         self.rdzv = rdzv
@@ -80,7 +84,6 @@ class Coordinating:
         self.nodes: dict[int, Node] = {}
         self.workers = RemoteWorkers()
         self._inbox: queue.SimpleQueue[Report | str] = queue.SimpleQueue()
-        self.members: tuple[int, ...] = ()
         self.beat_s = spec.timings.heartbeat
         self.lost_after_s = spec.timings.node_timeout
         self.watch = NodeWatch.from_timings(spec.timings)
@@ -89,6 +92,7 @@ class Coordinating:
         self._waiting = Waiting()  # nodes that joined a running job and wait for room
         self._last_refusal = ""  # named when too few nodes joined: a refused one may be why
         self.table = NodeTable(host, rdzv, ep, self.nodes, self.watch, self.beat_s)
+        self.others = JobDirectory(self.nodes, self.workers, self.table)
         self.drained = NodeDrains(host, index, self.plane.backend, self.nodes, self.workers,
                                   self.watch, self.table, self._waiting)  # planned leaves
         self.ending = Ending(spec, self.nodes, self.workers, self.watch, self.table, rdzv,
@@ -96,7 +100,7 @@ class Coordinating:
                              self.drained, self.lost_after_s)
 
     # ----------------------------------------------------------------- lifecycle
-    def drive(self, attempts: Callable[[], RunResult]) -> RunResult:
+    def drive(self, attempts: Callable[[], RunResult]) -> RunResult | Handover:
         result = attempts()
         if self.plane.ousted is None or self.step_down is None:
             return result
@@ -106,6 +110,8 @@ class Coordinating:
         """End every other node, or (this node drained, etcd) leave them to the next leader:
         the leadership goes first, so that it is elected as soon as they see the store go."""
         stepping_down = self.drained.stepping_down is not None
+        if self.relay is not None:  # its source, the workers' store, has closed
+            self.relay.close(link_works=False)
         if stepping_down:
             self.plane.close()
         if self._reader is not None:  # the store was served
@@ -147,24 +153,15 @@ class Coordinating:
         members = list(range(self.spec.nproc))
         for position, node in enumerate(order, start=1):
             members += self._start_node(node, len(members), position)
-        self.members = tuple(members)
+        self.others.started(tuple(members))
 
     def _start_node(self, node: Node, base_rank: int, group_rank: int,
                     spare: bool = False) -> list[int]:
         """Tell `node` to start its workers (ranks from `base_rank`; -1: joiners or spares)."""
         ids = self.workers.start(node.index, node.nproc, base_rank)
-        self.table.send(node, self._start(base_rank, group_rank, ids[0], spare, adopt=False))
+        self.table.start(node, base_rank, group_rank, ids[0], spare, adopt=False)
         node.in_attempt = True
         return ids
-
-    def _start(self, base_rank: int, group_rank: int, first_id: int, spare: bool,
-               adopt: bool) -> Start:
-        """The order to a node's agent: this attempt's facts as this agent holds them."""
-        h = self.host.attempt
-        return Start(attempt=h.restarts, addr=h.master_addr, port=h.worker_port,
-                     base_rank=base_rank, world_size=h.world_size, group_rank=group_rank,
-                     group_world_size=h.group_world_size, first_id=first_id, run_id=h.run_id,
-                     spare=spare, adopt=adopt)
 
     def _gather_nodes(self) -> None:
         """Wait for the nodes of this attempt: MAX, or MIN and then a last call for more."""
@@ -241,12 +238,17 @@ class Coordinating:
         # while an attempt runs, the main loop's next pass admits it (`_admit_waiting`)
 
     # ----------------------------------------------------------------- a takeover (etcd)
+    def decided(self, decision: Decision | None) -> None:
+        """What adopting the running attempt decided (a node lost): the first tick returns
+        the first one (the next generation covers every loss found by then)."""
+        self._pending = self._pending or decision
+
     def _adopt_node(self, node: Node, running: str) -> None:
         """A node of the attempt that runs, whose coordinator is gone: its workers go on,
         its agent now follows this one's stores."""
         ids = self.workers.adopt(node.index, running)
         node.in_attempt = True
-        self.table.send(node, self._start(-1, node.index, 0, spare=False, adopt=True))
+        self.table.start(node, -1, node.index, 0, spare=False, adopt=True)
         notice(self.host.emit, f"{node.label} came over with {len(ids)} live workers")
 
     def _admit_waiting(self) -> None:
@@ -257,7 +259,7 @@ class Coordinating:
                            key=lambda n: n.index):
             why = why_wait(1 + sum(n.in_attempt for n in self.table.alive()), self.spec.nnodes_max,
                            rec is not None, rec is not None and rec.uses_api) or (
-                rec.groups.node_waits(len(self.members)) if rec is not None else None)
+                rec.groups.node_waits(len(self.others.members)) if rec is not None else None)
             if why is not None:
                 if self._waiting.news(node.index, why):
                     notice(self.host.emit, f"{node.label} waits: {why}")
@@ -276,7 +278,7 @@ class Coordinating:
         entering = len(rec.membership.members) + len(
             rec.membership.with_role(WorkerRole.JOINING, WorkerRole.READY))
         notice(self.host.emit, f"{node.label} enters the running job")
-        if entering >= len(self.members):
+        if entering >= len(self.others.members):
             rec.add_spares(self._start_node(node, -1, group_rank, spare=True))
             return
         host.update_attempt(world_size=entering + node.nproc)
@@ -301,8 +303,8 @@ class Coordinating:
     def tick(self) -> Decision | None:
         if (why := self.plane.deposed()) is not None:  # another agent may lead by now
             raise deposed(self.plane, f"the coordinator stopped deciding: {why}")  # once
-        if self.pending is not None:
-            pending, self.pending = self.pending, None
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
             return pending
         self.table.publish_status()
         self.table.send_net_drills()
@@ -341,47 +343,13 @@ class Coordinating:
         rec = self.host.recovery
         if rec is not None and rec.uses_api:
             left = 1 + len(self.table.alive())  # a waiting node keeps the job above --nnodes MIN
-            waiting = len(self.table.alive()) - len(self.other_nodes())
+            waiting = len(self.table.alive()) - len(self.others.other_nodes())
             return rec.on_node_lost(node.index, node.label, list(gone), left, last_seen,
                                     waiting)
         self.workers.also_exited(gone)  # torchrun: a failed member restarts or ends the job
         return None
 
-    # ----------------------------------------------------------------- the other nodes
-    def allocate_id(self, node: int) -> int:
-        return self.workers.allocate(node)
-
-    def peek_id(self, node: int) -> int:
-        return self.workers.peek(node)
-
-    def place(self, worker_id: int, rank: int, local_rank: int, spare: bool) -> None:
-        node = node_of(worker_id)
-        self.workers.place(worker_id, rank, local_rank, node)
-        self.table.send(self.nodes[node], Spawn(worker=worker_id, rank=rank, local_rank=local_rank,
-                                           spare=spare))
-
-    def other_nodes(self) -> list[int]:
-        return [n.index for n in self.table.alive() if n.in_attempt]
-
-    def kill_remote(self, worker_id: int) -> bool:
-        w = self.workers.by_id.get(worker_id)
-        if w is None or not w.alive or not self.nodes[w.node].alive:
-            return False
-        self.table.send(self.nodes[w.node], Kill(worker=worker_id))
-        return True
-
-    def initial_members(self) -> tuple[int, ...] | None:
-        return self.members
-
-    def remote_workers(self) -> list[RemoteWorker]:
-        return list(self.workers.by_id.values())
-
-    def committed_step(self, worker_id: int) -> int:
-        return self.table.committed_step(worker_id)
-
-    def remote_liveness(self) -> list[Liveness]:
-        return self.table.remote_liveness()
-
+    # ----------------------------------------------------------------- the job
     def net_down(self, node: int, duration: float) -> dict[str, Any]:
         return self.table.net_down(node, duration)
 

@@ -26,7 +26,7 @@ from typing import Any
 
 from ftrun.adapters.report import error_text
 from ftrun.adapters.store import HostedStore
-from ftrun.agent.cluster import NoOtherNodes
+from ftrun.agent.cluster import Handover, SupervisesNoOtherNode
 from ftrun.agent.roster import RunResult, Worker
 from ftrun.cluster.host import NodeHost
 from ftrun.cluster.leaving import Leaving
@@ -70,15 +70,17 @@ from ftrun.core.events import StartedFields, emit_as, notice
 from ftrun.core.fencing import cut_off
 from ftrun.core.node_flags import shared_flags
 from ftrun.core.options import OnFault, RdzvBackend
+from ftrun.core.states import NodeRole
 
 MAX_ERROR_FILE_BYTES = 64 * 1024
 
 
-class Following(NoOtherNodes):
+class Following(SupervisesNoOtherNode):
     """What the coordinator commands; the coordinator places, counts and kills the job's
     workers (a follower has no `Recovery`)."""
 
     remembered = False  # the coordinator's run is the job's
+    role = NodeRole.FOLLOWING
 
     def __init__(self, host: NodeHost, ep: Endpoint, plane: Plane | None = None) -> None:
         self.host = host
@@ -118,9 +120,9 @@ class Following(NoOtherNodes):
             self._outbox.put(msg)
 
     # ----------------------------------------------------------------- top level
-    def drive(self, attempts: Callable[[], RunResult]) -> RunResult:
+    def drive(self, attempts: Callable[[], RunResult]) -> RunResult | Handover:
         """What the coordinator commands, membership after membership (not `attempts`: the
-        coordinator's are the job's)."""
+        coordinator's are the job's); or the coordinating role it plays on as (a takeover)."""
         link = self.rejoin.first_connect(self.spec.timings.join_timeout)
         self.net = NetDrills(self.ep.host, self.host.emit)
         running = ""
@@ -129,6 +131,9 @@ class Following(NoOtherNodes):
                 ended = self._membership(link, running)
                 running = ""
                 outcome = self._succeed(ended) if isinstance(ended, Leaderless) else ended
+                if isinstance(outcome, Handover):  # it coordinates: the relay is the role's
+                    self._relay = None  # this node's workers watch it on: not closed here
+                    return outcome
                 if isinstance(outcome, RunResult):
                     return outcome
                 if isinstance(outcome, Rejoining):
@@ -140,7 +145,8 @@ class Following(NoOtherNodes):
             return link
         finally:
             self.net.close()
-            self._close_relay(link_works=False)
+            if self._relay is not None:
+                self._close_relay(link_works=False)
 
     def _membership(self, link: Any, running: str) -> RunResult | Fenced | Leaderless:
         """One membership of the job, from joining to its end (or to this node's fencing);
@@ -329,7 +335,7 @@ class Following(NoOtherNodes):
         self._leaderless = leaderless(self.plane, self._relay, why)
         return self._leaderless
 
-    def _succeed(self, lost: Leaderless) -> RunResult | Rejoining | Fenced:
+    def _succeed(self, lost: Leaderless) -> Handover | Rejoining | Fenced:
         self._leaderless = None
         nxt = succeed(self.host, self.plane, self.index, self.ep, self._relay, lost,
                       type(self))

@@ -10,12 +10,10 @@ Must not import: the agent's node, typer, rich, the CLI or the worker library.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any, Protocol
 
-from ftrun.adapters.store import HostedStore
 from ftrun.adapters.wakeup import Wakeup
-from ftrun.agent.cluster import Cluster
 from ftrun.agent.ports import AgentPort
 from ftrun.agent.recovery import Recovery
 from ftrun.agent.roster import Attempt, RunResult
@@ -49,7 +47,3 @@ class NodeHost(Protocol):
         """Do what the health watch found (kills, rebuilds)."""
     def signal_result(self, sig: int, restarts: int) -> RunResult:
         """The run's result after a signal stopped it."""
-    def take_over(self, cluster: Cluster,
-                  adopt: Callable[[HostedStore], Recovery] | None = None) -> RunResult:
-        """Play `cluster`'s part from here on: coordinate the job, adopting the attempt that
-        runs, or follow another coordinator."""

@@ -25,7 +25,15 @@ from ftrun.adapters.store import HostedStore
 from ftrun.agent.jobview import Node, merge_job_status
 from ftrun.cluster.host import NodeHost
 from ftrun.cluster.link import STATUS_KEY, Endpoint, command_queue, connect, read_payloads
-from ftrun.cluster.messages import Command, NetDown, Payload, Ping, parse_payload, send
+from ftrun.cluster.messages import (
+    Command,
+    NetDown,
+    Payload,
+    Ping,
+    Start,
+    parse_payload,
+    send,
+)
 from ftrun.cluster.netdrill import NetDrills, check_duration, refuse
 from ftrun.cluster.nodewatch import NodeWatch
 from ftrun.core import timeouts
@@ -68,6 +76,15 @@ class NodeTable:
 
     def send(self, node: Node, cmd: Command) -> None:
         send(self.rdzv.store, command_queue(node.index), cmd)  # our own store
+
+    def start(self, node: Node, base_rank: int, group_rank: int, first_id: int, spare: bool,
+              adopt: bool) -> None:
+        """Order `node` to start its workers: the attempt's facts as this agent holds them."""
+        a = self.host.attempt
+        self.send(node, Start(attempt=a.restarts, addr=a.master_addr, port=a.worker_port,
+                              base_rank=base_rank, world_size=a.world_size,
+                              group_rank=group_rank, group_world_size=a.group_world_size,
+                              first_id=first_id, run_id=a.run_id, spare=spare, adopt=adopt))
 
     def ping(self, ping: tuple[int, list[int]] | None) -> None:
         """Round `seq` of pings to these nodes (a live agent answers in ms), if any."""

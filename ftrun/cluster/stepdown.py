@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
-from ftrun.agent.cluster import Cluster
+from ftrun.agent.cluster import Cluster, Handover
 from ftrun.agent.roster import RunResult
 from ftrun.cluster.host import NodeHost
 from ftrun.cluster.link import Endpoint
@@ -29,9 +29,9 @@ CloseOld = Callable[[RunResult | None], None]  # the deposed coordinator's `clos
 
 
 def rejoin(host: NodeHost, old: Plane, follower: Follower, result: RunResult,
-           close_old: CloseOld) -> RunResult:
-    """The run's result as a follower of the new leader, or `result` (exit 1, saying why it
-    could not rejoin) when no new leader's store is found within the rejoin window."""
+           close_old: CloseOld) -> RunResult | Handover:
+    """The follower of the new leader this node plays on as, or `result` (exit 1, saying
+    why it could not rejoin) when no new leader's store is found within the rejoin window."""
     assert isinstance(old, EtcdPlane) and old.ousted is not None
     rejoin_s = host.spec.timings.rejoin_timeout
     if rejoin_s <= 0:
@@ -50,7 +50,7 @@ def rejoin(host: NodeHost, old: Plane, follower: Follower, result: RunResult,
         plane.close()
         return _ended(host, result, f"{old.ousted}; {exc.message}")
     close_old(result)  # its store, its seat in etcd: the keys on its old lease go with it
-    return host.take_over(follower(host, ep, plane))
+    return Handover(follower(host, ep, plane))
 
 
 def _ended(host: NodeHost, result: RunResult, reason: str) -> RunResult:

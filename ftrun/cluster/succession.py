@@ -15,12 +15,11 @@ from __future__ import annotations
 import errno
 import functools
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from ftrun.adapters.store import HostedStore
-from ftrun.agent.roster import RunResult
+from ftrun.agent.cluster import Handover
 from ftrun.cluster.adoption import adopt
 from ftrun.cluster.coordinating import Coordinating
 from ftrun.cluster.host import NodeHost
@@ -59,10 +58,10 @@ def leaderless(plane: Plane, relay: GenerationRelay | None, why: str) -> Leaderl
 
 def succeed(host: NodeHost, plane: Plane, index: int, old: Endpoint,
             relay: GenerationRelay | None, lost: Leaderless, follower: Follower
-            ) -> RunResult | Rejoin | str:
-    """The run's result once this agent took over and the job ended, a store to rejoin, or
-    why this node must fence. `follower`: what this agent becomes if, coordinating, it is
-    deposed in turn (`stepdown`)."""
+            ) -> Handover | Rejoin | str:
+    """The coordinating role this agent plays on as (it won the election: the relay goes
+    with it), a store to rejoin, or why this node must fence. `follower`: what this agent
+    becomes if, coordinating, it is deposed in turn (`stepdown`)."""
     assert isinstance(plane, EtcdPlane) and relay is not None  # as `leaderless` found
     deadline = time.monotonic() + timeouts.ETCD_SUCCESSION_S
     _end_a_dead_leaders_lease(host, plane, old)
@@ -124,7 +123,7 @@ def running(host: NodeHost) -> str:
 
 
 def _take_over(host: NodeHost, plane: EtcdPlane, index: int, relay: GenerationRelay,
-               lost: Leaderless, follower: Follower) -> RunResult:
+               lost: Leaderless, follower: Follower) -> Handover:
     held = _held(relay, plane)
     if held is None:
         raise FtrunError("no generation to take over: neither etcd nor this node's relay "
@@ -132,7 +131,7 @@ def _take_over(host: NodeHost, plane: EtcdPlane, index: int, relay: GenerationRe
     hosted = HostedStore(0)  # a free port on every interface
     ep = Endpoint(host.spec.local_addr or plane.host, hosted.port)
     coord = Coordinating(host, hosted, ep, plane, index=index,
-                         step_down=functools.partial(rejoin, host, plane, follower))
+                         step_down=functools.partial(rejoin, host, plane, follower), relay=relay)
     registered = plane.registered()
     plane.leader_changes += 1
     notice(host.emit, f"the coordinator is gone ({lost.why}): node {index} "
@@ -141,9 +140,8 @@ def _take_over(host: NodeHost, plane: EtcdPlane, index: int, relay: GenerationRe
     def follow(addr: str, port: int) -> None:
         relay.follow(connector(f"{addr}:{port}"))
 
-    adopting: Callable[[HostedStore], Any] = lambda store: adopt(  # noqa: E731
-        coord, store, held, registered, follow, lost.at)
-    return host.take_over(coord, adopting)
+    return Handover(coord, lambda store: adopt(coord, store, held, registered, follow,
+                                               lost.at))
 
 
 def _held(relay: GenerationRelay, plane: EtcdPlane) -> Generation | None:

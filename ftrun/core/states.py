@@ -1,7 +1,8 @@
 """Explicit states and the transitions allowed between them: the one vocabulary for each.
 
 Owns: `WorkerState` (a worker process as the agent sees it), its allowed-transition table and
-`check_transition`; `Phase` (where a worker is in its step, as its progress slot says) and
+`check_transition`; `NodeRole` (the part a node's agent plays) and the
+role changes allowed; `Phase` (where a worker is in its step, as its progress slot says) and
 the phases the hang detector pauses in; `StepState` (a training step as the worker API sees
 it); `RecoveryMode` (what a worker must do at its next step boundary) and how two due
 recoveries combine; `TextEnum`, the str enum they print with.
@@ -53,6 +54,33 @@ def allowed(src: WorkerState, dst: WorkerState) -> bool:
 def check_transition(src: WorkerState, dst: WorkerState) -> None:
     if not allowed(src, dst):
         raise TransitionError(f"{type(src).__name__}: {src.value} -> {dst.value} is not allowed")
+
+
+class NodeRole(TextEnum):
+    """The part a node's agent plays in its job. The agent's one loop at the top
+    (`agent.node.Agent.run`) swaps a role for the next one a role's run hands over."""
+
+    ALONE = "alone"  # a job of one node
+    COORDINATING = "coordinating"  # serves the rendezvous store and decides
+    FOLLOWING = "following"  # does what a coordinator commands
+
+
+_ROLE_EDGES: dict[NodeRole, frozenset[NodeRole]] = {
+    NodeRole.ALONE: frozenset(),  # nobody to hand over to, or from
+    # deposed (etcd refused it, or its lease ended) while etcd answers: it follows the new one
+    NodeRole.COORDINATING: frozenset({NodeRole.FOLLOWING}),
+    # its coordinator's host is gone (etcd) and it won the election: it adopts the job
+    NodeRole.FOLLOWING: frozenset({NodeRole.COORDINATING}),
+}
+
+
+def role_change_refused(src: NodeRole, dst: NodeRole) -> str | None:
+    """Why a node playing `src` cannot play `dst` next, or None: it can."""
+    if dst in _ROLE_EDGES[src]:
+        return None
+    return f"a node's role cannot go from {src.value} to {dst.value}" + (
+        " (a job of one node has no other node to hand over to)" if NodeRole.ALONE in (src, dst)
+        else "")
 
 
 class Phase(TextEnum):
