@@ -31,6 +31,7 @@ from ftrun.core.exits import EXIT_REQUEUE
 from ftrun.core.membership import WorkerRole
 from ftrun.core.policy import Action
 from ftrun.protocol.rendezvous import Generation, encode
+from ftrun.protocol.status import ControlPlane
 
 R = WorkerRole
 NOTICE = Draining(node=2, reason="SIGTERM: a notice", window_s=30.0)
@@ -176,8 +177,9 @@ class EtcdPlane:
     def deposed(self) -> None: ...
     def up(self) -> bool:
         return True
-    def describe(self) -> dict[str, Any]:
-        return {}
+    def describe(self) -> ControlPlane:
+        return ControlPlane(backend="etcd", endpoints=(), leader=None, leader_changes=0, up=True,
+                            members=())
     def close(self) -> None:
         self.closed_with_store_open = self.hosted.store is not None
 

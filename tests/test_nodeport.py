@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 from fakes import FakeNode
+from statusdocs import status
 
 from ftrun.agent.cluster import Local, NoOtherNodes
 from ftrun.agent.ports import AgentPort
@@ -82,7 +83,19 @@ def test_members_are_this_nodes_live_workers_in_rank_order(node: FakeNode) -> No
     node.fake_workers.end(ids[0], 0)
     assert [w.rank for w in port.live_members()] == [1]
     assert not port.uses_api() and port.control_name() == "units"
-    assert "snapshot" in port.decorate_status({}) and "zygote" not in port.decorate_status({})
+    shown = port.decorate_status(status())
+    assert shown.snapshot is None and shown.zygote is None  # snapshots off; no zygote here
+
+
+def test_the_status_gets_this_nodes_snapshots_as_a_record(tmp_path: Path) -> None:
+    node = FakeNode(RunSpec("train.py", nproc=1, gpu_backend="none", log_dir=str(tmp_path),
+                            snapshot_every=5))
+    try:
+        shown = node.port.decorate_status(status(generation=3))
+        assert shown.snapshot is not None and shown.snapshot.every == 5 and shown.generation == 3
+        assert shown.snapshot.dir == node.services.snapshots.disk
+    finally:
+        node.close()
 
 
 def node_of_ids(*ids: int) -> tuple[int, ...]:

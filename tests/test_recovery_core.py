@@ -21,6 +21,7 @@ from ftrun.core.membership import ALLOWED, Membership, RoleError, WorkerRole
 from ftrun.core.policy import Action, Liveness
 from ftrun.core.spec import RunSpec
 from ftrun.protocol.rendezvous import LATEST_KEY, Generation, gen_key
+from ftrun.protocol.status import Status
 
 R = WorkerRole
 
@@ -146,8 +147,8 @@ class FakePort:
     def control_name(self) -> str:
         return self.run_id
 
-    def decorate_status(self, doc: dict[str, Any]) -> dict[str, Any]:
-        return doc
+    def decorate_status(self, status: Status) -> Status:
+        return status
 
     def notices(self) -> list[str]:
         return [str(f["text"]) for k, f in self.events if k == "notice"]

@@ -186,7 +186,8 @@ def test_the_agent_writes_a_published_slot_to_disk_or_says_why_not(tmp_path: Pat
         wait_for(lambda: keeper.drain() or len(events) > 1, 60, "the failed write reported")
         kind, fields = events[1]
         assert kind is Event.SNAPSHOT_FAILED and fields["step"] == 8 and fields["error"]
-        assert keeper.describe(time.time())["failed"] == 1
+        described = keeper.describe(time.time())
+        assert described is not None and described.failed == 1
     finally:
         keeper.close()
     assert not os.path.exists(keeper.shm or "/nonexistent")

@@ -23,6 +23,7 @@ from ftrun.core.errors import FtrunError
 from ftrun.core.policy import Decision, Liveness
 from ftrun.core.states import NodeRole
 from ftrun.protocol.rendezvous import Generation
+from ftrun.protocol.status import Status
 
 if TYPE_CHECKING:
     from ftrun.agent.recovery import Recovery
@@ -93,7 +94,8 @@ class Cluster(Supervises, Protocol):
     def net_down(self, node: int, duration: float) -> dict[str, Any]: ...
     def uses_api(self, local: bool) -> bool:
         """Does the script use the API? `local`: what this node's recovery says."""
-    def decorate_status(self, doc: dict[str, Any]) -> dict[str, Any]: ...
+    def decorate_status(self, status: Status) -> Status:
+        """This node's status as the job shows it (a coordinator adds the other nodes)."""
 
 
 class NoOtherNodes:
@@ -184,5 +186,5 @@ class Local(SupervisesNoOtherNode):
     def uses_api(self, local: bool) -> bool:
         return local
 
-    def decorate_status(self, doc: dict[str, Any]) -> dict[str, Any]:
-        return doc
+    def decorate_status(self, status: Status) -> Status:
+        return status

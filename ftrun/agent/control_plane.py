@@ -243,9 +243,9 @@ class ControlPlane:
 
     # ------------------------------------------------------------ status
     def status(self) -> Status:
-        """The job as `ftrun status` shows it (a multi-node agent adds the other nodes; the
-        node's `decorate_status` hook takes and returns the JSON object)."""
-        doc = Status.from_json(self.port.decorate_status(self.local_status().to_json()))
+        """The job as `ftrun status` shows it (its node adds the zygote and snapshots, a
+        coordinator the other nodes)."""
+        doc = self.port.decorate_status(self.local_status())
         self._latest = (time.monotonic(), doc)  # the timeline takes it (8,192 rows: ~0.3 s)
         return doc
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from ftrun.agent.cluster import Cluster, OtherNodes
@@ -29,6 +30,7 @@ from ftrun.core.events import Event, EventSink
 from ftrun.core.policy import Liveness
 from ftrun.core.spec import RunSpec
 from ftrun.protocol.rendezvous import Generation, node_of
+from ftrun.protocol.status import Status
 
 if TYPE_CHECKING:
     from ftrun.agent.recovery import Recovery
@@ -171,11 +173,11 @@ class NodePort:
             return f"{self.run_id[:16]}.{os.getpid()}"
         return self.run_id if self.run_id != "none" else f"none-{os.getpid()}"
 
-    def decorate_status(self, doc: dict[str, Any]) -> dict[str, Any]:
-        workers, services = self._workers, self._services
-        doc = dict(doc)
+    def decorate_status(self, status: Status) -> Status:
+        zygote = None
         if self.starter is not None:  # the unit tests' fake node starts no process
-            forked = [w.spawned.pid for w in workers.alive() if w.spawned.via == "zygote"]
-            doc["zygote"] = self.starter.describe(forked)
-        doc["snapshot"] = services.snapshots.describe(time.time())
-        return self._cluster().decorate_status(doc)
+            zygote = self.starter.describe([w.spawned.pid for w in self._workers.alive()
+                                            if w.spawned.via == "zygote"])
+        status = replace(status, zygote=zygote,
+                         snapshot=self._services.snapshots.describe(time.time()))
+        return self._cluster().decorate_status(status)

@@ -20,6 +20,7 @@ from ftrun.core.events import Event
 from ftrun.core.policy import Liveness
 from ftrun.core.spec import RunSpec
 from ftrun.protocol.rendezvous import Generation
+from ftrun.protocol.status import Status
 
 
 class Notifying(Protocol):
@@ -78,7 +79,7 @@ class ControlPort(Notifying, Protocol):
     def worker_by_id(self, worker_id: int) -> Worker | None: ...
     def uses_api(self) -> bool: ...
     def control_name(self) -> str: ...
-    def decorate_status(self, doc: dict[str, Any]) -> dict[str, Any]: ...
+    def decorate_status(self, status: Status) -> Status: ...
     def net_down(self, node: int, duration: float) -> dict[str, Any]:
         """A net-down drill on `node` (control thread), or a one-line FtrunError."""
 

@@ -68,6 +68,7 @@ from ftrun.protocol.snapshots import (
     writable,
     write_manifest,
 )
+from ftrun.protocol.status import Snapshot
 
 STREAMS = "ftrun.random_streams"  # the worker's name for its random streams (aligning.STREAMS)
 WRITER_NICENESS = 10
@@ -189,7 +190,8 @@ class SnapshotKeeper:
                 return
             emit_as(self._emit, fields)
 
-    def describe(self, now: float) -> dict[str, Any] | None:
+    def describe(self, now: float) -> Snapshot | None:
+        """For `ftrun status` and this node's heartbeat: where, how often, the newest."""
         if not self.on:
             return None
         doc: dict[str, Any] = {"dir": self.disk, "every": self.spec.snapshot_every,
@@ -201,7 +203,7 @@ class SnapshotKeeper:
             doc.update(self.last, age_s=round(now - float(self.last["taken_at"]), 1))
         if self.failed:
             doc.update(failed=len(self.failed), last_error=self.failed[-1])
-        return doc
+        return Snapshot.from_json(doc)
 
     def close(self) -> None:
         """The run is over: the newest slot goes to disk first (bounded), then the slots go."""

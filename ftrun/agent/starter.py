@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable, Mapping, Sequence
-from typing import IO, Any
+from typing import IO
 
 from ftrun.adapters.procs import Spawned, become_subreaper, reap_strays, spawn
 from ftrun.adapters.wakeup import Wakeup
@@ -28,6 +28,7 @@ from ftrun.core.errors import UsageError
 from ftrun.core.events import EventSink, notice
 from ftrun.core.exits import describe_exit
 from ftrun.core.spec import RunSpec
+from ftrun.protocol.status import Forked, ZygoteOff, ZygoteUp
 
 _NEW = "starting workers as new processes"
 
@@ -150,16 +151,16 @@ class WorkerStarter:
         """The zygote a worker was forked from (0: started as a new process)."""
         return self.zygote.pid if spawned.via == "zygote" and self.zygote else 0
 
-    def describe(self, forked: Sequence[int] = ()) -> dict[str, Any]:
+    def describe(self, forked: Sequence[int] = ()) -> ZygoteUp | ZygoteOff:
         """The zygote for `ftrun status`, with the memory of the `forked` workers."""
         z = self.zygote
         if z is None:
-            return {"state": self.state, "why_not": self.why_not}
-        return {"state": self.state, "pid": z.pid, "rss_kb": z.rss_kb(), "forks": z.forks,
-                "preloaded": list(z.ready.preloaded) if z.ready else [],
-                "preload_s": z.ready.seconds if z.ready else None,
-                "workers": [{"pid": pid, **mem}
-                            for pid, mem in zip(forked, self._memory.of(forked), strict=True)]}
+            return ZygoteOff(state=self.state, why_not=self.why_not)
+        return ZygoteUp(state=self.state, pid=z.pid, rss_kb=z.rss_kb(), forks=z.forks,
+                        preloaded=tuple(z.ready.preloaded) if z.ready else (),
+                        preload_s=z.ready.seconds if z.ready else None,
+                        workers=tuple(Forked.from_json({"pid": pid, **mem}) for pid, mem
+                                      in zip(forked, self._memory.of(forked), strict=True)))
 
     def close(self) -> None:
         if self.zygote is not None:

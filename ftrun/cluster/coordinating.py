@@ -15,6 +15,7 @@ Must not import: typer, rich, the CLI or the worker library.
 
 from __future__ import annotations
 
+import dataclasses
 import queue
 import time
 from collections.abc import Callable
@@ -55,6 +56,7 @@ from ftrun.core.node_flags import shared_flags
 from ftrun.core.policy import Decision, find_lost_nodes
 from ftrun.core.states import NodeRole
 from ftrun.protocol.rendezvous import Generation
+from ftrun.protocol.status import Status
 
 # (the result this coordinator ends with, its `close`) -> the follower it plays on as
 StepDown = Callable[[RunResult, Callable[[RunResult | None], None]], RunResult | Handover]
@@ -359,8 +361,9 @@ class Coordinating:
     def fence_generation(self, gen: Generation) -> None:
         self.plane.record(gen)
 
-    def decorate_status(self, doc: dict[str, Any]) -> dict[str, Any]:
-        return {**self.table.decorate_status(doc), "control_plane": self.plane.describe()}
+    def decorate_status(self, status: Status) -> Status:
+        return dataclasses.replace(self.table.decorate_status(status),
+                                   control_plane=self.plane.describe())
 
     def stop_workers(self, sig: int, grace: float, stop_local: StopLocal) -> int | None:
         return self.ending.stop_workers(sig, grace, stop_local)

@@ -14,6 +14,7 @@ Must not import: typer, rich, the CLI or the worker library.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import queue
@@ -71,6 +72,7 @@ from ftrun.core.fencing import cut_off
 from ftrun.core.node_flags import shared_flags
 from ftrun.core.options import OnFault, RdzvBackend
 from ftrun.core.states import NodeRole
+from ftrun.protocol.status import Status
 
 MAX_ERROR_FILE_BYTES = 64 * 1024
 
@@ -375,10 +377,10 @@ class Following(SupervisesNoOtherNode):
         return any(slots.progress(w.worker_id).generation >= 0
                    for w in self.host.workers.alive())
 
-    def decorate_status(self, doc: dict[str, Any]) -> dict[str, Any]:
+    def decorate_status(self, status: Status) -> Status:
         """The coordinator's view of the whole job (published every second), with this node."""
-        return self._job_status.read(self.ep, self.index) or {
-            **doc, "note": "the coordinator's job status is not available (yet, or no answer)"}
+        return self._job_status.read(self.ep, self.index) or dataclasses.replace(
+            status, note="the coordinator's job status is not available (yet, or no answer)")
 
     # ----------------------------------------------------------------- what the agent asks
     def close(self, result: RunResult | None) -> None:

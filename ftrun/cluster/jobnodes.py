@@ -137,17 +137,15 @@ class NodeTable:
             self._net.check()
 
     # ----------------------------------------------------------------- status
-    def decorate_status(self, doc: dict[str, Any]) -> dict[str, Any]:
-        """The whole job's, from this node's `doc` (the hook's dict contract, typed inside:
-        the merge reads and builds `protocol.status` records)."""
+    def decorate_status(self, mine: Status) -> Status:
+        """The whole job's, from this node's (its zygote and snapshots included)."""
         nodes = list(self.nodes.values())  # the control thread reads while the loop adds
         payloads = {n.index: self._payload(n.index) for n in nodes if n.alive}
         rec = self.host.recovery
         membership = rec.membership if rec is not None else None
-        mine = Status.from_json(doc)  # this node's, its zygote and snapshots included
-        job = merge_job_status(mine, nodes, payloads, membership, self.host.attempt.world_size,
-                               str(self.ep), getattr(self.rdzv.store, "calls", None))
-        return job.to_json()
+        return merge_job_status(mine, nodes, payloads, membership,
+                                self.host.attempt.world_size, str(self.ep),
+                                getattr(self.rdzv.store, "calls", None))
 
     def _payload(self, node: int) -> Payload:
         """Every node's payload is read at once, at most once per heartbeat period: a fault,

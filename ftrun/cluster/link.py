@@ -19,7 +19,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import Any
 
@@ -30,6 +30,7 @@ from ftrun.core.errors import FtrunError, StoreError, first_line
 from ftrun.core.options import RdzvBackend
 from ftrun.core.spec import RunSpec
 from ftrun.protocol.rendezvous import WORKER_ID_STRIDE, encode
+from ftrun.protocol.status import ServedBy, Status
 
 PREFIX = "ftrun/rdzv/"
 NODE_COUNTER = PREFIX + "nodes"  # c10d: followers draw their node index here (1, 2, ...)
@@ -239,16 +240,18 @@ class Outbox:
                 return
 
 
-def job_status(ep: Endpoint, node: int) -> dict[str, Any] | None:
+def job_status(ep: Endpoint, node: int) -> Status | None:
     """The coordinator's view of the whole job (it publishes one every second), as node
-    `node` serves it; None while there is none. May block far past its timeout (a store whose
-    host accepts connections but does not answer): read it through `JobStatus`."""
+    `node` serves it; None while there is none (or none this agent can read). May block far
+    past its timeout (a store whose host accepts connections but does not answer): read it
+    through `JobStatus`."""
     try:
-        job = json.loads(connect(ep, timeouts.CONTROL_REQUEST_S).get(STATUS_KEY))
+        job = Status.from_json(json.loads(connect(ep, timeouts.CONTROL_REQUEST_S).get(
+            STATUS_KEY)))
     except Exception:
         return None
-    return {**job, "served_by": {"node": node, "host": socket.gethostname(),
-                                 "pid": os.getpid()}}
+    return replace(job, served_by=ServedBy(node=node, host=socket.gethostname(),
+                                           pid=os.getpid()))
 
 
 class JobStatus:
@@ -260,13 +263,13 @@ class JobStatus:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._pending: tuple[Endpoint, queue.SimpleQueue[dict[str, Any] | None]] | None = None
+        self._pending: tuple[Endpoint, queue.SimpleQueue[Status | None]] | None = None
 
-    def read(self, ep: Endpoint, node: int) -> dict[str, Any] | None:
+    def read(self, ep: Endpoint, node: int) -> Status | None:
         """The job's status as `node` serves it, or None (none yet, or no answer in time)."""
         with self._lock:
             if self._pending is None or self._pending[0] != ep:  # another store: start over
-                done: queue.SimpleQueue[dict[str, Any] | None] = queue.SimpleQueue()
+                done: queue.SimpleQueue[Status | None] = queue.SimpleQueue()
                 threading.Thread(target=lambda: done.put(job_status(ep, node)), daemon=True,
                                  name="ftrun-job-status").start()
                 self._pending = (ep, done)

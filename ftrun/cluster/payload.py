@@ -14,7 +14,6 @@ from typing import Any
 from ftrun.agent.services import RunServices
 from ftrun.agent.watch import CHECK_EVERY_S
 from ftrun.cluster.messages import Payload
-from ftrun.protocol.status import Snapshot
 
 
 class NodePayload:
@@ -25,10 +24,8 @@ class NodePayload:
     def __call__(self) -> dict[str, Any]:
         now, svc = time.time(), self.services
         if now - self._at >= CHECK_EVERY_S:
-            snapshot = svc.snapshots.describe(now)
-            self._last = Payload(
-                workers=svc.control_plane.rows(now),
-                liveness=tuple(svc.health.local_liveness(now)),
-                snapshot=None if snapshot is None else Snapshot.from_json(snapshot)).to_json()
+            self._last = Payload(workers=svc.control_plane.rows(now),
+                                 liveness=tuple(svc.health.local_liveness(now)),
+                                 snapshot=svc.snapshots.describe(now)).to_json()
             self._at = now
         return self._last

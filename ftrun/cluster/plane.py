@@ -20,7 +20,7 @@ import socket
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from ftrun.adapters.etcd_conf import EtcdConf
 from ftrun.cluster.etcd_keys import (
@@ -35,6 +35,7 @@ from ftrun.cluster.link import Endpoint
 from ftrun.core import timeouts
 from ftrun.core.errors import Deposed, FtrunError, SteppingDown, first_line
 from ftrun.protocol.rendezvous import Generation
+from ftrun.protocol.status import ControlPlane, EtcdMember, Leader
 
 if TYPE_CHECKING:
     from ftrun.cluster.etcd_reads import JobRecords
@@ -64,7 +65,7 @@ class Plane(Protocol):
         """Why this agent may no longer decide for the job (its leadership lapsed), or None."""
     def up(self) -> bool:
         """Whether the control plane answers (a majority of etcd, or the store's host)."""
-    def describe(self) -> dict[str, Any]:
+    def describe(self) -> ControlPlane:
         """`control_plane` in `ftrun status --json`."""
     def close(self) -> None: ...
 
@@ -99,10 +100,10 @@ class C10dPlane:
     def up(self) -> bool:
         return True
 
-    def describe(self) -> dict[str, Any]:
-        return {"backend": self.backend, "endpoints": [str(self.ep)],
-                "leader": {"node": 0, "host": self.ep.host, "since": self.since},
-                "leader_changes": 0, "up": True, "members": []}
+    def describe(self) -> ControlPlane:
+        return ControlPlane(backend=self.backend, endpoints=(str(self.ep),),
+                            leader=Leader(node=0, host=self.ep.host, since=self.since),
+                            leader_changes=0, up=True, members=())
 
     def close(self) -> None:
         pass
@@ -133,9 +134,9 @@ class EtcdPlane:
         self.deposed_after_s = conf.outage_timeout
         self._lapsed_at: float | None = None
         self._asked_at = -math.inf  # when a leader whose lease may have lapsed asked etcd
-        self._health: tuple[float, list[dict[str, Any]]] = (-math.inf, [])
+        self._health: tuple[float, tuple[EtcdMember, ...]] = (-math.inf, ())
         self._health_pool = ThreadPoolExecutor(1, thread_name_prefix="etcd-health")
-        self._health_asked: Future[tuple[float, list[dict[str, Any]]]] | None = None
+        self._health_asked: Future[tuple[float, tuple[EtcdMember, ...]]] | None = None
 
     def lead(self, timeout: float) -> bool:
         """Stand for the leadership; True once this agent leads (within `timeout`)."""
@@ -274,16 +275,16 @@ class EtcdPlane:
     def up(self) -> bool:
         return not self.lease.lapsed
 
-    def describe(self) -> dict[str, Any]:
+    def describe(self) -> ControlPlane:
         """The leader's own view (the coordinator writes the job's status)."""
         leader = None
         if self.election.since is not None and self.index is not None:
-            leader = {"node": self.index, "host": self.host, "since": self.election.since}
-        return {"backend": self.backend, "endpoints": list(self.conf.endpoints),
-                "leader": leader, "leader_changes": self.leader_changes, "up": self.up(),
-                "members": self._members()}
+            leader = Leader(node=self.index, host=self.host, since=self.election.since)
+        return ControlPlane(backend=self.backend, endpoints=tuple(self.conf.endpoints),
+                            leader=leader, leader_changes=self.leader_changes, up=self.up(),
+                            members=self._members())
 
-    def _members(self) -> list[dict[str, Any]]:
+    def _members(self) -> tuple[EtcdMember, ...]:
         """Each member's health, asked at most every few seconds (a status per second) from a
         thread of its own: a silent member costs its timeout there, not in the coordinator's
         loop, which decides faults. The rows are the newest answer (empty before the first)."""
@@ -295,14 +296,14 @@ class EtcdPlane:
             self._health_asked = self._health_pool.submit(self._ask_health)
         return self._health[1]
 
-    def _ask_health(self) -> tuple[float, list[dict[str, Any]]]:
+    def _ask_health(self) -> tuple[float, tuple[EtcdMember, ...]]:
         try:
-            rows = [{"endpoint": h.endpoint, "up": h.up, "leader": h.is_leader,
-                     "raft_term": h.raft_term, "error": h.error}
-                    for h in self.client.health(timeouts.ETCD_STATUS_S)]
+            rows = tuple(EtcdMember(endpoint=h.endpoint, up=h.up, leader=h.is_leader,
+                                    raft_term=h.raft_term, error=h.error)
+                         for h in self.client.health(timeouts.ETCD_STATUS_S))
         except Exception as exc:  # a status never fails on the control plane's state
-            rows = [{"endpoint": e, "up": False, "leader": False, "raft_term": 0,
-                     "error": first_line(exc)} for e in self.conf.endpoints]
+            rows = tuple(EtcdMember(endpoint=e, up=False, leader=False, raft_term=0,
+                                    error=first_line(exc)) for e in self.conf.endpoints)
         return time.monotonic(), rows
 
     def close(self) -> None:
