@@ -62,7 +62,7 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--embd", type=int, default=32)
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--ckpt-dir", help="a checkpoint every step, and resume from the last one "
-                    "(how torchrun's restart recovers: scripts/bench_integrations.py)")
+                    "(how torchrun's restart recovers: scripts/bench/bench_integrations.py)")
     ap.add_argument("--out", help="final parameters and the step log of every worker")
     return ap.parse_args()
 

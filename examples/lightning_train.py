@@ -92,7 +92,7 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--lr", type=float, default=0.05)
     ap.add_argument("--ddp", action="store_true", help="Lightning's own DDPStrategy instead")
     ap.add_argument("--ckpt-dir", help="a checkpoint every step, and resume from the last one "
-                    "(how torchrun's restart recovers: scripts/bench_integrations.py)")
+                    "(how torchrun's restart recovers: scripts/bench/bench_integrations.py)")
     ap.add_argument("--out", help="final parameters and the batch log of every worker")
     return ap.parse_args()
 

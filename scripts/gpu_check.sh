@@ -8,5 +8,5 @@ cd "$(dirname "$0")/.." || exit 2
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 OMP_NUM_THREADS=1
 OUT=${OUT:-/tmp}
 mkdir -p "$OUT"
-timeout --kill-after=10 450 python3 scripts/gpu_check.py "$@" 2>&1 | tee "$OUT/gpu_check.log"
+timeout --kill-after=10 450 python3 scripts/gpu/gpu_check.py "$@" 2>&1 | tee "$OUT/gpu_check.log"
 exit "${PIPESTATUS[0]}"

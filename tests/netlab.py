@@ -6,7 +6,7 @@ random tag, so two labs never collide), commands run inside a node's namespace, 
 node's link at the bridge (a cable or switch port failing) and one-way drops (a blackhole
 route on the node: what it sends to one peer is lost, what it receives still arrives).
 Nothing but the lab's own addresses and each namespace's loopback is ever contacted. Used by
-tests/test_partition.py and scripts/bench_node_loss.py --partition.
+tests/test_partition.py and scripts/bench/bench_node_loss.py --partition.
 Must not import: torch or ftrun (it is the test bench, not the product).
 """
 

@@ -1,5 +1,5 @@
 """The control-plane simulation at a small size: a real coordinator, simulated followers that
-speak the real protocol, every scenario of `scripts/sim_scale.py` end to end.
+speak the real protocol, every scenario of `scripts/sim/sim_scale.py` end to end.
 
 One run checks several things at once: the job comes up; a worker's fault reaches every
 watching worker through the node relays, gathered from every simulator process; a node lost
@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 from etcdlab import unavailable
 
-SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "sim_scale.py"
+SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "sim" / "sim_scale.py"
 
 
 def run_sim(tmp_path: Path, ranks: int, *extra: str) -> tuple[dict[str, Any], str]:

@@ -52,7 +52,7 @@ HEAL_CHUNK_MB = 64.0  # a heal moves the state in chunks of this many MB (--heal
 HEAL_SOURCES = 4  # the most live replicas one healing member pulls from (--heal-sources)
 # committed steps between two comparisons of the replicas' state (--verify-every): what one
 # costs (a pass over the state on its device, a small all-reduce, a host copy of it) spread
-# over this many steps stays under 0.5 % of a step (scripts/bench_verify.py)
+# over this many steps stays under 0.5 % of a step (scripts/bench/bench_verify.py)
 VERIFY_EVERY = 100
 # ...and steps between two checks of the local gradients' norms (--verify-grads-every): one
 # pass over the gradient, ~0.5 % of a step on CPU (bench_verify.py), so every 4th step keeps

@@ -182,7 +182,7 @@ def join_shard_group(store: Store, gen: Generation, worker_id: int, shard_size: 
     members = group_members(gen, worker_id, shard_size)
     first = members[0]
     prefix = dist.PrefixStore(f"{PREFIX}shard/{gen.number}/{first}/", store)  # type: ignore[arg-type]
-    # the private helper, as the probe did (scripts/probe_fsdp_reconfigure.py): the public
+    # the private helper, as the probe did (scripts/gpu/probe_fsdp_reconfigure.py): the public
     # new_group must be called by every rank of the default group, which is never whole
     name: Any = f"ftrun-shard-{gen.number}-{first}"
     pg: Any = c10d._new_process_group_helper(

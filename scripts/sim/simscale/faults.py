@@ -1,0 +1,286 @@
+"""What one fault costs the control plane at 64 to 4,096 nodes, on c10d and on etcd (issue #52):
+`python scripts/sim/sim_scale.py --per-fault --nodes 64,256,1024,4096 --faults 20`.
+
+Per size: a real coordinator (`coordinator.Coordinator`: node 0, 8 real workers), the other
+nodes light simulated followers (`fleet`) in `--sim-procs` processes, on etcd a real 3-member
+etcd (`sim_etcd.JobPlane`). Then `--faults` worker faults one after another, each on another
+node (a worker exits 1; its node reports it as a follower does; the coordinator replaces it):
+- notified: from the exit's report to each node's relay holding the new generation's record,
+  decoded (`fleet.NodeCopy`), and to node 0's own workers holding it; per fault the median
+  node and the last one; over the faults their p50 and p99;
+- the leader's CPU: its process's CPU (every thread: the agent, both store servers) from just
+  before the exit to `TAIL_S` after the last node held it, less its CPU at rest over as long
+  (measured for `BASE_S` before the faults, once it has worked off its start: `settle`);
+  `cpu_noise_ms`: twice the spread of that rest rate over `TAIL_S` windows, times a fault's
+  window: a `cpu_ms` below it (even negative, where the coordinator's rest is busy with
+  thousands of heartbeats) is not told apart from the rest;
+- etcd: the requests its members received and the bytes they and their clients exchanged over
+  the same window, less the keep-alives' share at rest.
+Then a burst: `BURST` workers of different nodes exit within a few ms, and the generations the
+coordinator published for them are counted.
+
+This host cannot beat for thousands of nodes ten times a second beside everything else: the
+heartbeat period is scaled to keep ~`BEATS_PER_S` beats a second (`heartbeat=`, with the
+coordinator's silence fuses scaled from it), and on etcd the lease TTL to keep
+~`LEASE_RENEWALS_PER_S` keep-alives a second; each row says what it ran with (`rdzv_conf`).
+A fault's path does not depend on either.
+Must not import: `sim_scale` (it imports this).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import shutil
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from simscale.coordinator import RDZV_ID, Coordinator, until
+
+BEATS_PER_S = 2000.0  # the heartbeats the simulator and the coordinator's store keep up here
+LEASE_RENEWALS_PER_S = 300.0  # etcd keep-alives a second the lab takes beside the rest
+PAYLOAD_EVERY_BEATS = 2.5  # a follower rebuilds its payload every 0.25 s at 0.1 s beats
+BASE_S = 3.0  # the coordinator at rest, measured before the faults
+TAIL_S = 0.3  # after the last node held a fault's generation: the coordinator's tail
+HOLD_S = 120.0  # every node holding one generation
+UP_S = 900.0  # every node up (thousands join one at a time)
+BURST = 10  # faults within a few ms
+BURST_QUIET_S = 2.0  # no newer generation for this long: the burst's are all out
+SETTLED_PCT = 10.0  # the coordinator at rest: two 1 s windows of its CPU this close
+SETTLE_S = 180.0  # ...within this (thousands of hellos and joins are worked off first)
+NODE_SIZE = 8
+
+
+def scaled(nodes: int, backend: str) -> tuple[float, str]:
+    """(the heartbeat period, the --rdzv-conf) this host can keep at `nodes` nodes."""
+    beat = float(os.environ.get("SIM_BEAT_S", 0)) or max(0.1, round(nodes / BEATS_PER_S, 2))
+    conf = [f"heartbeat={beat:g}", f"node_timeout={max(5.0, 50 * beat):g}"]
+    if backend == "etcd":
+        conf.append(f"lease_ttl={max(2, math.ceil(3 * nodes / LEASE_RENEWALS_PER_S))}")
+    return beat, ",".join(conf)
+
+
+def quantile(values: list[float], q: float) -> float:
+    """The nearest-rank quantile (q=0.99 of 20 values: the largest)."""
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
+
+
+class Job:
+    """One job size on one backend: the coordinator, the fleet, etcd's lab."""
+
+    def __init__(self, nodes: int, backend: str, procs: int, cleanups: list[Any]) -> None:
+        from sim_etcd import JobPlane
+        from sim_proc import Procs
+
+        from simscale import fleet
+
+        self.nodes, self.backend = nodes, backend
+        self.beat_s, self.conf = scaled(nodes, backend)
+        self.burst_span_ms = 0.0  # how far apart the burst's exits were reported
+        self.exit_code: int | None = None
+        self.workdir = Path(tempfile.mkdtemp(prefix="ftrun-faults-"))
+        self.plane = JobPlane(backend, RDZV_ID)
+        cleanups.append(self.plane.close)
+        self.coord = Coordinator(nodes, NODE_SIZE, self.plane.coordinator_args(), self.workdir,
+                                 self.conf, extra=("--max-faults", "100000"))
+        cleanups.append(self.coord.kill)
+        store = until(self.plane.store, 120, "the coordinator's store", 0.1)
+        etcd = None if self.plane.lab is None else {
+            "endpoints": self.plane.lab.endpoints.split(","),
+            "conf": dict(kv.split("=", 1) for kv in self.conf.split(","))}
+        scripts = str(Path(__file__).resolve().parent.parent)
+        os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # a store gone at the end: quiet
+        self.procs = Procs(procs, fleet.serve, (scripts, store, RDZV_ID, self.beat_s,
+                                                PAYLOAD_EVERY_BEATS * self.beat_s, etcd))
+        cleanups.append(self.procs.kill)
+        k = len(self.procs.conns)
+        shares = [(nodes - 1) // k + (i < (nodes - 1) % k) for i in range(k)]
+        self.procs.everywhere("add_nodes", per_proc=[(n, NODE_SIZE) for n in shares],
+                              timeout=UP_S)
+        # victims in rounds across the processes, a different node each fault
+        self.victims = [(p, i) for i in range(max(shares)) for p in range(k) if i < shares[p]]
+        if not all(self.procs.everywhere("wait_up", UP_S, timeout=UP_S + 60)):
+            raise TimeoutError(f"the simulated nodes were not all up within {UP_S:g} s")
+        until(lambda: len(self.coord.seen()) == NODE_SIZE, 120, "node 0's workers", 0.05)
+
+    def newest(self) -> int:
+        return int(max(self.procs.everywhere("newest")))
+
+    def held(self, number: int) -> tuple[list[float], list[float]]:
+        """(each simulated node's arrival of `number`, node 0's workers')."""
+        parts = self.procs.everywhere("held", number, HOLD_S, timeout=HOLD_S + 60)
+        if any(p is None for p in parts):
+            raise TimeoutError(f"generation {number} not held by every node in {HOLD_S:g} s")
+        real = until(lambda: _real_hold(self.coord, number), HOLD_S, f"generation {number} "
+                     "on node 0")
+        return [t for p in parts for t in p], real
+
+    def traffic(self) -> tuple[float, Any]:
+        return self.coord.cpu_s(), self.plane.traffic()
+
+    def close(self, keep: bool, ok: bool) -> None:
+        with contextlib.suppress(Exception):
+            self.procs.everywhere("end", timeout=60)
+        (self.workdir / "end").touch()
+        self.exit_code = self.coord.stop(60)
+        self.procs.close()
+        self.plane.close()
+        if ok and self.exit_code == 0 and not keep:
+            shutil.rmtree(self.workdir, ignore_errors=True)
+
+
+def _real_hold(coord: Coordinator, number: int) -> list[float] | None:
+    seen = coord.seen().values()
+    return [s[number] for s in seen] if seen and all(number in s for s in seen) else None
+
+
+def settle(job: Job) -> float:
+    """Wait until the coordinator has worked off its start (its CPU in two 1 s windows in a
+    row within SETTLED_PCT points); how long that took."""
+    start, last = time.monotonic(), None
+    while time.monotonic() - start < SETTLE_S:
+        cpu0, t0 = job.coord.cpu_s(), time.monotonic()
+        time.sleep(1.0)
+        pct = 100 * (job.coord.cpu_s() - cpu0) / (time.monotonic() - t0)
+        if last is not None and abs(pct - last) < SETTLED_PCT:
+            break
+        last = pct
+    return time.monotonic() - start
+
+
+def at_rest(job: Job) -> dict[str, float]:
+    """The coordinator's CPU and etcd's traffic a second, with no fault; and how much its
+    CPU rate moves between windows as long as a fault's (`cpu_sd`: a fault's CPU below ~2 of
+    those is not told apart from its rest)."""
+    (cpu0, t0), start = job.traffic(), time.monotonic()
+    rates = []
+    for _ in range(int(BASE_S / TAIL_S)):
+        c0, w0 = job.coord.cpu_s(), time.monotonic()
+        time.sleep(TAIL_S)
+        rates.append((job.coord.cpu_s() - c0) / (time.monotonic() - w0))
+    (cpu1, t1), span = job.traffic(), time.monotonic() - start
+    rest = {"cpu": (cpu1 - cpu0) / span, "cpu_sd": statistics.stdev(rates)}
+    for key in ("requests", "bytes"):
+        rest[key] = _etcd(t1, key) - _etcd(t0, key)
+        rest[key] /= span
+    return rest
+
+
+def _etcd(counts: Any, key: str) -> float:
+    if key == "bytes":
+        return float(counts["bytes_received"] + counts["bytes_sent"])
+    return float(sum(v for k, v in counts.items() if not k.startswith("bytes_")))
+
+
+def one_fault(job: Job, k: int, rest: dict[str, float]) -> dict[str, Any]:
+    number = job.newest() + 1
+    proc, position = job.victims[k % len(job.victims)]
+    before = job.procs.call(proc, "workers_of", position)
+    (cpu0, e0), start = job.traffic(), time.monotonic()
+    t0, node = job.procs.call(proc, "exit_worker", position)
+    times, real = job.held(number)
+    time.sleep(TAIL_S)
+    (cpu1, e1), span = job.traffic(), time.monotonic() - start
+    record = job.procs.call(proc, "record", number)
+    until(lambda: job.procs.call(proc, "workers_of", position) > before, 60,
+          f"node {node}'s replacement", 0.02)
+    arrivals = sorted(t - t0 for t in times + real)
+    return {"generation": number, "node": node, "reason": record[1] if record else "",
+            "median_ms": 1000 * arrivals[len(arrivals) // 2], "last_ms": 1000 * arrivals[-1],
+            "publish_ms": 1000 * (record[0] - t0) if record else None,
+            "record_bytes": record[3] if record else None,
+            "decode_ms": 1000 * record[4] if record else None,
+            "cpu_ms": 1000 * ((cpu1 - cpu0) - rest["cpu"] * span),
+            "cpu_noise_ms": 1000 * 2 * rest["cpu_sd"] * span,
+            "etcd_requests": (_etcd(e1, "requests") - _etcd(e0, "requests")
+                              - rest["requests"] * span),
+            "etcd_bytes": _etcd(e1, "bytes") - _etcd(e0, "bytes") - rest["bytes"] * span}
+
+
+def burst(job: Job) -> int:
+    """`BURST` workers of different nodes exit at once: the generations published for them
+    (every node then holds the newest; waited until none came for 2 s)."""
+    first = job.newest()
+    victims = job.victims[-BURST:]
+    for p, i in victims:  # sent at once; each process answers its own in order
+        job.procs._send(p, "exit_worker", i)
+    sent = [job.procs._recv(p) for p, _ in victims]
+    job.burst_span_ms = 1000 * (max(t for t, _ in sent) - min(t for t, _ in sent))
+    until(lambda: job.newest() > first, HOLD_S, "a generation for the burst", 0.02)
+    quiet_since, seen = time.monotonic(), first
+    while time.monotonic() - quiet_since < BURST_QUIET_S:
+        newest = job.newest()
+        if newest != seen:
+            seen, quiet_since = newest, time.monotonic()
+        time.sleep(0.05)
+    job.held(seen)
+    return seen - first
+
+
+def measure(nodes: int, backend: str, faults: int, procs: int, keep: bool,
+            cleanups: list[Any]) -> dict[str, Any]:
+    """One size on one backend, end to end: its row."""
+    row: dict[str, Any] = {"nodes": nodes, "ranks": nodes * NODE_SIZE, "backend": backend,
+                           "errors": []}
+    job = None
+    try:
+        job = Job(nodes, backend, min(procs, nodes - 1), cleanups)
+        row.update(rdzv_conf=job.conf, sim_procs=len(job.procs.conns))
+        row["settle_s"] = round(settle(job), 1)
+        rest = at_rest(job)
+        row["rest_cpu_pct"] = round(100 * rest["cpu"], 1)
+        row["rest_etcd_req_s"] = round(rest["requests"])
+        samples = [one_fault(job, k, rest) for k in range(faults)]
+        row["samples"] = samples
+        row["generations_for_burst"] = burst(job)
+        row["burst_span_ms"] = round(job.burst_span_ms, 1)
+        summarize(row, samples)
+    except Exception as exc:
+        row["errors"].append(f"{type(exc).__name__}: {exc}")
+    finally:
+        if job is not None:
+            with contextlib.suppress(Exception):
+                row["errors"] += [e for s in job.procs.everywhere("state", timeout=30)
+                                  for e in s["errors"]][:10]
+            job.close(keep, not row["errors"])
+            row["exit_code"] = job.exit_code
+            if keep or row["errors"] or job.exit_code != 0:
+                row["workdir"] = str(job.workdir)
+    return row
+
+
+def summarize(row: dict[str, Any], samples: list[dict[str, Any]]) -> None:
+    last = [s["last_ms"] for s in samples]
+    median = [s["median_ms"] for s in samples]
+    row.update(notified_p50_ms=round(quantile(median, 0.5), 1),
+               last_p50_ms=round(quantile(last, 0.5), 1),
+               last_p99_ms=round(quantile(last, 0.99), 1),
+               publish_p50_ms=round(statistics.median(
+                   s["publish_ms"] for s in samples if s["publish_ms"] is not None), 1),
+               cpu_ms=round(statistics.mean(s["cpu_ms"] for s in samples), 1),
+               cpu_p50_ms=round(quantile([s["cpu_ms"] for s in samples], 0.5), 1),
+               cpu_noise_ms=round(statistics.mean(s["cpu_noise_ms"] for s in samples), 1),
+               etcd_req=round(statistics.mean(s["etcd_requests"] for s in samples), 1),
+               etcd_kb=round(statistics.mean(s["etcd_bytes"] for s in samples) / 1e3, 1),
+               faults=len(samples))
+
+
+COLUMNS = ("backend", "nodes", "ranks", "faults", "notified_p50_ms", "last_p50_ms",
+           "last_p99_ms", "publish_p50_ms", "cpu_ms", "cpu_p50_ms", "cpu_noise_ms", "etcd_req",
+           "etcd_kb",
+           "generations_for_burst", "rest_cpu_pct", "exit_code")
+
+
+def print_rows(rows: list[dict[str, Any]]) -> None:
+    print("  ".join(f"{c:>12}" for c in COLUMNS))
+    for r in rows:
+        print("  ".join(f"{r.get(c, '-')!s:>12}" for c in COLUMNS))
+        print(f"    {r.get('rdzv_conf', '')}, {r.get('sim_procs', '-')} simulator processes, "
+              f"{os.cpu_count()} cores shared by everything")
+        for e in r.get("errors") or []:
+            print(f"    error: {e}")
