@@ -180,6 +180,25 @@ def test_only_the_agents_loop_drives_a_role() -> None:
     assert drives == []
 
 
+SCRIPTS = PKG.parent / "scripts"
+ACROSS_SCRIPT_FOLDERS = {("soak", "bench_recovery_worker")}  # the benchmarks' model, by path
+
+
+def test_scripts_import_only_their_own_folder_and_in_no_circle() -> None:
+    """scripts/ is grouped by purpose (bench, sim, soak, gpu): a script imports its own
+    folder's modules, never another folder's (one named exception), and none in a circle
+    (#49: bench_node_loss.py and bench_partition.py imported each other)."""
+    folder_of = {p.stem: p.parent.name for p in SCRIPTS.glob("*/*.py")}
+    graph: dict[str, set[str]] = {}
+    across = []
+    for path in SCRIPTS.glob("*/*.py"):
+        mine = {m.split(".")[0] for m in imports_of(path)} & set(folder_of)
+        graph[path.stem] = mine - {path.stem}
+        across += [(path.parent.name, m) for m in mine if folder_of[m] != path.parent.name]
+    assert set(across) <= ACROSS_SCRIPT_FOLDERS, across
+    assert _cycle(graph) is None, _cycle(graph)
+
+
 def test_every_event_is_emitted_as_its_record() -> None:
     """`emit_as(sink, XFields(...))` or `notice(sink, text)`, never `emit(Event.X, {...})`:
     a misspelt or missing field is a type error, not a line the journal cannot fold (#49:
