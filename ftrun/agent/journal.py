@@ -37,10 +37,13 @@ from ftrun.core.events import (
     fields_of,
 )
 from ftrun.core.faultkinds import CORRUPTION_DRILLS, GROUP_DRILLS  # faults naming no worker
+from ftrun.core.policy import FaultAction
 from ftrun.protocol.status import Fault
 
 LOG_FILE = "events.jsonl"  # the journal's file in a run's log directory
 PHASES = ("detected", "published", "rebuilt", "healed", "first_commit")
+# the decisions an urgent generation answers (a fault's record takes that generation's number)
+REGENERATING = (FaultAction.REPLACE, FaultAction.SHRINK, FaultAction.REBUILD)
 FOLDED = frozenset({  # the kinds fault records are made of
     Event.FAULT, Event.FAILURE, Event.RESTART, Event.STARTED, Event.GENERATION,
     Event.RECOVERED, Event.TRAINED, Event.DRAIN, Event.RESUMED, Event.HEALED,
@@ -198,7 +201,7 @@ class Journal:
         now = self._now
         kind, at = drill if drill else ("failure", now)
         self.faults.append(FaultRecord(id=len(self.faults) + 1, kind=kind, worker=rank,
-                                       rank=rank, at=at, decision="fail",
+                                       rank=rank, at=at, decision=FaultAction.FAIL.value,
                                        reason=f.reason, injected=drill is not None,
                                        phases_ms={"detected": round((now - at) * 1000, 1)}))
 
@@ -207,8 +210,8 @@ class Journal:
         still healing when the last replica died included)."""
         for rec in self.faults:
             if not rec.recovered and rec not in self._restarting:
-                if rec.decision == "fail":
-                    rec.decision = "restart-group"
+                if rec.decision == FaultAction.FAIL:
+                    rec.decision = FaultAction.RESTART_GROUP.value
                 self._restarting.append(rec)
 
     def _on_started(self, f: StartedFields) -> None:
@@ -245,7 +248,7 @@ class Journal:
         if not f.urgent:
             return
         for rec in reversed(self.faults):
-            if rec.generation is None and rec.decision in ("replace", "shrink", "rebuild"):
+            if rec.generation is None and rec.decision in REGENERATING:
                 rec.generation = f.generation
                 ms = round((f.published_at - rec.at) * 1000, 1)
                 rec.phases_ms = {**rec.phases_ms, "published": ms}  # copy: status reads it
