@@ -23,14 +23,13 @@ from ftrun.agent.cluster import Cluster, Local
 from ftrun.agent.nodeport import NodePort
 from ftrun.agent.ports import AgentPort
 from ftrun.agent.recovery import Recovery
-from ftrun.agent.roster import Attempt, RunResult, Worker
+from ftrun.agent.roster import Attempt, Worker
 from ftrun.agent.services import RunServices
 from ftrun.agent.starter import WorkerStarter
 from ftrun.agent.watch import Finding
 from ftrun.agent.workers import NodeWorkers
 from ftrun.cluster.host import NodeHost
 from ftrun.core.events import Event, EventSink
-from ftrun.core.exits import signal_name
 from ftrun.core.spec import RunSpec
 from ftrun.core.states import WorkerState
 
@@ -148,6 +147,25 @@ class FakeWorkers(NodeWorkers):
 
 
 # ------------------------------------------------------------------ the agent
+class CountingWakeup(Wakeup):
+    """The agent's wakeup, counting the wakes from other threads (a test waits for them)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._woken = threading.Condition()
+        self.wakes = 0
+
+    def wake(self) -> None:  # any thread
+        super().wake()
+        with self._woken:
+            self.wakes += 1
+            self._woken.notify_all()
+
+    def wait_wakes(self, count: int, timeout_s: float = 10.0) -> None:
+        with self._woken:
+            assert self._woken.wait_for(lambda: self.wakes >= count, timeout_s), self.wakes
+
+
 class FakeNode:
     """The agent as its cluster reaches it (`NodeHost`): real services and worker records,
     the agent's own `NodePort` for its helpers, and a record of what it was told."""
@@ -158,9 +176,8 @@ class FakeNode:
         self.recovery: Recovery | None = None
         self.events: list[tuple[Event, dict[str, Any]]] = []
         self.findings: list[Finding] = []
-        self._woken = threading.Condition()
-        self.wakes = 0
-        self.wakeup = Wakeup()
+        self.counting = CountingWakeup()
+        self.wakeup: Wakeup = self.counting
         self.cluster: Cluster = Local()
         self.emit: EventSink = self._record  # the journal's once the services exist
         # the agent's own port, routing and all: only the node around it is a fake
@@ -196,23 +213,15 @@ class FakeNode:
     def update_attempt(self, **changes: Any) -> None:
         self.attempt = replace(self.attempt, **changes)
 
-    def wake(self) -> None:  # any thread
-        with self._woken:
-            self.wakes += 1
-            self._woken.notify_all()
+    def wake(self) -> None:  # the port's (any thread)
+        self.wakeup.wake()
 
     def wait_wakes(self, count: int, timeout_s: float = 10.0) -> None:
         """Until `count` wakes came (a reader thread delivered that many messages)."""
-        with self._woken:
-            assert self._woken.wait_for(lambda: self.wakes >= count, timeout_s), self.wakes
+        self.counting.wait_wakes(count, timeout_s)
 
     def act(self, findings: list[Finding]) -> None:
         self.findings += findings
-
-    def signal_result(self, sig: int, restarts: int) -> RunResult:
-        return RunResult(1, f"received {signal_name(sig)}; workers stopped",
-                         exits=self.workers.exits(), restarts_used=restarts,
-                         signal_received=signal_name(sig))
 
 
 def _typed(node: FakeNode) -> tuple[NodeHost, AgentPort]:

@@ -27,7 +27,7 @@ from ftrun.adapters.workerspec import shared_env, static_port, worker_env
 from ftrun.agent.cluster import Adopt, Cluster, Handover, Local
 from ftrun.agent.nodeport import NodePort
 from ftrun.agent.notices import Notices
-from ftrun.agent.outcomes import group_decision, on_exit
+from ftrun.agent.outcomes import group_decision, on_exit, stopped_by
 from ftrun.agent.recovery import Recovery
 from ftrun.agent.roster import Attempt, Outcome, RemoteWorker, RunResult, Worker
 from ftrun.agent.services import RunServices
@@ -180,7 +180,7 @@ class Agent:
         stop_sig = self._stop_workers(signal.SIGTERM, self.spec.shutdown_timeout)
         self.workers.close_streams()
         if stop_sig is not None:
-            return self.signal_result(stop_sig, restarts)
+            return self._stopped_by(stop_sig, restarts)
         if decision.action is Action.RESTART_GROUP:
             self.services.snapshots.restarting()
             emit_as(self.emit, RestartFields(decision.reason, restarts + 1))
@@ -338,21 +338,13 @@ class Agent:
         if again is not None:
             emit_as(self.emit, SignalFields(signal_name(again), 0, 0.0))
         self.workers.close_streams()
-        return self.signal_result(sig, restarts)
+        return self._stopped_by(sig, restarts)
 
-    def signal_result(self, sig: int, restarts: int) -> RunResult:
-        exits = self.workers.exits()
-        return RunResult(1, f"received {signal_name(sig)}; workers stopped", exits=exits,
-                         restarts_used=restarts, log_dir=self.services.logs.run_dir,
-                         signal_received=signal_name(sig))
-
+    def _stopped_by(self, sig: int, restarts: int) -> RunResult:
+        return stopped_by(sig, restarts, self.workers.exits(), self.services.logs.run_dir)
 
     # ----------------------------------------------------------------- for the cluster
     def update_attempt(self, **changes: Any) -> None:
         """What the cluster learnt of the attempt (a start order, a node entering): the
         facts the next workers get are replaced whole, in one place."""
         self.attempt = replace(self.attempt, **changes)
-
-    def wake(self) -> None:
-        """Interrupt the event loop from another thread (the request reader)."""
-        self.wakeup.wake()

@@ -2,9 +2,10 @@
 
 Owns: `on_exit` (an exit recorded in the supervise loop's `Outcome`: handed to the
 attempt's `Recovery` when the script uses the API or the worker is a replacement, else
-remembered as the attempt's first failure) and `group_decision` (the attempt's verdict once
+remembered as the attempt's first failure), `group_decision` (the attempt's verdict once
 nothing more is in-process: every member finished, or torchrun's whole-group rule over the
-members' exit codes). Pure over the objects given; no process is touched here.
+members' exit codes) and `stopped_by` (the result of a run a signal stopped). Pure over the
+objects given; no process is touched here.
 Must not import: the agent's node, typer, rich, the CLI, the worker library.
 """
 
@@ -12,9 +13,18 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from ftrun.adapters.report import WorkerExit
 from ftrun.agent.recovery import Recovery
-from ftrun.agent.roster import Outcome, RemoteWorker, Worker
+from ftrun.agent.roster import Outcome, RemoteWorker, RunResult, Worker
+from ftrun.core.exits import signal_name
 from ftrun.core.policy import Action, Decision, decide_group
+
+
+def stopped_by(sig: int, restarts: int, exits: tuple[WorkerExit, ...],
+               log_dir: str | None) -> RunResult:
+    """The run's result once a signal to the agent stopped this node's workers."""
+    return RunResult(1, f"received {signal_name(sig)}; workers stopped", exits=exits,
+                     restarts_used=restarts, log_dir=log_dir, signal_received=signal_name(sig))
 
 
 def on_exit(rec: Recovery | None, worker: Worker | RemoteWorker, outcome: Outcome) -> None:

@@ -138,7 +138,7 @@ class Coordinating:
 
     def _deliver(self, raw: str | bytes) -> None:  # reader thread
         self._inbox.put(parse_report(raw))
-        self.host.wake()
+        self.host.wakeup.wake()
 
     # ----------------------------------------------------------------- rendezvous
     def start_group(self, restarts: int, hosted: HostedStore,

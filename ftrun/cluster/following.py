@@ -110,12 +110,12 @@ class Following(SupervisesNoOtherNode):
     def _deliver(self, raw: str | bytes, session: int) -> None:
         if session == self._session:
             self._commands.put(parse_command(raw))
-            self.host.wake()
+            self.host.wakeup.wake()
 
     def _on_lost(self, why: str, session: int) -> None:
         if session == self._session and self._lost is None:
             self._lost = why or "connection closed"
-        self.host.wake()
+        self.host.wakeup.wake()
 
     def _report(self, msg: Report) -> None:
         if self._lost is None and self._outbox is not None:

@@ -16,7 +16,7 @@ from typing import Any, Protocol
 from ftrun.adapters.wakeup import Wakeup
 from ftrun.agent.ports import AgentPort
 from ftrun.agent.recovery import Recovery
-from ftrun.agent.roster import Attempt, RunResult
+from ftrun.agent.roster import Attempt
 from ftrun.agent.services import RunServices
 from ftrun.agent.watch import Finding
 from ftrun.agent.workers import NodeWorkers
@@ -42,8 +42,5 @@ class NodeHost(Protocol):
     def update_attempt(self, **changes: Any) -> None:
         """Replace `Attempt` fields: a start order's facts, a node entering, the relay."""
     def emit(self, kind: Event, fields: Mapping[str, object]) -> None: ...
-    def wake(self) -> None: ...
     def act(self, findings: list[Finding]) -> None:
         """Do what the health watch found (kills, rebuilds)."""
-    def signal_result(self, sig: int, restarts: int) -> RunResult:
-        """The run's result after a signal stopped it."""

@@ -122,7 +122,7 @@ class NodeTable:
         if target.net_drill:
             raise refuse(node, target.net_drill)
         self._net_drills.put((node, duration))
-        self.host.wake()
+        self.host.wakeup.wake()
         return {"node": node, "host": target.host, "duration": duration}
 
     def send_net_drills(self) -> None:

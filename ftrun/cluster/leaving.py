@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable
 
 from ftrun.agent.notices import Notices
+from ftrun.agent.outcomes import stopped_by
 from ftrun.agent.roster import RunResult
 from ftrun.cluster.host import NodeHost
 from ftrun.cluster.messages import Draining, End, Left, Report
@@ -65,7 +66,8 @@ class Leaving:
         workers = self.host.workers
         workers.stop(sig, self.host.spec.shutdown_timeout)
         workers.close_streams()
-        return self.host.signal_result(sig, self.host.attempt.restarts)
+        return stopped_by(sig, self.host.attempt.restarts, workers.exits(),
+                          self.host.services.logs.run_dir)
 
     def ended(self, cmd: End) -> RunResult:
         """The coordinator ended this node (not `lost`): what is left stops, the code is its."""

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from ftrun.agent.outcomes import stopped_by
 from ftrun.agent.roster import RunResult
 from ftrun.cluster.host import NodeHost
 from ftrun.cluster.link import Endpoint, connect, reach
@@ -62,7 +63,8 @@ class Rejoin:
                     raise
             sig = self.host.wakeup.pop_signal()
             if sig is not None:
-                return self.host.signal_result(sig, 0)
+                return stopped_by(sig, 0, self.host.workers.exits(),
+                                  self.host.services.logs.run_dir)
 
     def connect(self, fenced: Fenced) -> Any:
         """A new connection to the store (to join again, as a new node), or the run's end."""
@@ -90,7 +92,9 @@ class Rejoin:
                     return connect(self.ep, timeouts.CONNECT_TRY_S)
                 stable_since = None
             self.host.wakeup.wait(REJOIN_RETRY_S)
-        return self.host.signal_result(sig, self.host.attempt.restarts)
+        host = self.host
+        return stopped_by(sig, host.attempt.restarts, host.workers.exits(),
+                          host.services.logs.run_dir)
 
     def _moved(self) -> bool:
         """etcd: another leader's store is published: rejoin there (as a new node)."""
