@@ -2,7 +2,9 @@
 failures that come before a first commit.
 
 Owns: `Generations` (publishing a generation record to the attempt's store and to every other
-node's relay, starting a worker in a role, letting ready workers join the members) and
+node's relay, one for every change decided in one pass of the agent's loop (`batch`: a burst
+of faults is one generation, not one each), starting a worker in a role, letting ready
+workers join the members) and
 `Respawns` (failures in a row before a first commit, per ("rank", r), ("join", node) and
 ("spare", node); the policy stops replacing at its crash-loop limit). `Recovery` and
 `ReplicaGroups` both hold the same two objects; neither calls the other.
@@ -11,8 +13,10 @@ Must not import: typer, rich, the CLI, the worker library, the agent.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from ftrun.agent.ports import RecoveryPort
@@ -33,19 +37,43 @@ class Generations:
         self.store_at = store_at  # host:port named in each record ("": the workers' own)
         self.membership = membership
         self.ends = ends
+        self._held: list[Generation] | None = None  # a batch's changes, published at its end
+
+    @contextlib.contextmanager
+    def batch(self) -> Iterator[None]:
+        """Changes decided within (the faults one pass of the agent's loop found) go out as
+        one generation at the end: each is decided on the membership the previous one left,
+        the record names their union (the last members, every joiner, the earliest fault).
+        The numbers stay contiguous: a worker's watcher reads them one after another."""
+        if self._held is not None:  # within another batch: that one publishes
+            yield
+            return
+        self._held = []
+        try:
+            yield
+        finally:
+            held, self._held = self._held, None
+            if held:
+                self._send(merged(held))
 
     def publish(self, members: tuple[int, ...], reason: str, urgent: bool,
                 fault_at: float = 0.0, joiners: tuple[int, ...] = (),
                 snapshot_first: bool = False) -> None:
-        """`snapshot_first`: the members left out take a final snapshot before they leave."""
-        self.membership.publish(members, joiners)
-        number = self.membership.generation
-        gen = Generation(number, members, reason, urgent, time.time(), fault_at, joiners,
-                         store=self.store_at, snapshot_first=snapshot_first)
+        """`snapshot_first`: the members left out take a final snapshot before they leave.
+        Within a `batch` it is held, under the batch's one number."""
+        self.membership.publish(members, joiners, renumber=not self._held)
+        gen = Generation(self.membership.generation, members, reason, urgent, time.time(),
+                         fault_at, joiners, store=self.store_at, snapshot_first=snapshot_first)
+        if self._held is not None:
+            self._held.append(gen)
+            return
+        self._send(gen)
+
+    def _send(self, gen: Generation) -> None:
         self.port.fence_generation(gen)
         publish(self.store, gen, self.relays())
-        emit_as(self.port.emit, GenerationFields(number, len(members), gen.published_at,
-                                                 reason, urgent))
+        emit_as(self.port.emit, GenerationFields(gen.number, len(gen.members), gen.published_at,
+                                                 gen.reason, gen.urgent))
 
     def relays(self) -> list[int]:
         """The other nodes: their agents relay each generation to their workers."""
@@ -72,6 +100,20 @@ class Generations:
         who = f"worker {wids[0]}" if len(wids) == 1 else f"workers {', '.join(map(str, wids))}"
         self.publish(members, f"{who} join{'s' if len(wids) == 1 else ''} as rank"
                      f"{'s' if len(wids) > 1 else ''} {ranks}", False, joiners=wids)
+
+
+def merged(held: list[Generation]) -> Generation:
+    """One record for the changes of a batch (in the order decided): the last one's members,
+    the joiners among them, every reason, urgent if any was, the earliest fault."""
+    if len(held) == 1:
+        return held[0]
+    last = held[-1]
+    joiners = tuple(dict.fromkeys(j for g in held for j in g.joiners if j in last.members))
+    faults = [g.fault_at for g in held if g.fault_at]
+    return dataclasses.replace(
+        last, reason="; ".join(g.reason for g in held), urgent=any(g.urgent for g in held),
+        published_at=time.time(), fault_at=min(faults) if faults else last.fault_at,
+        joiners=joiners, snapshot_first=any(g.snapshot_first for g in held))
 
 
 class Respawns:

@@ -247,12 +247,11 @@ class Journal:
         self._sizes[f.generation] = f.world_size
         if not f.urgent:
             return
-        for rec in reversed(self.faults):
+        for rec in self.faults:  # every fault decided since the last one (a burst: several)
             if rec.generation is None and rec.decision in REGENERATING:
                 rec.generation = f.generation
                 ms = round((f.published_at - rec.at) * 1000, 1)
                 rec.phases_ms = {**rec.phases_ms, "published": ms}  # copy: status reads it
-                return
 
     def _on_recovered(self, f: RecoveredFields) -> None:
         gen, step = f.generation, f.step

@@ -17,6 +17,7 @@ import signal
 import time
 import uuid
 from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import replace
 from typing import Any
 
@@ -268,18 +269,24 @@ class Agent:
                 ended: list[Worker | RemoteWorker] = [
                     *self.workers.reap_ready(sel, self._idle_wait()),
                     *self.cluster.remote_exits()]
-                outcome.decision = self._tick()
-                if self.recovery is not None:
-                    outcome.decision = outcome.decision or self.recovery.handle_requests()
-                control.sample(time.time(), ended)  # before slots retire
-                control.apply_drills()
-                for worker in ended:
-                    on_exit(self.recovery, worker, outcome)
+                with self._one_generation():  # what this pass finds: one generation
+                    outcome.decision = self._tick()
+                    if self.recovery is not None:
+                        outcome.decision = outcome.decision or self.recovery.handle_requests()
+                    control.sample(time.time(), ended)  # before slots retire
+                    control.apply_drills()
+                    for worker in ended:
+                        on_exit(self.recovery, worker, outcome)
                 if outcome.decision is None:
                     outcome.decision = group_decision(
                         self.recovery, outcome, self.port.all_workers(),
                         self.attempt.restarts, self.spec.max_restarts)
         return outcome
+
+    def _one_generation(self) -> AbstractContextManager[None]:
+        """The changes decided in one pass of the loop (faults found together: several
+        exits, nodes lost at once) are published as one generation (`Generations.batch`)."""
+        return self.recovery.gens.batch() if self.recovery is not None else nullcontext()
 
     def _signal(self, now: float) -> int | None:
         """A signal that stops the workers, or None. A notice (notices.py) to a job that
