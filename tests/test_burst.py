@@ -5,20 +5,25 @@ fault that generation answers. `Recovery` with the fake port and store of
 tests/test_recovery_core.py; the journal fed as the agent feeds it."""
 from __future__ import annotations
 
-from test_recovery_core import exit_, hello, make, recovered
+from test_recovery_core import FakePort, MemoryStore, exit_, hello, make, recovered
 
 from ftrun.agent.journal import Journal
+from ftrun.agent.recovery import Recovery
 from ftrun.core.events import FaultFields, GenerationFields, RecoveredFields, emit_as
 from ftrun.core.membership import WorkerRole
 from ftrun.protocol.rendezvous import LATEST_KEY, gen_key
 
 
+def with_spares(nproc: int, spares: int) -> tuple[Recovery, FakePort, MemoryStore]:
+    """Members 0..nproc-1 and `spares` ready spares after them, every one said hello."""
+    rec, port, store = make(nproc=nproc, spares=spares)
+    for wid in range(nproc + spares):
+        hello(rec, wid, spare=wid >= nproc)
+    return rec, port, store
+
+
 def test_two_faults_in_one_pass_are_one_generation_under_the_next_number() -> None:
-    rec, port, store = make(nproc=4, spares=2)
-    for wid in range(4):
-        hello(rec, wid)
-    hello(rec, 4, spare=True)
-    hello(rec, 5, spare=True)
+    rec, port, store = with_spares(4, 2)
     first = rec.membership.generation
     with rec.gens.batch():
         assert rec.on_exit(exit_(port, 1, -9)) is None
@@ -56,11 +61,7 @@ def test_a_generation_that_answers_two_faults_closes_both_records() -> None:
 
 
 def test_the_batch_recovers_as_one_generation() -> None:
-    rec, port, store = make(nproc=3, spares=2)
-    for wid in range(3):
-        hello(rec, wid)
-    hello(rec, 3, spare=True)
-    hello(rec, 4, spare=True)
+    rec, port, store = with_spares(3, 2)
     with rec.gens.batch():
         rec.on_exit(exit_(port, 0, -9))
         rec.on_exit(exit_(port, 1, -9))
