@@ -105,7 +105,7 @@ def test_a_role_change_the_state_machine_forbids_is_a_defect_and_the_run_still_c
     assert "coordinating prepare" not in log and alone.closed == [None]
 
 
-@pytest.mark.parametrize("src,dst", itertools.product(NodeRole, NodeRole))
+@pytest.mark.parametrize("src,dst", list(itertools.product(NodeRole, NodeRole)))
 def test_the_allowed_role_changes(src: NodeRole, dst: NodeRole) -> None:
     allowed = {(NodeRole.COORDINATING, NodeRole.FOLLOWING),  # deposed: follows the new one
                (NodeRole.FOLLOWING, NodeRole.COORDINATING)}  # elected: adopts the job

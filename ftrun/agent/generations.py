@@ -103,16 +103,18 @@ class Generations:
 
 
 def merged(held: list[Generation]) -> Generation:
-    """One record for the changes of a batch (in the order decided): the last one's members,
-    the joiners among them, every reason, urgent if any was, the earliest fault."""
+    """One record for the changes of a batch (in the order decided), stamped now: the last
+    one's members, the joiners among them, every reason, urgent if any was, the earliest
+    fault."""
+    last, now = held[-1], time.time()
     if len(held) == 1:
-        return held[0]
-    last = held[-1]
-    joiners = tuple(dict.fromkeys(j for g in held for j in g.joiners if j in last.members))
+        return dataclasses.replace(last, published_at=now)
+    kept = set(last.members)
+    joiners = tuple(dict.fromkeys(j for g in held for j in g.joiners if j in kept))
     faults = [g.fault_at for g in held if g.fault_at]
     return dataclasses.replace(
         last, reason="; ".join(g.reason for g in held), urgent=any(g.urgent for g in held),
-        published_at=time.time(), fault_at=min(faults) if faults else last.fault_at,
+        published_at=now, fault_at=min(faults) if faults else last.fault_at,
         joiners=joiners, snapshot_first=any(g.snapshot_first for g in held))
 
 
