@@ -179,7 +179,9 @@ class Recovery:
         self._release_if_ended()
 
     def _release_if_ended(self) -> None:
-        self.ends.release_if_ended(self.store, self.membership.live())
+        ms = self.membership
+        self.ends.release_if_ended(self.store, ms.generation, ms.members,
+                                   lambda m: ms.role(m) is R.FINISHED)
 
     def end_decision(self) -> Decision:
         """Every member finished: the run's verdict (a rank lost after its last step and

@@ -11,7 +11,7 @@ Must not import: typer, rich, the CLI, the worker library, the agent.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from ftrun.core.policy import Action, Decision, FaultAction, FaultDecision
@@ -25,6 +25,7 @@ class ScriptEnds:
         self._lost: list[tuple[int, str]] = []  # ranks whose post-training work is lost
         self._unassigned: list[tuple[int, str]] = []  # a replica group's, until it is back
         self.released = False
+        self._scan_from: tuple[int, int] | None = None  # (generation, index): see release_if_ended
 
     def on_stage(self, req: Stage) -> str | None:
         """Take a member's stage; the reason it is refused, if it is."""
@@ -46,7 +47,7 @@ class ScriptEnds:
         """A member of the generation left ft.steps() for good: the final collective was
         every member's, so none of them will train again (a second ft.steps() loop says
         "training" first)."""
-        return any(w in self._stages for w in members)
+        return bool(self._stages) and any(w in self._stages for w in members)
 
     def after_late_fault(self, lost: int, rank: int, why: str, d: FaultDecision) -> None:
         """Rank `rank`'s post-training work: owed by the replacement `d` names, or lost."""
@@ -82,10 +83,23 @@ class ScriptEnds:
         return (not self.released and bool(live) and not self._unassigned
                 and all(self.ended(m) for m in live))
 
-    def release_if_ended(self, store: Any, live: tuple[int, ...]) -> None:
-        """Every live member's script ended: they may exit (each waits for this, healing a
-        replacement meanwhile if one comes). `store`: the attempt's (None: it is over)."""
-        if store is not None and self.may_release(live):
+    def release_if_ended(self, store: Any, generation: int, members: tuple[int, ...],
+                         finished: Callable[[int], bool]) -> None:
+        """Every live member's script ended (live: the `members` not `finished`): they may
+        exit (each waits for this, healing a replacement meanwhile if one comes). `store`: the
+        attempt's (None: it is over). Called at each member's stage and exit: each call looks
+        on from the member the last one stopped at (still working: it stops there at once),
+        so a job's end costs O(members) in all, not O(members) for each member that ends;
+        the release itself is checked over every live member."""
+        if store is None or self.released:
+            return
+        at = self._scan_from[1] if self._scan_from and self._scan_from[0] == generation else 0
+        for i in range(at, len(members)):
+            if not finished(members[i]) and not self.ended(members[i]):
+                self._scan_from = (generation, i)
+                return
+        self._scan_from = None  # a member passed over may be training again: look anew
+        if self.may_release(tuple(m for m in members if not finished(m))):
             self.released = True
             store.set(RELEASE_KEY, "1")
 
