@@ -115,7 +115,7 @@ class Recovery:
     def owns(self, w: AnyWorker) -> bool:
         """Once one worker said hello the script uses the API: every exit is an in-process
         fault, a replacement's that died before its own hello included."""
-        return self.uses_api or w.worker_id not in self.membership.members
+        return self.uses_api or not self.membership.is_member(w.worker_id)
 
     def on_exit(self, w: AnyWorker) -> Decision | None:
         """A worker that uses the ftrun API ended. None: handled, training goes on."""
@@ -144,7 +144,7 @@ class Recovery:
             self.faults += code != 0
             self.spares.exited(wid, node, w.local_rank, code)
             return None
-        if wid not in self.membership.members:
+        if not self.membership.is_member(wid):
             return None  # replaced or evicted earlier; its end is expected
         if code == EXIT_CANNOT_RESUME:  # its snapshot does not fit; nor would a replacement's
             return Decision(Action.FAIL, f"worker {wid} could not resume from a snapshot", w.rank)
@@ -332,7 +332,7 @@ class Recovery:
             case Hello():
                 self._on_hello(req)
             case CommFailed() if req.generation == self.membership.generation and \
-                    req.worker in self.membership.members:  # else stale: fenced by number
+                    self.membership.is_member(req.worker):  # else stale: fenced by number
                 return self._on_comm_failed(req)
             case Suspect():
                 self.port.suspect()

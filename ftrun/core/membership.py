@@ -9,6 +9,7 @@ Must not import: anything but the standard library and `ftrun.core.policy`.
 from __future__ import annotations
 
 import enum
+import functools
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -59,6 +60,11 @@ class View:
     generation: int
     members: tuple[int, ...]
 
+    @functools.cached_property
+    def member_set(self) -> frozenset[int]:
+        """The members as a set: "is it a member?" is asked at every exit (8,192 members)."""
+        return frozenset(self.members)
+
 
 class Membership:
     def __init__(self, members: tuple[int, ...]) -> None:
@@ -92,6 +98,9 @@ class Membership:
     @property
     def uses_api(self) -> bool:
         return bool(self.api_users)
+
+    def is_member(self, worker_id: int) -> bool:
+        return worker_id in self.view.member_set
 
     def role(self, worker_id: int) -> WorkerRole | None:
         return self.roles.get(worker_id)
