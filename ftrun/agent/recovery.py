@@ -180,8 +180,7 @@ class Recovery:
 
     def _release_if_ended(self) -> None:
         ms = self.membership
-        self.ends.release_if_ended(self.store, ms.generation, ms.members,
-                                   lambda m: ms.role(m) is R.FINISHED)
+        self.ends.release_if_ended(self.store, ms.generation, ms.members, ms.finished)
 
     def end_decision(self) -> Decision:
         """Every member finished: the run's verdict (a rank lost after its last step and

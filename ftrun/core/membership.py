@@ -123,8 +123,13 @@ class Membership:
     def with_role(self, *roles: WorkerRole) -> list[int]:
         return [w for w, r in self.roles.items() if r in roles]
 
+    def finished(self, worker_id: int) -> bool:
+        """Its script ended and it exited: it holds no rank in the next generation."""
+        return self.roles.get(worker_id) is WorkerRole.FINISHED
+
     def live(self) -> tuple[int, ...]:
         """Members that still train (a finished member holds no rank in the next one)."""
+        # `finished` inline: a call per member made this ~30 % slower at 8,192 (a fault's path)
         return tuple(m for m in self.members if self.roles.get(m) is not WorkerRole.FINISHED)
 
     def unhealed(self) -> frozenset[int]:
@@ -134,9 +139,10 @@ class Membership:
                 renumber: bool = True) -> None:
         """A new generation: joiners must heal, members left out are gone. `renumber` False:
         a further change to the generation not yet published (one generation for a burst)."""
-        kept = set(members)  # a set: at 8,192 members, a tuple's `in` took ~0.4 s a fault
-        left = [m for m in self.members if m not in kept]
-        self.view = View(self.view.generation + (1 if renumber else 0), members)
+        view = View(self.view.generation + (1 if renumber else 0), members)
+        # its set: at 8,192 members, a tuple's `in` took ~0.4 s a fault
+        left = [m for m in self.members if m not in view.member_set]
+        self.view = view
         for j in joiners:
             self.move(j, WorkerRole.HEALING)
         self.leave(left)
