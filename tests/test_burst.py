@@ -11,7 +11,7 @@ from ftrun.agent.journal import Journal
 from ftrun.agent.recovery import Recovery
 from ftrun.core.events import FaultFields, GenerationFields, RecoveredFields, emit_as
 from ftrun.core.membership import WorkerRole
-from ftrun.protocol.rendezvous import LATEST_KEY, gen_key
+from ftrun.protocol.rendezvous import LATEST_KEY, Generation, gen_key
 
 
 def with_spares(nproc: int, spares: int) -> tuple[Recovery, FakePort, MemoryStore]:
@@ -68,3 +68,18 @@ def test_the_batch_recovers_as_one_generation() -> None:
     assert store.generation().members == (3, 4, 2) and store.generation().number == 1
     recovered(rec, 2)
     assert [k for k, _ in port.events].count("recovered") == 1
+
+
+def test_a_planned_change_in_the_same_pass_goes_out_alone_after_the_faults() -> None:
+    """A planned change (switched at a step boundary; a drain's members snapshot first) is
+    never merged into a fault's urgent generation: the faults held so far go out first."""
+    rec, port, store = with_spares(4, 2)
+    with rec.gens.batch():
+        rec.on_exit(exit_(port, 1, -9))
+        planned = tuple(m for m in rec.membership.members if m != 3)
+        rec.gens.publish(planned, "worker 3 leaves (planned)", False, snapshot_first=True)
+        rec.on_exit(exit_(port, 0, -9))
+    records = [Generation.from_json(store.keys[gen_key(n)]) for n in (1, 2, 3)]
+    assert [(g.urgent, g.snapshot_first) for g in records] == [
+        (True, False), (False, True), (True, False)]
+    assert records[1].members == planned and gen_key(4) not in store.keys

@@ -41,10 +41,10 @@ class Generations:
 
     @contextlib.contextmanager
     def batch(self) -> Iterator[None]:
-        """Changes decided within (the faults one pass of the agent's loop found) go out as
-        one generation at the end: each is decided on the membership the previous one left,
-        the record names their union (the last members, every joiner, the earliest fault).
-        The numbers stay contiguous: a worker's watcher reads them one after another."""
+        """Urgent changes decided within (the faults one pass of the agent's loop found) go
+        out as one generation at the end: each is decided on the membership the previous one
+        left, the record names their union (the last members, every joiner, the earliest
+        fault). The numbers stay contiguous: a worker's watcher reads them one after another."""
         if self._held is not None:  # within another batch: that one publishes
             yield
             return
@@ -52,19 +52,29 @@ class Generations:
         try:
             yield
         finally:
-            held, self._held = self._held, None
+            held, self._held = self._held, None  # closed even if the send fails
             if held:
                 self._send(merged(held))
+
+    def _flush(self) -> None:
+        """Within a batch: what is held goes out now (a planned change follows it)."""
+        held, self._held = self._held, []
+        if held:
+            self._send(merged(held))
 
     def publish(self, members: tuple[int, ...], reason: str, urgent: bool,
                 fault_at: float = 0.0, joiners: tuple[int, ...] = (),
                 snapshot_first: bool = False) -> None:
         """`snapshot_first`: the members left out take a final snapshot before they leave.
-        Within a `batch` it is held, under the batch's one number."""
+        Within a `batch` an urgent change is held, under the batch's one number; a planned
+        one (switched at a step boundary, a drain's snapshot first) is never merged into a
+        fault's: what is held goes out first, then it, alone."""
+        if self._held and not urgent:
+            self._flush()
         self.membership.publish(members, joiners, renumber=not self._held)
         gen = Generation(self.membership.generation, members, reason, urgent, time.time(),
                          fault_at, joiners, store=self.store_at, snapshot_first=snapshot_first)
-        if self._held is not None:
+        if self._held is not None and urgent:
             self._held.append(gen)
             return
         self._send(gen)
@@ -103,9 +113,8 @@ class Generations:
 
 
 def merged(held: list[Generation]) -> Generation:
-    """One record for the changes of a batch (in the order decided), stamped now: the last
-    one's members, the joiners among them, every reason, urgent if any was, the earliest
-    fault."""
+    """One record for the urgent changes of a batch (in the order decided), stamped now: the
+    last one's members, the joiners among them, every reason, the earliest fault."""
     last, now = held[-1], time.time()
     if len(held) == 1:
         return dataclasses.replace(last, published_at=now)
@@ -113,9 +122,9 @@ def merged(held: list[Generation]) -> Generation:
     joiners = tuple(dict.fromkeys(j for g in held for j in g.joiners if j in kept))
     faults = [g.fault_at for g in held if g.fault_at]
     return dataclasses.replace(
-        last, reason="; ".join(g.reason for g in held), urgent=any(g.urgent for g in held),
-        published_at=now, fault_at=min(faults) if faults else last.fault_at,
-        joiners=joiners, snapshot_first=any(g.snapshot_first for g in held))
+        last, reason="; ".join(g.reason for g in held), published_at=now,
+        fault_at=min(faults) if faults else last.fault_at, joiners=joiners,
+        snapshot_first=any(g.snapshot_first for g in held))
 
 
 class Respawns:
