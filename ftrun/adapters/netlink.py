@@ -88,7 +88,7 @@ class LinkDrill:
         self._down: str | None = None
         self._done = threading.Event()
         self._thread: threading.Thread | None = None
-        self.failed: str | None = None
+        self._failed: str | None = None
 
     def start(self, device: str, duration_s: float) -> None:
         with self._lock:
@@ -106,7 +106,14 @@ class LinkDrill:
         self._done.wait(duration_s)
         why = self.restore()
         if why is not None:
-            self.failed = why  # the agent says so at its next pass
+            with self._lock:
+                self._failed = why  # the agent says so at its next pass
+
+    def take_failure(self) -> str | None:
+        """Why the link did not come back up after its drill, once (None: it did)."""
+        with self._lock:
+            failed, self._failed = self._failed, None
+        return failed
 
     def restore(self) -> str | None:
         """The link up again now (if a drill holds it down); why that failed, if it did."""

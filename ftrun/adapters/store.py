@@ -69,6 +69,12 @@ class HostedStore:
                                   multi_tenant=False, master_listen_fd=fd)
         return self.store
 
+    def count_requests(self) -> None:
+        """From now on the agent's own requests to the served store are counted (its load
+        shows in `ftrun status`); once only."""
+        if self.store is not None and not isinstance(self.store, CountingStore):
+            self.store = CountingStore(self.store)
+
     def close(self) -> None:
         if self._sock is not None:
             self._sock.close()

@@ -33,6 +33,20 @@ class Node:
     def label(self) -> str:
         return f"node {self.index} ({self.host})"
 
+    # The coordinator's node table changes a record only through these: the record is the
+    # agent's (it shows in `ftrun status`), the cluster says what happened to the node.
+    def gone(self) -> None:
+        """Lost, drained or ended for good: never alive again under this index."""
+        self.alive = False
+
+    def entered_attempt(self) -> None:
+        """Its workers were started into (or adopted by) the current attempt."""
+        self.in_attempt = True
+
+    def left_attempt(self) -> None:
+        """Its workers were told to stop: they belong to no attempt now."""
+        self.in_attempt = False
+
 
 class NodeReport(Protocol):
     """What a node last said of itself (its heartbeat payload, `cluster.messages.Payload`)."""

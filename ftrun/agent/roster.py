@@ -73,6 +73,27 @@ class RemoteWorker:
     def alive(self) -> bool:
         return self.exit is None
 
+    # The coordinator's directory changes a remote worker only through these (its record
+    # is the agent's: the supervise loop and recovery read it).
+    def spawned(self, pid: int, local_rank: int) -> None:
+        """Its node started it: the process it is there."""
+        self.pid, self.local_rank = pid, local_rank
+
+    def ranked(self, rank: int | None) -> None:
+        """Its rank in the running generation (None: it is a spare, -1)."""
+        self.rank = -1 if rank is None else rank
+
+    def ended(self, returncode: int, detected_at: float, wall_time: float, pid: int | None = None,
+              error_file: str = "", by_launcher: bool = False) -> bool:
+        """Its exit, recorded once: False if it had ended already (a late second report)."""
+        if self.exit is not None:
+            return False
+        self.exit = WorkerExit(rank=self.rank, local_rank=self.local_rank,
+                               pid=self.pid if pid is None else pid, returncode=returncode,
+                               detected_at=detected_at, wall_time=wall_time,
+                               error_file=error_file, killed_by_launcher=by_launcher)
+        return True
+
 
 @dataclass(frozen=True)
 class Attempt:

@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ftrun.adapters.store import CountingStore, HostedStore, QueueReader
+from ftrun.adapters.store import HostedStore, QueueReader
 from ftrun.agent.cluster import Handover, StopLocal
 from ftrun.agent.jobview import Node
 from ftrun.agent.roster import RemoteWorker, RunResult, Worker
@@ -132,7 +132,7 @@ class Coordinating:
         self.rdzv.serve()
         self.plane.served(self.ep)
         self.plane.register(self.index)
-        self.rdzv.store = CountingStore(self.rdzv.store)  # its load shows in `ftrun status`
+        self.rdzv.count_requests()
         self._reader = QueueReader(lambda: connect(self.ep, timeouts.STORE_CLIENT_CONNECT_S),
                                    AGENT_QUEUE, self._deliver, lambda why: None, "ftrun-agents")
 
@@ -162,7 +162,7 @@ class Coordinating:
         """Tell `node` to start its workers (ranks from `base_rank`; -1: joiners or spares)."""
         ids = self.workers.start(node.index, node.nproc, base_rank)
         self.table.start(node, base_rank, group_rank, ids[0], spare, adopt=False)
-        node.in_attempt = True
+        node.entered_attempt()
         return ids
 
     def _gather_nodes(self) -> None:
@@ -205,8 +205,7 @@ class Coordinating:
                                   and msg.attempt == self.host.attempt.restarts):
                     self._on_remote_exit(msg)
                 case Spawned() if msg.worker in self.workers.by_id:
-                    self.workers.by_id[msg.worker].pid = msg.pid
-                    self.workers.by_id[msg.worker].local_rank = msg.local_rank
+                    self.workers.by_id[msg.worker].spawned(msg.pid, msg.local_rank)
                 case Left() if msg.node in self.nodes and self.nodes[msg.node].alive:
                     why = f"its agent left ({msg.reason})"
                     if running:
@@ -218,7 +217,7 @@ class Coordinating:
                 case Pong():
                     self.watch.answer(msg.node, msg.seq)
                 case Bye() if msg.node in self.nodes:
-                    self.nodes[msg.node].alive = False  # it has ended for good
+                    self.nodes[msg.node].gone()  # it has ended for good
 
     def _on_join(self, msg: Join) -> None:
         node = Node(msg.node, msg.host, msg.pid, msg.nproc, net_drill=msg.net_drill)
@@ -249,7 +248,7 @@ class Coordinating:
         """A node of the attempt that runs, whose coordinator is gone: its workers go on,
         its agent now follows this one's stores."""
         ids = self.workers.adopt(node.index, running)
-        node.in_attempt = True
+        node.entered_attempt()
         self.table.start(node, -1, node.index, 0, spare=False, adopt=True)
         notice(self.host.emit, f"{node.label} came over with {len(ids)} live workers")
 
@@ -320,7 +319,7 @@ class Coordinating:
         gone = [(self.nodes[i], why, now - s) for i, (why, s) in first.items()
                 if self.nodes[i].alive]
         for node, _, _ in gone:  # all at once: the decisions see how many nodes are left
-            node.alive = False
+            node.gone()
         decisions = [self._node_lost(node, why, seen) for node, why, seen in gone]
         decision = next((d for d in decisions if d is not None), None)
         if decision is None:  # after the shrink: room for a waiting node grows the job back
@@ -335,7 +334,7 @@ class Coordinating:
     def _node_lost(self, node: Node, why: str, last_seen: float) -> Decision | None:
         """`last_seen`: wall clock of its last sign of life, the fault's best estimate. The
         node may be marked dead already (several lost at once)."""
-        node.alive = False
+        node.gone()
         self.watch.forget(node.index)
         self._waiting.forget(node.index)
         notice(self.host.emit, f"{node.label} is lost: {why}")

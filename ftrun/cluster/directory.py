@@ -41,8 +41,7 @@ class JobDirectory:
         worker ranked as `gen` ranks it (-1: a spare)."""
         self._members = gen.members
         for w in self._workers.by_id.values():
-            rank = gen.rank_of(w.worker_id)
-            w.rank = -1 if rank is None else rank
+            w.ranked(gen.rank_of(w.worker_id))
 
     # ------------------------------------------------------------ agent.cluster.OtherNodes
     def allocate_id(self, node: int) -> int:

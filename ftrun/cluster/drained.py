@@ -97,7 +97,7 @@ class NodeDrains:
 
     def end(self, node: Node, why: str) -> None:
         """`node` leaves the job cleanly: no fault; its agent stops what is left there."""
-        node.alive = False
+        node.gone()
         self.watch.forget(node.index)
         self.waiting.forget(node.index)
         left = self.workers.lost(node.index, drained=True)  # its reports of them: expected

@@ -75,7 +75,7 @@ class Ending:
             return stop_local(sig, grace)
         for node in [n for n in self.table.alive() if n.in_attempt]:
             self.table.send(node, Stop(signal=int(sig), grace=grace))
-            node.in_attempt = False
+            node.left_attempt()
         deadline = time.monotonic() + grace + timeouts.KILL_REAP_S
         received = stop_local(sig, grace)
         while time.monotonic() < deadline and any(
@@ -94,5 +94,5 @@ class Ending:
             ages = {n.index: math.inf for n in self.table.alive()}
         silent = {i for i, age in ages.items() if age > self.lost_after_s}
         for index in silent & set(self.nodes):
-            self.nodes[index].alive = False
+            self.nodes[index].gone()
         return silent

@@ -140,7 +140,7 @@ class Following(SupervisesNoOtherNode):
                     return outcome
                 if isinstance(outcome, Rejoining):
                     link, running, self.ep = outcome.link, outcome.running, outcome.ep
-                    self.rejoin.ep = outcome.ep
+                    self.rejoin.moved_to(outcome.ep)
                     continue
                 link = self.rejoin.connect(outcome)
                 self.ep = self.rejoin.ep  # etcd: maybe another leader's store

@@ -53,7 +53,7 @@ class NetDrills:
 
     def check(self) -> None:
         """The main loop's pass: a link that did not come back up is said once."""
-        failed, self._drill.failed = self._drill.failed, None
+        failed = self._drill.take_failure()
         if failed:
             notice(self._emit, failed)
 

@@ -210,6 +210,10 @@ class EtcdPlane:
         return self.records.revoke_leader_of(ep, self.election.key)
 
     # -- this agent's seat -----------------------------------------------------------------
+    def took_office(self) -> None:
+        """This agent took over from a lost coordinator (`leader_changes` in the status)."""
+        self.leader_changes += 1
+
     def _won(self) -> bool:
         return self.election.since is not None
 

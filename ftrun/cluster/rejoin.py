@@ -51,6 +51,10 @@ class Rejoin:
         self.rejoin_s = rejoin_s
         self.resolve = resolve
 
+    def moved_to(self, ep: Endpoint) -> None:
+        """The job's store is at `ep` now (a rejoin found it elsewhere): reach it there."""
+        self.ep = ep
+
     def first_connect(self, join_s: float) -> Any:
         """Reach the store for the first time (a connection, or the run's result after a
         signal), retrying in short tries so that Ctrl-C is honoured meanwhile."""

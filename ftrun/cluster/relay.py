@@ -52,9 +52,10 @@ class GenerationRelay:
         self._on_lost = on_lost
         self._lock = threading.Lock()  # the copied records: a reader's thread, or follow()
         self._copied = -1
-        self._source = _Source(connect)
-        self._catch_up(self._source)
-        self._source.reader = self._reader_of(self._source)
+        source = _Source(connect)
+        self._source = source
+        self._catch_up(source)
+        source.reader = self._reader_of(source)
 
     def follow(self, connect: Callable[[], Any]) -> None:
         """Copy from the store `connect` reaches from now on (the new leader's): first every

@@ -12,7 +12,6 @@ from __future__ import annotations
 import signal
 import time
 
-from ftrun.adapters.report import WorkerExit
 from ftrun.agent.roster import RemoteWorker
 from ftrun.cluster.link import first_worker_id, issue_ids
 from ftrun.cluster.messages import Exited
@@ -57,13 +56,9 @@ class RemoteWorkers:
     def exited(self, msg: Exited, error_file: str) -> None:
         """A worker's exit as its node reported it (`error_file`: its error, kept here)."""
         w = self.by_id[msg.worker]
-        if w.exit is not None:
-            return
-        w.exit = WorkerExit(rank=w.rank, local_rank=w.local_rank, pid=msg.pid,
-                            returncode=msg.returncode, detected_at=time.monotonic(),
-                            wall_time=float(msg.wall_time), error_file=error_file,
-                            killed_by_launcher=msg.by_launcher)
-        self._exited.append(w)
+        if w.ended(msg.returncode, time.monotonic(), float(msg.wall_time), pid=msg.pid,
+                   error_file=error_file, by_launcher=msg.by_launcher):
+            self._exited.append(w)
 
     def lost(self, node: int, drained: bool = False) -> list[RemoteWorker]:
         """Every live worker of a lost node, marked killed now; `drained`: of a node that
@@ -72,9 +67,7 @@ class RemoteWorkers:
         now = time.time()
         sig = signal.SIGTERM if drained else signal.SIGKILL
         for w in gone:
-            w.exit = WorkerExit(rank=w.rank, local_rank=w.local_rank, pid=w.pid,
-                                returncode=-int(sig), detected_at=time.monotonic(),
-                                wall_time=now, error_file="", killed_by_launcher=drained)
+            w.ended(-int(sig), time.monotonic(), now, by_launcher=drained)
         return gone
 
     def also_exited(self, workers: list[RemoteWorker]) -> None:

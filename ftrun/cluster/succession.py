@@ -133,7 +133,7 @@ def _take_over(host: NodeHost, plane: EtcdPlane, index: int, relay: GenerationRe
     coord = Coordinating(host, hosted, ep, plane, index=index,
                          step_down=functools.partial(rejoin, host, plane, follower), relay=relay)
     registered = plane.registered()
-    plane.leader_changes += 1
+    plane.took_office()
     notice(host.emit, f"the coordinator is gone ({lost.why}): node {index} "
                       f"coordinates the job now, its store at {ep}")
 
