@@ -11,9 +11,10 @@ Must not import: torch, typer, rich, the CLI, the worker library, the agent's no
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Sequence
+from dataclasses import replace
 
+from ftrun.core.events import EventSink, FaultFields, emit_as
 from ftrun.protocol.rendezvous import Corruption
 
 ROLLBACK = "rollback"  # the decisions of a corruption with nobody to replace
@@ -22,8 +23,8 @@ WHY = "corruption"  # the fault's kind, unless a drill names it
 
 
 class Corruptions:
-    def __init__(self, emit_fault: Callable[[dict[str, Any]], None]) -> None:
-        self.emit_fault = emit_fault
+    def __init__(self, emit: EventSink) -> None:
+        self.emit = emit
         self._leaving: dict[int, Corruption] = {}  # worker -> what it told before leaving
 
     def on_request(self, req: Corruption, members: Sequence[int]) -> bool:
@@ -34,25 +35,28 @@ class Corruptions:
         blamed = int(req.blamed) if req.blamed else -1
         rank = members.index(blamed) if blamed in members else -1
         decision = REDO if req.found == "gradient" else ROLLBACK
-        self.emit_fault({**_fields(req), "worker": blamed, "rank": rank, "decision": decision,
-                         "reason": _reason(req, blamed, rank), "recovered_at": req.restored_at})
+        fault = FaultFields(worker=blamed, rank=rank, decision=decision,
+                            reason=_reason(req, blamed, rank), recovered_at=req.restored_at)
+        emit_as(self.emit, rolled_back(fault, req))
         return True
 
-    def on_exit(self, worker: int) -> tuple[str, dict[str, Any]] | None:
-        """A worker that left with EXIT_CORRUPT: why, for its fault's reason, and the fault
-        event's fields (None: it told nothing; its exit code says what it can)."""
+    def on_exit(self, worker: int) -> tuple[str, Corruption] | None:
+        """A worker that left with EXIT_CORRUPT: why, for its fault's reason, and what it told
+        (its fault is `rolled_back`; None: it told nothing, its exit code says what it can)."""
         req = self._leaving.pop(worker, None)
         if req is None:
             return None
         why = (f"held state that differed from the majority's at step {req.step} "
                f"({req.tensor}); every replica rolled back to step {req.verified}, its device "
                "is suspect")
-        return why, _fields(req)
+        return why, req
 
 
-def _fields(req: Corruption) -> dict[str, Any]:
-    return {"why": WHY, "detected_at": req.found_at, "committed_before": req.step,
-            "rolled_back_to": req.verified, "lost_from": req.verified_at}
+def rolled_back(fault: FaultFields, req: Corruption) -> FaultFields:
+    """`fault` as a corruption's: found at `req`'s step, every replica back at the verified
+    one (kept at `verified_at`: where the lost work starts)."""
+    return replace(fault, why=WHY, detected_at=req.found_at, committed_before=req.step,
+                   rolled_back_to=req.verified, lost_from=req.verified_at)
 
 
 def _reason(req: Corruption, blamed: int, rank: int) -> str:

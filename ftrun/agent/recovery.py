@@ -14,7 +14,7 @@ import time
 from dataclasses import replace
 from typing import Any
 
-from ftrun.agent.corruption import Corruptions
+from ftrun.agent.corruption import Corruptions, rolled_back
 from ftrun.agent.drains import Drains
 from ftrun.agent.generations import Generations, Respawns
 from ftrun.agent.inbox import Inbox
@@ -84,7 +84,7 @@ class Recovery:
         self.spares = Spares(self.spec, self.gens, self.respawns, self.groups, self.later,
                              self.membership)
         self.drains = Drains(port, self.gens, self.membership, self._snapshot)
-        self.corruptions = Corruptions(self._emit_fault)
+        self.corruptions = Corruptions(self.port.emit)
         self._trained_told = False  # a member left its training loop: the journal was told
         if adopted is None:
             first = Generation(0, self.membership.members, "start", published_at=time.time())
@@ -159,8 +159,8 @@ class Recovery:
             return None
         self.faults += 1
         told = self.corruptions.on_exit(wid) if code == EXIT_CORRUPT else None
-        why, fields = told or (f"exited with {describe_exit(code)}", {})
-        return self._on_member_fault(w, why, fields)
+        why, corrupt = told or (f"exited with {describe_exit(code)}", None)
+        return self._on_member_fault(w, why, corrupt)
 
     def _take_queued(self) -> None:
         """Requests already queued that decide a fault (a stage, a corruption a worker told
@@ -191,7 +191,7 @@ class Recovery:
         return d
 
     def _on_member_fault(self, w: AnyWorker, why: str,
-                         fields: dict[str, Any]) -> Decision | None:
+                         corrupt: Corruption | None) -> Decision | None:
         assert w.exit is not None
         live = self.membership.live()
         node = node_of(w.worker_id)
@@ -211,9 +211,10 @@ class Recovery:
             self.ends.after_late_fault(w.worker_id, live.index(w.worker_id), why, d)
         else:
             d = self.later.reword(decide_fault(snap, w.worker_id, why, new_id, crash_loop=loop))
-        self._emit_fault({"worker": w.worker_id, "rank": live.index(w.worker_id), "why": why,
-                          "decision": d.action.value, "reason": d.reason,
-                          "detected_at": w.exit.wall_time, **fields})
+        fault = FaultFields(w.worker_id, live.index(w.worker_id), d.action.value, d.reason, why,
+                            detected_at=w.exit.wall_time,
+                            committed_before=self._highest_committed())
+        emit_as(self.port.emit, fault if corrupt is None else rolled_back(fault, corrupt))
         if self.spec.shard_size > 1 and d.action is FaultAction.SHRINK:
             self.groups.act_on_fault(d, w.worker_id, fault_at)
             if late:
@@ -238,11 +239,9 @@ class Recovery:
             return None
         return stop_decision(d, w.rank)
 
-    def _emit_fault(self, fields: dict[str, Any]) -> None:
-        """A fault event, with the highest step committed before it (the journal's lost work)."""
-        steps = [self.port.committed_step(m) for m in self.membership.members]
-        emit_as(self.port.emit,
-                FaultFields(**{"committed_before": max(steps, default=-1), **fields}))
+    def _highest_committed(self) -> int:
+        """The highest step committed before a fault (the journal's lost work counts from it)."""
+        return max((self.port.committed_step(m) for m in self.membership.members), default=-1)
 
     def rebuild(self, reason: str) -> bool:
         """The group is stuck, no member to blame: a new communicator (False: over budget)."""
@@ -251,8 +250,9 @@ class Recovery:
         if d.action is FaultAction.NONE:
             notice(self.port.emit, d.reason)
             return False
-        self._emit_fault({"worker": -1, "rank": -1, "why": "comm", "decision": d.action.value,
-                          "reason": d.reason, "detected_at": time.time()})
+        emit_as(self.port.emit, FaultFields(-1, -1, d.action.value, d.reason, "comm",
+                                            detected_at=time.time(),
+                                            committed_before=self._highest_committed()))
         self.gens.publish(d.members, d.reason, True, time.time())
         return True
 
@@ -293,9 +293,10 @@ class Recovery:
         d: FaultDecision = self.groups.decide_node_loss(snap, label, lost_members) \
             if self.groups.spanning else decide_node_loss(snap, label, lost_members)
         now = time.time()
-        self._emit_fault({"worker": lost_members[0], "rank": live.index(lost_members[0]),
-                          "why": f"{label} lost", "decision": d.action.value,
-                          "reason": d.reason, "detected_at": now, "node": node})
+        emit_as(self.port.emit, FaultFields(
+            lost_members[0], live.index(lost_members[0]), d.action.value, d.reason,
+            f"{label} lost", detected_at=now, committed_before=self._highest_committed(),
+            node=node))
         if self.groups.spanning and d.action is FaultAction.SHRINK:
             self.groups.act_on_node_loss(d, min(last_seen, now))
             return None
@@ -375,10 +376,10 @@ class Recovery:
         live = self.membership.live()
         self.faults += 1
         d = decide_comm_failure(self._snapshot(), req.worker, req.error)
-        self._emit_fault({"worker": req.worker,
-                          "rank": live.index(req.worker) if req.worker in live else -1,
-                          "why": "comm", "decision": d.action.value, "reason": d.reason,
-                          "detected_at": time.time()})
+        emit_as(self.port.emit, FaultFields(
+            req.worker, live.index(req.worker) if req.worker in live else -1, d.action.value,
+            d.reason, "comm", detected_at=time.time(),
+            committed_before=self._highest_committed()))
         if d.action is not FaultAction.REBUILD:
             return stop_decision(d, None)
         self.gens.publish(d.members, d.reason, True, time.time())
