@@ -3,7 +3,7 @@ question about a worker goes to this node's workers or, for another node's, to t
 the routing exists once, for the agent and for `tests/fakes.FakeNode` alike (#49)."""
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import pytest
@@ -13,7 +13,7 @@ from statusdocs import status
 from ftrun.agent.cluster import Local, NoOtherNodes
 from ftrun.agent.ports import AgentPort
 from ftrun.core.spec import RunSpec
-from ftrun.protocol.rendezvous import WORKER_ID_STRIDE
+from ftrun.protocol.rendezvous import WORKER_ID_STRIDE, node_of
 
 
 class NodeOne(NoOtherNodes):
@@ -35,8 +35,8 @@ class NodeOne(NoOtherNodes):
     def place(self, worker_id: int, rank: int, local_rank: int, spare: bool) -> None:
         self.placed.append((worker_id, rank))
 
-    def committed_step(self, worker_id: int) -> int:
-        return 41
+    def highest_committed(self, worker_ids: Iterable[int]) -> int:
+        return 41 if any(node_of(w) == 1 for w in worker_ids) else -1  # node 1's say
 
     def kill_remote(self, worker_id: int) -> bool:
         self.killed.append(worker_id)
@@ -67,7 +67,7 @@ def test_a_question_about_another_nodes_worker_goes_to_the_cluster(node: FakeNod
     port.place(there, rank=1, local_rank=0, spare=False)
     assert [w.worker_id for w in node.workers.all] == [here] and cluster.placed == [(there, 1)]
     assert port.live_nodes() == [0, 1]
-    assert port.committed_step(there) == 41 and port.committed_step(here) == -1
+    assert port.highest_committed([here, there]) == 41 and port.highest_committed([here]) == -1
     assert port.kill_worker(there) and cluster.killed == [there]
     assert port.kill_worker(here) and cluster.killed == [there]  # this node's own
     assert port.initial_members() == (0, 1)  # the cluster names none: this node's nproc

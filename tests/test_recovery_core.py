@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import itertools
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -110,8 +110,8 @@ class FakePort:
     def worker_by_id(self, worker_id: int) -> Worker | None:
         return None
 
-    def committed_step(self, worker_id: int) -> int:
-        return 7
+    def highest_committed(self, worker_ids: Sequence[int]) -> int:
+        return 7 if worker_ids else -1
 
     def kill_worker(self, worker_id: int) -> bool:
         w = self.workers.get(worker_id)

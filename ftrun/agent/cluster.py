@@ -13,7 +13,7 @@ Must not import: the agent's node, typer, rich, the CLI, the worker library.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -54,7 +54,9 @@ class OtherNodes(Protocol):
     def initial_members(self) -> tuple[int, ...] | None:
         """The first generation's members, None: this node's workers."""
     def remote_workers(self) -> list[RemoteWorker]: ...
-    def committed_step(self, worker_id: int) -> int: ...
+    def highest_committed(self, worker_ids: Iterable[int]) -> int:
+        """The highest step these workers committed, as their nodes last said (-1: none;
+        this node's own workers are not theirs to say)."""
     def kill_remote(self, worker_id: int) -> bool: ...
     def remote_liveness(self) -> list[Liveness]: ...
 
@@ -120,7 +122,7 @@ class NoOtherNodes:
     def remote_workers(self) -> list[RemoteWorker]:
         return []
 
-    def committed_step(self, worker_id: int) -> int:
+    def highest_committed(self, worker_ids: Iterable[int]) -> int:
         return -1
 
     def kill_remote(self, worker_id: int) -> bool:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -131,10 +131,13 @@ class NodePort:
         return [by_id[m] for m in recovery.membership.members
                 if m in by_id and by_id[m].alive]
 
-    def committed_step(self, worker_id: int) -> int:
-        if self._here(worker_id):
-            return self._services.slots.committed_step(worker_id)
-        return self._others.committed_step(worker_id)
+    def highest_committed(self, worker_ids: Sequence[int]) -> int:
+        """One pass for this node's workers' slots, one lookup each in the other nodes'."""
+        here = self._cluster().index
+        slots = self._services.slots
+        mine = max((slots.committed_step(w) for w in worker_ids if node_of(w) == here),
+                   default=-1)
+        return max(mine, self._others.highest_committed(worker_ids))
 
     def kill_worker(self, worker_id: int) -> bool:
         """SIGKILL a live worker of this job, on whichever node it runs; False: not alive."""

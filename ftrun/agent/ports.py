@@ -11,7 +11,7 @@ Must not import: the agent, its helpers, torch, typer, rich.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
 from ftrun.agent.roster import RemoteWorker, Worker
@@ -53,7 +53,8 @@ class RecoveryPort(Notifying, Protocol):
     def live_nodes(self) -> list[int]: ...
     def initial_members(self) -> tuple[int, ...]: ...
     def all_workers(self) -> list[Worker | RemoteWorker]: ...
-    def committed_step(self, worker_id: int) -> int: ...
+    def highest_committed(self, worker_ids: Sequence[int]) -> int:
+        """The highest step any of `worker_ids` committed, on whichever node (-1: none)."""
     def kill_worker(self, worker_id: int) -> bool:
         """SIGKILL a live worker of this job, on whichever node it runs; False: not alive."""
     def resumable(self) -> tuple[int, int]:

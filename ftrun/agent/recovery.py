@@ -241,7 +241,7 @@ class Recovery:
 
     def _highest_committed(self) -> int:
         """The highest step committed before a fault (the journal's lost work counts from it)."""
-        return max((self.port.committed_step(m) for m in self.membership.members), default=-1)
+        return self.port.highest_committed(self.membership.members)
 
     def rebuild(self, reason: str) -> bool:
         """The group is stuck, no member to blame: a new communicator (False: over budget)."""

@@ -10,6 +10,8 @@ Must not import: the agent's node, typer, rich, the CLI, the worker library.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from ftrun.agent.jobview import Node
 from ftrun.agent.roster import RemoteWorker
 from ftrun.cluster.jobnodes import NodeTable
@@ -65,8 +67,8 @@ class JobDirectory:
     def remote_workers(self) -> list[RemoteWorker]:
         return list(self._workers.by_id.values())
 
-    def committed_step(self, worker_id: int) -> int:
-        return self._table.committed_step(worker_id)
+    def highest_committed(self, worker_ids: Iterable[int]) -> int:
+        return self._table.highest_committed(worker_ids)
 
     def kill_remote(self, worker_id: int) -> bool:
         w = self._workers.by_id.get(worker_id)
