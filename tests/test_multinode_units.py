@@ -7,7 +7,7 @@ from statusdocs import status
 
 from ftrun.cli.launch_args import parse_run_args
 from ftrun.cluster.link import endpoint_of, issue_ids
-from ftrun.cluster.nodewatch import BeatTracker, Probe
+from ftrun.cluster.nodewatch import BeatTracker, Probe, beats_read_every_s
 from ftrun.core.policy import FaultAction, Snapshot, decide_node_loss, find_lost_nodes
 from ftrun.protocol.rendezvous import WORKER_ID_STRIDE, node_of
 
@@ -108,6 +108,25 @@ def test_beat_tracker_reads_every_counter_in_one_request() -> None:
     for _ in range(5):
         beats.ages(store)
     assert store.requests - before == 5
+
+
+def test_a_busy_loop_reads_the_counters_once_per_interval_and_ages_go_on_between() -> None:
+    """The coordinator's loop may pass many times a beat: the counters are read at most every
+    `read_every_s` (a fresh read on demand: a ping round's short fuse), and a node's age
+    between reads counts from its last change seen, never younger than the truth."""
+    store, beats = FakeCounterStore(), BeatTracker(read_every_s=0.05)
+    for node in (1, 2):
+        beats.watch(node, now=0.0)
+    beats.ages(store, now=0.0)
+    first = store.requests
+    store.add("ftrun/rdzv/node/1/beat", 1)
+    ages = beats.ages(store, now=0.03)  # within the interval: not read, node 1's beat unseen
+    assert store.requests == first + 1 and ages == {1: 0.03, 2: 0.03}
+    assert beats.ages(store, now=0.06)[1] == 0.0 and store.requests == first + 2  # read
+    assert beats.ages(store, now=0.07, fresh=True) == {1: pytest.approx(0.01),
+                                                       2: pytest.approx(0.07)}
+    assert store.requests == first + 3
+    assert beats_read_every_s(0.1) == 0.05 and beats_read_every_s(2.0) == pytest.approx(0.1)
 
 
 def test_worker_ids_name_their_node() -> None:

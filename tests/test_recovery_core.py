@@ -224,6 +224,24 @@ def test_spares_are_used_in_the_order_they_became_ready() -> None:
     assert ms.snapshot().unhealed == frozenset({6})
 
 
+def test_a_membership_is_done_when_its_members_with_state_all_finished() -> None:
+    """Joiners still healing are not waited for; a membership of joiners only is not done;
+    one member at work anywhere in the order keeps it going."""
+    ms = Membership((0, 1, 2))
+    assert not ms.done()
+    ms.move(0, R.FINISHED)
+    ms.move(2, R.FINISHED)
+    assert not ms.done()  # 1 still at work, between two finished
+    ms.move(1, R.FINISHED)
+    assert ms.done()
+    healing = Membership(())
+    healing.publish((7, 8), joiners=(7, 8))
+    assert not healing.done()  # nobody holds state: nothing has finished
+    healing.move(8, R.MEMBER)
+    healing.move(8, R.FINISHED)
+    assert healing.done()  # 7 still healing: not needed
+
+
 # ------------------------------------------------------------------ member faults
 def test_fault_without_a_spare_starts_a_new_worker_in_the_lost_rank() -> None:
     rec, port, store = make()
