@@ -159,7 +159,8 @@ def test_every_event_line_the_report_accepts_reads_into_its_record() -> None:
     from ftrun.cli.loglines import EVENT_FIELDS, REQUIRED
 
     value = {"worker": 3, "rank": 1, "generation": 2, "world_size": 4, "step": 9,
-             "at": 1000.0, "taken_at": 1000.0, "loaded_at": 1001.0, "published_at": 1000.5}
+             "at": 1000.0, "taken_at": 1000.0, "loaded_at": 1001.0, "published_at": 1000.5,
+             "decision": "replace"}  # a FaultAction's value: the record reads no other
     for kind, table in EVENT_FIELDS.items():
         line = {name: value.get(name, "x") for name, (_, need) in table.items()
                 if need is REQUIRED}

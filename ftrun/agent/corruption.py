@@ -15,10 +15,9 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 from ftrun.core.events import EventSink, FaultFields, emit_as
+from ftrun.core.policy import FaultAction
 from ftrun.protocol.rendezvous import Corruption
 
-ROLLBACK = "rollback"  # the decisions of a corruption with nobody to replace
-REDO = "redo"
 WHY = "corruption"  # the fault's kind, unless a drill names it
 
 
@@ -34,7 +33,7 @@ class Corruptions:
             return False
         blamed = int(req.blamed) if req.blamed else -1
         rank = members.index(blamed) if blamed in members else -1
-        decision = REDO if req.found == "gradient" else ROLLBACK
+        decision = FaultAction.REDO if req.found == "gradient" else FaultAction.ROLLBACK
         fault = FaultFields(worker=blamed, rank=rank, decision=decision,
                             reason=_reason(req, blamed, rank), recovered_at=req.restored_at)
         emit_as(self.emit, rolled_back(fault, req))

@@ -58,7 +58,7 @@ class FaultRecord:
     worker: int
     rank: int
     at: float  # wall clock of the fault (injection time for drills, else detection)
-    decision: str = ""
+    decision: FaultAction = FaultAction.NONE
     reason: str = ""
     injected: bool = False
     generation: int | None = None
@@ -77,10 +77,13 @@ class FaultRecord:
     rolled_back_to: int | None = None  # silent corruption: the verified step every replica
     # went back to (a gradient caught before its commit: the step it repeated)
 
+    def __post_init__(self) -> None:
+        self.decision = FaultAction(self.decision)  # a record built from a decision's text
+
     def fault(self) -> Fault:
         """As the journal hands it out (`ftrun status`, the run's result): the protocol's
         frozen record, no JSON in between."""
-        return Fault(**asdict(self))
+        return Fault(**{**asdict(self), "decision": self.decision.value})
 
 
 class Journal:
@@ -201,7 +204,7 @@ class Journal:
         now = self._now
         kind, at = drill if drill else ("failure", now)
         self.faults.append(FaultRecord(id=len(self.faults) + 1, kind=kind, worker=rank,
-                                       rank=rank, at=at, decision=FaultAction.FAIL.value,
+                                       rank=rank, at=at, decision=FaultAction.FAIL,
                                        reason=f.reason, injected=drill is not None,
                                        phases_ms={"detected": round((now - at) * 1000, 1)}))
 
@@ -211,7 +214,7 @@ class Journal:
         for rec in self.faults:
             if not rec.recovered and rec not in self._restarting:
                 if rec.decision == FaultAction.FAIL:
-                    rec.decision = FaultAction.RESTART_GROUP.value
+                    rec.decision = FaultAction.RESTART_GROUP
                 self._restarting.append(rec)
 
     def _on_started(self, f: StartedFields) -> None:
@@ -301,7 +304,7 @@ def _rolled_back(rec: FaultRecord, f: FaultFields, to_step: int) -> None:
     if f.recovered_at is not None:
         rec.recovered = True
         rec.recovery_ms = round((f.recovered_at - rec.at) * 1000, 1)
-        rec.phases_ms = {**rec.phases_ms, rec.decision: rec.recovery_ms}
+        rec.phases_ms = {**rec.phases_ms, rec.decision.value: rec.recovery_ms}
 
 
 def _from_the_fault(rec: FaultRecord, f: RecoveredFields) -> None:

@@ -211,7 +211,7 @@ class Recovery:
             self.ends.after_late_fault(w.worker_id, live.index(w.worker_id), why, d)
         else:
             d = self.later.reword(decide_fault(snap, w.worker_id, why, new_id, crash_loop=loop))
-        fault = FaultFields(w.worker_id, live.index(w.worker_id), d.action.value, d.reason, why,
+        fault = FaultFields(w.worker_id, live.index(w.worker_id), d.action, d.reason, why,
                             detected_at=w.exit.wall_time,
                             committed_before=self._highest_committed())
         emit_as(self.port.emit, fault if corrupt is None else rolled_back(fault, corrupt))
@@ -250,7 +250,7 @@ class Recovery:
         if d.action is FaultAction.NONE:
             notice(self.port.emit, d.reason)
             return False
-        emit_as(self.port.emit, FaultFields(-1, -1, d.action.value, d.reason, "comm",
+        emit_as(self.port.emit, FaultFields(-1, -1, d.action, d.reason, "comm",
                                             detected_at=time.time(),
                                             committed_before=self._highest_committed()))
         self.gens.publish(d.members, d.reason, True, time.time())
@@ -294,7 +294,7 @@ class Recovery:
             if self.groups.spanning else decide_node_loss(snap, label, lost_members)
         now = time.time()
         emit_as(self.port.emit, FaultFields(
-            lost_members[0], live.index(lost_members[0]), d.action.value, d.reason,
+            lost_members[0], live.index(lost_members[0]), d.action, d.reason,
             f"{label} lost", detected_at=now, committed_before=self._highest_committed(),
             node=node))
         if self.groups.spanning and d.action is FaultAction.SHRINK:
@@ -377,7 +377,7 @@ class Recovery:
         self.faults += 1
         d = decide_comm_failure(self._snapshot(), req.worker, req.error)
         emit_as(self.port.emit, FaultFields(
-            req.worker, live.index(req.worker) if req.worker in live else -1, d.action.value,
+            req.worker, live.index(req.worker) if req.worker in live else -1, d.action,
             d.reason, "comm", detected_at=time.time(),
             committed_before=self._highest_committed()))
         if d.action is not FaultAction.REBUILD:

@@ -18,6 +18,7 @@ from dataclasses import fields as dataclass_fields
 from typing import Any, ClassVar, TypeVar
 
 from ftrun.core import records
+from ftrun.core.faultkinds import FaultAction
 from ftrun.core.records import absent
 from ftrun.core.states import TextEnum
 
@@ -126,7 +127,7 @@ class FaultFields(Fields):
     event = Event.FAULT
     worker: int  # -1: a rebuild, no one to blame
     rank: int
-    decision: str
+    decision: FaultAction
     reason: str
     why: str = "fault"  # how it was detected
     detected_at: float | None = absent()

@@ -3,7 +3,8 @@
 Owns: `FaultKind` and the groups derived from it: the drills a worker's progress slot
 carries (their order is the slot's format), the ones the agent acts out with a signal, the
 ones only a worker can act out, the GPU kinds, the node kinds and the drills that stall a
-whole group.
+whole group; and `FaultAction`, what a fault was answered with (the policy decides it,
+`core.policy` re-exports it; a fault's event and `ftrun status` name it).
 Must not import: anything beyond the standard library and ftrun.core.states.
 """
 
@@ -58,3 +59,20 @@ GROUP_DRILLS = (FaultKind.STALL, FaultKind.WEDGE)
 # silent corruption: found at a later boundary (or step), maybe with no worker to blame
 CORRUPTION_DRILLS = (FaultKind.BITFLIP, FaultKind.GRADFLIP)
 ALL_KINDS = tuple(FaultKind)  # in `ftrun inject-fault --help`'s order
+
+
+class FaultAction(TextEnum):
+    """What a fault was answered with: the policy's decisions, and a silent corruption's,
+    decided by the workers where they found it (ROLLBACK, REDO). It prints as its value:
+    the `decision` of a fault in the event log and in `ftrun status`."""
+
+    REPLACE = "replace"  # same world size: a spare or a new process takes the lost rank
+    SHRINK = "shrink"  # go on without it now; grow back when a replacement is ready
+    REBUILD = "rebuild"  # same members, a new communicator
+    RESTART_GROUP = "restart-group"  # in-process recovery impossible: torchrun semantics
+    FAIL = "fail"
+    FAIL_AT_END = "fail-at-end"  # lost after training, not replaced: its post-training work
+    # is lost; the others end their scripts, then the job fails
+    NONE = "none"  # refused: nothing changes, the reason says why
+    ROLLBACK = "rollback"  # silent corruption, no majority: every replica back to a verified step
+    REDO = "redo"  # a corrupt local gradient caught before its commit: the step redone

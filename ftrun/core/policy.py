@@ -30,6 +30,7 @@ from ftrun.core.detectors import hang_timeout as hang_timeout
 from ftrun.core.detectors import phase_text as phase_text
 from ftrun.core.detectors import replace_after_rebuild as replace_after_rebuild
 from ftrun.core.exits import describe_exit
+from ftrun.core.faultkinds import FaultAction as FaultAction
 from ftrun.core.options import OnFault
 
 
@@ -70,17 +71,6 @@ def decide_group(exits: Mapping[int, int | None], first_failure: int | None,
     if exits and all(code == 0 for code in exits.values()):
         return Decision(Action.SUCCEED, f"all {len(exits)} workers exited 0")
     return Decision(Action.WAIT, "workers running")
-
-
-class FaultAction(str, enum.Enum):
-    REPLACE = "replace"  # same world size: a spare or a new process takes the lost rank
-    SHRINK = "shrink"  # go on without it now; grow back when a replacement is ready
-    REBUILD = "rebuild"  # same members, a new communicator
-    RESTART_GROUP = "restart-group"  # in-process recovery impossible: torchrun semantics
-    FAIL = "fail"
-    FAIL_AT_END = "fail-at-end"  # lost after training, not replaced: its post-training work
-    # is lost; the others end their scripts, then the job fails
-    NONE = "none"  # refused: nothing changes, the reason says why
 
 
 @dataclass(frozen=True)
