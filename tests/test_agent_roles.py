@@ -5,6 +5,7 @@ zygote, no worker) with fake roles; the allowed role changes are `core.states.No
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -12,7 +13,8 @@ import pytest
 
 from ftrun.agent.cluster import Adopt, Cluster, Handover, Local
 from ftrun.agent.node import Agent
-from ftrun.agent.roster import RunResult
+from ftrun.agent.roster import RemoteWorker, RunResult
+from ftrun.core import timeouts
 from ftrun.core.spec import RunSpec
 from ftrun.core.states import NodeRole, TransitionError, role_change_refused
 
@@ -113,3 +115,45 @@ def test_the_allowed_role_changes(src: NodeRole, dst: NodeRole) -> None:
     assert (refused is None) == ((src, dst) in allowed)
     if refused is not None:
         assert src.value in refused and dst.value in refused
+
+
+class BurstRole(FakeRole):
+    """Other nodes' exits as the loop collects them: one list per call, then none."""
+
+    def __init__(self, log: list[str], exits: Iterator[list[RemoteWorker]]) -> None:
+        super().__init__(NodeRole.COORDINATING, log, RunResult(0, "done"))
+        self.exits = exits
+
+    def remote_exits(self) -> list[RemoteWorker]:
+        return next(self.exits, [])
+
+
+def _rest_of_burst(spec: RunSpec, role: BurstRole) -> tuple[list[int], float]:
+    agent = Agent(spec, lambda a: role)
+    try:
+        with agent.workers.watching() as sel:
+            start = time.monotonic()
+            more = agent._rest_of_burst(sel)
+            return [w.worker_id for w in more], time.monotonic() - start
+    finally:
+        agent.services.close()
+        agent.starter.close()
+        agent.guardian.close()
+        agent.wakeup.close()
+
+
+def test_exits_that_follow_one_within_the_quiet_window_join_its_pass(
+        spec: RunSpec, log: list[str]) -> None:
+    """Ranks lost together (a switch, a rack) are decided in one pass of the loop, so that
+    they make one generation: each exit that follows within `BURST_QUIET_S` of the last one
+    joins; a quiet window with none ends the burst; a stream that never stops is cut at
+    `BURST_MAX_S` (the loop must go on)."""
+    lost = [RemoteWorker(rank=r, local_rank=0, worker_id=r * 10_000, node=r) for r in (1, 2)]
+    burst = iter([[lost[0]], [lost[1]]])
+    got, _ = _rest_of_burst(spec, BurstRole(log, burst))
+    assert got == [10_000, 20_000]
+    endless = itertools.repeat([lost[0]])
+    got, took = _rest_of_burst(spec, BurstRole(log, endless))
+    assert len(got) > 2 and timeouts.BURST_MAX_S <= took < timeouts.BURST_MAX_S + 1.0
+    got, took = _rest_of_burst(spec, BurstRole(log, iter([])))
+    assert got == [] and took < 1.0

@@ -13,6 +13,7 @@ Must not import: typer, rich, the CLI or the worker library. Torch only through 
 from __future__ import annotations
 
 import os
+import selectors
 import signal
 import time
 import uuid
@@ -269,6 +270,8 @@ class Agent:
                 ended: list[Worker | RemoteWorker] = [
                     *self.workers.reap_ready(sel, self._idle_wait()),
                     *self.cluster.remote_exits()]
+                if ended and self.recovery is not None:
+                    ended += self._rest_of_burst(sel)
                 with self._one_generation():  # what this pass finds: one generation
                     outcome.decision = self._tick()
                     if self.recovery is not None:
@@ -282,6 +285,23 @@ class Agent:
                         self.recovery, outcome, self.port.all_workers(),
                         self.attempt.restarts, self.spec.max_restarts)
         return outcome
+
+    def _rest_of_burst(self, sel: selectors.BaseSelector) -> list[Worker | RemoteWorker]:
+        """The exits that follow one within `BURST_QUIET_S` of each other (at most
+        `BURST_MAX_S` in all): ranks lost together (a switch, a rack) are decided in this
+        pass, so they make one generation and one communicator rebuild on every survivor,
+        not one each (faults ms apart spread over several passes of a fast loop)."""
+        more: list[Worker | RemoteWorker] = []
+        now = time.monotonic()
+        deadline, quiet_until = now + timeouts.BURST_MAX_S, now + timeouts.BURST_QUIET_S
+        while (now := time.monotonic()) < min(quiet_until, deadline):
+            got: list[Worker | RemoteWorker] = [
+                *self.workers.reap_ready(sel, min(quiet_until, deadline) - now),
+                *self.cluster.remote_exits()]
+            if got:
+                more += got
+                quiet_until = time.monotonic() + timeouts.BURST_QUIET_S
+        return more
 
     def _one_generation(self) -> AbstractContextManager[None]:
         """The changes decided in one pass of the loop (faults found together: several

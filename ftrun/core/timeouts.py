@@ -11,6 +11,8 @@ SHUTDOWN_GRACE_S = 30.0  # SIGTERM -> SIGKILL, overridable by --shutdown-timeout
 KILL_REAP_S = 5.0  # after SIGKILL, how long to wait for the exit to be reported
 TRACKER_EXIT_S = 2.0  # an exited worker's multiprocessing resource tracker unlinking what it
 # leaked, before it is killed with the rest of the worker's process group
+BURST_QUIET_S = 0.002  # after an exit, further exits this close join its generation (a switch
+BURST_MAX_S = 0.05  # or a rack lost: one communicator rebuild, not one per rank), up to this
 STORE_CLIENT_CONNECT_S = 60.0  # worker -> agent store connection
 STORE_SERVER_START_S = 30.0  # agent binding its TCPStore
 LOG_DRAIN_S = 2.0  # reader threads flushing a dead worker's last output
