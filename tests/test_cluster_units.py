@@ -381,7 +381,7 @@ def test_a_nodes_payload_is_parsed_again_only_when_it_changed(
                        stopped=False, compute_s=0.01, step_s=0.02)
         job.store.set(payload_key(1), json.dumps(Payload(liveness=(row,)).to_json()))
         job.store.add(heartbeat_key(1), 1)
-        job.coord.watch.beats.ages(job.store)
+        job.coord.watch.beats.ages(job.store, fresh=True)  # the coordinator reads them now
 
     beat(5)
     first = job.coord.table.remote_liveness()

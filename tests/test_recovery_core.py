@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from ftrun.adapters.report import WorkerExit
+from ftrun.agent.node_losses import NodeLoss
 from ftrun.agent.ports import AgentPort
 from ftrun.agent.recovery import Recovery
 from ftrun.agent.roster import RemoteWorker, Worker
@@ -400,6 +401,28 @@ def test_node_loss_hands_its_ranks_to_spares_elsewhere(ready: bool) -> None:
     assert port.faults()[0]["reason"] == (f"node 1 (h) lost with 1 member; spare workers "
                                           f"{spares[0]}{'' if ready else ' (starting)'} take "
                                           f"their ranks on 1 node")
+
+
+def test_nodes_lost_in_one_pass_are_one_decision_one_generation_a_record_each() -> None:
+    """A rack or a switch: every node lost in one pass of the coordinator's loop is decided
+    together (one O(members) decision, not one per node): the spares take the first lost
+    ranks, the job shrinks by the rest, one generation; each node is a fault of its own."""
+    rec, port, store = make(nproc=4, spares=1)
+    port.nodes = [0, 1, 2]
+    hello(rec, 0)
+    spares = [wid for wid, _, is_spare in port.placed if is_spare]
+    hello(rec, spares[0], spare=True)  # one ready, the other still starting
+    losses = [NodeLoss(1, "node 1 (h)", (port.workers[2],), 998.0),
+              NodeLoss(2, "node 2 (h)", (port.workers[3],), 999.0)]
+    d = rec.on_nodes_lost(losses, nodes_left=1)
+    assert d is None and store.generation().number == 1
+    assert len(spares) == 3 and store.generation().members == (0, 1, *spares[:2])
+    faults = port.faults()
+    assert [(f["worker"], f["rank"], f["node"]) for f in faults] == [(2, 2, 1), (3, 3, 2)]
+    assert faults[0]["reason"] == faults[1]["reason"] == (
+        f"node 1 (h), node 2 (h) lost with 2 members; spare workers {spares[0]}, "
+        f"{spares[1]} (starting) take their ranks on 1 node")
+    assert rec.faults == 2 and store.generation().fault_at == 998.0  # the earliest seen
 
 
 def test_comm_failure_rebuilds_the_current_generation_only() -> None:

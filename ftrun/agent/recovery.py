@@ -11,6 +11,7 @@ through `ports.RecoveryPort`).
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -18,6 +19,7 @@ from ftrun.agent.corruption import Corruptions, rolled_back
 from ftrun.agent.drains import Drains
 from ftrun.agent.generations import Generations, Respawns
 from ftrun.agent.inbox import Inbox
+from ftrun.agent.node_losses import NodeLoss, NodeLosses
 from ftrun.agent.ports import RecoveryPort
 from ftrun.agent.redo import EnterLater
 from ftrun.agent.replica_groups import ReplicaGroups
@@ -33,12 +35,10 @@ from ftrun.core.policy import (
     Action,
     Decision,
     FaultAction,
-    FaultDecision,
     Snapshot,
     decide_comm_failure,
     decide_fault,
     decide_late_fault,
-    decide_node_loss,
     decide_rebuild,
     stop_decision,
 )
@@ -85,6 +85,9 @@ class Recovery:
                              self.membership)
         self.drains = Drains(port, self.gens, self.membership, self._snapshot)
         self.corruptions = Corruptions(self.port.emit)
+        self.node_losses = NodeLosses(self.spec, port.emit, self.membership, self.spares,
+                                      self.groups, self.gens, self._count_faults,
+                                      self._snapshot, self._highest_committed)
         self._trained_told = False  # a member left its training loop: the journal was told
         if adopted is None:
             first = Generation(0, self.membership.members, "start", published_at=time.time())
@@ -239,6 +242,9 @@ class Recovery:
             return None
         return stop_decision(d, w.rank)
 
+    def _count_faults(self, n: int) -> None:
+        self.faults += n
+
     def _highest_committed(self) -> int:
         """The highest step committed before a fault (the journal's lost work counts from it)."""
         return self.port.highest_committed(self.membership.members)
@@ -281,33 +287,13 @@ class Recovery:
                      last_seen: float, nodes_waiting: int = 0) -> Decision | None:
         """Every worker of `node` is gone at once: one decision, one generation.
         `nodes_left`: the job's nodes after it, `nodes_waiting` of them not admitted yet."""
-        ids = {w.worker_id for w in lost}
-        live = self.membership.live()
-        self.membership.leave(ids - set(live))  # its spares and joiners
-        self.spares.forget_node(node)
-        lost_members = tuple(m for m in live if m in ids)
-        if not lost_members:
-            return None
-        self.faults += 1
-        snap = self._snapshot(nodes_left=nodes_left, nodes_waiting=nodes_waiting)
-        d: FaultDecision = self.groups.decide_node_loss(snap, label, lost_members) \
-            if self.groups.spanning else decide_node_loss(snap, label, lost_members)
-        now = time.time()
-        emit_as(self.port.emit, FaultFields(
-            lost_members[0], live.index(lost_members[0]), d.action, d.reason,
-            f"{label} lost", detected_at=now, committed_before=self._highest_committed(),
-            node=node))
-        if self.groups.spanning and d.action is FaultAction.SHRINK:
-            self.groups.act_on_node_loss(d, min(last_seen, now))
-            return None
-        if d.action in (FaultAction.SHRINK, FaultAction.REPLACE):
-            # spares that take a rank leave the pool for good: the lost node's devices are
-            # gone, so there is none to start a new spare on
-            self.gens.publish(d.members, d.reason, True, min(last_seen, now), d.joiners)
-            if self.spec.shard_size > 1 and self.groups.out_since is None:  # its groups too
-                self.groups.out_since = min(last_seen, now)
-            return None
-        return stop_decision(d, None)
+        return self.on_nodes_lost([NodeLoss(node, label, tuple(lost), last_seen)], nodes_left,
+                                  nodes_waiting)
+
+    def on_nodes_lost(self, losses: Sequence[NodeLoss], nodes_left: int,
+                      nodes_waiting: int = 0) -> Decision | None:
+        """Every node lost in one pass, decided together (`node_losses.NodeLosses`)."""
+        return self.node_losses.decide(losses, nodes_left, nodes_waiting)
 
     def done(self) -> bool:
         return self.membership.done()

@@ -24,6 +24,7 @@ from typing import Any
 from ftrun.adapters.store import HostedStore, QueueReader
 from ftrun.agent.cluster import Handover, StopLocal
 from ftrun.agent.jobview import Node
+from ftrun.agent.node_losses import NodeLoss
 from ftrun.agent.roster import RemoteWorker, RunResult, Worker
 from ftrun.cluster.admission import Waiting, gathered, why_refused, why_wait
 from ftrun.cluster.directory import JobDirectory
@@ -318,10 +319,9 @@ class Coordinating:
         first = {i: (why, s) for i, why, s in reversed(lost)}  # a node lost twice: once
         gone = [(self.nodes[i], why, now - s) for i, (why, s) in first.items()
                 if self.nodes[i].alive]
-        for node, _, _ in gone:  # all at once: the decisions see how many nodes are left
+        for node, _, _ in gone:  # all at once: the decision sees how many nodes are left
             node.gone()
-        decisions = [self._node_lost(node, why, seen) for node, why, seen in gone]
-        decision = next((d for d in decisions if d is not None), None)
+        decision = self._nodes_lost(gone) if gone else None
         if decision is None:  # after the shrink: room for a waiting node grows the job back
             self._admit_waiting()
         return decision
@@ -332,22 +332,30 @@ class Coordinating:
         self.table.ping(self.watch.suspect([n.index for n in self.table.alive() if n.in_attempt]))
 
     def _node_lost(self, node: Node, why: str, last_seen: float) -> Decision | None:
-        """`last_seen`: wall clock of its last sign of life, the fault's best estimate. The
-        node may be marked dead already (several lost at once)."""
-        node.gone()
-        self.watch.forget(node.index)
-        self._waiting.forget(node.index)
-        notice(self.host.emit, f"{node.label} is lost: {why}")
-        self.table.send(node, End(code=1, reason=f"the coordinator dropped this node ({why})",
-                             lost=True, refused=False))
-        gone = self.workers.lost(node.index)
+        """`last_seen`: wall clock of its last sign of life, the fault's best estimate."""
+        return self._nodes_lost([(node, why, last_seen)])
+
+    def _nodes_lost(self, lost: list[tuple[Node, str, float]]) -> Decision | None:
+        """Nodes lost in one pass (each marked dead already: the decision sees how many are
+        left), told and forgotten one by one, decided together (one O(members) decision,
+        not one per node: `agent.node_losses`)."""
+        losses, workers = [], []
+        for node, why, last_seen in lost:
+            node.gone()
+            self.watch.forget(node.index)
+            self._waiting.forget(node.index)
+            notice(self.host.emit, f"{node.label} is lost: {why}")
+            self.table.send(node, End(code=1, reason=f"the coordinator dropped this node "
+                                      f"({why})", lost=True, refused=False))
+            its = self.workers.lost(node.index)
+            workers += its
+            losses.append(NodeLoss(node.index, node.label, tuple(its), last_seen))
         rec = self.host.recovery
         if rec is not None and rec.uses_api:
-            left = 1 + len(self.table.alive())  # a waiting node keeps the job above --nnodes MIN
-            waiting = len(self.table.alive()) - len(self.others.other_nodes())
-            return rec.on_node_lost(node.index, node.label, list(gone), left, last_seen,
-                                    waiting)
-        self.workers.also_exited(gone)  # torchrun: a failed member restarts or ends the job
+            alive = len(self.table.alive())
+            left = 1 + alive  # a waiting node keeps the job above --nnodes MIN
+            return rec.on_nodes_lost(losses, left, alive - len(self.others.other_nodes()))
+        self.workers.also_exited(workers)  # torchrun: a failed member restarts or ends the job
         return None
 
     # ----------------------------------------------------------------- the job

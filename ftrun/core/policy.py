@@ -208,16 +208,17 @@ def decide_node_loss(s: Snapshot, node: str, lost: tuple[int, ...]) -> FaultDeci
     """A whole node is gone (agent dead or unreachable): its workers leave together, in one
     generation. Spares on the other nodes take their ranks, ready ones first, then starting
     ones; without enough of them the job goes on smaller until a node joins again."""
-    survivors = tuple(m for m in s.members if m not in lost)
+    gone_set = frozenset(lost)  # many nodes lost at once: a tuple's `in` made this O(N * lost)
+    survivors = tuple(m for m in s.members if m not in gone_set)
     gone = len(s.members) - len(survivors)
     head = f"{node} lost with {gone} member{_s(gone)}"
     if (stop := node_loss_stops(head, s)) is not None:
         return stop
-    if not [m for m in survivors if m not in s.unhealed]:
+    if all(m in s.unhealed for m in survivors):
         return _total_loss(head, s)
     pool, new, joiners = list(s.spares + s.starting_spares), [], []
     for m in s.members:
-        if m not in lost:
+        if m not in gone_set:
             new.append(m)
         elif pool:  # a spare takes the lost member's rank
             joiners.append(pool.pop(0))

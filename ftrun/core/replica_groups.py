@@ -89,10 +89,11 @@ def decide_group_node_loss(s: Snapshot, node: str, lost: tuple[int, ...], shard_
     lost ones; unless no complete, healed group is left (a total loss), the nodes left are
     below --nnodes MIN, or a budget says stop."""
     groups = replica_groups(s.members, shard_size)
-    out = [i for i, g in enumerate(groups) if set(g) & set(lost)]
+    gone_set = frozenset(lost)  # once: many nodes may be lost together
+    out = [i for i, g in enumerate(groups) if not gone_set.isdisjoint(g)]
     broken = {m for i in out for m in groups[i]}
     survivors = tuple(m for m in s.members if m not in broken)
-    evicted = tuple(m for m in s.members if m in broken and m not in lost)
+    evicted = tuple(m for m in s.members if m in broken and m not in gone_set)
     gone = len(s.members) - len(survivors) - len(evicted)
     head = f"{node} lost with {gone} member{_s(gone)}"
     if (stop := node_loss_stops(head, s)) is not None:
