@@ -8,6 +8,7 @@ import io
 import json
 import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 from statusdocs import document, fault, worker
@@ -151,6 +152,21 @@ def test_event_fields_read_as_emitted_and_from_an_older_log() -> None:
     assert set(events.FIELDS) == set(events.Event)  # every kind has its record
     with pytest.raises(FtrunError, match=r"^a healed event: nbytes is '1', not int$"):
         events.HealedFields.of({**healed, "nbytes": "1"})
+
+
+def test_an_emitted_event_hands_its_sinks_the_record_itself_and_the_log_its_json() -> None:
+    """No round trip inside the agent (#49): the journal and the console read the record
+    `emit_as` was given; the dict they get is what the event log holds, and read back from
+    the log it is the same record."""
+    got: list[tuple[events.Event, Any]] = []
+    fault = events.FaultFields(worker=1, rank=0, decision=events.FaultAction.SHRINK,
+                               reason="r", detected_at=5.0)
+    events.emit_as(lambda kind, fields: got.append((kind, fields)), fault)
+    [(kind, fields)] = got
+    assert events.fields_of(kind, fields) is fault  # the record, not a parse of it
+    assert fields == fault.to_fields() and json.loads(json.dumps(fields))["decision"] == "shrink"
+    assert events.fields_of(kind, json.loads(json.dumps(fields))) == fault  # from the log
+    assert events.fields_of(events.Event.NOTICE, {"text": "x"}) == events.NoticeFields("x")
 
 
 def test_every_event_line_the_report_accepts_reads_into_its_record() -> None:

@@ -312,10 +312,20 @@ FIELDS: dict[Event, type[Fields]] = {c.event: c for c in (
     StateSizeFields, NoticeFields, TrainedFields, DrainFields)}
 
 
+class Emitted(dict[str, Any]):
+    """An event's fields as `emit_as` hands them to a sink: the JSON object the event log
+    holds, carrying the record it was made from, so that a sink that reads the record
+    (the journal, the console) takes it as it is instead of parsing the dict back."""
+
+    def __init__(self, record: Fields) -> None:
+        super().__init__(record.to_fields())
+        self.record = record
+
+
 def emit_as(sink: EventSink, fields: Fields) -> None:
     """Emit `fields` under its own kind: every event ftrun emits is built as its record
     (a layering test holds it), so a misspelt or missing field is a type error."""
-    sink(fields.event, fields.to_fields())
+    sink(fields.event, Emitted(fields))
 
 
 def fields_from(kind: type[F], message: Any, **more: Any) -> F:
@@ -330,5 +340,8 @@ def notice(sink: EventSink, text: str) -> None:
 
 
 def fields_of(kind: Event, fields: Mapping[str, object]) -> Fields:
-    """The typed fields of a `kind` event, or a one-line FtrunError."""
+    """The typed fields of a `kind` event, or a one-line FtrunError: the record itself for
+    fields `emit_as` emitted (no round trip), else read from the dict (a log read back)."""
+    if isinstance(fields, Emitted) and fields.record.event == kind:
+        return fields.record
     return FIELDS[Event(kind)].of(fields)
