@@ -20,17 +20,23 @@ from ftrun.cluster.messages import Exited
 class RemoteWorkers:
     def __init__(self) -> None:
         self.by_id: dict[int, RemoteWorker] = {}
+        self._of_node: dict[int, dict[int, RemoteWorker]] = {}  # node -> its workers by id: a
+        # lost node's workers without a scan of every worker (many nodes lost in one pass)
         self._issued: dict[int, int] = {}  # node -> the next id never issued in this attempt
         self._exited: list[RemoteWorker] = []
 
     def new_attempt(self) -> None:
-        self.by_id, self._issued, self._exited = {}, {}, []
+        self.by_id, self._of_node, self._issued, self._exited = {}, {}, {}, []
+
+    def _add(self, w: RemoteWorker) -> None:
+        self.by_id[w.worker_id] = w
+        self._of_node.setdefault(w.node, {})[w.worker_id] = w
 
     def start(self, node: int, count: int, base_rank: int) -> list[int]:
         """`count` new workers of `node`, ranks from `base_rank` (-1: joiners or spares)."""
         ids = issue_ids(node, count, self._issued)
         for i, wid in enumerate(ids):
-            self.by_id[wid] = RemoteWorker(base_rank + i if base_rank >= 0 else -1, i, wid, node)
+            self._add(RemoteWorker(base_rank + i if base_rank >= 0 else -1, i, wid, node))
         return ids
 
     def adopt(self, node: int, running: str) -> list[int]:
@@ -38,7 +44,7 @@ class RemoteWorkers:
         ids = []
         for item in filter(None, running.split(",")):
             wid, local_rank, pid = (int(x) for x in item.split(":"))
-            self.by_id[wid] = RemoteWorker(-1, local_rank, wid, node, pid)
+            self._add(RemoteWorker(-1, local_rank, wid, node, pid))
             ids.append(wid)
         self._issued[node] = max([*ids, first_worker_id(node) - 1]) + 1
         return ids
@@ -51,7 +57,7 @@ class RemoteWorkers:
         return self._issued.get(node, first_worker_id(node))
 
     def place(self, wid: int, rank: int, local_rank: int, node: int) -> None:
-        self.by_id[wid] = RemoteWorker(rank, local_rank, wid, node)
+        self._add(RemoteWorker(rank, local_rank, wid, node))
 
     def exited(self, msg: Exited, error_file: str) -> None:
         """A worker's exit as its node reported it (`error_file`: its error, kept here)."""
@@ -63,7 +69,7 @@ class RemoteWorkers:
     def lost(self, node: int, drained: bool = False) -> list[RemoteWorker]:
         """Every live worker of a lost node, marked killed now; `drained`: of a node that
         leaves cleanly, marked stopped by its agent (what it reports of them is not news)."""
-        gone = [w for w in self.by_id.values() if w.node == node and w.alive]
+        gone = [w for w in self._of_node.get(node, {}).values() if w.alive]
         now = time.time()
         sig = signal.SIGTERM if drained else signal.SIGKILL
         for w in gone:
