@@ -56,9 +56,8 @@ class NodeLosses:
         self.membership.leave(ids - rank_of.keys())  # their spares and joiners
         for loss in losses:
             self.spares.forget_node(loss.node)
-        firsts = [(loss, *min((rank_of[w.worker_id], w.worker_id) for w in loss.workers
-                               if w.worker_id in rank_of))
-                  for loss in losses if any(w.worker_id in rank_of for w in loss.workers)]
+        firsts = [(loss, *member) for loss in losses
+                  if (member := _first_member(loss, rank_of)) is not None]
         if not firsts:
             return None
         lost_members = tuple(m for m in live if m in ids)
@@ -85,6 +84,12 @@ class NodeLosses:
                 self.groups.out_since = fault_at
             return None
         return stop_decision(d, None)
+
+
+def _first_member(loss: NodeLoss, rank_of: dict[int, int]) -> tuple[int, int] | None:
+    """(rank, worker id) of the node's member ranked first; None: it held no member."""
+    return min(((rank_of[w.worker_id], w.worker_id) for w in loss.workers
+                if w.worker_id in rank_of), default=None)
 
 
 def _label(labels: Sequence[str]) -> str:

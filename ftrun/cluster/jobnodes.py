@@ -58,8 +58,8 @@ class NodeTable:
         self.nodes = nodes  # the coordinating cluster's: it adds, this reads
         self.watch = watch
         self.beat_s = beat_s
-        self._payloads: dict[int, tuple[float, Payload]] = {}
-        self._read_at = -math.inf  # when they were last read
+        self._payloads: dict[int, Payload] = {}  # node -> its payload, as last read
+        self._read_at = -math.inf  # when they were last read (all at once)
         self._steps: dict[int, int] = {}  # worker -> its committed step, as last read
         self._parsed: dict[int, tuple[bytes, Payload | str]] = {}  # node -> last raw, parsed
         self._read_every_s = beat_s
@@ -102,9 +102,7 @@ class NodeTable:
         again if stale), -1 for a worker no payload names (this node's own among them): one
         freshness check and a lookup each, as a fault asks it over every member (a call per
         member was ~16 ms a fault at 8,192; 8,192 scans of a node's rows, ~45 ms)."""
-        now = time.monotonic()
-        if now - self._read_at >= self._read_every_s:
-            self._read_payloads(now)
+        self._read_if_stale()
         steps = self._steps
         return max((steps.get(w, -1) for w in worker_ids), default=-1)
 
@@ -156,12 +154,16 @@ class NodeTable:
     def _payload(self, node: int) -> Payload:
         """Every node's payload is read at once, at most once per heartbeat period: a fault,
         the health watch or a status asks for every member's."""
+        self._read_if_stale(node)
+        return self._payloads.get(node, Payload())
+
+    def _read_if_stale(self, node: int | None = None) -> None:
+        """Read every payload again if a period has passed since the last read, or `node`
+        was not live at it."""
         now = time.monotonic()
-        seen_at, payload = self._payloads.get(node, (-1.0, Payload()))
-        if now - seen_at >= self._read_every_s:
+        if now - self._read_at >= self._read_every_s or (
+                node is not None and node not in self._payloads):
             self._read_payloads(now)
-            payload = self._payloads.get(node, (now, Payload()))[1]
-        return payload
 
     def _read_payloads(self, now: float) -> None:
         """One request for every live node that has beaten (a payload is set before the
@@ -169,16 +171,16 @@ class NodeTable:
         (the main loop says why: the control thread reads here too, and emits nothing)."""
         live = {n.index for n in self.alive()}
         nodes = [n for n in self.watch.beats.beaten() if n in live]
-        self._payloads = {n: (now, Payload()) for n in live}
+        self._payloads = {n: Payload() for n in live}
         self._read_at = now
         for node, raw in zip(nodes, read_payloads(self.rdzv.store, nodes), strict=True):
             payload = self._parse(node, raw)
             if isinstance(payload, str):
                 self._refused.setdefault(node, payload)  # said from the main loop
             else:
-                self._payloads[node] = (now, payload)
+                self._payloads[node] = payload
         self._steps = {w.worker_id: -1 if w.step is None else w.step
-                       for _, p in self._payloads.values() for w in p.workers}
+                       for p in self._payloads.values() for w in p.workers}
         self._read_every_s = read_period(self.beat_s, time.monotonic() - now)
 
     def _parse(self, node: int, raw: bytes) -> Payload | str:
