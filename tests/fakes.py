@@ -24,6 +24,7 @@ from ftrun.agent.nodeport import NodePort
 from ftrun.agent.ports import AgentPort
 from ftrun.agent.recovery import Recovery
 from ftrun.agent.roster import Attempt, Worker
+from ftrun.agent.runtime import NodeRuntime
 from ftrun.agent.services import RunServices
 from ftrun.agent.starter import WorkerStarter
 from ftrun.agent.watch import Finding
@@ -188,12 +189,15 @@ class FakeNode:
         # the protocol's type for what the cluster reads, the fake's for what a test does
         self.fake_workers = FakeWorkers(spec, self.services, self.wakeup, self.emit)
         self.workers: NodeWorkers = self.fake_workers
-        self.port.attach(self.workers, self.services)
+        self.port.attach(self.workers, self.services)  # no zygote to show
+        self.starter = WorkerStarter(spec, self._record, self.wakeup)  # never opened
+        self.runtime = NodeRuntime(spec, self.wakeup, self.starter, self.workers, self.services,
+                                   self.port)
 
     def attach(self, cluster: Cluster) -> None:
         """As the agent does once its cluster is made: exits go to the cluster."""
         self.cluster = cluster
-        self.workers.on_exit = cluster.on_local_exit
+        self.workers.report_exits_to(cluster.on_local_exit)
 
     def close(self) -> None:
         self.fake_workers.close_streams()

@@ -72,7 +72,7 @@ def test_a_follower_that_takes_over_is_driven_as_the_coordinator_by_the_loop(
                    "coordinating drive", "coordinating close"]
     assert following.closed == [] and coordinating.closed == [result]  # it shares the plane
     assert agent.cluster is coordinating
-    assert agent.workers.on_exit == coordinating.on_local_exit
+    assert agent.runtime.workers.on_exit == coordinating.on_local_exit
 
 
 def test_roles_change_as_often_as_the_job_needs_each_hands_its_attempts_adopt(
@@ -131,15 +131,15 @@ class BurstRole(FakeRole):
 def _rest_of_burst(spec: RunSpec, role: BurstRole) -> tuple[list[int], float]:
     agent = Agent(spec, lambda a: role)
     try:
-        with agent.workers.watching() as sel:
+        with agent.runtime.workers.watching() as sel:
             start = time.monotonic()
             more = agent._rest_of_burst(sel)
             return [w.worker_id for w in more], time.monotonic() - start
     finally:
-        agent.services.close()
-        agent.starter.close()
+        agent.runtime.services.close()
+        agent.runtime.starter.close()
         agent.guardian.close()
-        agent.wakeup.close()
+        agent.runtime.wakeup.close()
 
 
 def test_exits_that_follow_one_within_the_quiet_window_join_its_pass(

@@ -132,13 +132,28 @@ def _assigned(tree: ast.AST) -> list[ast.expr]:
     return flat
 
 
-ABOVE_THE_AGENT = ("cluster", "cli")  # the packages that hold the agent's objects
+FROM_THE_AGENT_UP = ("agent", "cluster", "cli")  # the packages that hold the agent's objects
 
 
-def _own_objects(fn: ast.FunctionDef | ast.AsyncFunctionDef, classes: set[str]) -> set[str]:
+def _names_in(expr: ast.expr) -> set[str]:
+    return {n.id for n in ast.walk(expr) if isinstance(n, ast.Name)}
+
+
+def _held_records(tree: ast.Module, classes: set[str]) -> set[str]:
+    """Attributes of `self` annotated as holding objects of a class the module defines
+    (`self.faults: list[FaultRecord]`): what a loop over them yields is the module's own."""
+    return {t.attr for n in ast.walk(tree) if isinstance(n, ast.AnnAssign)
+            and isinstance(t := n.target, ast.Attribute)
+            and isinstance(t.value, ast.Name) and t.value.id == "self"
+            and _names_in(n.annotation) & classes}
+
+
+def _own_objects(fn: ast.FunctionDef | ast.AsyncFunctionDef, classes: set[str],
+                 held: set[str]) -> set[str]:
     """The names in `fn` bound to an object the module may change: itself (`self`, `cls`),
-    a parameter annotated with a class the module defines, a local it builds from one, or
-    argparse's namespace it parsed (the parser's scratch, normalized before it becomes a
+    a parameter annotated with a class the module defines, a local it builds from one (or
+    from `cls`), what it takes out of its own collections of them (`for rec in self.faults`),
+    or argparse's namespace it parsed (the parser's scratch, normalized before it becomes a
     spec)."""
     own = {"self", "cls"}
     args = fn.args
@@ -148,36 +163,100 @@ def _own_objects(fn: ast.FunctionDef | ast.AsyncFunctionDef, classes: set[str]) 
             ann.value if isinstance(ann, ast.Constant) else None)
         if name in classes:
             own.add(a.arg)
+
+    def of_own_collection(expr: ast.expr) -> bool:  # self.x, enumerate(self.x)
+        if isinstance(expr, ast.Call) and isinstance(expr.func, ast.Name) and expr.args:
+            expr = expr.args[0]
+        return (isinstance(expr, ast.Attribute) and isinstance(expr.value, ast.Name)
+                and expr.value.id == "self" and expr.attr in held)
+
     for node in ast.walk(fn):
         if isinstance(node, ast.Assign) and isinstance(call := node.value, ast.Call) and (
-                (isinstance(call.func, ast.Name) and call.func.id in classes)
+                (isinstance(call.func, ast.Name) and call.func.id in classes | {"cls"})
                 or (isinstance(call.func, ast.Attribute) and call.func.attr == "parse_args")):
             own.update(t.id for t in node.targets if isinstance(t, ast.Name))
+        elif isinstance(node, ast.Assign) and of_own_collection(node.value):
+            own.update(*(_names_in(t) for t in node.targets))
+        elif isinstance(node, (ast.For, ast.comprehension)) and of_own_collection(node.iter):
+            own.update(_names_in(node.target))
     return own
 
 
 def _writes_to_others(tree: ast.Module) -> list[ast.Attribute]:
     classes = {n.name for n in ast.walk(tree) if isinstance(n, ast.ClassDef)}
+    held = _held_records(tree, classes)
     found: list[ast.Attribute] = []
     for fn in ast.walk(tree):
         if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
-            own = _own_objects(fn, classes)
+            own = _own_objects(fn, classes, held)
             found += [t for t in _assigned(fn) if isinstance(t, ast.Attribute)
                       and not (isinstance(t.value, ast.Name) and t.value.id in own)]
     return found
 
 
-def test_above_the_agent_an_object_changes_only_itself() -> None:
-    """The seam is one-way: in cluster/ and cli/ an attribute is assigned only on `self` or
-    on an object of a class the same module defines; the agent's records (a node, a remote
-    worker, the hosted store) and other modules' objects are told what happened through
-    their methods (`Node.gone`, `RemoteWorker.ended`, `HostedStore.count_requests`, ...),
+def test_from_the_agent_up_an_object_changes_only_itself() -> None:
+    """The seams are one-way: in agent/, cluster/ and cli/ an attribute is assigned only on
+    `self` or on an object of a class the same module defines; the agent's records (a worker,
+    a node, a remote worker, the hosted store, the supervise loop's outcome) and other
+    modules' objects are told what happened through their methods (`Worker.ended`,
+    `Node.gone`, `RemoteWorker.ended`, `Outcome.decide`, `ReplicaGroups.taken_out`, ...),
     never written (#49: 17 writes of the agent's attributes; then 18 of its records and of
-    other modules' objects: `node.alive = False`, `w.exit = ...`, `self.rdzv.store = ...`)."""
+    other modules' objects above the agent: `node.alive = False`, `w.exit = ...`; then 20
+    inside the agent: `outcome.decision = ...`, `self.groups.out_since = ...`,
+    `control_plane.membership = ...`, `workers.on_exit = ...`)."""
     writes = [f"{path.name}:{t.lineno}: {ast.unparse(t)}" for name, path in modules().items()
-              if package_of(name) in ABOVE_THE_AGENT
+              if package_of(name) in FROM_THE_AGENT_UP
               for t in _writes_to_others(ast.parse(path.read_text()))]
     assert writes == []
+
+
+IN_PLACE = {"append", "extend", "insert", "pop", "popitem", "remove", "clear", "update", "add",
+            "discard", "setdefault", "sort", "reverse"}
+NOT_STATE = {"environ", "store"}  # the process's environment, a TCPStore's counters (remote)
+
+
+def _root_and_depth(expr: ast.expr) -> tuple[str | None, int]:
+    depth = 0
+    while isinstance(expr, ast.Attribute):
+        expr, depth = expr.value, depth + 1
+    return (expr.id if isinstance(expr, ast.Name) else None), depth
+
+
+def _changed_in_place(tree: ast.Module) -> list[str]:
+    """Containers changed where they live (`x.items.append(...)`, `x.table[k] = ...`) on an
+    object the module does not own, or one attribute further (`self.spares.refills.append`)."""
+    classes = {n.name for n in ast.walk(tree) if isinstance(n, ast.ClassDef)}
+    held = _held_records(tree, classes)
+    found: list[str] = []
+    for fn in ast.walk(tree):
+        if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        own = _own_objects(fn, classes, held)
+        for node in ast.walk(fn):
+            changed: list[ast.expr] = []
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
+                    and node.func.attr in IN_PLACE:
+                changed.append(node.func.value)
+            elif isinstance(node, (ast.Assign, ast.AugAssign, ast.Delete)):
+                targets = [node.target] if isinstance(node, ast.AugAssign) else node.targets
+                changed += [t.value for t in targets if isinstance(t, ast.Subscript)]
+            for c in changed:
+                root, depth = _root_and_depth(c)
+                if isinstance(c, ast.Attribute) and c.attr not in NOT_STATE and (
+                        root not in own or depth >= 2):
+                    found.append(f"{c.lineno}: {ast.unparse(node)[:80]}")
+    return found
+
+
+def test_from_the_agent_up_no_object_changes_anothers_container() -> None:
+    """The same rule for what an object holds: another module's list, set or table is
+    changed through its owner's methods (`Spares.refill`, `Membership.said_hello`,
+    `ReplicaGroups.take_joiners_to_start`), not in place (#49: `self.spares.refills.append`,
+    `ms.api_users.add`, `redo` appending to the pool's lists it was handed)."""
+    changed = [f"{path.name}:{line}" for name, path in modules().items()
+               if package_of(name) in FROM_THE_AGENT_UP
+               for line in _changed_in_place(ast.parse(path.read_text()))]
+    assert changed == []
 
 
 def _is_a_role(expr: ast.expr) -> bool:

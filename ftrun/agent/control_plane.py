@@ -96,6 +96,14 @@ class ControlPlane:
         self.metrics_url: str | None = None  # where Prometheus scrapes this agent, if it does
         self.server = ControlServer(self.info, self.handle)  # serves from serve() on
 
+    def scraped_at(self, url: str) -> None:
+        """Where Prometheus scrapes this agent: `ftrun status` names it."""
+        self.metrics_url = url
+
+    def follow(self, membership: Membership | None) -> None:
+        """The attempt's membership while it runs in-process (None: the attempt is over)."""
+        self.membership = membership
+
     def serve(self) -> None:
         """Answer `ftrun status` and `ftrun inject-fault` from now on: called once this object
         and the agent it reads are whole (a request is answered from another thread)."""

@@ -39,6 +39,10 @@ class Generations:
         self.ends = ends
         self._held: list[Generation] | None = None  # a batch's changes, published at its end
 
+    def detach(self) -> None:
+        """The attempt is over: its store goes; nothing is published any more."""
+        self.store = None
+
     @contextlib.contextmanager
     def batch(self) -> Iterator[None]:
         """Urgent changes decided within (the faults one pass of the agent's loop found) go

@@ -29,9 +29,10 @@ from ftrun.adapters.workerspec import shared_env, static_port, worker_env
 from ftrun.agent.cluster import Adopt, Cluster, Handover, Local
 from ftrun.agent.nodeport import NodePort
 from ftrun.agent.notices import Notices
-from ftrun.agent.outcomes import group_decision, on_exit, stopped_by
+from ftrun.agent.outcomes import Outcome, group_decision, on_exit, stopped_by
 from ftrun.agent.recovery import Recovery
-from ftrun.agent.roster import Attempt, Outcome, RemoteWorker, RunResult, Worker
+from ftrun.agent.roster import Attempt, RemoteWorker, RunResult, Worker
+from ftrun.agent.runtime import NodeRuntime
 from ftrun.agent.services import RunServices
 from ftrun.agent.starter import WorkerStarter
 from ftrun.agent.timeline import EVERY_S as TIMELINE_EVERY_S
@@ -79,46 +80,50 @@ class Agent:
         self.notices = Notices(spec)  # a preemption notice: this node's ranks hand over
         self.guardian = Guardian()  # before any thread or socket of the run exists
         try:
-            self.wakeup = Wakeup()
-            self.starter = WorkerStarter(spec, lambda kind, fields: self.emit(kind, fields),
-                                         self.wakeup, self.guardian.watch)
-            self.port = NodePort(spec, self.wakeup.wake, emit, lambda: self.cluster,
-                                 lambda: self.recovery, lambda: self.attempt)
-            self.services = RunServices(spec, self.attempt.run_id, emit, self.port,
-                                        self.guardian)
-            self.emit = self.services.journal.emit
-            self.workers = NodeWorkers(spec, self.base_env, self.starter, self.guardian,
-                                       self.wakeup, self.services, self._env_for, self.emit)
-            self.port.attach(self.workers, self.services, self.starter)
+            self.runtime = self._build_runtime(spec)
+            self.emit = self.runtime.services.journal.emit
             self.cluster = cluster(self)
         except BaseException:
             self.guardian.close()
             raise
-        self.workers.on_exit = self.cluster.on_local_exit
+        self.runtime.workers.report_exits_to(self.cluster.on_local_exit)
+
+    def _build_runtime(self, spec: RunSpec) -> NodeRuntime:
+        """The parts every role runs on (`NodeRuntime`), each handed only what it uses."""
+        wakeup = Wakeup()
+        starter = WorkerStarter(spec, lambda kind, fields: self.emit(kind, fields), wakeup,
+                                self.guardian.watch)
+        port = NodePort(spec, wakeup.wake, self.emit, lambda: self.cluster,
+                        lambda: self.recovery, lambda: self.attempt)
+        services = RunServices(spec, self.attempt.run_id, self.emit, port, self.guardian)
+        workers = NodeWorkers(spec, self.base_env, starter, self.guardian, wakeup, services,
+                              self._env_for, services.journal.emit)
+        port.attach(workers, services, starter)
+        return NodeRuntime(spec, wakeup, starter, workers, services, port)
 
     # ----------------------------------------------------------------- top level
     def run(self) -> RunResult:
-        self.wakeup.install(self.spec.signals_to_handle)
+        self.runtime.wakeup.install(self.spec.signals_to_handle)
         result: RunResult | None = None
         try:
             self._prepare_env()
             self.cluster.prepare()
-            self.starter.open(self.base_env)  # the zygote imports torch meanwhile
-            self.services.serve(self.cluster.remembered)
+            self.runtime.starter.open(self.base_env)  # the zygote imports torch meanwhile
+            self.runtime.services.serve(self.cluster.remembered)
             ran = self.cluster.drive(self._run_attempts)
             while isinstance(ran, Handover):  # this node plays another part from now on
                 ran = self._play(ran)
-            result = self.services.finish(ran)
+            result = self.runtime.services.finish(ran)
             return result
         finally:
             try:
                 self.cluster.close(result)
             finally:
-                self.workers.kill_all(signal.SIGKILL)
-                self.services.close()
-                self.starter.close()
+                self.runtime.workers.kill_all(signal.SIGKILL)
+                self.runtime.services.close()
+                self.runtime.starter.close()
                 self.guardian.close()
-                self.wakeup.close()
+                self.runtime.wakeup.close()
 
     def _run_attempts(self, adopt: Adopt | None = None) -> RunResult:
         """Attempt after attempt (torchrun's whole-group restarts); `adopt`: the first one is
@@ -152,17 +157,17 @@ class Agent:
         if refused is not None:
             raise TransitionError(refused)  # a defect: the CLI asks for a report
         self.cluster = handover.to
-        self.workers.on_exit = handover.to.on_local_exit
+        self.runtime.workers.report_exits_to(handover.to.on_local_exit)
         handover.to.prepare()
         return handover.to.drive(lambda: self._run_attempts(handover.adopt))
 
     def _start_attempt(self, restarts: int, hosted: HostedStore) -> None:
-        if self.starter.zygote is not None:
+        if self.runtime.starter.zygote is not None:
             hosted.serve()  # imports torch while the zygote imports its own
         self._start_group(restarts, hosted)
         hosted.serve()  # (new processes:) imports torch while the workers import theirs
         if self.spec.on_fault is not OnFault.RESTART:
-            self._start_recovery(hosted, Recovery(self.port, hosted.store))
+            self._start_recovery(hosted, Recovery(self.runtime.port, hosted.store))
 
     def _attempt(self, restarts: int) -> RunResult | None:
         """Supervise the attempt to its end: the run's result, or None to restart it."""
@@ -170,29 +175,30 @@ class Agent:
         if outcome.signum is not None:
             return self._shutdown_on_signal(outcome, restarts)
         assert outcome.decision is not None
-        decision, log_dir = outcome.decision, self.services.logs.run_dir
+        decision, log_dir = outcome.decision, self.runtime.services.logs.run_dir
         if decision.action in (Action.SUCCEED, Action.REQUEUE):
             self._stop_workers(signal.SIGKILL, 0.0)  # idle spares hold no state
-            self.workers.close_streams()
+            self.runtime.workers.close_streams()
             code = EXIT_REQUEUE if decision.action is Action.REQUEUE else 0
             return RunResult(code, decision.reason, exits=tuple(outcome.exits),
                              restarts_used=restarts, log_dir=log_dir)
-        if not self.port.uses_api():  # in-process faults were announced already
+        if not self.runtime.port.uses_api():  # in-process faults were announced already
             emit_as(self.emit, FailureFields(decision.reason, decision.culprit))
         stop_sig = self._stop_workers(signal.SIGTERM, self.spec.shutdown_timeout)
-        self.workers.close_streams()
+        self.runtime.workers.close_streams()
         if stop_sig is not None:
             return self._stopped_by(stop_sig, restarts)
         if decision.action is Action.RESTART_GROUP:
-            self.services.snapshots.restarting()
+            self.runtime.services.snapshots.restarting()
             emit_as(self.emit, RestartFields(decision.reason, restarts + 1))
             return None
-        return RunResult(1, decision.reason, cause=outcome.cause, exits=self.workers.exits(),
-                         restarts_used=restarts, log_dir=log_dir)
+        return RunResult(1, decision.reason, cause=outcome.cause,
+                         exits=self.runtime.workers.exits(), restarts_used=restarts,
+                         log_dir=log_dir)
 
     def _start_recovery(self, hosted: HostedStore, recovery: Recovery) -> None:
         self.recovery = recovery
-        self.services.control_plane.membership = recovery.membership
+        self.runtime.services.control_plane.follow(recovery.membership)
         port = hosted.port
         self._requests = QueueReader(
             lambda: client(LOOPBACK, port, timeouts.WATCH_POLL_S), REQUEST_QUEUE,
@@ -208,7 +214,7 @@ class Agent:
             self._requests = None
         self.recovery.detach()
         self.recovery = None
-        self.services.control_plane.membership = None
+        self.runtime.services.control_plane.follow(None)
 
     # ----------------------------------------------------------------- environment
     def _static_port(self) -> int | None:
@@ -223,7 +229,7 @@ class Agent:
 
     def _env_for(self, worker_id: int, rank: int, local_rank: int, spare: bool,
                  error_file: str) -> dict[str, str]:
-        svc, a = self.services, self.attempt
+        svc, a = self.runtime.services, self.attempt
         wenv = worker_env(self.spec, self.base_env, rank=rank, local_rank=local_rank,
                           worker_id=worker_id, restarts=a.restarts, run_id=a.run_id,
                           master_addr=a.master_addr, port=a.worker_port,
@@ -235,17 +241,17 @@ class Agent:
 
     # ----------------------------------------------------------------- workers
     def _start_group(self, restarts: int, hosted: HostedStore) -> None:
-        self.workers.new_attempt(restarts, self.spec.nproc)
+        self.runtime.workers.new_attempt(restarts, self.spec.nproc)
         self.cluster.start_group(restarts, hosted, lambda: self._start_local(restarts, hosted))
 
     def _start_local(self, restarts: int, hosted: HostedStore) -> None:
-        self.starter.wait_for_zygote()  # its imports; a signal meanwhile ends the wait
-        if self.wakeup.signals:  # stopped before the workers started: start none, then stop
+        self.runtime.starter.wait_for_zygote()  # its imports; a signal meanwhile ends the wait
+        if self.runtime.wakeup.signals:  # stopped before the workers started: start none, then stop
             return
         for local_rank in range(self.spec.nproc):
-            self.workers.spawn(local_rank, rank=local_rank, local_rank=local_rank)
+            self.runtime.workers.spawn(local_rank, rank=local_rank, local_rank=local_rank)
         emit_as(self.emit, StartedFields(restarts, self.attempt.world_size,
-                                         tuple(w.spawned.pid for w in self.workers.all),
+                                         tuple(w.spawned.pid for w in self.runtime.workers.all),
                                          f"{self.attempt.master_addr}:{hosted.port}"))
 
     def _supervise(self) -> Outcome:
@@ -255,35 +261,35 @@ class Agent:
         except Deposed as exc:  # its leadership ended (etcd refused a generation, or lapsed)
             if isinstance(exc, SteppingDown):  # another agent leads: this one will follow it
                 notice(self.emit, exc.one_line())
-            elif self.port.uses_api():  # else _attempt tells it
+            elif self.runtime.port.uses_api():  # else _attempt tells it
                 emit_as(self.emit, FailureFields(exc.one_line()))
-            outcome.decision = Decision(Action.FAIL, exc.one_line())
+            outcome.overruled(Decision(Action.FAIL, exc.one_line()))
             return outcome
 
     def _watch(self, outcome: Outcome) -> Outcome:
-        control = self.services.control_plane
-        with self.workers.watching() as sel:
+        control = self.runtime.services.control_plane
+        with self.runtime.workers.watching() as sel:
             while outcome.decision is None:
-                outcome.signum = self._signal(time.time())
+                outcome.stop(self._signal(time.time()))
                 if outcome.signum is not None:
                     return outcome
                 ended: list[Worker | RemoteWorker] = [
-                    *self.workers.reap_ready(sel, self._idle_wait()),
+                    *self.runtime.workers.reap_ready(sel, self._idle_wait()),
                     *self.cluster.remote_exits()]
                 if ended and self.recovery is not None:
                     ended += self._rest_of_burst(sel)
                 with self._one_generation():  # what this pass finds: one generation
-                    outcome.decision = self._tick()
-                    if self.recovery is not None:
-                        outcome.decision = outcome.decision or self.recovery.handle_requests()
+                    outcome.decide(self._tick())
+                    if self.recovery is not None and outcome.decision is None:
+                        outcome.decide(self.recovery.handle_requests())
                     control.sample(time.time(), ended)  # before slots retire
                     control.apply_drills()
                     for worker in ended:
                         on_exit(self.recovery, worker, outcome)
                 if outcome.decision is None:
-                    outcome.decision = group_decision(
-                        self.recovery, outcome, self.port.all_workers(),
-                        self.attempt.restarts, self.spec.max_restarts)
+                    outcome.decide(group_decision(
+                        self.recovery, outcome, self.runtime.port.all_workers(),
+                        self.attempt.restarts, self.spec.max_restarts))
         return outcome
 
     def _rest_of_burst(self, sel: selectors.BaseSelector) -> list[Worker | RemoteWorker]:
@@ -296,7 +302,7 @@ class Agent:
         deadline, quiet_until = now + timeouts.BURST_MAX_S, now + timeouts.BURST_QUIET_S
         while (now := time.monotonic()) < min(quiet_until, deadline):
             got: list[Worker | RemoteWorker] = [
-                *self.workers.reap_ready(sel, min(quiet_until, deadline) - now),
+                *self.runtime.workers.reap_ready(sel, min(quiet_until, deadline) - now),
                 *self.cluster.remote_exits()]
             if got:
                 more += got
@@ -311,7 +317,7 @@ class Agent:
     def _signal(self, now: float) -> int | None:
         """A signal that stops the workers, or None. A notice (notices.py) to a job that
         uses the API starts a drain of this node instead; its window's end stops them."""
-        sig = self.wakeup.pop_signal()
+        sig = self.runtime.wakeup.pop_signal()
         rec = self.recovery
         if sig is None or rec is None or not rec.uses_api or not self.notices.is_notice(sig):
             return sig if sig is not None else self.notices.expired(now)
@@ -325,13 +331,13 @@ class Agent:
         return None
 
     def _idle_wait(self) -> float | None:
-        return self.cluster.idle_wait(self.services.health.wait_s(time.time())
+        return self.cluster.idle_wait(self.runtime.services.health.wait_s(time.time())
                                       if self.recovery else TIMELINE_EVERY_S)
 
     def _tick(self) -> Decision | None:
         membership = self.recovery.membership if self.recovery is not None else None
-        self.act(self.services.health.tick(membership, time.time()))
-        self.services.snapshots.drain()
+        self.act(self.runtime.services.health.tick(membership, time.time()))
+        self.runtime.services.snapshots.drain()
         return self.cluster.tick()
 
     def act(self, findings: list[Finding]) -> None:
@@ -340,35 +346,36 @@ class Agent:
         for f in findings:
             if isinstance(f, Kill):
                 key = (self.attempt.restarts, f.worker)
-                if key in self._killed or not self.port.kill_worker(f.worker):
+                if key in self._killed or not self.runtime.port.kill_worker(f.worker):
                     continue
                 self._killed.add(key)
-                self.services.journal.drill_injected(f.worker, f.why, time.time())
+                self.runtime.services.journal.drill_injected(f.worker, f.why, time.time())
                 if f.notice:
                     notice(self.emit, f.notice)
             elif isinstance(f, Drain):
-                self.port.start_drain(f.request)
+                self.runtime.port.start_drain(f.request)
             elif (isinstance(f, Rebuild) and self.recovery is not None
                   and self.recovery.rebuild(f.reason)):
-                self.services.health.rebuilt(self.recovery.membership.generation, f.stuck_at,
-                                             time.time())
+                self.runtime.services.health.rebuilt(self.recovery.membership.generation,
+                                                     f.stuck_at, time.time())
 
     def _stop_workers(self, sig: int, grace: float) -> int | None:
-        return self.cluster.stop_workers(sig, grace, self.workers.stop)
+        return self.cluster.stop_workers(sig, grace, self.runtime.workers.stop)
 
     def _shutdown_on_signal(self, outcome: Outcome, restarts: int) -> RunResult:
         assert outcome.signum is not None
         sig = outcome.signum
-        alive = len(self.workers.alive())
+        alive = len(self.runtime.workers.alive())
         emit_as(self.emit, SignalFields(signal_name(sig), alive, self.spec.shutdown_timeout))
         again = self._stop_workers(sig, self.spec.shutdown_timeout)
         if again is not None:
             emit_as(self.emit, SignalFields(signal_name(again), 0, 0.0))
-        self.workers.close_streams()
+        self.runtime.workers.close_streams()
         return self._stopped_by(sig, restarts)
 
     def _stopped_by(self, sig: int, restarts: int) -> RunResult:
-        return stopped_by(sig, restarts, self.workers.exits(), self.services.logs.run_dir)
+        return stopped_by(sig, restarts, self.runtime.workers.exits(),
+                          self.runtime.services.logs.run_dir)
 
     # ----------------------------------------------------------------- for the cluster
     def update_attempt(self, **changes: Any) -> None:

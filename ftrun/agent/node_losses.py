@@ -80,8 +80,8 @@ class NodeLosses:
             # spares that take a rank leave the pool for good: the lost nodes' devices are
             # gone, so there is none to start a new spare on
             self.gens.publish(d.members, d.reason, True, fault_at, d.joiners)
-            if self.spec.shard_size > 1 and self.groups.out_since is None:  # its groups too
-                self.groups.out_since = fault_at
+            if self.spec.shard_size > 1:  # its groups too
+                self.groups.taken_out(fault_at)
             return None
         return stop_decision(d, None)
 

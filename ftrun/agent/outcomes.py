@@ -1,6 +1,7 @@
 """What a worker's exit means for the attempt: recovery's in-process decision, or torchrun's.
 
-Owns: `on_exit` (an exit recorded in the supervise loop's `Outcome`: handed to the
+Owns: the supervise loop's `Outcome` (the first decision of an attempt wins), `on_exit` (an
+exit recorded in it: handed to the
 attempt's `Recovery` when the script uses the API or the worker is a replacement, else
 remembered as the attempt's first failure), `group_decision` (the attempt's verdict once
 nothing more is in-process: every member finished, or torchrun's whole-group rule over the
@@ -12,12 +13,39 @@ Must not import: the agent's node, typer, rich, the CLI, the worker library.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 from ftrun.adapters.report import WorkerExit
 from ftrun.agent.recovery import Recovery
-from ftrun.agent.roster import Outcome, RemoteWorker, RunResult, Worker
+from ftrun.agent.roster import RemoteWorker, RunResult, Worker
 from ftrun.core.exits import signal_name
 from ftrun.core.policy import Action, Decision, decide_group
+
+
+@dataclass
+class Outcome:
+    """What the supervise loop found of the attempt so far: its exits, the first failure, and
+    the decision that ends the loop (the first one made stands) or the signal that stops it."""
+
+    decision: Decision | None = None
+    signum: int | None = None
+    first_failure: int | None = None
+    cause: WorkerExit | None = None
+    exits: list[WorkerExit] = field(default_factory=list)
+
+    def decide(self, decision: Decision | None, cause: WorkerExit | None = None) -> None:
+        """A decision found in this pass: kept only if none was made before it."""
+        if decision is not None and self.decision is None:
+            self.decision, self.cause = decision, cause if cause is not None else self.cause
+
+    def overruled(self, decision: Decision) -> None:
+        """A decision that stands over any made before it: this agent lost its leadership,
+        so what it had decided cannot be carried out."""
+        self.decision = decision
+
+    def stop(self, signum: int | None) -> None:
+        """A signal to the agent (None: none came): it ends the loop."""
+        self.signum = signum
 
 
 def stopped_by(sig: int, restarts: int, exits: tuple[WorkerExit, ...],
@@ -32,13 +60,9 @@ def on_exit(rec: Recovery | None, worker: Worker | RemoteWorker, outcome: Outcom
     outcome.exits.append(worker.exit)
     if rec is not None and not rec.owns(worker):
         rec.catch_up()  # its hello may still be queued
-        decision = rec.handle_requests()
-        if decision is not None and outcome.decision is None:
-            outcome.decision = decision
+        outcome.decide(rec.handle_requests())
     if rec is not None and rec.owns(worker):
-        decision = rec.on_exit(worker)
-        if decision is not None and outcome.decision is None:
-            outcome.decision, outcome.cause = decision, worker.exit
+        outcome.decide(rec.on_exit(worker), worker.exit)
         return
     if worker.exit.failed and outcome.first_failure is None:
         outcome.first_failure = worker.rank

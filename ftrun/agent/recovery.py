@@ -96,7 +96,9 @@ class Recovery:
 
     def detach(self) -> None:
         """The attempt is over: its store goes; nothing is published any more."""
-        self.store = self.gens.store = self.groups.store = None
+        self.store = None
+        self.gens.detach()
+        self.groups.detach()
 
     @property
     def uses_api(self) -> bool:
@@ -224,13 +226,13 @@ class Recovery:
                 self.groups.lost_late(d, w.worker_id, live, why)
             return None
         if d.action is FaultAction.REPLACE and self.later.on and not late:
-            return self.later.replace(d, fault_at, (node, w.local_rank), self.spares.refills,
-                                      self.spares.joiners)
+            return self.later.replace(d, fault_at, (node, w.local_rank), self.spares.refill,
+                                      self.spares.join_later)
         if d.action is FaultAction.REPLACE:
             # published first: the survivors re-form while the replacement starts
             self.gens.publish(d.members, d.reason, True, fault_at, d.joiners)
             if d.spare_used is not None:  # ready or still starting: the pool is one short
-                self.spares.refills.append((node, w.local_rank))  # the lost device: a spare
+                self.spares.refill((node, w.local_rank))  # the lost device: a spare
             else:
                 self.gens.spawn(node, w.local_rank, rank=d.members.index(d.joiners[0]))
             return None
@@ -238,7 +240,7 @@ class Recovery:
             self.gens.publish(d.members, d.reason, True, fault_at)
             self._release_if_ended()
             if d.regrow:
-                self.spares.joiners.append((node, w.local_rank))  # after the first commit
+                self.spares.join_later((node, w.local_rank))
             return None
         return stop_decision(d, w.rank)
 
@@ -345,7 +347,7 @@ class Recovery:
         if not ms.uses_api:  # the script uses the API: now spares are worth starting
             for node in self.port.live_nodes():
                 self.spares.start_pool(node)
-        ms.api_users.add(wid)
+        ms.said_hello(wid)
         drains = self.drains.owns(wid)  # a drain's taker: ready, it enters with the swap
         if req.spare and ms.role(wid) is R.STARTING_SPARE:  # one called in while starting is
             ms.move(wid, R.SPARE)  # HEALING by now: its hello changes nothing

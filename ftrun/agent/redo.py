@@ -14,6 +14,7 @@ Must not import: typer, rich, the CLI, the worker library, the agent's node.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 
 from ftrun.agent.generations import Generations
@@ -53,22 +54,23 @@ class EnterLater:
             self.membership.role(d.spare_used) is WorkerRole.SPARE
 
     def replace(self, d: FaultDecision, fault_at: float, spot: tuple[int, int],
-                refills: list[tuple[int, int]], joiners: list[tuple[int, int]]
-                ) -> Decision | None:
+                refill: Callable[[tuple[int, int]], None],
+                join_later: Callable[[tuple[int, int]], None]) -> Decision | None:
         """Publish the survivors of `d` alone; its replacement (`spot`: the lost worker's
-        node and local rank) enters at the boundary after their make-up."""
+        node and local rank) enters at the boundary after their make-up. `refill` and
+        `join_later`: the spare pool's (`Spares`), told what starts after the first commit."""
         if self._enters_now(d):
             self.gens.publish(d.members, d.reason, True, fault_at, d.joiners)
-            refills.append(spot)  # the pool is one short: the lost device gets a new spare
+            refill(spot)
             return None
         survivors = tuple(m for m in d.members if m not in d.joiners)
         self.gens.publish(survivors, d.reason, True, fault_at)
         self._made_up = False
         if d.spare_used is not None:
             self._spares.append(d.spare_used)
-            refills.append(spot)  # the pool is one short: the lost device gets a new spare
+            refill(spot)
         else:
-            joiners.append(spot)  # started after the first commit, grown in on its hello
+            join_later(spot)
         return None  # handled: training goes on (Recovery's answer to the fault)
 
     @property

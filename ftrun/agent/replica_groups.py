@@ -76,8 +76,7 @@ class ReplicaGroups:
         """SHRINK: publish without the lost group, stop its other ranks; after the others'
         first commit, call a spare group in or start a fresh one (`after_first_commit`)."""
         self.gens.publish(d.members, d.reason, True, fault_at)
-        if self.out_since is None:
-            self.out_since = fault_at
+        self.taken_out(fault_at)
         group = next((g for g in self.spares if g[0] == d.spare_used), ())
         if group:
             self.spares.remove(group)
@@ -97,13 +96,26 @@ class ReplicaGroups:
         nodes; those ranks start again once a node enters for the lost ones (`node_entered`),
         and enter with its workers as whole groups (`grow_ready`)."""
         self.gens.publish(d.members, d.reason, True, fault_at)
-        if self.out_since is None:
-            self.out_since = fault_at
+        self.taken_out(fault_at)
         self._committed = False
         if d.regrow:
             self.partners += [self._place_of(m) for m in d.evicted]
         for m in d.evicted:
             self.port.kill_worker(m)
+
+    def taken_out(self, fault_at: float) -> None:
+        """A fault took a replica group out: the first since they were all whole starts the
+        time to whole again."""
+        if self.out_since is None:
+            self.out_since = fault_at
+
+    def forget_node(self, node: int) -> None:
+        """A lost node's devices are gone: no group's rank starts there any more."""
+        self.joiners_to_start = [r for r in self.joiners_to_start if r[0] != node]
+
+    def detach(self) -> None:
+        """The attempt is over: its store goes."""
+        self.store = None
 
     def node_entered(self) -> None:
         """A node entered the running job: the stopped ranks start again to meet its workers
@@ -162,6 +174,12 @@ class ReplicaGroups:
         self._committed = True
         live = self.port.live_nodes()
         self.joiners_to_start = [p for p in self.joiners_to_start if p[0] in live]
+
+    def take_joiners_to_start(self) -> list[tuple[int, int]]:
+        """The ranks of groups coming back whole, (node, local rank), to start now; they are
+        the starter's from here on."""
+        joiners, self.joiners_to_start = self.joiners_to_start, []
+        return joiners
 
     def _ready_spare_group(self, node: int) -> tuple[int, ...]:
         """The oldest spare group whose every member is ready, on `node` first."""

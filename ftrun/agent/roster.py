@@ -1,18 +1,17 @@
 """What the agent knows of each worker, and how a run ended.
 
 Owns: `Worker` (a local process with its state machine), `RemoteWorker` (a worker another
-node's agent runs, as the coordinating agent sees it), `RunResult`, the supervise `Outcome`.
+node's agent runs, as the coordinating agent sees it), `RunResult`.
 Must not import: torch, typer, rich, the agent.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from ftrun.adapters.logs import WorkerStreams
 from ftrun.adapters.procs import Spawned
 from ftrun.adapters.report import WorkerExit
-from ftrun.core.policy import Decision
 from ftrun.core.states import WorkerState, check_transition
 from ftrun.protocol.status import Fault
 
@@ -31,6 +30,11 @@ class Worker:
         check_transition(self.state, state)
         self.state = state
 
+    def ended(self, exit: WorkerExit) -> None:
+        """Its process was reaped: how it ended (recorded once)."""
+        assert self.exit is None, f"worker {self.worker_id} ended twice"
+        self.exit = exit
+
     @property
     def alive(self) -> bool:
         return self.exit is None
@@ -46,15 +50,6 @@ class RunResult:
     log_dir: str | None = None
     signal_received: str | None = None
     faults: tuple[Fault, ...] = ()
-
-
-@dataclass
-class Outcome:
-    decision: Decision | None = None
-    signum: int | None = None
-    first_failure: int | None = None
-    cause: WorkerExit | None = None
-    exits: list[WorkerExit] = field(default_factory=list)
 
 
 

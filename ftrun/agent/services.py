@@ -63,7 +63,7 @@ class RunServices:
         if remembered:
             history.remember(self.run_id, self.logs.run_dir)
         if self.metrics is not None:
-            self.control_plane.metrics_url = self.metrics.url
+            self.control_plane.scraped_at(self.metrics.url)
             self.metrics.serve(self.control_plane.status)
             notice(self.journal.emit, self.metrics.notice)
         self.control_plane.serve()  # last: a request may come at once, from another thread

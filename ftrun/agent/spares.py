@@ -60,12 +60,20 @@ class Spares:
         else:
             self.joiners.append((node, local_rank))
 
+    def refill(self, spot: tuple[int, int]) -> None:
+        """The pool is one short: the lost device (node, local rank) gets a new spare after
+        the first commit."""
+        self.refills.append(spot)
+
+    def join_later(self, spot: tuple[int, int]) -> None:
+        """A replacement on `spot` starts after the first commit, grown in on its hello."""
+        self.joiners.append(spot)
+
     def forget_node(self, node: int) -> None:
         """A lost node's devices are gone: nothing starts there any more."""
         self.refills = [r for r in self.refills if r[0] != node]
         self.joiners = [r for r in self.joiners if r[0] != node]
-        self.groups.joiners_to_start = [r for r in self.groups.joiners_to_start
-                                        if r[0] != node]
+        self.groups.forget_node(node)
 
     def after_first_commit(self) -> None:
         """New spares and joiners start once the job recovered (their import takes a core)."""
@@ -73,10 +81,9 @@ class Spares:
             node, local_rank = self.refills.pop(0)
             self.gens.spawn(node, local_rank, R.STARTING_SPARE)
         self.groups.after_first_commit()
-        for joiners in (self.joiners, self.groups.joiners_to_start):
-            while joiners:
-                node, local_rank = joiners.pop(0)
-                self.gens.spawn(node, local_rank, R.JOINING)
+        joiners, self.joiners = self.joiners, []
+        for node, local_rank in [*joiners, *self.groups.take_joiners_to_start()]:
+            self.gens.spawn(node, local_rank, R.JOINING)
 
 
 def near(spares: tuple[int, ...], node: int) -> tuple[int, ...]:

@@ -51,6 +51,11 @@ class NodeWorkers:
         self.on_exit: Callable[[Worker], None] = lambda w: None  # a follower reports it
         self._sel: selectors.BaseSelector | None = None  # while the agent supervises
 
+    def report_exits_to(self, on_exit: Callable[[Worker], None]) -> None:
+        """Who is told of each exit as it is recorded: the role the node plays (a follower
+        reports it to the coordinator)."""
+        self.on_exit = on_exit
+
     def new_attempt(self, restarts: int, first_id: int) -> None:
         """Ids restart with every attempt; the last attempt's workers are forgotten."""
         self.all, self.next_id, self.restarts = [], first_id, restarts
@@ -137,10 +142,10 @@ class NodeWorkers:
         assert code is not None  # poll() saw the exit
         by_launcher = w.state is WorkerState.STOPPING
         drill = self.services.journal.pending_drill(w.worker_id)
-        w.exit = WorkerExit(rank=w.rank, local_rank=w.local_rank, pid=w.spawned.pid,
-                            returncode=code, detected_at=time.monotonic(), wall_time=time.time(),
-                            error_file=w.streams.error_file, killed_by_launcher=by_launcher,
-                            sent_by_ftrun=drill or "")
+        w.ended(WorkerExit(rank=w.rank, local_rank=w.local_rank, pid=w.spawned.pid,
+                           returncode=code, detected_at=time.monotonic(), wall_time=time.time(),
+                           error_file=w.streams.error_file, killed_by_launcher=by_launcher,
+                           sent_by_ftrun=drill or ""))
         if by_launcher:
             w.move(WorkerState.TERMINATED)
         else:

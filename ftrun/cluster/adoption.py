@@ -36,10 +36,10 @@ def adopt(coord: Coordinating, workers_store: HostedStore, held: Generation,
     host = coord.host
     follow_relay(host.attempt.master_addr, workers_store.port)  # this node's workers watch it
     _await_nodes(coord, registered - {coord.index}, timeouts.ETCD_REJOIN_WAIT_S)
-    alive = {w.worker_id for w in host.workers.alive()} | {
+    alive = {w.worker_id for w in host.runtime.workers.alive()} | {
         w.worker_id for w in coord.workers.by_id.values() if w.alive}
     spares = [w for w in sorted(alive) if w not in held.members]
-    rec = Recovery(host.port, workers_store.store,
+    rec = Recovery(host.runtime.port, workers_store.store,
                    Membership.adopted(View(held.number, held.members), spares),
                    store_at=f"{host.attempt.master_addr}:{workers_store.port}")
     coord.others.ranked_as(held)
@@ -74,4 +74,4 @@ def _await_nodes(coord: Coordinating, nodes: set[int], timeout_s: float) -> None
     coord.rdzv.store.add(NODE_COUNTER, max(nodes | {coord.index}))
     while time.monotonic() < deadline and not nodes <= set(coord.nodes):
         coord.drain_inbox(running=False)
-        coord.host.wakeup.wait(0.05)
+        coord.host.runtime.wakeup.wait(0.05)

@@ -81,7 +81,7 @@ class Coordinating:
         self.relay = relay
         self._pending: Decision | None = None  # decided while adopting a running attempt
         self.plane = plane or C10dPlane(ep, leading=True)
-        self.spec = spec = host.spec
+        self.spec = spec = host.runtime.spec
         self.rdzv = rdzv
         self.ep = ep
         self.nodes: dict[int, Node] = {}
@@ -139,7 +139,7 @@ class Coordinating:
 
     def _deliver(self, raw: str | bytes) -> None:  # reader thread
         self._inbox.put(parse_report(raw))
-        self.host.wakeup.wake()
+        self.host.runtime.wakeup.wake()
 
     # ----------------------------------------------------------------- rendezvous
     def start_group(self, restarts: int, hosted: HostedStore,
@@ -187,9 +187,9 @@ class Coordinating:
                     f" ({self._last_refusal})" if self._last_refusal else ""),
                     hint="start ftrun on the other nodes with the same --rdzv-endpoint and "
                          "flags, or lower --nnodes")
-            if self.host.wakeup.pop_signal() is not None:
+            if self.host.runtime.wakeup.pop_signal() is not None:
                 raise FtrunError("interrupted while waiting for nodes to join")
-            self.host.wakeup.wait(self.beat_s)  # a join wakes it at once
+            self.host.runtime.wakeup.wait(self.beat_s)  # a join wakes it at once
 
     def drain_inbox(self, running: bool) -> None:
         while True:
@@ -288,7 +288,8 @@ class Coordinating:
 
     def _on_remote_exit(self, msg: Exited) -> None:
         w = self.workers.by_id[msg.worker]
-        self.workers.exited(msg, self.host.services.logs.keep_error(  # its own is on its node
+        logs = self.host.runtime.services.logs
+        self.workers.exited(msg, logs.keep_error(  # its own is on its node
             self.host.attempt.restarts, f"node{w.node}.w{w.worker_id}", msg.error))
 
     # ----------------------------------------------------------------- supervision hooks

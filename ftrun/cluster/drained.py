@@ -72,10 +72,10 @@ class NodeDrains:
         others = [n for n in self.nodes.values()
                   if n.alive and n.in_attempt and n.index != node.index]
         what = f"node {node.index} ({msg.reason})"
-        if 1 + len(others) < self.host.spec.nnodes_min:  # the job cannot go on without it
+        least = self.host.runtime.spec.nnodes_min
+        if 1 + len(others) < least:  # the job cannot go on without it
             members = rec.membership.live()
-            what += (f", below --nnodes minimum {self.host.spec.nnodes_min} without it: every "
-                     "member leaves")
+            what += f", below --nnodes minimum {least} without it: every member leaves"
         req = DrainRequest(what, members, time.time() + max(0.0, msg.window_s),
                            node_leaves=True, node=node.index)
         self._asked[node.index] = rec.drains.start(req)

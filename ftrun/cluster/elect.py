@@ -29,7 +29,7 @@ from ftrun.core.events import notice
 
 
 def elected(host: NodeHost) -> Cluster:
-    spec = host.spec
+    spec = host.runtime.spec
     # the agent took its copy of the environment already (its workers keep the user's
     # setting); c10d reads this once, at import: a store outliving a client is not an error
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
@@ -46,7 +46,7 @@ def elected(host: NodeHost) -> Cluster:
             return Coordinating(host, hosted, ep, plane,
                                 step_down=functools.partial(rejoin, host, plane, Following))
         join_s = spec.timings.join_timeout
-        ep = plane.wait_store(join_s, lambda: bool(host.wakeup.signals))
+        ep = plane.wait_store(join_s, lambda: bool(host.runtime.wakeup.signals))
         return Following(host, ep, plane)
     except BaseException:
         plane.close()

@@ -87,7 +87,7 @@ class Following(SupervisesNoOtherNode):
     def __init__(self, host: NodeHost, ep: Endpoint, plane: Plane | None = None) -> None:
         self.host = host
         self.plane = plane or C10dPlane(ep, leading=False)
-        self.spec = spec = host.spec
+        self.spec = spec = host.runtime.spec
         self.ep = ep
         self.index = -1  # this node's index in the job, given at each join
         self._session = 0  # one per membership: a cut session's threads may wake up late
@@ -96,7 +96,7 @@ class Following(SupervisesNoOtherNode):
         self._outage = False  # _lost: the etcd majority gone (no rejoining, no succession)
         self._beat: Heartbeat | None = None
         self._outbox: Outbox | None = None
-        self._payload = NodePayload(host.services)
+        self._payload = NodePayload(host.runtime.services)
         self.fence_after_s = spec.timings.fence_timeout
         self.rejoin = Rejoin(host, ep, spec.timings.rejoin_timeout,
                              self.plane.store_now if self.plane.backend == "etcd" else None)
@@ -110,12 +110,12 @@ class Following(SupervisesNoOtherNode):
     def _deliver(self, raw: str | bytes, session: int) -> None:
         if session == self._session:
             self._commands.put(parse_command(raw))
-            self.host.wakeup.wake()
+            self.host.runtime.wakeup.wake()
 
     def _on_lost(self, why: str, session: int) -> None:
         if session == self._session and self._lost is None:
             self._lost = why or "connection closed"
-        self.host.wakeup.wake()
+        self.host.runtime.wakeup.wake()
 
     def _report(self, msg: Report) -> None:
         if self._lost is None and self._outbox is not None:
@@ -160,7 +160,7 @@ class Following(SupervisesNoOtherNode):
         static = self.spec.rdzv_backend is RdzvBackend.STATIC
         if not running:
             self.index = self.spec.node_rank if static else int(link.add(NODE_COUNTER, 1))
-        self.host.services.snapshots.bind_node(self.index)
+        self.host.runtime.services.snapshots.bind_node(self.index)
         link.delete_key(command_queue(self.index))  # an earlier agent's unread commands
         self._outbox, reader, self._beat = open_channels(
             self.ep, self.index, self.spec.timings.heartbeat,
@@ -221,9 +221,9 @@ class Following(SupervisesNoOtherNode):
 
     def _next_command(self) -> Command | str | RunResult | Fenced:
         """Wait (no deadline: the heartbeat notices a silent store) for a command."""
-        with self.host.workers.selector() as sel:
+        with self.host.runtime.workers.selector() as sel:
             while True:
-                sig = self.host.wakeup.pop_signal()
+                sig = self.host.runtime.wakeup.pop_signal()
                 if sig is not None:  # no worker runs here now: no notice to take
                     return self.leaving.leave(sig, self.index)
                 if (why := self._cut_off()) is not None:
@@ -234,7 +234,7 @@ class Following(SupervisesNoOtherNode):
                     pass
                 for key, _ in sel.select(timeouts.NODE_HEARTBEAT_S):
                     if key.data is None:
-                        self.host.wakeup.drain()
+                        self.host.runtime.wakeup.drain()
 
     def _start(self, cmd: Start) -> None:
         host = self.host
@@ -250,15 +250,15 @@ class Following(SupervisesNoOtherNode):
                             group_rank=cmd.group_rank, group_world_size=cmd.group_world_size)
         self._start_relay(cmd)
         base, first = cmd.base_rank, cmd.first_id
-        host.workers.new_attempt(cmd.attempt, first + self.spec.nproc)
+        host.runtime.workers.new_attempt(cmd.attempt, first + self.spec.nproc)
         for i in range(self.spec.nproc):
-            w = host.workers.spawn(first + i, rank=base + i if base >= 0 else -1, local_rank=i,
-                                   spare=cmd.spare)
+            w = host.runtime.workers.spawn(first + i, rank=base + i if base >= 0 else -1,
+                                           local_rank=i, spare=cmd.spare)
             self._report(Spawned(node=self.index, worker=w.worker_id, pid=w.spawned.pid,
                                  local_rank=i))
         a = host.attempt
         emit_as(host.emit, StartedFields(a.restarts, a.world_size,
-                                         tuple(w.spawned.pid for w in host.workers.all),
+                                         tuple(w.spawned.pid for w in host.runtime.workers.all),
                                          f"{a.master_addr}:{a.worker_port}", self.index))
 
     def _start_relay(self, cmd: Start) -> None:
@@ -279,10 +279,10 @@ class Following(SupervisesNoOtherNode):
 
     def _follow(self) -> RunResult | Fenced | Leaderless | None:
         """This node's workers run: report exits, obey commands. None when told to stop."""
-        host, svc = self.host, self.host.services
-        with host.workers.watching() as sel:
+        host, svc = self.host, self.host.runtime.services
+        with host.runtime.workers.watching() as sel:
             while True:
-                sig = host.wakeup.pop_signal()
+                sig = host.runtime.wakeup.pop_signal()
                 if sig is not None and (left := self.leaving.signalled(
                         sig, self.index, self.uses_api(False))) is not None:
                     return left  # else a notice: the workers run on, their ranks handed over
@@ -290,7 +290,7 @@ class Following(SupervisesNoOtherNode):
                     return left
                 if (why := self._cut_off()) is not None:
                     return self._leaderless_now(why) or self._fence(why)
-                host.workers.reap_ready(sel, timeout=timeouts.NODE_HEARTBEAT_S)
+                host.runtime.workers.reap_ready(sel, timeout=timeouts.NODE_HEARTBEAT_S)
                 host.act(svc.health.tick(None, time.time()))  # no membership here
                 svc.snapshots.drain()
                 svc.control_plane.apply_drills()
@@ -310,18 +310,18 @@ class Following(SupervisesNoOtherNode):
                 return False, None
             match cmd:
                 case Spawn():
-                    local_rank = self.host.services.health.pick_local_rank(cmd.local_rank)
-                    w = self.host.workers.spawn(cmd.worker, rank=cmd.rank,
+                    local_rank = self.host.runtime.services.health.pick_local_rank(cmd.local_rank)
+                    w = self.host.runtime.workers.spawn(cmd.worker, rank=cmd.rank,
                                                 local_rank=local_rank, spare=cmd.spare)
                     self._report(Spawned(node=self.index, worker=w.worker_id, pid=w.spawned.pid,
                                          local_rank=w.local_rank))
                 case Ping():  # a peer's connection broke somewhere: are we alive?
                     self._report(Pong(node=self.index, seq=cmd.seq))
                 case Kill():  # the coordinator found it hung, or a straggler to evict
-                    self.host.workers.kill(cmd.worker)
+                    self.host.runtime.workers.kill(cmd.worker)
                 case Stop():
-                    self.host.workers.stop(cmd.signal, cmd.grace)
-                    self.host.workers.close_streams()
+                    self.host.runtime.workers.stop(cmd.signal, cmd.grace)
+                    self.host.runtime.workers.close_streams()
                     self._report(Stopped(node=self.index))
                     return True, None
                 case End(lost=True):  # the link works: this session closes cleanly
@@ -346,7 +346,7 @@ class Following(SupervisesNoOtherNode):
     def _fence(self, why: str) -> Fenced:
         """Out of the job: this node's workers stop (SIGTERM, then SIGKILL) before anything
         of them could act on a generation they are no longer part of."""
-        workers = self.host.workers
+        workers = self.host.runtime.workers
         alive = len(workers.alive())
         workers.stop(signal.SIGTERM, timeouts.LOST_STORE_GRACE_S)
         workers.close_streams()
@@ -373,9 +373,9 @@ class Following(SupervisesNoOtherNode):
 
     def uses_api(self, local: bool) -> bool:
         """No Recovery here: a worker that reported a generation uses the API."""
-        slots = self.host.services.slots
+        slots = self.host.runtime.services.slots
         return any(slots.progress(w.worker_id).generation >= 0
-                   for w in self.host.workers.alive())
+                   for w in self.host.runtime.workers.alive())
 
     def decorate_status(self, status: Status) -> Status:
         """The coordinator's view of the whole job (published every second), with this node."""

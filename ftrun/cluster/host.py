@@ -1,10 +1,11 @@
 """The agent as a multi-node cluster sees it.
 
 Owns: `NodeHost`, the members of `agent.node.Agent` that the coordinating and following
-clusters use: the attempt's facts they read and replace (`Attempt`: addresses, world size;
-no cluster assigns an agent's attribute), this node's workers and services, the wakeup, and
-the few actions they ask for. A cluster is built with the
-agent it belongs to and typed against this, so its decisions can be tested with a fake.
+clusters use: the node's runtime they compose (`NodeRuntime`: spec, wake-up, starter, this
+node's workers, services, the helpers' port), the attempt's facts they read and replace
+(`Attempt`: addresses, world size; no cluster assigns an agent's attribute), the attempt's
+recovery, and the few actions they ask for. A cluster is built with the agent it belongs to
+and typed against this, so its decisions can be tested with a fake.
 Must not import: the agent's node, typer, rich, the CLI or the worker library.
 """
 
@@ -13,29 +14,21 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Protocol
 
-from ftrun.adapters.wakeup import Wakeup
-from ftrun.agent.ports import AgentPort
 from ftrun.agent.recovery import Recovery
 from ftrun.agent.roster import Attempt
-from ftrun.agent.services import RunServices
+from ftrun.agent.runtime import NodeRuntime
 from ftrun.agent.watch import Finding
-from ftrun.agent.workers import NodeWorkers
 from ftrun.core.events import Event
-from ftrun.core.spec import RunSpec
 
 
 class NodeHost(Protocol):
-    """The agent: the port its helpers reach it through (a new coordinator builds a
-    recovery on it), and what follows."""
+    """The agent: the runtime every role composes, the attempt's facts and recovery (a new
+    coordinator builds a recovery on the runtime's port), and what it is asked to do."""
 
-    spec: RunSpec
     recovery: Recovery | None
-    wakeup: Wakeup
-    workers: NodeWorkers
-    services: RunServices
 
     @property
-    def port(self) -> AgentPort: ...
+    def runtime(self) -> NodeRuntime: ...
     @property
     def attempt(self) -> Attempt:
         """What this node's workers are told of the attempt (`update_attempt` changes it)."""

@@ -126,7 +126,7 @@ class NodeTable:
         if target.net_drill:
             raise refuse(node, target.net_drill)
         self._net_drills.put((node, duration))
-        self.host.wakeup.wake()
+        self.host.runtime.wakeup.wake()
         return {"node": node, "host": target.host, "duration": duration}
 
     def send_net_drills(self) -> None:
@@ -210,7 +210,7 @@ class NodeTable:
             notice(self.host.emit, f"could not publish the job status: {why}")
 
     def _build_status(self) -> str:
-        return json.dumps(self.host.services.control_plane.status().to_json())
+        return json.dumps(self.host.runtime.services.control_plane.status().to_json())
 
 
 class StatusThread:

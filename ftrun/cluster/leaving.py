@@ -31,7 +31,7 @@ class Leaving:
         """`report`: to the coordinator (nothing goes once the store is lost)."""
         self.host = host
         self.report = report
-        self.notices = Notices(host.spec)
+        self.notices = Notices(host.runtime.spec)
 
     @property
     def draining(self) -> bool:
@@ -43,7 +43,7 @@ class Leaving:
         if not uses_api or not self.notices.is_notice(sig):
             return self.leave(sig, index)
         self.notices.take(sig, index, ())
-        window = self.host.spec.drain_window
+        window = self.host.runtime.spec.drain_window
         self.report(Draining(node=index, reason=f"{signal_name(sig)}: a notice",
                              window_s=window))
         notice(self.host.emit, f"received {signal_name(sig)}: a notice; the "
@@ -57,23 +57,23 @@ class Leaving:
         sig = self.notices.expired(time.time())
         if sig is None:
             return None
-        return self.leave(sig, index, f"its drain window ({self.host.spec.drain_window:g} s, "
-                                      "--drain-window) ran out")
+        window = self.host.runtime.spec.drain_window
+        return self.leave(sig, index, f"its drain window ({window:g} s, --drain-window) ran out")
 
     def leave(self, sig: int, index: int, why: str = "") -> RunResult:
         """Stop this node's workers on `sig` and say so: the coordinator counts it lost."""
         self.report(Left(node=index, reason=why or f"received {signal.Signals(sig).name}"))
-        workers = self.host.workers
-        workers.stop(sig, self.host.spec.shutdown_timeout)
+        workers = self.host.runtime.workers
+        workers.stop(sig, self.host.runtime.spec.shutdown_timeout)
         workers.close_streams()
         return stopped_by(sig, self.host.attempt.restarts, workers.exits(),
-                          self.host.services.logs.run_dir)
+                          self.host.runtime.services.logs.run_dir)
 
     def ended(self, cmd: End) -> RunResult:
         """The coordinator ended this node (not `lost`): what is left stops, the code is its."""
-        workers = self.host.workers
+        workers = self.host.runtime.workers
         if workers.alive():  # a drained node's spares, or the job's end
-            workers.stop(signal.SIGTERM, self.host.spec.shutdown_timeout)
+            workers.stop(signal.SIGTERM, self.host.runtime.spec.shutdown_timeout)
         workers.close_streams()
         if cmd.refused:
             reason = f"the coordinator refused this node: {cmd.reason}"
@@ -87,4 +87,4 @@ class Leaving:
             notice(self.host.emit, reason)
         return RunResult(cmd.code, reason, exits=workers.exits(),
                          restarts_used=self.host.attempt.restarts,
-                         log_dir=self.host.services.logs.run_dir)
+                         log_dir=self.host.runtime.services.logs.run_dir)

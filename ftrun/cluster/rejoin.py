@@ -65,10 +65,10 @@ class Rejoin:
             except FtrunError:
                 if time.monotonic() >= deadline:
                     raise
-            sig = self.host.wakeup.pop_signal()
+            sig = self.host.runtime.wakeup.pop_signal()
             if sig is not None:
-                return stopped_by(sig, 0, self.host.workers.exits(),
-                                  self.host.services.logs.run_dir)
+                return stopped_by(sig, 0, self.host.runtime.workers.exits(),
+                                  self.host.runtime.services.logs.run_dir)
 
     def connect(self, fenced: Fenced) -> Any:
         """A new connection to the store (to join again, as a new node), or the run's end."""
@@ -79,7 +79,7 @@ class Rejoin:
             notice(self.host.emit, f"fenced: cut off from {self._store_lost(fenced)}; trying "
                                    f"to rejoin for up to {self.rejoin_s:g} s")
         start, stable_since = time.monotonic(), None
-        while (sig := self.host.wakeup.pop_signal()) is None:
+        while (sig := self.host.runtime.wakeup.pop_signal()) is None:
             if self._moved():
                 stable_since = None
             failed = reach(self.ep, timeouts.CONNECT_TRY_S) if self.rejoin_s > 0 else None
@@ -95,10 +95,10 @@ class Rejoin:
                 with contextlib.suppress(FtrunError):
                     return connect(self.ep, timeouts.CONNECT_TRY_S)
                 stable_since = None
-            self.host.wakeup.wait(REJOIN_RETRY_S)
+            self.host.runtime.wakeup.wait(REJOIN_RETRY_S)
         host = self.host
-        return stopped_by(sig, host.attempt.restarts, host.workers.exits(),
-                          host.services.logs.run_dir)
+        return stopped_by(sig, host.attempt.restarts, host.runtime.workers.exits(),
+                          host.runtime.services.logs.run_dir)
 
     def _moved(self) -> bool:
         """etcd: another leader's store is published: rejoin there (as a new node)."""
@@ -121,4 +121,4 @@ class Rejoin:
     def _ended(self, reason: str) -> RunResult:
         emit_as(self.host.emit, FailureFields(reason))
         return RunResult(1, reason, restarts_used=self.host.attempt.restarts,
-                         log_dir=self.host.services.logs.run_dir)
+                         log_dir=self.host.runtime.services.logs.run_dir)

@@ -33,7 +33,7 @@ def rejoin(host: NodeHost, old: Plane, follower: Follower, result: RunResult,
     """The follower of the new leader this node plays on as, or `result` (exit 1, saying
     why it could not rejoin) when no new leader's store is found within the rejoin window."""
     assert isinstance(old, EtcdPlane) and old.ousted is not None
-    rejoin_s = host.spec.timings.rejoin_timeout
+    rejoin_s = host.runtime.spec.timings.rejoin_timeout
     if rejoin_s <= 0:
         return _ended(host, result, f"{old.ousted}; --rdzv-conf rejoin_timeout=0")
     notice(host.emit, "this agent coordinates the job no more; it joins the job "
@@ -45,7 +45,7 @@ def rejoin(host: NodeHost, old: Plane, follower: Follower, result: RunResult,
     except FtrunError as exc:
         return _ended(host, result, f"{old.ousted}; no new seat in etcd: {exc.message}")
     try:
-        ep = plane.wait_store(rejoin_s, lambda: bool(host.wakeup.signals))
+        ep = plane.wait_store(rejoin_s, lambda: bool(host.runtime.wakeup.signals))
     except FtrunError as exc:
         plane.close()
         return _ended(host, result, f"{old.ousted}; {exc.message}")

@@ -65,7 +65,7 @@ def succeed(host: NodeHost, plane: Plane, index: int, old: Endpoint,
     assert isinstance(plane, EtcdPlane) and relay is not None  # as `leaderless` found
     deadline = time.monotonic() + timeouts.ETCD_SUCCESSION_S
     _end_a_dead_leaders_lease(host, plane, old)
-    while time.monotonic() < deadline and not host.wakeup.signals:
+    while time.monotonic() < deadline and not host.runtime.wakeup.signals:
         try:
             if plane.lead(timeouts.ETCD_CAMPAIGN_TRY_S):
                 return _take_over(host, plane, index, relay, lost, follower)
@@ -78,7 +78,7 @@ def succeed(host: NodeHost, plane: Plane, index: int, old: Endpoint,
             except FtrunError as exc:
                 return f"{lost.why}; the new coordinator's store at {ep}: {first_line(exc)}"
     return (f"{lost.why}; no new coordinator in etcd within {timeouts.ETCD_SUCCESSION_S:g} s"
-            if not host.wakeup.signals else lost.why)
+            if not host.runtime.wakeup.signals else lost.why)
 
 
 def _end_a_dead_leaders_lease(host: NodeHost, plane: EtcdPlane, old: Endpoint) -> None:
@@ -119,7 +119,7 @@ def probe_refusal(old: Endpoint) -> OSError | None:
 
 def running(host: NodeHost) -> str:
     return ",".join(f"{w.worker_id}:{w.local_rank}:{w.spawned.pid}"
-                    for w in host.workers.alive())
+                    for w in host.runtime.workers.alive())
 
 
 def _take_over(host: NodeHost, plane: EtcdPlane, index: int, relay: GenerationRelay,
@@ -129,7 +129,7 @@ def _take_over(host: NodeHost, plane: EtcdPlane, index: int, relay: GenerationRe
         raise FtrunError("no generation to take over: neither etcd nor this node's relay "
                          "holds one", hint="the job had not started: start it again")
     hosted = HostedStore(0)  # a free port on every interface
-    ep = Endpoint(host.spec.local_addr or plane.host, hosted.port)
+    ep = Endpoint(host.runtime.spec.local_addr or plane.host, hosted.port)
     coord = Coordinating(host, hosted, ep, plane, index=index,
                          step_down=functools.partial(rejoin, host, plane, follower), relay=relay)
     registered = plane.registered()

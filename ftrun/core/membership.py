@@ -99,6 +99,10 @@ class Membership:
     def uses_api(self) -> bool:
         return bool(self.api_users)
 
+    def said_hello(self, worker_id: int) -> None:
+        """The worker runs the ftrun API (its hello came)."""
+        self.api_users.add(worker_id)
+
     def is_member(self, worker_id: int) -> bool:
         return worker_id in self.view.member_set
 
