@@ -1,10 +1,11 @@
 """`--rdzv-backend etcd` on the command line: the backend's names, its members, its
 --rdzv-conf keys, and the check before any worker starts that the cluster answers.
 
-Owns: accepting torchrun's `etcd-v2` name for the same v3 backend (saying so in one line),
-parsing `--rdzv-endpoint h1:2379,h2:2379,[::1]:2379` into members, validating the TLS and
-timing keys (through `adapters.etcd_conf`), and `check_etcd`: the adapter's preflight (a
-missing client, an unreachable cluster or one without a majority is a one-line error).
+Owns: `rdzv_backend_of` (--rdzv-backend as its enum; torchrun's `etcd-v2` name is the same
+v3 backend, said in one line), parsing `--rdzv-endpoint h1:2379,h2:2379,[::1]:2379` into
+members, validating the TLS and timing keys (through `adapters.etcd_conf`), and
+`check_etcd`: the adapter's preflight (a missing client, an unreachable cluster or one
+without a majority is a one-line error).
 Must not import: torch, typer, rich, the agent; the etcd client only through the adapter,
 inside `check_etcd`.
 """
@@ -16,19 +17,25 @@ from collections.abc import Callable
 from ftrun.adapters.etcd_conf import DEFAULT_PORT, EtcdConf, join_hostport
 from ftrun.cli.endpoints import parse_endpoint
 from ftrun.core.errors import UsageError
+from ftrun.core.options import RdzvBackend
 from ftrun.core.rdzv_keys import unknown_keys
 from ftrun.core.spec import RunSpec
 
 V2_NAME = "etcd-v2"  # torchrun's name for its etcd backend over etcd's v2 API
 
 
-def etcd_backend_name(name: str, notice: Callable[[str], None]) -> str:
-    """`etcd-v2` is served by the etcd (v3 API) backend: etcd 3.6 removed the v2 API."""
-    if name.strip().lower() != V2_NAME:
-        return name
-    notice(f"--rdzv-backend {V2_NAME} is served by ftrun's etcd backend, over etcd's v3 API "
-           "(etcd 3.4 or newer)")
-    return "etcd"
+def rdzv_backend_of(name: str, notice: Callable[[str], None]) -> RdzvBackend:
+    """--rdzv-backend's value. `etcd-v2` is served by the etcd (v3 API) backend: etcd 3.6
+    removed the v2 API."""
+    if name.strip().lower() == V2_NAME:
+        notice(f"--rdzv-backend {V2_NAME} is served by ftrun's etcd backend, over etcd's v3 "
+               "API (etcd 3.4 or newer)")
+        return RdzvBackend.ETCD
+    try:
+        return RdzvBackend(name)
+    except ValueError:
+        raise UsageError(f"--rdzv-backend {name!r} is not supported",
+                         hint="use static, c10d or etcd") from None
 
 
 def etcd_members(text: str) -> tuple[str, ...]:

@@ -19,7 +19,7 @@ from ftrun.cli.cluster_env import given_settings, scheduler_defaults
 from ftrun.cli.drain_args import DEFAULT_WINDOW, drain_fields
 from ftrun.cli.endpoints import parse_endpoint
 from ftrun.cli.endpoints import port_value as _port
-from ftrun.cli.etcd_args import check_etcd, check_etcd_conf, etcd_backend_name, etcd_members
+from ftrun.cli.etcd_args import check_etcd, check_etcd_conf, etcd_members, rdzv_backend_of
 from ftrun.cli.heal_args import DEFAULT_CHUNK_MB, DEFAULT_SOURCES, heal_fields
 from ftrun.cli.metrics_args import METRICS_PORT_ENV, metrics_fields
 from ftrun.cli.shard_args import shard_fields
@@ -214,21 +214,18 @@ def build_run_spec(
     scheduler_defaults(ns, given, env, notice)  # srun ftrun: SLURM_*
     endpoint_port: int | None = None
     members: tuple[str, ...] = ()  # etcd's
-    ns.rdzv_backend = etcd_backend_name(ns.rdzv_backend, notice)
-    if ns.rdzv_backend == "etcd":
+    backend = rdzv_backend_of(ns.rdzv_backend, notice)
+    if backend is RdzvBackend.ETCD:
         members = etcd_members(ns.rdzv_endpoint)
     elif ns.rdzv_endpoint:
         host, endpoint_port = parse_endpoint(ns.rdzv_endpoint)
-        if ns.rdzv_backend == "static":  # torchrun: host[:port] of the store
+        if backend is RdzvBackend.STATIC:  # torchrun: host[:port] of the store
             ns.master_addr = host
             ns.master_port = endpoint_port if endpoint_port is not None else (
                 ns.master_port or STATIC_DEFAULT_PORT)
     nmin, nmax = _parse_nnodes(str(ns.nnodes))
-    if ns.rdzv_backend not in ("static", "c10d", "etcd"):
-        raise UsageError(f"--rdzv-backend {ns.rdzv_backend!r} is not supported",
-                         hint="use static, c10d or etcd")
     if nmax > 1:
-        _check_multinode(ns, nmin, nmax, endpoint_port)
+        _check_multinode(ns, backend, nmin, nmax, endpoint_port)
     nproc = resolve_nproc(str(ns.nproc_per_node), gpu_count)
     snapshots = snapshot_fields(ns)
     sharding = shard_fields(ns, nproc)
@@ -239,7 +236,7 @@ def build_run_spec(
         nnodes_min=nmin,
         nnodes_max=nmax,
         node_rank=_int(ns.node_rank, "--node-rank", minimum=0),
-        rdzv_backend=ns.rdzv_backend,
+        rdzv_backend=backend,
         rdzv_endpoint=ns.rdzv_endpoint,
         rdzv_id=ns.rdzv_id,
         rdzv_conf=check_etcd_conf(_parse_conf(ns.rdzv_conf), members, ns.rdzv_id, notice),
@@ -289,22 +286,22 @@ def _parse_preload(text: str) -> tuple[str, ...]:
     return names
 
 
-def _check_multinode(ns: argparse.Namespace, nmin: int, nmax: int,
+def _check_multinode(ns: argparse.Namespace, backend: RdzvBackend, nmin: int, nmax: int,
                      endpoint_port: int | None) -> None:
-    if ns.rdzv_backend == "etcd":
+    if backend is RdzvBackend.ETCD:
         return  # its members were checked with the endpoint; no store is served
-    if ns.rdzv_backend == "c10d" and not ns.rdzv_endpoint:
+    if backend is RdzvBackend.C10D and not ns.rdzv_endpoint:
         raise UsageError("--rdzv-backend c10d needs --rdzv-endpoint HOST[:PORT]",
                          hint="name the host that serves the store (the same on every node)")
-    port = endpoint_port if ns.rdzv_backend == "c10d" else ns.master_port
+    port = endpoint_port if backend is RdzvBackend.C10D else ns.master_port
     if port is not None and _port(port, "--rdzv-endpoint" if ns.rdzv_endpoint
                                   else "--master-port") == 0:
         raise UsageError("a multi-node job cannot serve its store on port 0 (any free port)",
                          hint="every node must know the port: use 1-65535, e.g. 29400")
-    if ns.rdzv_backend == "static" and nmin != nmax:
+    if backend is RdzvBackend.STATIC and nmin != nmax:
         raise UsageError(f"--nnodes {ns.nnodes} needs --rdzv-backend c10d",
                          hint="static rendezvous takes a fixed node count, e.g. --nnodes 2")
-    if ns.rdzv_backend == "static" and _int(ns.node_rank, "--node-rank", 0) >= nmax:
+    if backend is RdzvBackend.STATIC and _int(ns.node_rank, "--node-rank", 0) >= nmax:
         raise UsageError(f"--node-rank {ns.node_rank} is not below --nnodes {nmax}",
                          hint=f"use --node-rank 0..{nmax - 1} (0 serves the store)")
 
