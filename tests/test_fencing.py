@@ -65,7 +65,8 @@ def run_watch(silent: dict[int, tuple[float, float]], until: float,
             start, end = silent.get(n, (1e9, 1e9))
             if not start <= now < end:
                 store.beat(n)
-        verdict = watch.check(store, [n for n in (1, 2, 3) if n not in lost_at], now=now)
+        verdict = watch.check(store, lambda: [n for n in (1, 2, 3) if n not in lost_at],
+                              now=now)
         if verdict.ping is not None:
             rounds.append(verdict.ping)
             for n in answers & set(verdict.ping[1]):
@@ -104,12 +105,43 @@ def test_after_a_broken_connection_a_silent_node_is_lost_at_once() -> None:
     store, watch = Counters(), NodeWatch(5.0, 1.0, 0.7, 1.3)
     watch.watch(1, now=0.0)
     store.beat(1)
-    watch.check(store, [1], now=0.1)
+    watch.check(store, lambda: [1], now=0.1)
     assert watch.suspect([1], now=0.2) is not None
-    assert watch.check(store, [1], now=0.45).lost == []
-    (lost,) = watch.check(store, [1], now=0.55).lost
+    assert watch.check(store, lambda: [1], now=0.45).lost == []
+    (lost,) = watch.check(store, lambda: [1], now=0.55).lost
     assert lost[0] == 1 and lost[1].startswith("no answer to a ping and no heartbeat for")
     assert find_lost_nodes({1: 0.4}, 1.0, frozenset({1}), 1.3) == []  # a blink: not yet
+
+
+def test_between_reads_nothing_is_judged_and_a_ping_round_reads_every_pass() -> None:
+    """A busy loop passes many times between two reads of the counters: those passes judge
+    nothing and ask for no node list (at 4,096 nodes that was ~2 ms a pass); a loss is still
+    found within one read interval of its timeout, and while a ping round runs every pass
+    reads (its fuse, `NODE_PING_S`, is shorter than the interval)."""
+    store, watch = Counters(), NodeWatch(5.0, 1.0, 0.7, 1.3, read_every_s=0.5)
+    asked: list[float] = []
+
+    def nodes() -> list[int]:
+        asked.append(now)
+        return [1, 2]
+
+    for n in (1, 2):
+        watch.watch(n, now=0.0)
+    reads, lost_at, rounds = 0, None, []
+    for tick in range(1, 80):  # a pass every 0.1 s; node 2 falls silent at 1.0 s
+        now = tick / 10
+        store.beat(1)
+        if now < 1.0:
+            store.beat(2)
+        before = store.requests
+        verdict = watch.check(store, nodes, now=now)
+        reads += store.requests > before
+        rounds += [now] if verdict.ping else []
+        if verdict.lost and lost_at is None:
+            lost_at = verdict.lost[0][2], now
+    assert rounds and all(t in asked for t in rounds) and len(asked) == len(rounds)
+    assert lost_at is not None and 1.3 <= lost_at[0] <= 1.3 + 0.5 + 0.1  # cut: within a read
+    assert reads < 79  # not every pass read
 
 
 def test_net_down_is_refused_for_a_job_on_one_node(private_run_dir) -> None:

@@ -288,7 +288,7 @@ class Agent:
                         on_exit(self.recovery, worker, outcome)
                 if outcome.decision is None:
                     outcome.decide(group_decision(
-                        self.recovery, outcome, self.runtime.port.all_workers(),
+                        self.recovery, outcome, self.runtime.port.all_workers,
                         self.attempt.restarts, self.spec.max_restarts))
         return outcome
 

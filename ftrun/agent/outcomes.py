@@ -12,7 +12,7 @@ Must not import: the agent's node, typer, rich, the CLI, the worker library.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from ftrun.adapters.report import WorkerExit
@@ -70,9 +70,11 @@ def on_exit(rec: Recovery | None, worker: Worker | RemoteWorker, outcome: Outcom
 
 
 def group_decision(rec: Recovery | None, outcome: Outcome,
-                   workers: Sequence[Worker | RemoteWorker], restarts: int,
+                   workers: Callable[[], Sequence[Worker | RemoteWorker]], restarts: int,
                    max_restarts: int) -> Decision | None:
-    """The attempt's verdict, or None while it goes on."""
+    """The attempt's verdict, or None while it goes on. `workers` is asked only when the
+    verdict needs them (every pass of the loop asks this; a job using the API never needs
+    them: at 32,768 workers the list was built on every pass for nothing)."""
     if rec is not None and outcome.first_failure is None:
         if rec.done():
             verdict = rec.end_decision()  # FAIL names a rank lost after its last step
@@ -83,8 +85,8 @@ def group_decision(rec: Recovery | None, outcome: Outcome,
             return None
     # a set lookup: a pass of the loop asks this of every worker until the first says hello
     # (a tuple's `in` made it O(workers²): ~9 s of the coordinator at 32,768 workers)
-    members = list(workers) if rec is None else [
-        w for w in workers if rec.membership.is_member(w.worker_id)]
+    members = list(workers()) if rec is None else [
+        w for w in workers() if rec.membership.is_member(w.worker_id)]
     codes = {w.rank: (w.exit.returncode if w.exit else None) for w in members}
     decision = decide_group(codes, outcome.first_failure, restarts, max_restarts)
     return None if decision.action is Action.WAIT else decision

@@ -205,8 +205,8 @@ class Coordinating:
                 case Exited() if (msg.worker in self.workers.by_id
                                   and msg.attempt == self.host.attempt.restarts):
                     self._on_remote_exit(msg)
-                case Spawned() if msg.worker in self.workers.by_id:
-                    self.workers.by_id[msg.worker].spawned(msg.pid, msg.local_rank)
+                case Spawned():
+                    self._on_spawned(msg)
                 case Left() if msg.node in self.nodes and self.nodes[msg.node].alive:
                     why = f"its agent left ({msg.reason})"
                     if running:
@@ -219,6 +219,15 @@ class Coordinating:
                     self.watch.answer(msg.node, msg.seq)
                 case Bye() if msg.node in self.nodes:
                     self.nodes[msg.node].gone()  # it has ended for good
+
+    def _on_spawned(self, msg: Spawned) -> None:
+        started = msg.started()
+        if isinstance(started, str):
+            notice(self.host.emit, f"ignored a malformed agent message ({started})")
+            return
+        for wid, local_rank, pid in started:
+            if wid in self.workers.by_id:
+                self.workers.by_id[wid].spawned(pid, local_rank)
 
     def _on_join(self, msg: Join) -> None:
         node = Node(msg.node, msg.host, msg.pid, msg.nproc, net_drill=msg.net_drill)
@@ -311,7 +320,8 @@ class Coordinating:
             return pending
         self.table.publish_status()
         self.table.send_net_drills()
-        verdict = self.watch.check(self.rdzv.store, [n.index for n in self.table.alive()])
+        verdict = self.watch.check(self.rdzv.store,
+                                   lambda: [n.index for n in self.table.alive()])
         self.table.ping(verdict.ping)
         if (stepping_down := self.drained.tick()) is not None:
             return stepping_down  # this node drained (etcd): the job goes on without it

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,6 +41,11 @@ class Probe:
         self._asked, self._sent_at = set(nodes), now
         return self.seq
 
+    @property
+    def running(self) -> bool:
+        """A round was sent and its wait is not over."""
+        return self._sent_at is not None
+
     def answer(self, node: int, seq: int) -> None:
         if seq == self.seq:
             self._asked.discard(node)
@@ -54,9 +59,12 @@ class Probe:
 
 
 def beats_read_every_s(heartbeat_s: float) -> float:
-    """Twice a beat, and at least every third of a ping's wait: an age read between two reads
-    is off by less than a beat's half or `NODE_PING_S` / 3."""
-    return min(heartbeat_s / 2, timeouts.NODE_PING_S / 3)
+    """Twice a beat: every window the counters are judged by is several beats long (quiet 5,
+    cut 10, lost 50 by default), so an age read between two reads is off by less than a
+    tenth of the shortest; a ping round and the time after a broken connection, judged on
+    `NODE_PING_S`, read on every pass (`NodeWatch.check`). At 4,096 nodes (a 2 s beat) a read
+    every 0.1 s was a fifth of the coordinator's loop."""
+    return heartbeat_s / 2
 
 
 class BeatTracker:
@@ -82,6 +90,10 @@ class BeatTracker:
         """The nodes that have beaten at least once (their payload is in the store)."""
         return [node for node, (count, _) in self._last.items() if count > 0]
 
+    def due(self, now: float) -> bool:
+        """The counters are read on the next `ages` (its interval has passed)."""
+        return now - self._read_at >= self.read_every_s
+
     def ages(self, store: Any, now: float | None = None, fresh: bool = False
              ) -> dict[int, float]:
         """Seconds since each node's counter last moved: every counter in one round trip (a
@@ -89,7 +101,7 @@ class BeatTracker:
         again if `fresh` or `read_every_s` has passed (at 4,096 nodes a read on every pass of
         a busy loop was a fifth of the coordinator's time)."""
         now = time.monotonic() if now is None else now
-        if not fresh and now - self._read_at < self.read_every_s:
+        if not fresh and not self.due(now):
             return {node: now - seen for node, (_, seen) in self._last.items()}
         self._read_at = now
         nodes = list(self._last)
@@ -153,18 +165,25 @@ class NodeWatch:
         seq = self._probe.start(list(nodes), now)
         return None if seq is None else (seq, list(nodes))
 
-    def check(self, store: Any, nodes: Sequence[int], now: float | None = None) -> Verdict:
-        """One pass over the heartbeats of every watched node; `nodes`: those a quiet node's
-        ping round asks. After a broken connection, a node that did not answer is lost once
-        silent for `timeouts.NODE_PING_S`; otherwise (a link may just have blinked) once
-        silent for `cut_after_s`."""
+    def check(self, store: Any, nodes: Callable[[], Sequence[int]],
+              now: float | None = None) -> Verdict:
+        """One pass over the heartbeats of every watched node, when they are read again (a
+        busy loop passes many times between two reads: nothing new to judge, and at 4,096
+        nodes judging was ~2 ms a pass); `nodes`: those a quiet node's ping round asks. After
+        a broken connection, a node that did not answer is lost once silent for
+        `timeouts.NODE_PING_S`; otherwise (a link may just have blinked) once silent for
+        `cut_after_s`."""
         now = time.monotonic() if now is None else now
         suspecting = now < self._suspect_until
-        ages = self.beats.ages(store, now, fresh=suspecting)  # a ping round's fuse is short
+        fresh = suspecting or self._probe.running  # a ping round's fuse is short
+        if not fresh and not self.beats.due(now):
+            return Verdict([], None)
+        ages = self.beats.ages(store, now, fresh=fresh)
         ping = None
-        if quiet_nodes(ages, self.quiet_after_s) and (seq := self._probe.start(
-                list(nodes), now)) is not None:
-            ping = (seq, list(nodes))
+        if not self._probe.running and quiet_nodes(ages, self.quiet_after_s):
+            asked = list(nodes())  # built only for a new round: thousands of nodes
+            seq = self._probe.start(asked, now)
+            ping = None if seq is None else (seq, asked)
         self._unanswered |= self._probe.silent(now, timeouts.NODE_PING_S)
         self._unanswered &= {n for n, age in ages.items() if age >= timeouts.NODE_PING_S}
         lost = [(n, why, ages[n]) for n, why in find_lost_nodes(
