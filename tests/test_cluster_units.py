@@ -240,12 +240,15 @@ def test_a_remote_exit_is_kept_with_its_error_and_its_replacement_spawned_on_its
     job.start(1)
     rec = job.recovery()
     job.sent(1)
-    job.report(Spawned(node=1, worker=10_001, pid=4321, local_rank=1),
+    job.report(Spawned(node=1, workers="10001:1:4321,10099:0:5"),  # 10099: not its worker
+               Spawned(node=1, workers="10000:0:junk"),  # refused whole, with a notice
                exited(10_001, 1, attempt=5),  # an earlier attempt's: not this one's
                exited(10_009, 1),  # never started
                exited(10_001, 1, error='{"message": "boom"}'))
     w, = job.coord.remote_exits()
     assert w.worker_id == 10_001 and w.pid == 4321 and w.exit is not None
+    assert job.node.notices()[-1] == ("ignored a malformed agent message (spawned: "
+                                      "'10000:0:junk' is not id:local_rank:pid)")
     assert w.exit.returncode == 1 and Path(w.exit.error_file).read_text() == \
         '{"message": "boom"}'
     assert rec.on_exit(w) is None

@@ -98,9 +98,9 @@ def test_start_runs_this_nodes_workers_in_the_coordinators_ranks_and_reports_eac
     workers = node.workers.all
     assert [(w.worker_id, w.rank, w.local_rank) for w in workers] == [(10_000, 2, 0),
                                                                      (10_001, 3, 1)]
-    assert follower.reports() == [
-        Spawned(node=1, worker=w.worker_id, pid=w.spawned.pid, local_rank=w.local_rank)
-        for w in workers]
+    assert follower.reports() == [  # one report for the order's workers
+        Spawned.of(1, [(w.worker_id, w.local_rank, w.spawned.pid) for w in workers])]
+    assert follower.reports() == [] and Spawned.of(1, [(10_000, 0, 77)]).workers == "10000:0:77"
     started, = node.of_kind(Event.STARTED)
     assert started["node"] == 1 and started["master"] == "10.0.0.1:1234"
     follower.cluster._start(message(Start, attempt=2, addr="10.0.0.1", port=1235, base_rank=-1,
@@ -124,8 +124,8 @@ def test_spawn_starts_a_worker_on_the_device_the_health_watch_picks(
     assert moved is not None and kept is not None
     assert (moved.rank, moved.local_rank, kept.local_rank) == (3, 2, 3)
     assert follower.reports() == [
-        Spawned(node=1, worker=10_002, pid=moved.spawned.pid, local_rank=2),
-        Spawned(node=1, worker=10_003, pid=kept.spawned.pid, local_rank=3)]
+        Spawned.of(1, [(10_002, 2, moved.spawned.pid)]),
+        Spawned.of(1, [(10_003, 3, kept.spawned.pid)])]
     # should this node coordinate later (etcd), its own ids start past those it was given
     assert node.workers.allocate_id() == 10_004
 

@@ -44,7 +44,7 @@ COMMANDS = [
 REPORTS = [
     cluster.Join(node=1, host="h1", pid=77, nproc=2, rdzv_id="job", net_drill="",
                  running="12:0:4242,13:1:4243", flags='{"--redo": "step"}'),
-    cluster.Spawned(node=1, worker=10_000, pid=78, local_rank=0),
+    cluster.Spawned(node=1, workers="10000:0:78,10001:1:80"),
     cluster.Exited(node=1, worker=10_001, attempt=0, pid=79, returncode=-9,
                    wall_time=123.25, error="", by_launcher=False),
     cluster.Stopped(node=2),

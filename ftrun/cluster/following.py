@@ -251,11 +251,11 @@ class Following(SupervisesNoOtherNode):
         self._start_relay(cmd)
         base, first = cmd.base_rank, cmd.first_id
         host.runtime.workers.new_attempt(cmd.attempt, first + self.spec.nproc)
-        for i in range(self.spec.nproc):
-            w = host.runtime.workers.spawn(first + i, rank=base + i if base >= 0 else -1,
-                                           local_rank=i, spare=cmd.spare)
-            self._report(Spawned(node=self.index, worker=w.worker_id, pid=w.spawned.pid,
-                                 local_rank=i))
+        started = [host.runtime.workers.spawn(first + i, rank=base + i if base >= 0 else -1,
+                                              local_rank=i, spare=cmd.spare)
+                   for i in range(self.spec.nproc)]
+        self._report(Spawned.of(self.index, ((w.worker_id, w.local_rank, w.spawned.pid)
+                                             for w in started)))
         a = host.attempt
         emit_as(host.emit, StartedFields(a.restarts, a.world_size,
                                          tuple(w.spawned.pid for w in host.runtime.workers.all),
@@ -313,8 +313,8 @@ class Following(SupervisesNoOtherNode):
                     local_rank = self.host.runtime.services.health.pick_local_rank(cmd.local_rank)
                     w = self.host.runtime.workers.spawn(cmd.worker, rank=cmd.rank,
                                                 local_rank=local_rank, spare=cmd.spare)
-                    self._report(Spawned(node=self.index, worker=w.worker_id, pid=w.spawned.pid,
-                                         local_rank=w.local_rank))
+                    self._report(Spawned.of(self.index,
+                                            [(w.worker_id, w.local_rank, w.spawned.pid)]))
                 case Ping():  # a peer's connection broke somewhere: are we alive?
                     self._report(Pong(node=self.index, seq=cmd.seq))
                 case Kill():  # the coordinator found it hung, or a straggler to evict

@@ -10,7 +10,7 @@ Must not import: typer, rich, the CLI, the agent or the worker library.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -118,11 +118,29 @@ class Join:
 
 @dataclass(frozen=True)
 class Spawned:
+    """Workers this node started on one order, in one report: "id:local_rank:pid,..." (as
+    `Join.running`). A report a worker made 32,768 of them at 4,096 nodes: ~20 s of the
+    coordinator's queue at the start, which a fault's report then waited behind."""
+
     kind: ClassVar[str] = "spawned"
     node: int
-    worker: int
-    pid: int
-    local_rank: int
+    workers: str
+
+    @classmethod
+    def of(cls, node: int, started: Iterable[tuple[int, int, int]]) -> Spawned:
+        """The report of `started`: (worker id, local rank, pid) each."""
+        return cls(node, ",".join(f"{w}:{lr}:{pid}" for w, lr, pid in started))
+
+    def started(self) -> list[tuple[int, int, int]] | str:
+        """(worker id, local rank, pid) of each worker, or why the report is refused."""
+        out = []
+        for item in filter(None, self.workers.split(",")):
+            parts = item.split(":")
+            if len(parts) != 3 or not all(p.isascii() and p.isdigit() for p in parts):
+                return f"spawned: {item[:40]!r} is not id:local_rank:pid"
+            wid, local_rank, pid = map(int, parts)
+            out.append((wid, local_rank, pid))
+        return out
 
 
 @dataclass(frozen=True)

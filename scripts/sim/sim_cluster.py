@@ -206,10 +206,9 @@ class SimNode:
                                                  lambda why: None)  # as a follower's
                 self.requests = self.worker_connection()
                 self.requests.set_timeout(timedelta(seconds=CONNECT_S))
-                for i in range(self.nproc):
-                    self._spawn(cmd.first_id + i, i)
+                self._spawn([(cmd.first_id + i, i) for i in range(self.nproc)])
             case Spawn():
-                self._spawn(cmd.worker, cmd.local_rank)
+                self._spawn([(cmd.worker, cmd.local_rank)])
             case Ping():
                 self.report(Pong(node=self.index, seq=cmd.seq))
             case Kill():
@@ -222,12 +221,14 @@ class SimNode:
             case str():
                 self.sim.errors.append(f"node {self.index}: refused command ({cmd})")
 
-    def _spawn(self, worker_id: int, local_rank: int) -> None:
-        w = SimWorker(self, worker_id, local_rank)
-        self.workers[worker_id] = w
-        self.report(Spawned(node=self.index, worker=worker_id, pid=os.getpid(),
-                            local_rank=local_rank))
-        self.sim.spawner.put(w)
+    def _spawn(self, started: list[tuple[int, int]]) -> None:
+        """Workers (id, local rank) started on one order: one report, as a follower's."""
+        workers = [SimWorker(self, wid, local_rank) for wid, local_rank in started]
+        self.workers.update((w.worker_id, w) for w in workers)
+        self.report(Spawned.of(self.index, ((w.worker_id, w.local_rank, os.getpid())
+                                            for w in workers)))
+        for w in workers:
+            self.sim.spawner.put(w)
 
     # ------------------------------------------------------------------ what it does
     def exit(self, worker_id: int, code: int, by_launcher: bool = False) -> float:

@@ -134,10 +134,9 @@ class LightNode:
                 fleet.attempt_store(cmd.addr, cmd.port)
                 self.relay = GenerationRelay(lambda: client(cmd.addr, cmd.port, CONNECT_S),
                                              self.index, fleet.lost, local=self.copy)
-                for i in range(self.nproc):
-                    self.spawn(cmd.first_id + i, i)
+                self.spawn([(cmd.first_id + i, i) for i in range(self.nproc)])
             case Spawn():
-                self.spawn(cmd.worker, cmd.local_rank)
+                self.spawn([(cmd.worker, cmd.local_rank)])
             case Ping():
                 fleet.report(Pong(node=self.index, seq=cmd.seq))
             case Kill():
@@ -150,11 +149,13 @@ class LightNode:
             case str():
                 fleet.errors.append(f"node {self.index}: refused command ({cmd})")
 
-    def spawn(self, worker: int, local_rank: int) -> None:
-        self.workers[worker] = True
-        self.fleet.report(Spawned(node=self.index, worker=worker, pid=os.getpid(),
-                                  local_rank=local_rank))
-        self.fleet.hello(worker)
+    def spawn(self, started: list[tuple[int, int]]) -> None:
+        """Workers (id, local rank) started on one order: one report, as a follower's."""
+        for worker, _ in started:
+            self.workers[worker] = True
+        self.fleet.report(Spawned.of(self.index, ((w, lr, os.getpid()) for w, lr in started)))
+        for worker, _ in started:
+            self.fleet.hello(worker)
 
     def exit(self, worker: int, code: int, by_launcher: bool = False) -> float:
         """A worker of this node ends with `code`, reported as a follower reports it."""
