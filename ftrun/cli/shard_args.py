@@ -15,6 +15,7 @@ from typing import Any
 
 from ftrun.cli.values import int_value
 from ftrun.core.errors import UsageError
+from ftrun.core.options import OnFault
 
 
 def shard_fields(ns: argparse.Namespace, nproc: int) -> dict[str, Any]:
@@ -28,7 +29,7 @@ def shard_fields(ns: argparse.Namespace, nproc: int) -> dict[str, Any]:
                          f"is it a multiple of it",
                          hint=f"pick {inside}a multiple ({2 * nproc}, {3 * nproc}, ...: a "
                               f"group spanning whole nodes)")
-    if ns.on_fault == "restart":
+    if ns.on_fault == OnFault.RESTART:
         raise UsageError("--shard-size needs in-process recovery, not --on-fault restart",
                          hint="drop --on-fault restart (a broken replica group is dropped, "
                               "then rejoins)")

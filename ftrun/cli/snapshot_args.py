@@ -15,6 +15,7 @@ from typing import Any
 
 from ftrun.cli.values import float_value, int_value
 from ftrun.core.errors import UsageError
+from ftrun.core.options import OnFault
 from ftrun.protocol.snapshots import disk_snapshots, read_manifest, unsafe
 
 
@@ -31,7 +32,7 @@ def snapshot_fields(ns: argparse.Namespace) -> dict[str, Any]:
     resume = _directory(ns.resume, "--resume")
     if resume:
         _check_resumable(resume)
-    if (every or interval or resume) and ns.on_fault == "restart":
+    if (every or interval or resume) and ns.on_fault == OnFault.RESTART:
         raise UsageError("snapshots need in-process recovery, not --on-fault restart",
                          hint="use --on-fault replace or shrink")
     return {"snapshot_every": every, "snapshot_interval": interval,
