@@ -9,7 +9,15 @@ import time
 
 from ftrun.adapters.store import LOOPBACK, HostedStore, client
 from ftrun.cluster.relay import GenerationRelay
-from ftrun.protocol.rendezvous import LATEST_KEY, Generation, gen_key, publish
+from ftrun.protocol.rendezvous import (
+    LATEST_KEY,
+    Generation,
+    gen_key,
+    parse_relay_message,
+    publish,
+    relay_message,
+    relay_queue,
+)
 from ftrun.worker.comm import Interrupt
 from ftrun.worker.genwatch import GenerationWatcher
 
@@ -55,6 +63,53 @@ def test_a_relay_copies_every_generation_named_on_its_queue() -> None:
             assert not late_store.check([gen_key(2)])
         finally:
             late.close(link_works=True)
+    finally:
+        relay.close(link_works=True)
+        time.sleep(0.05)
+        upstream.close()
+
+
+class _Reads:
+    """A source connection that counts its record reads."""
+
+    def __init__(self, inner: object, counts: list[str]) -> None:
+        self._inner, self._counts = inner, counts
+
+    def get(self, key: str) -> bytes:
+        self._counts.append(key)
+        return self._inner.get(key)  # type: ignore[attr-defined,no-any-return]
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._inner, name)
+
+
+def test_a_pushed_record_is_kept_without_a_read_and_a_gap_is_read_from_the_source() -> None:
+    """The coordinator pushes each record whole (`relay_message`): the next one is kept as
+    it came, with no read of the coordinator's store (a round trip a node for every
+    generation, before); after a missed one, the gap is read from the source;
+    a number alone (an older coordinator's push) is read as before."""
+    upstream = HostedStore(0, LOOPBACK)
+    store = upstream.serve()
+    reads: list[str] = []
+    publish(store, _gen(0), relays=[1])
+    relay = GenerationRelay(lambda: _Reads(client(LOOPBACK, upstream.port, 10.0), reads), 1,
+                            lambda why: None)
+    try:
+        host, _, port = relay.addr.rpartition(":")
+        local = client(host, int(port), 10.0)
+        reads.clear()  # the catch-up read generation 0
+        publish(store, _gen(1), relays=[1])
+        local.wait([gen_key(1)])
+        assert reads == [] and Generation.from_json(local.get(gen_key(1))) == _gen(1)
+        store.set(gen_key(2), _gen(2).encode())  # published, its push lost
+        store.queue_push(relay_queue(1), relay_message(3, _gen(3).encode()))
+        local.wait([gen_key(3)])
+        assert reads == [gen_key(2)] and int(local.get(LATEST_KEY)) == 3  # only the gap read
+        assert Generation.from_json(local.get(gen_key(2))) == _gen(2)
+        store.set(gen_key(4), _gen(4).encode())
+        store.queue_push(relay_queue(1), "4")
+        local.wait([gen_key(4)])
+        assert reads[-1] == gen_key(4) and parse_relay_message(b"x\n") is None
     finally:
         relay.close(link_works=True)
         time.sleep(0.05)

@@ -20,7 +20,14 @@ from typing import Any
 from ftrun.adapters.store import LOOPBACK, HostedStore, QueueReader
 from ftrun.core import timeouts
 from ftrun.core.errors import first_line
-from ftrun.protocol.rendezvous import LATEST_KEY, Generation, gen_key, relay_queue, store_endpoint
+from ftrun.protocol.rendezvous import (
+    LATEST_KEY,
+    Generation,
+    gen_key,
+    parse_relay_message,
+    relay_queue,
+    store_endpoint,
+)
 
 
 class _Source:
@@ -78,12 +85,14 @@ class GenerationRelay:
 
     def _reader_of(self, source: _Source) -> QueueReader:
         def deliver(raw: str | bytes) -> None:  # the reader's thread
-            try:
-                number = int(raw)
-            except ValueError:
+            message = parse_relay_message(raw)
+            if message is None:
                 return  # not ours to act on: only the coordinator pushes here
+            number, record = message
+            if record is not None and self._keep(source, number, record):
+                return  # the next one, carried whole: no read of the source's
             try:
-                self._copy_up_to(source, number)
+                self._copy_up_to(source, number, record)
             except Exception as exc:  # the store is gone: the heartbeat (or election) says so
                 lost(first_line(exc))
 
@@ -94,23 +103,43 @@ class GenerationRelay:
         return QueueReader(source.connect, relay_queue(self._node), deliver, lost,
                            "ftrun-relay")
 
+    def _keep(self, source: _Source, number: int, record: bytes) -> bool:
+        """Keep `record` if it is the next one this node's workers wait for (or the first):
+        False if records were missed before it (they are read from the source)."""
+        with self._lock:
+            if source is not self._source or self._local is None:
+                return True  # followed away meanwhile, or closed: nothing to keep
+            if self._copied >= 0 and number != self._copied + 1:
+                return number <= self._copied  # an old one: kept already
+            self._store(number, record)
+            return True
+
+    def _store(self, number: int, record: bytes) -> None:
+        """Under the lock: the record first, then the pointer, as `publish` does."""
+        self._local.set(gen_key(number), record)
+        self._local.set(LATEST_KEY, str(number))
+        self._copied = number
+
     def _catch_up(self, source: _Source) -> None:
         """Copy up to the newest record `source` holds (none: wait for its queue)."""
         if source.upstream.check([LATEST_KEY]):
             self._copy_up_to(source, int(source.upstream.get(LATEST_KEY)))
 
-    def _copy_up_to(self, source: _Source, number: int) -> None:
+    def _copy_up_to(self, source: _Source, number: int, record: bytes | None = None) -> None:
         """Copy every record after the last copied up to `number` (a node admitted late
         starts at the newest: its workers are in no older one). A record the source does not
         hold (a new leader's store starts at the newest generation it knows) is filled with
         the next one it holds: a watcher waiting for the missing number reads a newer record
-        and goes on from there (`GenerationWatcher`), so no worker waits in a gap. The reads
-        run outside the lock: a dead source blocks only its own reader."""
+        and goes on from there (`GenerationWatcher`), so no worker waits in a gap. `record`:
+        `number`'s, if it came with the push (not read again). The reads run outside the
+        lock: a dead source blocks only its own reader."""
         start = number if self._copied < 0 else self._copied + 1
         got: list[tuple[int, bytes]] = []
         for n in range(number, start - 1, -1):  # newest first: a missing one takes the next
             key = gen_key(n)
-            if n == number or source.upstream.check([key]):
+            if n == number and record is not None:
+                got.append((n, record))
+            elif n == number or source.upstream.check([key]):
                 got.append((n, source.upstream.get(key)))
             else:
                 got.append((n, got[-1][1]))
@@ -119,9 +148,7 @@ class GenerationRelay:
                 return  # followed away meanwhile, or closed
             for n, record in reversed(got):
                 if n > self._copied:
-                    self._local.set(gen_key(n), record)  # the record first, as `publish` does
-                    self._local.set(LATEST_KEY, str(n))
-                    self._copied = n
+                    self._store(n, record)
 
     def latest(self) -> Generation | None:
         """The newest generation copied here (what this node's workers hold), or None."""

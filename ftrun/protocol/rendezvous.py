@@ -38,10 +38,27 @@ def gen_key(number: int) -> str:
 
 
 def relay_queue(node: int) -> str:
-    """Node `node`'s agent relays each generation named here to its own workers
+    """Node `node`'s agent relays each generation pushed here to its own workers
     (`ftrun.cluster.relay`); the coordinator's own node has none: its workers watch the
     store itself."""
     return f"{PREFIX}relay/{node}"
+
+
+def relay_message(number: int, record: bytes) -> bytes:
+    """What a relay queue carries: the generation's number, a newline, its record as the
+    store holds it (a few hundred bytes however large the job): the relay needs no read of
+    its own, one round trip a node less on the coordinator's store for every generation."""
+    return f"{number}\n".encode() + record
+
+
+def parse_relay_message(raw: str | bytes) -> tuple[int, bytes | None] | None:
+    """(number, record) of a relay message; the record None when only a number came (an
+    agent of an older version pushes that); None if it is neither."""
+    data = raw.encode() if isinstance(raw, str) else bytes(raw)
+    head, newline, record = data.partition(b"\n")
+    if not (head.isascii() and head.isdigit()):
+        return None
+    return int(head), (record if newline else None)
 
 
 def spare_group_key(worker_id: int) -> str:
@@ -139,11 +156,14 @@ def store_endpoint(addr: str) -> tuple[str, int]:
 
 def publish(store: Store, gen: Generation, relays: Iterable[int] = ()) -> None:
     """The record first, then the pointer: a reader of `latest` always finds the record.
-    Then each node of `relays` is told (a push each, answered by no one: microseconds)."""
-    store.set(gen_key(gen.number), gen.encode())
+    Then each node of `relays` is pushed the record (a push each, answered by no one:
+    microseconds)."""
+    record = gen.encode()
+    store.set(gen_key(gen.number), record)
     store.set(LATEST_KEY, str(gen.number))
+    message = relay_message(gen.number, record)
     for node in relays:
-        store.queue_push(relay_queue(node), str(gen.number))  # type: ignore[attr-defined]
+        store.queue_push(relay_queue(node), message)  # type: ignore[attr-defined]
 
 
 def read_generation(store: Store, number: int, timeout_s: float) -> Generation:
