@@ -371,7 +371,7 @@ def test_a_nodes_payload_is_parsed_again_only_when_it_changed(
     import json
     import time
 
-    from ftrun.cluster.jobnodes import PAYLOAD_READ_SHARE, read_period
+    from ftrun.cluster.jobnodes import LOOP_READS_AFTER, PAYLOAD_READ_SHARE, read_period
     from ftrun.cluster.link import heartbeat_key, payload_key
     from ftrun.cluster.messages import Payload
     from ftrun.core.detectors import Liveness
@@ -388,9 +388,9 @@ def test_a_nodes_payload_is_parsed_again_only_when_it_changed(
 
     beat(5)
     first = job.coord.table.remote_liveness()
-    time.sleep(job.coord.beat_s * 1.5)  # the next read is due
+    time.sleep(job.coord.beat_s * (LOOP_READS_AFTER + 0.5))  # the loop's next read is due
     again = job.coord.table.remote_liveness()
-    assert [r.step for r in first] == [5] and again[0] is first[0]  # not parsed again
+    assert [r.step for r in first] == [5] and again[0] is first[0]  # read, not parsed again
     beat(6)
     deadline = time.monotonic() + 10  # the next read: a beat, or later on a loaded host
     while [r.step for r in job.coord.table.remote_liveness()] != [6]:
@@ -398,6 +398,37 @@ def test_a_nodes_payload_is_parsed_again_only_when_it_changed(
         time.sleep(job.coord.beat_s)
     assert read_period(0.1, 0.001) == 0.1  # a small job: every beat
     assert read_period(0.1, 0.06) == 0.06 / PAYLOAD_READ_SHARE  # a large one: less often
+
+
+def test_the_main_loop_reads_payloads_only_when_the_status_thread_has_not(
+        make: Callable[..., Job], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The status thread reads every payload as it builds the status; the main loop (a
+    fault's decision, the health watch) reads them itself only when they are
+    LOOP_READS_AFTER periods old, and never waits for a read under way on another thread (at
+    1,024 nodes a read and parse in the loop held a fault's publication ~0.2 s)."""
+    import time
+
+    from ftrun.cluster import jobnodes
+
+    reads: list[float] = []
+    real = jobnodes.read_payloads
+    monkeypatch.setattr(jobnodes, "read_payloads",
+                        lambda store, nodes: reads.append(time.monotonic()) or real(store, nodes))
+    job = make()
+    job.start(1)
+    table = job.coord.table
+    table.remote_liveness()  # the first read
+    time.sleep(job.coord.beat_s * 1.5)  # stale for a status, not yet for the loop
+    table.remote_liveness(), table.highest_committed([10_000])
+    assert len(reads) == 1
+    table._payload(1)  # a status's read
+    assert len(reads) == 2
+    time.sleep(job.coord.beat_s * (jobnodes.LOOP_READS_AFTER + 0.5))
+    with table._reading:  # another thread is reading them: the loop goes on without
+        table.remote_liveness()
+        assert len(reads) == 2
+    table.remote_liveness()
+    assert len(reads) == 3
 
 
 def test_an_ending_coordinator_does_not_wait_the_grace_out_for_a_silent_node(

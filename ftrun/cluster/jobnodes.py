@@ -47,6 +47,9 @@ PAYLOAD_READ_SHARE = 0.1  # of the coordinator's time, at most, reading every no
 # (at 512 nodes, reading and checking them at every beat took most of a core)
 STATUS_SHARE = 0.05  # of the coordinator's time, at most, building the job's status (at 1,024
 # nodes of 8 one took ~0.2 s: every second, a fifth of the core that decides faults)
+LOOP_READS_AFTER = 3.0  # read periods: the status thread reads the payloads as it builds the
+# status; the main loop (a fault's decision, the health watch) reads them itself only when
+# they are this old (at 1,024 nodes a read and parse in the loop held a fault ~0.2 s)
 
 
 class NodeTable:
@@ -63,6 +66,8 @@ class NodeTable:
         self._steps: dict[int, int] = {}  # worker -> its committed step, as last read
         self._parsed: dict[int, tuple[bytes, Payload | str]] = {}  # node -> last raw, parsed
         self._read_every_s = beat_s
+        self._reading = threading.Lock()  # one read at a time; a thread finding one under way
+        # goes on with the payloads it has
         self._refused: dict[int, str] = {}  # node -> why its payload was refused (said once)
         self._told: set[int] = set()
         self._status: StatusThread | None = None  # started at the first publish_status
@@ -102,13 +107,16 @@ class NodeTable:
         again if stale), -1 for a worker no payload names (this node's own among them): one
         freshness check and a lookup each, as a fault asks it over every member (a call per
         member was ~16 ms a fault at 8,192; 8,192 scans of a node's rows, ~45 ms)."""
-        self._read_if_stale()
+        self._read_if_stale(grace=LOOP_READS_AFTER)
         steps = self._steps
         return max((steps.get(w, -1) for w in worker_ids), default=-1)
 
     def remote_liveness(self) -> list[Liveness]:
-        nodes = [n for n in self.alive() if n.in_attempt]
-        return [m for n in nodes for m in self._payload(n.index).liveness]
+        """Main loop (the health watch): every remote worker's, as last read."""
+        self._read_if_stale(grace=LOOP_READS_AFTER)
+        payloads = self._payloads
+        return [m for n in self.alive() if n.in_attempt
+                for m in payloads.get(n.index, Payload()).liveness]
 
     def net_down(self, node: int, duration: float) -> dict[str, Any]:
         """Control thread: node 0's drill here; another node's is checked, then sent to it
@@ -152,18 +160,22 @@ class NodeTable:
                                 getattr(self.rdzv.store, "calls", None))
 
     def _payload(self, node: int) -> Payload:
-        """Every node's payload is read at once, at most once per heartbeat period: a fault,
-        the health watch or a status asks for every member's."""
+        """A status's (the status thread, `ftrun status`): every node's payload is read at
+        once, at most once per heartbeat period, and the main loop finds them read."""
         self._read_if_stale(node)
         return self._payloads.get(node, Payload())
 
-    def _read_if_stale(self, node: int | None = None) -> None:
-        """Read every payload again if a period has passed since the last read, or `node`
-        was not live at it."""
+    def _read_if_stale(self, node: int | None = None, grace: float = 1.0) -> None:
+        """Read every payload again if `grace` periods have passed since the last read, or
+        `node` was not live at it; unless another thread is reading them now."""
         now = time.monotonic()
-        if now - self._read_at >= self._read_every_s or (
-                node is not None and node not in self._payloads):
-            self._read_payloads(now)
+        if (now - self._read_at >= self._read_every_s * grace or (
+                node is not None and node not in self._payloads)) and \
+                self._reading.acquire(blocking=False):
+            try:
+                self._read_payloads(now)
+            finally:
+                self._reading.release()
 
     def _read_payloads(self, now: float) -> None:
         """One request for every live node that has beaten (a payload is set before the
