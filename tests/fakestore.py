@@ -156,6 +156,9 @@ class MemoryHosted(HostedStore):
             self.store = self._memory.client()
         return self.store
 
+    def client(self, timeout_s: float) -> MemoryStore:
+        return self._memory.client()
+
     def close(self) -> None:
         self.store = None
 

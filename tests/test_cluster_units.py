@@ -405,19 +405,23 @@ def test_the_main_loop_reads_payloads_only_when_the_status_thread_has_not(
     """The status thread reads every payload as it builds the status; the main loop (a
     fault's decision, the health watch) reads them itself only when they are
     LOOP_READS_AFTER periods old, and never waits for a read under way on another thread (at
-    1,024 nodes a read and parse in the loop held a fault's publication ~0.2 s)."""
+    1,024 nodes a read and parse in the loop held a fault's publication ~0.2 s); the reads
+    go over a connection of their own."""
     import time
 
     from ftrun.cluster import jobnodes
 
     reads: list[float] = []
+    on: list[object] = []
     real = jobnodes.read_payloads
-    monkeypatch.setattr(jobnodes, "read_payloads",
-                        lambda store, nodes: reads.append(time.monotonic()) or real(store, nodes))
+    monkeypatch.setattr(jobnodes, "read_payloads", lambda store, nodes: reads.append(
+        time.monotonic()) or on.append(store) or real(store, nodes))
     job = make()
     job.start(1)
     table = job.coord.table
     table.remote_liveness()  # the first read
+    assert on[0] is not job.coord.rdzv.store  # on a connection of its own: the loop's
+    # publication never waits behind a megabyte of payloads
     time.sleep(job.coord.beat_s * 1.5)  # stale for a status, not yet for the loop
     table.remote_liveness(), table.highest_committed([10_000])
     assert len(reads) == 1

@@ -69,6 +69,15 @@ class HostedStore:
                                   multi_tenant=False, master_listen_fd=fd)
         return self.store
 
+    def client(self, timeout_s: float) -> Any:
+        """Another connection to this store, as a client (a thread's own: a large read on it
+        holds up no one else's requests), counted with the agent's own if those are."""
+        conn = client(LOOPBACK if self.host == ALL_INTERFACES else self.host, self.port,
+                      timeout_s)
+        if isinstance(self.store, CountingStore):
+            return CountingStore(conn, self.store.tally)
+        return conn
+
     def count_requests(self) -> None:
         """From now on the agent's own requests to the served store are counted (its load
         shows in `ftrun status`); once only."""
