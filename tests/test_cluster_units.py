@@ -414,8 +414,13 @@ def test_the_main_loop_reads_payloads_only_when_the_status_thread_has_not(
     reads: list[float] = []
     on: list[object] = []
     real = jobnodes.read_payloads
-    monkeypatch.setattr(jobnodes, "read_payloads", lambda store, nodes: reads.append(
-        time.monotonic()) or on.append(store) or real(store, nodes))
+
+    def counted(store: object, nodes: list[int]) -> list[bytes]:
+        reads.append(time.monotonic())
+        on.append(store)
+        return real(store, nodes)
+
+    monkeypatch.setattr(jobnodes, "read_payloads", counted)
     job = make()
     job.start(1)
     table = job.coord.table
