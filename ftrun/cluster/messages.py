@@ -99,6 +99,24 @@ class NetDown:
 
 
 # ------------------------------------------------------ follower -> coordinator: reports
+def workers_text(started: Iterable[tuple[int, int, int]]) -> str:
+    """(worker id, local rank, pid) of each worker as a report carries them (`Join.running`,
+    `Spawned.workers`): "id:local_rank:pid,..."."""
+    return ",".join(f"{w}:{lr}:{pid}" for w, lr, pid in started)
+
+
+def parse_workers(text: str, what: str) -> list[tuple[int, int, int]] | str:
+    """The workers `workers_text` wrote, or why `what` (the report) is refused."""
+    out = []
+    for item in filter(None, text.split(",")):
+        parts = item.split(":")
+        if len(parts) != 3 or not all(p.isascii() and p.isdigit() for p in parts):
+            return f"{what}: {item[:40]!r} is not id:local_rank:pid"
+        wid, local_rank, pid = map(int, parts)
+        out.append((wid, local_rank, pid))
+    return out
+
+
 @dataclass(frozen=True)
 class Join:
     """A node's agent joining. `net_drill`: why a net-down drill cannot run there ("" if it
@@ -129,18 +147,11 @@ class Spawned:
     @classmethod
     def of(cls, node: int, started: Iterable[tuple[int, int, int]]) -> Spawned:
         """The report of `started`: (worker id, local rank, pid) each."""
-        return cls(node, ",".join(f"{w}:{lr}:{pid}" for w, lr, pid in started))
+        return cls(node, workers_text(started))
 
     def started(self) -> list[tuple[int, int, int]] | str:
         """(worker id, local rank, pid) of each worker, or why the report is refused."""
-        out = []
-        for item in filter(None, self.workers.split(",")):
-            parts = item.split(":")
-            if len(parts) != 3 or not all(p.isascii() and p.isdigit() for p in parts):
-                return f"spawned: {item[:40]!r} is not id:local_rank:pid"
-            wid, local_rank, pid = map(int, parts)
-            out.append((wid, local_rank, pid))
-        return out
+        return parse_workers(self.workers, self.kind)
 
 
 @dataclass(frozen=True)

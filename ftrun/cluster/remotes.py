@@ -14,7 +14,7 @@ import time
 
 from ftrun.agent.roster import RemoteWorker
 from ftrun.cluster.link import first_worker_id, issue_ids
-from ftrun.cluster.messages import Exited
+from ftrun.cluster.messages import Exited, parse_workers
 
 
 class RemoteWorkers:
@@ -41,9 +41,11 @@ class RemoteWorkers:
 
     def adopt(self, node: int, running: str) -> list[int]:
         """A node's workers that run on under a new coordinator: "id:local_rank:pid,..."."""
+        workers = parse_workers(running, "join")
+        if isinstance(workers, str):
+            raise ValueError(workers)  # as int() of a malformed item raised
         ids = []
-        for item in filter(None, running.split(",")):
-            wid, local_rank, pid = (int(x) for x in item.split(":"))
+        for wid, local_rank, pid in workers:
             self._add(RemoteWorker(-1, local_rank, wid, node, pid))
             ids.append(wid)
         self._issued[node] = max([*ids, first_worker_id(node) - 1]) + 1

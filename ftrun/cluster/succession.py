@@ -24,6 +24,7 @@ from ftrun.cluster.adoption import adopt
 from ftrun.cluster.coordinating import Coordinating
 from ftrun.cluster.host import NodeHost
 from ftrun.cluster.link import Endpoint, connect, reach
+from ftrun.cluster.messages import workers_text
 from ftrun.cluster.plane import EtcdPlane, Plane
 from ftrun.cluster.relay import GenerationRelay, connector
 from ftrun.cluster.stepdown import Follower, rejoin
@@ -118,8 +119,8 @@ def probe_refusal(old: Endpoint) -> OSError | None:
 
 
 def running(host: NodeHost) -> str:
-    return ",".join(f"{w.worker_id}:{w.local_rank}:{w.spawned.pid}"
-                    for w in host.runtime.workers.alive())
+    return workers_text((w.worker_id, w.local_rank, w.spawned.pid)
+                        for w in host.runtime.workers.alive())
 
 
 def _take_over(host: NodeHost, plane: EtcdPlane, index: int, relay: GenerationRelay,
