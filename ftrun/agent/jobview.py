@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import socket
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -67,12 +67,15 @@ def role_of(membership: Membership | None, worker_id: int) -> str:
 
 def merge_job_status(doc: Status, nodes: Sequence[Node], payloads: Mapping[int, NodeReport],
                      membership: Membership | None, world_size: int, endpoint: str,
-                     store_ops: int | None) -> Status:
-    """The coordinator's status (node 0) plus every live node's workers from its payload."""
+                     store_ops: int | None, pace: Callable[[], None] = lambda: None
+                     ) -> Status:
+    """The coordinator's status (node 0) plus every live node's workers from its payload.
+    `pace` is called between two nodes (the builder's pause while the agent's loop decides)."""
     host = socket.gethostname()
     workers = [dataclasses.replace(w, node=0, host=host) for w in doc.workers]
     by_index = {n.index: n for n in nodes}
     for index, payload in sorted(payloads.items()):
+        pace()
         for w in payload.workers:
             role = role_of(membership, w.worker_id) if membership is not None else w.role
             workers.append(dataclasses.replace(w, role=role, node=index,

@@ -27,6 +27,7 @@ from ftrun.adapters.store import LOOPBACK, HostedStore, QueueReader, advertised_
 from ftrun.adapters.wakeup import Wakeup
 from ftrun.adapters.workerspec import shared_env, static_port, worker_env
 from ftrun.agent.cluster import Adopt, Cluster, Handover, Local
+from ftrun.agent.control_plane import ControlPlane
 from ftrun.agent.nodeport import NodePort
 from ftrun.agent.notices import Notices
 from ftrun.agent.outcomes import Outcome, group_decision, on_exit, stopped_by
@@ -276,21 +277,28 @@ class Agent:
                 ended: list[Worker | RemoteWorker] = [
                     *self.runtime.workers.reap_ready(sel, self._idle_wait()),
                     *self.cluster.remote_exits()]
-                if ended and self.recovery is not None:
-                    ended += self._rest_of_burst(sel)
-                with self._one_generation():  # what this pass finds: one generation
-                    outcome.decide(self._tick())
-                    if self.recovery is not None and outcome.decision is None:
-                        outcome.decide(self.recovery.handle_requests())
-                    control.sample(time.time(), ended)  # before slots retire
-                    control.apply_drills()
-                    for worker in ended:
-                        on_exit(self.recovery, worker, outcome)
-                if outcome.decision is None:
-                    outcome.decide(group_decision(
-                        self.recovery, outcome, self.runtime.port.all_workers,
-                        self.attempt.restarts, self.spec.max_restarts))
+                with self.runtime.precedence.deciding():  # the status builders wait
+                    self._pass(sel, ended, outcome, control)
         return outcome
+
+    def _pass(self, sel: selectors.BaseSelector, ended: list[Worker | RemoteWorker],
+              outcome: Outcome, control: ControlPlane) -> None:
+        """One pass of the loop: what it found (`ended`: exits, maybe none) and what its tick
+        finds (nodes lost, requests, findings), decided and published as one generation."""
+        if ended and self.recovery is not None:
+            ended += self._rest_of_burst(sel)
+        with self._one_generation():  # what this pass finds: one generation
+            outcome.decide(self._tick())
+            if self.recovery is not None and outcome.decision is None:
+                outcome.decide(self.recovery.handle_requests())
+            control.sample(time.time(), ended)  # before slots retire
+            control.apply_drills()
+            for worker in ended:
+                on_exit(self.recovery, worker, outcome)
+        if outcome.decision is None:
+            outcome.decide(group_decision(
+                self.recovery, outcome, self.runtime.port.all_workers,
+                self.attempt.restarts, self.spec.max_restarts))
 
     def _rest_of_burst(self, sel: selectors.BaseSelector) -> list[Worker | RemoteWorker]:
         """The exits that follow one within `BURST_QUIET_S` of each other (at most

@@ -20,6 +20,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Iterable
+from dataclasses import replace
 from typing import Any
 
 from ftrun.adapters.store import HostedStore
@@ -47,6 +48,8 @@ PAYLOAD_READ_SHARE = 0.1  # of the coordinator's time, at most, reading every no
 # (at 512 nodes, reading and checking them at every beat took most of a core)
 STATUS_SHARE = 0.05  # of the coordinator's time, at most, building the job's status (at 1,024
 # nodes of 8 one took ~0.2 s: every second, a fifth of the core that decides faults)
+STATUS_PIECE_ROWS = 256  # workers' rows encoded between two of the status builder's pauses
+_ROWS_MARK = "\x00ftrun-status-rows\x00"  # where they go: a JSON string no row can hold
 LOOP_READS_AFTER = 3.0  # read periods: the status thread reads the payloads as it builds the
 # status; the main loop (a fault's decision, the health watch) reads them itself only when
 # they are this old (at 1,024 nodes a read and parse in the loop held a fault ~0.2 s)
@@ -158,7 +161,8 @@ class NodeTable:
         membership = rec.membership if rec is not None else None
         return merge_job_status(mine, nodes, payloads, membership,
                                 self.host.attempt.world_size, str(self.ep),
-                                getattr(self.rdzv.store, "calls", None))
+                                getattr(self.rdzv.store, "calls", None),
+                                self.host.runtime.precedence.yield_to_loop)
 
     def _payload(self, node: int) -> Payload:
         """A status's (the status thread, `ftrun status`): every node's payload is read at
@@ -189,8 +193,10 @@ class NodeTable:
         nodes = [n for n in self.watch.beats.beaten() if n in live]
         payloads = {n: Payload() for n in live}
         self._read_at = now
+        pace = self.host.runtime.precedence.yield_to_loop
         for node, raw in zip(nodes, read_payloads(self._reads_connection(), nodes),
                              strict=True):
+            pace()  # the loop itself never waits here
             payload = self._parse(node, raw)
             if isinstance(payload, str):
                 self._refused.setdefault(node, payload)  # said from the main loop
@@ -238,7 +244,8 @@ class NodeTable:
             notice(self.host.emit, f"could not publish the job status: {why}")
 
     def _build_status(self) -> str:
-        return json.dumps(self.host.runtime.services.control_plane.status().to_json())
+        return status_text(self.host.runtime.services.control_plane.status(),
+                           self.host.runtime.precedence.yield_to_loop)
 
 
 class StatusThread:
@@ -279,6 +286,23 @@ class StatusThread:
                 self._failed = first_line(exc)
             cost = time.monotonic() - start
             wait = max(timeouts.STATUS_EVERY_S - cost, cost / STATUS_SHARE - cost)
+
+
+def status_text(status: Status, pace: Callable[[], None]) -> str:
+    """`json.dumps(status.to_json())`, the same text, its workers' rows encoded
+    STATUS_PIECE_ROWS at a time with `pace()` between two pieces: one call over 8,192 rows
+    held Python for ~50 ms, which a fault's decision would wait out."""
+    rows = status.workers
+    doc = replace(status, workers=()).to_json()
+    doc["workers"] = [_ROWS_MARK]
+    pieces = []
+    for start in range(0, len(rows), STATUS_PIECE_ROWS):
+        pace()
+        piece = [row.to_json() for row in rows[start:start + STATUS_PIECE_ROWS]]
+        pieces.append(json.dumps(piece)[1:-1])
+    pace()
+    head = json.dumps(doc)
+    return head.replace(json.dumps([_ROWS_MARK]), "[" + ", ".join(pieces) + "]", 1)
 
 
 def read_period(beat_s: float, cost_s: float) -> float:

@@ -191,6 +191,7 @@ def one_fault(job: Job, k: int, rest: dict[str, float]) -> dict[str, Any]:
           f"node {node}'s replacement", 0.02)
     arrivals = sorted(t - t0 for t in times + real)
     return {"generation": number, "node": node, "reason": record[1] if record else "",
+            "at": round(t0, 3),
             "median_ms": 1000 * arrivals[len(arrivals) // 2], "last_ms": 1000 * arrivals[-1],
             "publish_ms": 1000 * (record[0] - t0) if record else None,
             "record_bytes": record[3] if record else None,

@@ -1,0 +1,126 @@
+"""The agent's loop goes before the threads that build the job's status (issue #52: at 1,024
+nodes a fault that arrived during a status build was published ~450 ms late)."""
+from __future__ import annotations
+
+import gc
+import json
+import threading
+import time
+
+import pytest
+from statusdocs import fault, status, worker
+
+from ftrun.agent.jobview import Node, merge_job_status
+from ftrun.agent.precedence import LoopPrecedence
+from ftrun.cluster.jobnodes import STATUS_PIECE_ROWS, status_text
+from ftrun.protocol.status import Status, WorkerRow
+
+WAIT_S = 5.0  # a thread's step in these tests: far beyond what any takes
+
+
+def test_a_builder_waits_while_the_loop_decides_and_goes_on_after() -> None:
+    loop = LoopPrecedence()
+    reached, passed = threading.Event(), threading.Event()
+
+    def builder() -> None:
+        reached.set()
+        loop.yield_to_loop()
+        passed.set()
+
+    with loop.deciding():
+        thread = threading.Thread(target=builder, daemon=True)
+        thread.start()
+        assert reached.wait(WAIT_S)
+        assert not passed.wait(0.2)  # held at its pause while the loop decides
+        loop.yield_to_loop()  # the deciding thread itself never waits
+        assert loop.is_deciding
+    assert passed.wait(WAIT_S)  # let go when the pass ends
+    thread.join(WAIT_S)
+    assert not loop.is_deciding
+
+
+def test_outside_a_pass_a_builder_never_waits() -> None:
+    loop = LoopPrecedence()
+    done = threading.Event()
+
+    def builder() -> None:
+        loop.yield_to_loop()
+        done.set()
+
+    threading.Thread(target=builder, daemon=True).start()
+    assert done.wait(WAIT_S)
+
+
+def test_nested_passes_are_one_window_and_the_collector_runs_again_after() -> None:
+    loop = LoopPrecedence()
+    assert gc.isenabled()
+    with loop.deciding():
+        with loop.deciding():
+            assert not gc.isenabled()  # a full collection waits for the publication
+        assert loop.is_deciding and not gc.isenabled()
+    assert not loop.is_deciding and gc.isenabled()
+
+
+def test_a_collector_turned_off_before_stays_off() -> None:
+    loop = LoopPrecedence()
+    gc.disable()
+    try:
+        with loop.deciding():
+            pass
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+
+
+def test_a_pause_is_bounded_when_the_loop_stays_busy(monkeypatch: pytest.MonkeyPatch) -> None:
+    from ftrun.agent import precedence
+    monkeypatch.setattr(precedence, "YIELD_MAX_S", 0.05)
+    loop = LoopPrecedence()
+    took: list[float] = []
+
+    def builder() -> None:
+        start = time.monotonic()
+        loop.yield_to_loop()
+        took.append(time.monotonic() - start)
+
+    with loop.deciding():
+        thread = threading.Thread(target=builder, daemon=True)
+        thread.start()
+        thread.join(WAIT_S)
+    assert took and 0.04 <= took[0] < WAIT_S  # the status is slowed, never stopped
+
+
+def _rows(n: int) -> tuple[WorkerRow, ...]:
+    """Rows with what the encoder must escape: quotes, backslashes, control and non-ASCII."""
+    return tuple(WorkerRow.from_json(worker(
+        worker_id=i, rank=i, local_rank=i % 8, pid=1000 + i, step=i or None,
+        committed_step=i - 1 if i else None, step_time_ms=12.5 if i % 3 else None,
+        phase=f'step {i} "all-reduce" \\ ü\n\x00', straggler=None if i % 5 else "slow",
+        node=i // 8, host=f"h{i // 8}")) for i in range(n))
+
+
+def test_the_status_text_is_the_whole_document_encoded_at_once() -> None:
+    paces: list[int] = []
+    for n in (0, 1, STATUS_PIECE_ROWS, 2 * STATUS_PIECE_ROWS + 3):
+        doc = status(faults=[fault(reason='a "quoted" reason', phases_ms={"detected": 1.5})])
+        doc = Status.from_json({**doc.to_json(), "workers": [r.to_json() for r in _rows(n)]})
+        paces.clear()
+        text = status_text(doc, lambda: paces.append(1))
+        assert text == json.dumps(doc.to_json())
+        assert Status.from_json(json.loads(text)) == doc
+        assert len(paces) == -(-n // STATUS_PIECE_ROWS) + 1  # a pause between two pieces
+
+
+def test_merging_the_nodes_pauses_between_two_nodes() -> None:
+    rows = _rows(24)
+    nodes = [Node(index=i, host=f"h{i}", pid=i, nproc=8) for i in (1, 2, 3)]
+
+    class Report:
+        def __init__(self, node: int) -> None:
+            self.workers = rows[8 * (node - 1):8 * node]
+            self.snapshot = None
+
+    paces: list[int] = []
+    merged = merge_job_status(status(), nodes, {n.index: Report(n.index) for n in nodes}, None,
+                              24, "127.0.0.1:1", None, lambda: paces.append(1))
+    assert len(paces) == 3 and len(merged.workers) == 24
