@@ -102,6 +102,7 @@ def exited(worker: int, code: int, attempt: int = 0, error: str = "") -> Exited:
 @pytest.fixture
 def make(private_run_dir: Path, tmp_path: Path) -> Iterator[Callable[..., Job]]:
     nodes: list[FakeNode] = []
+    coords: list[Coordinating] = []
 
     def build(**kw: Any) -> Job:
         node = FakeNode(spec(log_dir=str(tmp_path / "logs"), **kw))
@@ -110,10 +111,13 @@ def make(private_run_dir: Path, tmp_path: Path) -> Iterator[Callable[..., Job]]:
         hosted = MemoryHosted(store)
         hosted.serve()  # `prepare` serves it; the tests that skip it serve it here
         coord = Coordinating(node, hosted, EP)
+        coords.append(coord)
         node.attach(coord)
         return Job(node, coord, store, MemoryStore())
 
     yield build
+    for coord in coords:  # its status thread, which a tick starts, keeps reading otherwise
+        coord.table.close()
     for node in nodes:
         node.close()
 

@@ -5,15 +5,17 @@ beat, and less often in a job so large that reading them would take more than
 PAYLOAD_READ_SHARE of the coordinator's time; a payload unchanged since the last read is not
 parsed again), the whole job's status (`ftrun status` on any node: published in the store every
 second by a thread of its own, less often where building it would take more than
-STATUS_SHARE of the time), a remote worker's last committed step and liveness for the health
-watch, and the net-down drill: node 0's acted out here, another node's checked against what
-it said when it joined, then sent to it. `NodeTable` is an object the coordinating cluster
-holds; it shares that object's node dict and node watch.
+STATUS_SHARE of the time; between two builds that thread keeps the payloads read, and while
+the agent's loop decides a fault it pauses), a remote worker's last committed step and
+liveness for the health watch, and the net-down drill: node 0's acted out here, another
+node's checked against what it said when it joined, then sent to it. `NodeTable` is an
+object the coordinating cluster holds; it shares that object's node dict and node watch.
 Must not import: typer, rich, the CLI or the worker library.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import queue
@@ -50,9 +52,10 @@ STATUS_SHARE = 0.05  # of the coordinator's time, at most, building the job's st
 # nodes of 8 one took ~0.2 s: every second, a fifth of the core that decides faults)
 STATUS_PIECE_ROWS = 256  # workers' rows encoded between two of the status builder's pauses
 _ROWS_MARK = "\x00ftrun-status-rows\x00"  # where they go: a JSON string no row can hold
-LOOP_READS_AFTER = 3.0  # read periods: the status thread reads the payloads as it builds the
-# status; the main loop (a fault's decision, the health watch) reads them itself only when
-# they are this old (at 1,024 nodes a read and parse in the loop held a fault ~0.2 s)
+THREAD_READS_AFTER = 2.0  # read periods: the status thread reads the payloads this old...
+LOOP_READS_AFTER = 3.0  # ...the main loop (a fault's decision, the health watch) reads them
+# itself only when they are this old (at 1,024 nodes a read and parse in the loop held a
+# fault ~0.2-0.9 s)
 
 
 class NodeTable:
@@ -239,9 +242,15 @@ class NodeTable:
         """Main loop: say what the status thread could not do; start it the first time."""
         self._say_refused()
         if self._status is None:
-            self._status = StatusThread(self._build_status, lambda: connect(self.ep, 30.0))
+            self._status = StatusThread(self._build_status, lambda: connect(self.ep, 30.0),
+                                        self._keep_read, lambda: self._read_every_s)
         if (why := self._status.failed()) is not None:
             notice(self.host.emit, f"could not publish the job status: {why}")
+
+    def _keep_read(self) -> None:
+        """The status thread, between two builds: the payloads read again before the loop
+        would read them itself (at 1,024 nodes a read is ~0.1-0.2 s of the coordinator)."""
+        self._read_if_stale(grace=THREAD_READS_AFTER)
 
     def _build_status(self) -> str:
         return status_text(self.host.runtime.services.control_plane.status(),
@@ -252,12 +261,19 @@ class StatusThread:
     """The whole job's status, built and published on a thread of its own, every second, or
     less often where a build takes more than STATUS_SHARE of the time between two: at 8,192
     workers one takes ~0.3 s of Python, which the main loop, the one that decides faults,
-    would otherwise spend before the next fault. A status is read from the control thread
-    the same way (`ftrun status`). A failed build is kept for the main loop to say."""
+    would otherwise spend before the next fault. Between two builds it keeps the nodes'
+    payloads read (`refresh`, looked at every read period), so the loop finds them read: a
+    build at 1,024 nodes comes every ~6-12 s, and the loop, reading them itself after
+    LOOP_READS_AFTER periods, held a fault ~0.2-0.9 s with the read. A status is read from
+    the control thread the same way (`ftrun status`). A failed build is kept for the main
+    loop to say."""
 
-    def __init__(self, build: Callable[[], str], connect: Callable[[], Any]) -> None:
+    def __init__(self, build: Callable[[], str], connect: Callable[[], Any],
+                 refresh: Callable[[], None] = lambda: None,
+                 refresh_every: Callable[[], float] = lambda: math.inf) -> None:
         """`connect`: the job's store, on a connection of the thread's own."""
         self._build, self._connect = build, connect
+        self._refresh, self._refresh_every = refresh, refresh_every
         self._failed: str | None = None
         self._told = False
         self._stop = threading.Event()
@@ -275,17 +291,30 @@ class StatusThread:
         return self._failed
 
     def _run(self) -> None:
-        wait, store = 0.0, None
+        wait, next_build, store = 0.0, 0.0, None
         while not self._stop.wait(wait):
             start = time.monotonic()
-            try:  # a status snapshot must never stop the job
-                store = store or self._connect()
-                store.set(STATUS_KEY, self._build())
-                self._failed, self._told = None, False
-            except Exception as exc:
-                self._failed = first_line(exc)
-            cost = time.monotonic() - start
-            wait = max(timeouts.STATUS_EVERY_S - cost, cost / STATUS_SHARE - cost)
+            if start < next_build:
+                self._keep_read()
+            else:
+                store = self._publish(store)
+                cost = time.monotonic() - start
+                next_build = start + max(timeouts.STATUS_EVERY_S, cost / STATUS_SHARE)
+            wait = max(0.0, min(next_build - time.monotonic(), self._refresh_every()))
+
+    def _publish(self, store: Any) -> Any:
+        """One status built and set; the connection (made at the first)."""
+        try:  # a status snapshot must never stop the job
+            store = store or self._connect()
+            store.set(STATUS_KEY, self._build())
+            self._failed, self._told = None, False
+        except Exception as exc:
+            self._failed = first_line(exc)
+        return store
+
+    def _keep_read(self) -> None:
+        with contextlib.suppress(Exception):  # failing here, the loop reads them itself
+            self._refresh()
 
 
 def status_text(status: Status, pace: Callable[[], None]) -> str:
