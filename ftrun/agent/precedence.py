@@ -2,11 +2,12 @@
 
 Owns: `LoopPrecedence`, which the loop holds through each of its passes (`deciding`: where
 it decides and publishes a fault's generation; between passes it waits for the next event),
-and at whose `yield_to_loop` the threads that build the job's status (every few seconds,
-~0.3-0.6 s of Python at 8,192 workers) pause between their pieces. Python runs one thread at
-a time: a fault that arrived during a status build waited for the build, each of its store
-round trips for the builder's time slice (at 1,024 nodes one fault in ~12 was published
-450 ms late, not ~40 ms). During a pass the collector's automatic runs are deferred as well
+and at whose `yield_to_loop` the thread that builds the job's status (every few seconds,
+~0.3-0.6 s of Python at 8,192 workers) pauses between its pieces, within a budget a build
+(`building`). Python runs one thread at a time: a fault that arrived during a status build
+waited for the build, each of its store round trips for the builder's time slice (at 1,024
+nodes one fault in ~12 was published 450 ms late, not ~40 ms). During a pass the
+collector's automatic runs are deferred as well
 (a full collection of the coordinator's heap took up to ~140 ms at 1,024 nodes): it runs
 after the pass.
 Must not import: anything of ftrun beyond core (the cluster's status thread imports this).
@@ -16,11 +17,12 @@ from __future__ import annotations
 
 import gc
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-YIELD_MAX_S = 1.0  # a builder waits at most this long at one pause: a loop that stays busy
-# (a node of thousands saturated) slows the status, never stops it
+YIELD_BUDGET_S = 1.0  # a build pauses at most this long in all: a pass that blocks (an etcd
+# write during an outage) or a loop that stays busy slows the status, never stops it
 
 
 class LoopPrecedence:
@@ -32,6 +34,7 @@ class LoopPrecedence:
         self._owner: int | None = None  # the deciding thread: it never waits for itself
         self._depth = 0
         self._collector_was_on = False
+        self._budgets: dict[int, float] = {}  # a building thread -> its pauses' budget left
 
     @contextmanager
     def deciding(self) -> Iterator[None]:
@@ -59,11 +62,30 @@ class LoopPrecedence:
             if self._collector_was_on:
                 gc.enable()
 
+    @contextmanager
+    def building(self, budget_s: float | None = None) -> Iterator[None]:
+        """A background build on this thread: its pauses at `yield_to_loop` take at most
+        `budget_s` (YIELD_BUDGET_S) in all. A thread outside one (the control thread
+        answering `ftrun status`) never pauses: a pass blocked on an etcd write during an
+        outage would hold the answer."""
+        me = threading.get_ident()
+        self._budgets[me] = YIELD_BUDGET_S if budget_s is None else budget_s
+        try:
+            yield
+        finally:
+            self._budgets.pop(me, None)
+
     def yield_to_loop(self) -> None:
-        """A builder's pause between two pieces: returns at once unless the loop is deciding
-        (then when it is done, or after YIELD_MAX_S); the deciding thread never waits here."""
-        if not self._quiet.is_set() and threading.get_ident() != self._owner:
-            self._quiet.wait(YIELD_MAX_S)
+        """A builder's pause between two pieces: returns at once unless this thread is
+        `building` with budget left and the loop is deciding (then when it is done, or when
+        the budget is spent); the deciding thread never waits here."""
+        me = threading.get_ident()
+        left = self._budgets.get(me, 0.0)
+        if left <= 0.0 or self._quiet.is_set() or me == self._owner:
+            return
+        start = time.monotonic()
+        self._quiet.wait(left)
+        self._budgets[me] = left - (time.monotonic() - start)
 
     @property
     def is_deciding(self) -> bool:

@@ -250,11 +250,14 @@ class NodeTable:
     def _keep_read(self) -> None:
         """The status thread, between two builds: the payloads read again before the loop
         would read them itself (at 1,024 nodes a read is ~0.1-0.2 s of the coordinator)."""
-        self._read_if_stale(grace=THREAD_READS_AFTER)
+        with self.host.runtime.precedence.building():
+            self._read_if_stale(grace=THREAD_READS_AFTER)
 
     def _build_status(self) -> str:
-        return status_text(self.host.runtime.services.control_plane.status(),
-                           self.host.runtime.precedence.yield_to_loop)
+        precedence = self.host.runtime.precedence
+        with precedence.building():
+            return status_text(self.host.runtime.services.control_plane.status(),
+                               precedence.yield_to_loop)
 
 
 class StatusThread:
