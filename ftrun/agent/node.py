@@ -27,7 +27,6 @@ from ftrun.adapters.store import LOOPBACK, HostedStore, QueueReader, advertised_
 from ftrun.adapters.wakeup import Wakeup
 from ftrun.adapters.workerspec import shared_env, static_port, worker_env
 from ftrun.agent.cluster import Adopt, Cluster, Handover, Local
-from ftrun.agent.control_plane import ControlPlane
 from ftrun.agent.nodeport import NodePort
 from ftrun.agent.notices import Notices
 from ftrun.agent.outcomes import Outcome, group_decision, on_exit, stopped_by
@@ -268,7 +267,6 @@ class Agent:
             return outcome
 
     def _watch(self, outcome: Outcome) -> Outcome:
-        control = self.runtime.services.control_plane
         with self.runtime.workers.watching() as sel:
             while outcome.decision is None:
                 outcome.stop(self._signal(time.time()))
@@ -278,13 +276,14 @@ class Agent:
                     *self.runtime.workers.reap_ready(sel, self._idle_wait()),
                     *self.cluster.remote_exits()]
                 with self.runtime.precedence.deciding():  # the status builders wait
-                    self._pass(sel, ended, outcome, control)
+                    self._pass(sel, ended, outcome)
         return outcome
 
     def _pass(self, sel: selectors.BaseSelector, ended: list[Worker | RemoteWorker],
-              outcome: Outcome, control: ControlPlane) -> None:
+              outcome: Outcome) -> None:
         """One pass of the loop: what it found (`ended`: exits, maybe none) and what its tick
         finds (nodes lost, requests, findings), decided and published as one generation."""
+        control = self.runtime.services.control_plane
         if ended and self.recovery is not None:
             ended += self._rest_of_burst(sel)
         with self._one_generation():  # what this pass finds: one generation

@@ -7,9 +7,8 @@ and at whose `yield_to_loop` the thread that builds the job's status (every few 
 (`building`). Python runs one thread at a time: a fault that arrived during a status build
 waited for the build, each of its store round trips for the builder's time slice (at 1,024
 nodes one fault in ~12 was published 450 ms late, not ~40 ms). During a pass the
-collector's automatic runs are deferred as well
-(a full collection of the coordinator's heap took up to ~140 ms at 1,024 nodes): it runs
-after the pass.
+collector's automatic runs are deferred as well (a full collection of the coordinator's
+heap took up to ~140 ms at 1,024 nodes): it runs after the pass.
 Must not import: anything of ftrun beyond core (the cluster's status thread imports this).
 """
 

@@ -243,11 +243,11 @@ class NodeTable:
         self._say_refused()
         if self._status is None:
             self._status = StatusThread(self._build_status, lambda: connect(self.ep, 30.0),
-                                        self._keep_read, lambda: self._read_every_s)
+                                        self._refresh_payloads, lambda: self._read_every_s)
         if (why := self._status.failed()) is not None:
             notice(self.host.emit, f"could not publish the job status: {why}")
 
-    def _keep_read(self) -> None:
+    def _refresh_payloads(self) -> None:
         """The status thread, between two builds: the payloads read again before the loop
         would read them itself (at 1,024 nodes a read is ~0.1-0.2 s of the coordinator)."""
         with self.host.runtime.precedence.building():
@@ -272,9 +272,9 @@ class StatusThread:
     loop to say."""
 
     def __init__(self, build: Callable[[], str], connect: Callable[[], Any],
-                 refresh: Callable[[], None] = lambda: None,
-                 refresh_every: Callable[[], float] = lambda: math.inf) -> None:
-        """`connect`: the job's store, on a connection of the thread's own."""
+                 refresh: Callable[[], None], refresh_every: Callable[[], float]) -> None:
+        """`connect`: the job's store, on a connection of the thread's own; `refresh`: the
+        payloads read if stale, looked at every `refresh_every()` seconds."""
         self._build, self._connect = build, connect
         self._refresh, self._refresh_every = refresh, refresh_every
         self._failed: str | None = None
