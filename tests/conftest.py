@@ -10,6 +10,21 @@ from pathlib import Path
 import pytest
 
 FIXTURES = Path(__file__).parent / "fixtures"
+_SESSION_RUN_DIR: list[str] = []  # the run directory of this test process, removed at its end
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """This test process (one of `-n` xdist workers, or the only one) gets a run directory of
+    its own: a job one test starts is never listed by another process's `ftrun status`, nor
+    are the user's own jobs. Short, under /tmp: a socket path holds 107 bytes."""
+    base = tempfile.mkdtemp(prefix="ftrun-t", dir="/tmp")
+    _SESSION_RUN_DIR.append(base)
+    os.environ["FTRUN_RUN_DIR"] = os.path.join(base, "run")
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    for base in _SESSION_RUN_DIR:
+        shutil.rmtree(base, ignore_errors=True)
 
 
 def ftrun_cmd(*args: str) -> list[str]:
