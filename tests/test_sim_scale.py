@@ -69,3 +69,14 @@ def test_sim_scale_on_a_real_etcd(tmp_path: Path) -> None:
     # the followers' lease keep-alives alone are requests etcd counts every second
     assert row["etcd_req_s"] > 0
     assert "backend etcd" in stdout
+
+
+@pytest.mark.slow  # one relay process importing torch
+def test_the_fanout_floor_reaches_every_relay_and_prints_its_row() -> None:
+    script = SCRIPT.parent / "fanout_floor.py"
+    done = subprocess.run([sys.executable, str(script), "--nodes", "6", "--repeat", "2",
+                           "--sim-procs", "1"], capture_output=True, text=True, timeout=110)
+    assert done.returncode == 0, done.stdout + done.stderr[-2000:]
+    [row] = [line.split() for line in done.stdout.splitlines() if line.split()[:2] == ["6", "1"]]
+    last_p50, last_max, first_p50 = float(row[2]), float(row[4]), float(row[5])
+    assert 0 < first_p50 <= last_p50 <= last_max  # measured from the push, per relay

@@ -1,0 +1,120 @@
+"""The floor under `sim_scale.py --per-fault`'s "last node notified" on this host (issue #52):
+one generation's fan-out alone, with no coordinator deciding anything.
+
+A real TCPStore; `--nodes` real relays (`ftrun.cluster.relay.GenerationRelay`, each its own
+reader thread and connection, copying into a `NodeCopy` as the sweep's light nodes do) in
+`--sim-procs` processes; this process publishes generations with the real `publish` (the
+record, the pointer, one push a node) and measures from the first byte it sends to the last
+node holding the record. Whatever the sweep's figure holds above this floor is the
+coordinator's; what is in the floor is the relays' wake-ups sharing this host's cores, which
+on a cluster run on each node's own.
+
+Usage: python scripts/sim/fanout_floor.py --nodes 256,1024 --repeat 12 [--sim-procs 2]
+Must not import: the agent, the CLI.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing
+import os
+import statistics
+import sys
+import time
+from multiprocessing.connection import Connection
+from typing import Any
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
+
+from ftrun.adapters.store import LOOPBACK, HostedStore, client  # noqa: E402
+from ftrun.protocol.rendezvous import Generation, publish  # noqa: E402
+
+CONNECT_S = 60.0
+HOLD_S = 30.0  # every node holding one generation
+POLL_S = 0.002
+WORKERS_PER_NODE = 8
+
+
+def _relays(conn: Connection, port: int, nodes: list[int]) -> None:
+    """A child: one relay per node, then answers `when(number)` until told to stop."""
+    from sim_proc import prepare_process
+    from simscale.fleet import NodeCopy
+
+    from ftrun.cluster.relay import GenerationRelay
+
+    prepare_process()
+    copies = [NodeCopy() for _ in nodes]
+    relays = [GenerationRelay(lambda: client(LOOPBACK, port, CONNECT_S), node,
+                              lambda why: None, local=copy)
+              for node, copy in zip(nodes, copies, strict=True)]
+    conn.send("ready")
+    while (number := conn.recv()) is not None:
+        deadline = time.monotonic() + HOLD_S
+        while not all(number in c.arrived for c in copies) and time.monotonic() < deadline:
+            time.sleep(POLL_S)
+        conn.send([c.arrived.get(number) for c in copies])
+    for relay in relays:
+        relay.close(link_works=False)
+    conn.send("closed")
+
+
+def measure(nodes: int, procs: int, repeat: int) -> dict[str, Any]:
+    hosted = HostedStore(0, LOOPBACK)
+    store = hosted.serve()
+    members = tuple(range(nodes * WORKERS_PER_NODE))
+    publish(store, Generation(0, members))  # what each relay catches up with when it starts
+    ctx = multiprocessing.get_context("spawn")
+    pipes, children = [], []
+    for p in range(procs):
+        parent, child = ctx.Pipe()
+        proc = ctx.Process(target=_relays, args=(child, hosted.port,
+                                                 list(range(p, nodes, procs))), daemon=True)
+        proc.start()
+        pipes.append(parent)
+        children.append(proc)
+    for pipe in pipes:
+        if not pipe.poll(CONNECT_S * 2) or pipe.recv() != "ready":
+            raise SystemExit("a relay process did not start")
+    time.sleep(1.0)  # the readers are blocked on their queues
+    last, first = [], []
+    for number in range(1, repeat + 1):
+        start = time.time()
+        publish(store, Generation(number, members[1:], reason="floor", published_at=start),
+                relays=range(nodes))
+        for pipe in pipes:
+            pipe.send(number)
+        arrived = [t for pipe in pipes for t in pipe.recv()]
+        if any(t is None for t in arrived):
+            raise SystemExit(f"generation {number} did not reach every node in {HOLD_S:g} s")
+        last.append(max(arrived) - start)
+        first.append(min(arrived) - start)
+        time.sleep(0.3)
+    for pipe, proc in zip(pipes, children, strict=True):
+        pipe.send(None)
+        pipe.poll(CONNECT_S)
+        proc.join(CONNECT_S)
+    hosted.close()
+    return {"nodes": nodes, "procs": procs, "repeat": repeat,
+            "last_p50_ms": 1e3 * statistics.median(last),
+            "last_p99_ms": 1e3 * max(last) if repeat < 100 else
+            1e3 * statistics.quantiles(last, n=100)[98],
+            "first_p50_ms": 1e3 * statistics.median(first)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--nodes", default="256,1024", help="comma-separated node counts")
+    ap.add_argument("--sim-procs", type=int, default=2)
+    ap.add_argument("--repeat", type=int, default=12)
+    a = ap.parse_args()
+    print("nodes  procs  last node p50 / p99 (ms)  first node p50 (ms)")
+    for nodes in (int(n) for n in a.nodes.split(",")):
+        r = measure(nodes, a.sim_procs, a.repeat)
+        print(f"{r['nodes']:>5}  {r['procs']:>5}  {r['last_p50_ms']:8.1f} / "
+              f"{r['last_p99_ms']:6.1f}          {r['first_p50_ms']:8.1f}")
+
+
+if __name__ == "__main__":
+    main()
