@@ -23,10 +23,12 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Files holding long runs (a `slow` test) first, the others after, each file's tests in
-    their own order: with `-n 2 --dist loadfile --no-loadscope-reorder` the long files start
-    early and the many short ones fill the end, so neither process idles while the other
-    finishes one long file."""
+    """Under xdist (`-n 2 --dist loadfile --no-loadscope-reorder`), files holding long runs (a
+    `slow` test) first, the others after, each file's tests in their own order: the long
+    files start early and the many short ones fill the end, so neither process idles while
+    the other finishes one long file."""
+    if not getattr(config.option, "numprocesses", None):
+        return  # one process: the files in their usual order
     long_files = {item.path for item in items if item.get_closest_marker("slow")}
     items.sort(key=lambda item: item.path not in long_files)
 
