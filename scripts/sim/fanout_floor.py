@@ -97,9 +97,7 @@ def measure(nodes: int, procs: int, repeat: int) -> dict[str, Any]:
         proc.join(CONNECT_S)
     hosted.close()
     return {"nodes": nodes, "procs": procs, "repeat": repeat,
-            "last_p50_ms": 1e3 * statistics.median(last),
-            "last_p99_ms": 1e3 * max(last) if repeat < 100 else
-            1e3 * statistics.quantiles(last, n=100)[98],
+            "last_p50_ms": 1e3 * statistics.median(last), "last_max_ms": 1e3 * max(last),
             "first_p50_ms": 1e3 * statistics.median(first)}
 
 
@@ -109,11 +107,11 @@ def main() -> None:
     ap.add_argument("--sim-procs", type=int, default=2)
     ap.add_argument("--repeat", type=int, default=12)
     a = ap.parse_args()
-    print("nodes  procs  last node p50 / p99 (ms)  first node p50 (ms)")
+    print("nodes  procs  last node p50 / largest (ms)  first node p50 (ms)")
     for nodes in (int(n) for n in a.nodes.split(",")):
         r = measure(nodes, a.sim_procs, a.repeat)
         print(f"{r['nodes']:>5}  {r['procs']:>5}  {r['last_p50_ms']:8.1f} / "
-              f"{r['last_p99_ms']:6.1f}          {r['first_p50_ms']:8.1f}")
+              f"{r['last_max_ms']:6.1f}              {r['first_p50_ms']:8.1f}")
 
 
 if __name__ == "__main__":
