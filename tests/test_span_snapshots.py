@@ -209,7 +209,9 @@ def test_snapshots_by_time_are_taken_at_one_boundary_by_every_node_of_the_group(
     stderr = "".join(two_nodes(tmp_path, tmp_path / "o", flags, script_args=(
         "--die-all-at", "12", "--step-sleep", "0.1")))
     steps = resumed_steps(stderr)
-    assert len(steps) == 1 and 0 < min(steps) < 12, stderr[-3000:]
+    # a snapshot of step 12 is the state before step 12 runs: the clock may name that
+    # boundary, and the loss inside step 12 then resumes from it
+    assert len(steps) == 1 and 0 < min(steps) <= 12, stderr[-3000:]
     by_node: dict[int, set[int]] = {0: set(), 1: set()}
     for node, step in parts(tmp_path / "s"):
         by_node[node].add(step)
