@@ -21,7 +21,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import ssl
 import subprocess
 import tempfile
@@ -33,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from ports import free_ports
 
 BIN_ENV = "FTRUN_ETCD_BIN"
 START_S = 30.0  # every member healthy after a (re)start; a loaded 2-core machine is slow
@@ -98,21 +98,6 @@ def _make_certs(where: Path) -> dict[str, str]:
         run("x509", "-req", "-in", str(csr), "-CA", out["ca"], "-CAkey", out["ca_key"],
             "-CAcreateserial", "-out", out[name], "-days", "2", "-extfile", str(extfile))
     return out
-
-
-def _free_ports(count: int) -> list[int]:
-    """Ports free now. Held open together so that they differ; a race with another process
-    is caught by the start's health wait, and the lab retries on new ports."""
-    socks = []
-    try:
-        for _ in range(count):
-            s = socket.socket()
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def _die_with_parent() -> None:
@@ -183,7 +168,7 @@ class EtcdLab:
     # -- life cycle -----------------------------------------------------------------------
     def start(self, timeout: float = START_S) -> EtcdLab:
         for attempt in range(3):
-            ports = _free_ports(2 * self.count)
+            ports = free_ports(2 * self.count)
             self.client_ports, self.peer_ports = ports[:self.count], ports[self.count:]
             for i in range(self.count):
                 self._spawn(i)

@@ -3,23 +3,17 @@ flags, in the same test. Only documented differences are allowed (docs/torchrun-
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 from conftest import FIXTURES
+from ports import free_port
 
 FTRUN_ONLY = {"FTRUN_ATTEMPT", "FTRUN_FT_MODE", "FTRUN_WORKER_ID", "FTRUN_SPARE", "FTRUN_COMM",
               "FTRUN_PROGRESS_DIR", "FTRUN_VERIFY_EVERY"}  # --verify-every is on by default
 DIFFERENT_EACH_RUN = {"MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_ERROR_FILE"}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
 
 
 def envs(launcher: list[str], flags: list[str], out: Path, extra_env: dict[str, str]) -> dict:

@@ -21,6 +21,7 @@ from etcdlab import (
     etcd_cluster_fixture,  # noqa: F401 (the etcd_cluster fixture)
     unavailable,
 )
+from ports import free_port
 
 from ftrun.adapters.etcd import EtcdClient, EtcdError, connect, preflight
 from ftrun.adapters.etcd_conf import EtcdConf
@@ -234,18 +235,10 @@ def test_a_quiet_watch_is_reopened_and_misses_nothing(client: EtcdClient, prefix
 def test_preflight_names_an_unreachable_cluster(etcd_cluster: EtcdLab) -> None:
     health = preflight(EtcdConf(tuple(etcd_cluster.endpoints.split(","))))
     assert [h.up for h in health] == [True] * 3 and len({h.raft_term for h in health}) == 1
-    port = _free_port()
+    port = free_port()
     with pytest.raises(EtcdError, match=f"etcd is unreachable at 127.0.0.1:{port} "
                        r"\(connection refused\)"):
         preflight(EtcdConf((f"127.0.0.1:{port}",)))
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def test_no_member_process_outlives_the_lab() -> None:

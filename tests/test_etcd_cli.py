@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 from conftest import run_ftrun
 from etcdlab import EtcdLab, tls_unavailable, unavailable
+from ports import free_port
 
 from ftrun.adapters.etcd import EtcdError, connect
 from ftrun.adapters.etcd_conf import EtcdConf, EtcdTls
@@ -112,17 +113,9 @@ def _script(tmp_path: Path) -> tuple[str, Path]:
     return str(script), marker
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def test_an_unreachable_cluster_is_one_line_before_any_worker(tmp_path: Path) -> None:
     script, marker = _script(tmp_path)
-    port = _free_port()
+    port = free_port()
     r = run_ftrun("--rdzv-backend", "etcd-v2", "--rdzv-endpoint", f"127.0.0.1:{port}",
                   script, timeout=60)
     lines = r.stderr.strip().splitlines()
@@ -139,7 +132,7 @@ def test_a_missing_client_is_one_line_naming_the_extra(tmp_path: Path) -> None:
     code = ("import sys; sys.modules['etcd3gw'] = None\n"  # import etcd3gw -> ImportError
             "from ftrun.cli.main import main\n"
             f"sys.exit(main(['--rdzv-backend', 'etcd', '--rdzv-endpoint', "
-            f"'127.0.0.1:{_free_port()}', {script!r}]))")
+            f"'127.0.0.1:{free_port()}', {script!r}]))")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                        timeout=60)
     assert r.returncode == 1

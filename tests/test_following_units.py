@@ -8,7 +8,6 @@ relay, a TCPStore of its own, which needs torch; the commands are obeyed the sam
 from __future__ import annotations
 
 import signal
-import socket
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
@@ -17,6 +16,7 @@ from pathlib import Path
 import pytest
 from fakes import FakeNode
 from fakestore import MemoryStore, StoreOutbox, message, reports
+from ports import free_port
 
 from ftrun.agent.roster import RunResult
 from ftrun.cluster.following import MAX_ERROR_FILE_BYTES, Following
@@ -233,9 +233,7 @@ def test_a_fenced_etcd_follower_rejoins_the_store_the_new_leader_published(
 
     from ftrun.cluster.rejoin import Rejoin
 
-    with socket.socket() as s:  # a port nothing serves: the dead coordinator's
-        s.bind(("127.0.0.1", 0))
-        dead = Endpoint("127.0.0.1", s.getsockname()[1])
+    dead = Endpoint("127.0.0.1", free_port())  # a port nothing serves: the dead coordinator's
     new = dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=10),
                         wait_for_workers=False)
     published: list[Endpoint | None] = [None, None, Endpoint("127.0.0.1", new.port)]

@@ -201,7 +201,7 @@ def test_temporary_log_dir_removed_after_clean_success(tmp_path) -> None:
 def test_gloo_restart_comes_up_on_a_fresh_store(tmp_path, fixed_port) -> None:
     """torchrun's shared store makes this restart hang (pytorch#135712); ftrun must finish,
     also when the store has to come back on the same --master-port."""
-    from test_env_compat import free_port
+    from ports import free_port
 
     port = ["--master-port", str(free_port())] if fixed_port else []
     r = run_ftrun("--nproc", "2", "--max-restarts", "1", *port,

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import pid_alive, wait_for
+from ports import free_port
 
 from ftrun.core.errors import WorkerApiError
 from ftrun.worker.loader import Loader, ReaderTraceback, dist_membership, share
@@ -293,20 +294,12 @@ def test_outside_ftrun_membership_follows_torch_distributed() -> None:
         print(loader.batch(1, 1, 2).tolist(), flush=True)
         dist.destroy_process_group()
     """)
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
            "WORLD_SIZE": "2", "OMP_NUM_THREADS": "1"}
     procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
                               env={**env, "RANK": str(r)}) for r in range(2)]
     outs = [p.communicate(timeout=60)[0].strip() for p in procs]
     assert outs == ["[12, 13]", "[14, 15]"]
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def test_importing_the_loader_pulls_no_torch() -> None:

@@ -15,15 +15,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from ports import free_port
 
 from tests.conftest import FIXTURES, ftrun_cmd, pid_alive, wait_for
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
 
 # Tests poll `ftrun status` in loops: each call is a new Python process (~0.25 s of CPU).
 # Back to back they took most of a core of a 2-core host from the jobs under test; at least

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 from conftest import FIXTURES, ftrun_cmd, wait_for
+from ports import free_port
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import CollectorRegistry
 from statusdocs import document, worker
@@ -37,12 +38,6 @@ from ftrun.protocol.status import Status
 @pytest.fixture(autouse=True)
 def _own_run_dir(private_run_dir):
     """Every test here sees only its own jobs and its own last run."""
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def scrape_text(doc: dict | None) -> str:

@@ -18,6 +18,7 @@ from typing import cast
 import pytest
 import torch
 from conftest import FIXTURES, ftrun_cmd, run_ftrun, wait_for
+from ports import free_port
 from torch.distributed.tensor import Shard
 
 from ftrun.adapters import sharded_io, snapshot_io
@@ -194,9 +195,7 @@ def two_nodes(tmp: Path, out: Path, *flags: str, steps: int, rdzv_id: str = "sha
     with 0, when `check`). `per_node`: flags for the coordinator (node 0) and for the other
     node, after `flags`."""
     out.mkdir(parents=True, exist_ok=True)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     procs = []
     for node, own in zip(("a", "b"), per_node, strict=True):
         cmd = ftrun_cmd("--nnodes", "2", "--nproc", "2", "--rdzv-backend", "c10d",

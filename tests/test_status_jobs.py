@@ -9,16 +9,11 @@ import subprocess
 from pathlib import Path
 
 from conftest import FIXTURES, ftrun_cmd, wait_for
+from ports import free_port
 
 from ftrun.adapters import control
 from ftrun.core.errors import FtrunError
 from ftrun.protocol.status import Status
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def listening(port: int) -> bool:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import socket
 import sys
 import urllib.request
 from collections import Counter
@@ -29,9 +28,16 @@ RECEIVED = re.compile(r'^grpc_server_msg_received_total\{[^}]*grpc_method="(\w+)
 BYTES = re.compile(r"^etcd_network_client_grpc_(received|sent)_bytes_total (\S+)$")
 
 
+def _tests_on_path() -> None:
+    """The tests' etcd lab and port picker, which the simulator shares."""
+    tests = os.path.join(HERE, "..", "..", "tests")
+    if tests not in sys.path:
+        sys.path.insert(0, tests)
+
+
 def start_lab() -> Any:
     """A started 3-member EtcdLab (its members die with this process)."""
-    sys.path.insert(0, os.path.join(HERE, "..", "..", "tests"))
+    _tests_on_path()
     from etcdlab import EtcdLab
 
     return EtcdLab(3).start()
@@ -86,9 +92,10 @@ class JobPlane:
     def __init__(self, backend: str, rdzv_id: str) -> None:
         self.backend, self.rdzv_id = backend, rdzv_id
         self.lab: Any = start_lab() if backend == "etcd" else None
-        with socket.socket() as s:  # c10d: the endpoint the coordinator binds
-            s.bind(("127.0.0.1", 0))
-            self.port = int(s.getsockname()[1])
+        _tests_on_path()
+        from ports import free_port  # below the ephemeral range: no client takes it meanwhile
+
+        self.port = free_port()  # c10d: the endpoint the coordinator binds
 
     def coordinator_args(self) -> list[str]:
         if self.lab is None:

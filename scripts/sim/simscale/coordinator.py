@@ -10,7 +10,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,12 +18,6 @@ from typing import Any
 
 SCRIPTS = Path(__file__).resolve().parent.parent
 RDZV_ID = "sim"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def until(cond: Any, timeout_s: float, what: str, poll_s: float = 0.005) -> Any:
