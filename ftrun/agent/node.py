@@ -12,6 +12,7 @@ Must not import: typer, rich, the CLI or the worker library. Torch only through 
 
 from __future__ import annotations
 
+import math
 import os
 import selectors
 import signal
@@ -78,6 +79,7 @@ class Agent:
         self._requests: QueueReader | None = None  # the recovery's request reader
         self._killed: set[tuple[int, int]] = set()  # (attempt, worker) the watch had killed
         self.notices = Notices(spec)  # a preemption notice: this node's ranks hand over
+        self._exits_decided_at = -math.inf  # when a pass last decided exits (and published)
         self.guardian = Guardian()  # before any thread or socket of the run exists
         try:
             self.runtime = self._build_runtime(spec)
@@ -298,22 +300,28 @@ class Agent:
             outcome.decide(group_decision(
                 self.recovery, outcome, self.runtime.port.all_workers,
                 self.attempt.restarts, self.spec.max_restarts))
+        if ended:
+            self._exits_decided_at = time.monotonic()  # a burst's rest: `_rest_of_burst`
 
     def _rest_of_burst(self, sel: selectors.BaseSelector) -> list[Worker | RemoteWorker]:
         """The exits that follow one within `BURST_QUIET_S` of each other (at most
         `BURST_MAX_S` in all): ranks lost together (a switch, a rack) are decided in this
         pass, so they make one generation and one communicator rebuild on every survivor,
-        not one each (faults ms apart spread over several passes of a fast loop)."""
+        not one each (faults ms apart spread over several passes of a fast loop). Within
+        `BURST_FOLLOW_S` of a pass that decided exits, `BURST_TAIL_QUIET_S`: a burst's rest,
+        reported during that pass, comes spread out (3 generations for 10 exits before)."""
         more: list[Worker | RemoteWorker] = []
         now = time.monotonic()
-        deadline, quiet_until = now + timeouts.BURST_MAX_S, now + timeouts.BURST_QUIET_S
+        quiet = timeouts.BURST_TAIL_QUIET_S if now - self._exits_decided_at < \
+            timeouts.BURST_FOLLOW_S else timeouts.BURST_QUIET_S  # the rest of a burst
+        deadline, quiet_until = now + timeouts.BURST_MAX_S, now + quiet
         while (now := time.monotonic()) < min(quiet_until, deadline):
             got: list[Worker | RemoteWorker] = [
                 *self.runtime.workers.reap_ready(sel, min(quiet_until, deadline) - now),
                 *self.cluster.remote_exits()]
             if got:
                 more += got
-                quiet_until = time.monotonic() + timeouts.BURST_QUIET_S
+                quiet_until = time.monotonic() + quiet
         return more
 
     def _one_generation(self) -> AbstractContextManager[None]:
