@@ -48,7 +48,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from simscale.coordinator import RDZV_ID, Coordinator, status, until
+from simscale.coordinator import RDZV_ID, Coordinator, status, until, work_folder
 
 if TYPE_CHECKING:
     from sim_etcd import JobPlane
@@ -86,7 +86,7 @@ def measure(ranks: int, node_size: int, steady_s: float, watchers: int,
     if nodes < 4 or ranks % node_size:
         raise SystemExit(f"--ranks {ranks}: needs at least 4 nodes of {node_size}, whole nodes")
     sim_procs = max(1, min(sim_procs, nodes - 1))
-    workdir = Path(tempfile.mkdtemp(prefix="ftrun-sim-"))
+    workdir = work_folder("ftrun-sim-")
     simulated = nodes - 1 - real_followers
     row: dict[str, Any] = {"ranks": ranks, "nodes": nodes, "errors": [],
                            "watchers": watchers * simulated + node_size * (1 + real_followers),

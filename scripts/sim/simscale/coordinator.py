@@ -12,12 +12,26 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 SCRIPTS = Path(__file__).resolve().parent.parent
 RDZV_ID = "sim"
+SOCKET_PATH_MAX = 107  # bytes a Unix socket's path holds: the agent's control socket
+RUN_DIR_ROOM = len("/run-follower99/sim.4194304.sock")  # what the agent adds to a work folder
+
+
+def work_folder(prefix: str) -> Path:
+    """A new work folder for one job: in the temporary directory, or in /tmp where the
+    coordinator's control socket would not fit under it (pytest's folders under `-n 2`,
+    `.../popen-gw0/test_.../`, run past 107 bytes and the agent refuses to start)."""
+    folder = Path(tempfile.mkdtemp(prefix=prefix))
+    if len(str(folder)) + RUN_DIR_ROOM <= SOCKET_PATH_MAX:
+        return folder
+    folder.rmdir()
+    return Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
 
 
 def until(cond: Any, timeout_s: float, what: str, poll_s: float = 0.005) -> Any:

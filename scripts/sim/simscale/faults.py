@@ -34,12 +34,11 @@ import math
 import os
 import shutil
 import statistics
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-from simscale.coordinator import RDZV_ID, Coordinator, until
+from simscale.coordinator import RDZV_ID, Coordinator, until, work_folder
 
 BEATS_PER_S = 2000.0  # the heartbeats the simulator and the coordinator's store keep up here
 LEASE_RENEWALS_PER_S = 300.0  # etcd keep-alives a second the lab takes beside the rest
@@ -83,7 +82,7 @@ class Job:
         self.beat_s, self.conf = scaled(nodes, backend)
         self.burst_span_ms = 0.0  # how far apart the burst's exits were reported
         self.exit_code: int | None = None
-        self.workdir = Path(tempfile.mkdtemp(prefix="ftrun-faults-"))
+        self.workdir = work_folder("ftrun-faults-")
         self.plane = JobPlane(backend, RDZV_ID)
         cleanups.append(self.plane.close)
         self.coord = Coordinator(nodes, NODE_SIZE, self.plane.coordinator_args(), self.workdir,
