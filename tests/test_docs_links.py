@@ -113,7 +113,8 @@ def test_the_readme_is_short_and_keeps_the_set_up_lines() -> None:
     assert len(lines) <= README_MAX_LINES
     # .ci/run runs the first line of each kind: `grep -m1 '^pip install'` and the tests' line
     assert next(x for x in lines if x.startswith("pip install")) == "pip install -e '.[test]'"
-    assert next(x for x in lines if x.startswith("python -m pytest")) == "python -m pytest"
+    assert next(x for x in lines if x.startswith("python -m pytest")) == \
+        "python -m pytest -n 2 --dist loadfile --no-loadscope-reorder"
 
 
 def named(flag: str, text: str) -> bool:
