@@ -182,12 +182,14 @@ def test_the_rest_of_a_burst_after_its_first_pass_is_gathered_into_one(
         spec: RunSpec, log: list[str]) -> None:
     """Exits reported while a pass decided the first of a burst come spread out (10 exits
     over 9.5 ms made 3 generations on etcd at 256 nodes): within `BURST_FOLLOW_S` of a pass
-    that decided exits, the next waits `BURST_TAIL_QUIET_S` for quiet, not
-    `BURST_QUIET_S`; a fault on its own still waits only `BURST_QUIET_S`."""
-    lost = [RemoteWorker(rank=r, local_rank=0, worker_id=r * 10_000, node=r) for r in (1, 2, 3)]
-    gap_s = 5 * timeouts.BURST_QUIET_S  # farther apart than the quiet a single fault waits
-    assert gap_s < timeouts.BURST_TAIL_QUIET_S and gap_s * len(lost) < timeouts.BURST_MAX_S
+    that decided exits, the next waits `BURST_TAIL_QUIET_S` for quiet, not `BURST_QUIET_S`,
+    up to `BURST_TAIL_MAX_S`, so that 10 faults over 0.1 s make 2 generations (the first
+    fault's, then the rest's); a fault on its own still waits only `BURST_QUIET_S`."""
+    lost = [RemoteWorker(rank=r, local_rank=0, worker_id=r * 10_000, node=r)
+            for r in range(1, 10)]  # the 9 that follow the first of 10
+    gap_s = 0.9 * timeouts.BURST_TAIL_MAX_S / len(lost)  # 10 ms: all of them within 0.1 s
+    assert timeouts.BURST_QUIET_S < gap_s < timeouts.BURST_TAIL_QUIET_S
     got, _ = _rest_of_burst(spec, SpacedRole(log, lost, gap_s))
     assert got[0] == 10_000 and len(got) < len(lost)  # alone: the rest came after the quiet
     got, _ = _rest_of_burst(spec, SpacedRole(log, lost, gap_s), after_a_pass=True)
-    assert got == [10_000, 20_000, 30_000]  # a burst's rest: one pass, one generation
+    assert got == [w.worker_id for w in lost]  # a burst's rest: one pass, one generation

@@ -308,13 +308,14 @@ class Agent:
         `BURST_MAX_S` in all): ranks lost together (a switch, a rack) are decided in this
         pass, so they make one generation and one communicator rebuild on every survivor,
         not one each (faults ms apart spread over several passes of a fast loop). Within
-        `BURST_FOLLOW_S` of a pass that decided exits, `BURST_TAIL_QUIET_S`: a burst's rest,
-        reported during that pass, comes spread out (3 generations for 10 exits before)."""
+        `BURST_FOLLOW_S` of a pass that decided exits, a burst's rest, spread out: quiet
+        `BURST_TAIL_QUIET_S`, up to `BURST_TAIL_MAX_S` (10 exits over 0.1 s: 2 generations)."""
         more: list[Worker | RemoteWorker] = []
         now = time.monotonic()
-        quiet = timeouts.BURST_TAIL_QUIET_S if now - self._exits_decided_at < \
-            timeouts.BURST_FOLLOW_S else timeouts.BURST_QUIET_S  # the rest of a burst
-        deadline, quiet_until = now + timeouts.BURST_MAX_S, now + quiet
+        tail = now - self._exits_decided_at < timeouts.BURST_FOLLOW_S  # the rest of a burst
+        quiet = timeouts.BURST_TAIL_QUIET_S if tail else timeouts.BURST_QUIET_S
+        deadline = now + (timeouts.BURST_TAIL_MAX_S if tail else timeouts.BURST_MAX_S)
+        quiet_until = now + quiet
         while (now := time.monotonic()) < min(quiet_until, deadline):
             got: list[Worker | RemoteWorker] = [
                 *self.runtime.workers.reap_ready(sel, min(quiet_until, deadline) - now),
