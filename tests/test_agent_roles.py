@@ -127,18 +127,24 @@ class BurstRole(FakeRole):
     def remote_exits(self) -> list[RemoteWorker]:
         return next(self.exits, [])
 
+    def begin(self) -> None:
+        """The pass that gathers the burst begins now."""
+
 
 class SpacedRole(BurstRole):
-    """Other nodes' exits reported `gap_s` apart, the first at the first call."""
+    """Other nodes' exits reported `gap_s` apart, the first as the pass begins: the loop
+    reads them only between its waits for its own workers' exits."""
 
     def __init__(self, log: list[str], lost: list[RemoteWorker], gap_s: float) -> None:
         super().__init__(log, iter([]))
-        self.lost, self.gap_s, self.start = list(lost), gap_s, -1.0
+        self.lost, self.gap_s, self.start = list(lost), gap_s, time.monotonic()
         self.given = 0
+
+    def begin(self) -> None:
+        self.start = time.monotonic()
 
     def remote_exits(self) -> list[RemoteWorker]:
         now = time.monotonic()
-        self.start = now if self.start < 0 else self.start
         due = min(len(self.lost), int((now - self.start) / self.gap_s) + 1)
         taken, self.given = self.lost[self.given:due], max(self.given, due)
         return taken
@@ -152,6 +158,7 @@ def _rest_of_burst(spec: RunSpec, role: BurstRole,
     try:
         with agent.runtime.workers.watching() as sel:
             start = time.monotonic()
+            role.begin()
             more = agent._rest_of_burst(sel)
             return [w.worker_id for w in more], time.monotonic() - start
     finally:
