@@ -23,8 +23,11 @@ from tests.conftest import FIXTURES, pid_alive, wait_for
 
 
 def job(lab: EtcdLab, end_file: Path) -> list[str]:
-    return ["--nnodes", "2:3", "--nproc", "1", "--rdzv-backend", "etcd",
-            "--rdzv-endpoint", lab.endpoints, "--rdzv-id", "paused", "--local-addr",
+    # last call 60 s: the job starts once all three joined (at 1 s, a node that joined late
+    # on a busy host entered the running job as a spare, never a third member)
+    return ["--nnodes", "2:3", "--nproc", "1", "--rdzv-backend", "etcd", "--rdzv-conf",
+            "last_call_timeout=60", "--rdzv-endpoint", lab.endpoints, "--rdzv-id", "paused",
+            "--local-addr",
             "127.0.0.1", "--shutdown-timeout", "5", str(FIXTURES / "ft_train.py"),
             "--steps", "100000", "--step-time", "0.04", "--end-file", str(end_file)]
 

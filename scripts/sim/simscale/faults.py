@@ -211,7 +211,7 @@ def burst(job: Job) -> int:
     victims = job.victims[-BURST:]
     spread, start = float(os.environ.get("SIM_BURST_SPREAD_S", 0)), time.monotonic()
     for k, (p, i) in enumerate(victims):  # each process answers its own in order
-        time.sleep(max(0.0, start + k * spread / (len(victims) - 1) - time.monotonic()))
+        time.sleep(max(0.0, start + k * spread / max(1, len(victims) - 1) - time.monotonic()))
         job.procs._send(p, "exit_worker", i)
     sent = [job.procs._recv(p) for p, _ in victims]
     job.burst_span_ms = 1000 * (max(t for t, _ in sent) - min(t for t, _ in sent))
