@@ -309,10 +309,13 @@ def test_a_kill_during_a_snapshot_write_resumes_from_the_one_before(reference, t
 def test_a_relaunch_resumes_skipping_a_corrupt_snapshot_and_dcp_loads_one(reference,
                                                                            tmp_path) -> None:
     snaps = tmp_path / "s"
-    first = run(tmp_path / "a", "--snapshot-every", "4", "--snapshot-keep", "3",
-                "--snapshot-dir", str(snaps), steps=12, script_args=("--step-time", "0.25"))
-    # a second on disk to fall back to: 1 s between snapshots, not 0.4 (under -n 2 the agent's
-    # niced writer was starved past steps 4 and 8, and only the newest slot is written)
+    # two on disk whatever the host's load: a run that ends at step 8 (its last snapshot is
+    # always written), then one resumed from it that ends at 12 (under -n 2 the agent's writer
+    # could start only after steps 4 and 8, and it writes only the newest slot)
+    keep = ("--snapshot-every", "4", "--snapshot-keep", "3", "--snapshot-dir", str(snaps))
+    first = run(tmp_path / "a", *keep, steps=8)
+    assert first.returncode == 0, first.stderr
+    first = run(tmp_path / "a", *keep, "--resume", str(snaps), steps=12)
     assert first.returncode == 0, first.stderr
     found = snap.disk_snapshots(str(snaps))
     assert found[0][0] == 12 and len(found) >= 2, found  # the final step is always kept
