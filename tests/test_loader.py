@@ -292,6 +292,7 @@ def test_outside_ftrun_membership_follows_torch_distributed() -> None:
         dist.init_process_group("gloo")
         loader = Loader([torch.tensor(i) for i in range(40)], 8, shuffle=False)
         print(loader.batch(1, 1, 2).tolist(), flush=True)
+        dist.barrier()  # a rank that left right after init could close the mesh on a slower peer
         dist.destroy_process_group()
     """)
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
