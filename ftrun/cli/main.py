@@ -101,10 +101,12 @@ def _launch(args: list[str]) -> int:
 def _agent_for(spec: RunSpec) -> Agent:
     """One node: the agent alone. Many: the agent coordinating where the store is served,
     else following."""
+    from ftrun.adapters.threadnames import name_os_threads
     from ftrun.agent.node import Agent
     from ftrun.cli import render
     from ftrun.cluster.link import endpoint_of, is_multinode, try_host
 
+    name_os_threads()  # `top -H`, py-spy and per-thread CPU tell the agent's threads apart
     agent: Agent
     if not is_multinode(spec):
         agent = Agent(spec, emit=render.notice)
