@@ -73,6 +73,19 @@ class Coordinator:
         t = psutil.Process(self.proc.pid).cpu_times()
         return float(t.user + t.system)
 
+    def cpu_by_thread(self) -> dict[str, float]:
+        """CPU seconds (the kernel's schedstat, in ns) of its live threads, by OS name (the
+        agent names them after their Python names; its loop, the main thread: "main");
+        threads of one name (the two store servers) summed. A thread gone is not counted."""
+        out: dict[str, float] = {}
+        for task in Path(f"/proc/{self.proc.pid}/task").iterdir():
+            with contextlib.suppress(OSError, ValueError, IndexError):
+                ns = int((task / "schedstat").read_text().split()[0])
+                name = "main" if task.name == str(self.proc.pid) else \
+                    (task / "comm").read_text().strip()
+                out[name] = out.get(name, 0.0) + ns / 1e9
+        return out
+
     def runq_wait_s(self) -> float:
         """Seconds its threads have spent runnable but waiting for a core (the kernel's
         schedstat run_delay, summed over threads): how much this host starved it."""

@@ -8,12 +8,16 @@ node (a worker exits 1; its node reports it as a follower does; the coordinator 
 - notified: from the exit's report to each node's relay holding the new generation's record,
   decoded (`fleet.NodeCopy`), and to node 0's own workers holding it; per fault the median
   node and the last one; over the faults their p50 and p99;
-- the leader's CPU: its process's CPU (every thread: the agent, both store servers) from just
-  before the exit to `TAIL_S` after the last node held it, less its CPU at rest over as long
-  (measured for `BASE_S` before the faults, once it has worked off its start: `settle`);
-  `cpu_noise_ms`: twice the spread of that rest rate over `TAIL_S` windows, times a fault's
-  window: a `cpu_ms` below it (even negative, where the coordinator's rest is busy with
-  thousands of heartbeats) is not told apart from the rest;
+- the leader's CPU: its threads' CPU (the kernel's per-thread schedstat: the agent's loop,
+  both store servers, the others; not `BACKGROUND_THREADS`, which work on a clock of their
+  own, not on a fault's) from just before the exit to `TAIL_S` after the last node held it,
+  less their CPU at rest over as long (measured for `BASE_S` before the faults, once it has
+  worked off its start: `settle`); `cpu_noise_ms`: twice the spread of that rest rate over
+  `TAIL_S` windows, times a fault's window: a `cpu_ms` below it is not told apart from the
+  rest (for one fault; `cpu_mean_pm_ms`: twice the standard error of `cpu_ms`, the mean over
+  the faults, from their spread). `all_cpu_ms`: every thread's, the background's included
+  (its noise is that thread's: a status build at 1,024 nodes is ~0.3 s of CPU, every ~6 s);
+  per fault, `threads_ms`: each thread's share;
 - etcd: the requests its members received and the bytes they and their clients exchanged over
   the same window, less the keep-alives' share at rest.
 Then a burst: `BURST` workers of different nodes exit within a few ms, and the generations the
@@ -52,6 +56,8 @@ BURST_QUIET_S = 2.0  # no newer generation for this long: the burst's are all ou
 SETTLED_PCT = 10.0  # the coordinator at rest: two 1 s windows of its CPU this close
 SETTLE_S = 180.0  # ...within this (thousands of hellos and joins are worked off first)
 NODE_SIZE = 8
+BACKGROUND_THREADS = ("ftrun-status",)  # the job's status built and the payloads read again,
+# on their own clock (`cluster/jobnodes.StatusThread`), paused while a fault is decided
 
 
 def scaled(nodes: int, backend: str) -> tuple[float, str]:
@@ -119,8 +125,8 @@ class Job:
                      "on node 0")
         return [t for p in parts for t in p], real
 
-    def traffic(self) -> tuple[float, Any]:
-        return self.coord.cpu_s(), self.plane.traffic()
+    def traffic(self) -> tuple[dict[str, float], Any]:
+        return self.coord.cpu_by_thread(), self.plane.traffic()
 
     def close(self, keep: bool, ok: bool) -> None:
         with contextlib.suppress(Exception):
@@ -159,15 +165,23 @@ def at_rest(job: Job) -> dict[str, float]:
     (cpu0, t0), start = job.traffic(), time.monotonic()
     rates = []
     for _ in range(int(BASE_S / TAIL_S)):
-        c0, w0 = job.coord.cpu_s(), time.monotonic()
+        c0, w0 = fault_cpu(job.coord.cpu_by_thread()), time.monotonic()
         time.sleep(TAIL_S)
-        rates.append((job.coord.cpu_s() - c0) / (time.monotonic() - w0))
+        rates.append((fault_cpu(job.coord.cpu_by_thread()) - c0) / (time.monotonic() - w0))
     (cpu1, t1), span = job.traffic(), time.monotonic() - start
-    rest = {"cpu": (cpu1 - cpu0) / span, "cpu_sd": statistics.stdev(rates)}
+    rest = {"cpu": (fault_cpu(cpu1) - fault_cpu(cpu0)) / span,
+            "all_cpu": (sum(cpu1.values()) - sum(cpu0.values())) / span,
+            "cpu_sd": statistics.stdev(rates)}
+    rest.update({f"thread {name}": (cpu1[name] - cpu0.get(name, 0.0)) / span for name in cpu1})
     for key in ("requests", "bytes"):
         rest[key] = _etcd(t1, key) - _etcd(t0, key)
         rest[key] /= span
     return rest
+
+
+def fault_cpu(threads: dict[str, float]) -> float:
+    """The CPU seconds of the threads a fault makes work: all but `BACKGROUND_THREADS`."""
+    return sum(v for name, v in threads.items() if name not in BACKGROUND_THREADS)
 
 
 def _etcd(counts: Any, key: str) -> float:
@@ -195,8 +209,13 @@ def one_fault(job: Job, k: int, rest: dict[str, float]) -> dict[str, Any]:
             "publish_ms": 1000 * (record[0] - t0) if record else None,
             "record_bytes": record[3] if record else None,
             "decode_ms": 1000 * record[4] if record else None,
-            "cpu_ms": 1000 * ((cpu1 - cpu0) - rest["cpu"] * span),
+            "cpu_ms": 1000 * (fault_cpu(cpu1) - fault_cpu(cpu0) - rest["cpu"] * span),
             "cpu_noise_ms": 1000 * 2 * rest["cpu_sd"] * span,
+            "all_cpu_ms": 1000 * (sum(cpu1.values()) - sum(cpu0.values())
+                                  - rest["all_cpu"] * span),
+            "threads_ms": {name: round(1000 * (cpu1[name] - cpu0.get(name, 0.0)
+                                               - rest.get(f"thread {name}", 0.0) * span), 1)
+                           for name in cpu1},
             "etcd_requests": (_etcd(e1, "requests") - _etcd(e0, "requests")
                               - rest["requests"] * span),
             "etcd_bytes": _etcd(e1, "bytes") - _etcd(e0, "bytes") - rest["bytes"] * span}
@@ -238,6 +257,7 @@ def measure(nodes: int, backend: str, faults: int, procs: int, keep: bool,
         row["settle_s"] = round(settle(job), 1)
         rest = at_rest(job)
         row["rest_cpu_pct"] = round(100 * rest["cpu"], 1)
+        row["rest_all_cpu_pct"] = round(100 * rest["all_cpu"], 1)
         row["rest_etcd_req_s"] = round(rest["requests"])
         samples = [one_fault(job, k, rest) for k in range(faults)]
         row["samples"] = samples
@@ -261,6 +281,7 @@ def measure(nodes: int, backend: str, faults: int, procs: int, keep: bool,
 def summarize(row: dict[str, Any], samples: list[dict[str, Any]]) -> None:
     last = [s["last_ms"] for s in samples]
     median = [s["median_ms"] for s in samples]
+    cpu = [s["cpu_ms"] for s in samples]
     row.update(notified_p50_ms=round(quantile(median, 0.5), 1),
                last_p50_ms=round(quantile(last, 0.5), 1),
                last_p99_ms=round(quantile(last, 0.99), 1),
@@ -269,15 +290,26 @@ def summarize(row: dict[str, Any], samples: list[dict[str, Any]]) -> None:
                cpu_ms=round(statistics.mean(s["cpu_ms"] for s in samples), 1),
                cpu_p50_ms=round(quantile([s["cpu_ms"] for s in samples], 0.5), 1),
                cpu_noise_ms=round(statistics.mean(s["cpu_noise_ms"] for s in samples), 1),
+               cpu_mean_pm_ms=round(2 * statistics.stdev(cpu) / math.sqrt(len(cpu)), 1)
+               if len(cpu) > 1 else None,
+               all_cpu_ms=round(statistics.mean(s["all_cpu_ms"] for s in samples), 1),
                etcd_req=round(statistics.mean(s["etcd_requests"] for s in samples), 1),
                etcd_kb=round(statistics.mean(s["etcd_bytes"] for s in samples) / 1e3, 1),
                faults=len(samples))
 
 
 COLUMNS = ("backend", "nodes", "ranks", "faults", "notified_p50_ms", "last_p50_ms",
-           "last_p99_ms", "publish_p50_ms", "cpu_ms", "cpu_p50_ms", "cpu_noise_ms", "etcd_req",
-           "etcd_kb",
-           "generations_for_burst", "rest_cpu_pct", "exit_code")
+           "last_p99_ms", "publish_p50_ms", "cpu_ms", "cpu_mean_pm_ms", "cpu_p50_ms",
+           "cpu_noise_ms", "all_cpu_ms", "etcd_req", "etcd_kb", "generations_for_burst",
+           "rest_cpu_pct", "exit_code")
+
+
+def by_thread(samples: list[dict[str, Any]]) -> str:
+    """Each thread's mean share of a fault's CPU, the largest first (ms)."""
+    names = {name for s in samples for name in s["threads_ms"]}
+    means = {n: statistics.mean(s["threads_ms"].get(n, 0.0) for s in samples) for n in names}
+    return ", ".join(f"{n} {v:.1f}" for n, v in sorted(means.items(), key=lambda kv: -kv[1])
+                     if abs(v) >= 0.5)
 
 
 def print_rows(rows: list[dict[str, Any]]) -> None:
@@ -286,5 +318,9 @@ def print_rows(rows: list[dict[str, Any]]) -> None:
         print("  ".join(f"{r.get(c, '-')!s:>12}" for c in COLUMNS))
         print(f"    {r.get('rdzv_conf', '')}, {r.get('sim_procs', '-')} simulator processes, "
               f"{os.cpu_count()} cores shared by everything")
+        if r.get("samples"):
+            print(f"    a fault's CPU by thread (mean ms, less its rest): {by_thread(r['samples'])}"
+                  f"; at rest: {r.get('rest_cpu_pct')}% of a core, "
+                  f"{r.get('rest_all_cpu_pct')}% with {', '.join(BACKGROUND_THREADS)}")
         for e in r.get("errors") or []:
             print(f"    error: {e}")
