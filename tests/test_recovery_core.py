@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -485,3 +486,24 @@ def test_a_generation_reaches_no_worker_unless_the_control_plane_took_it() -> No
     with pytest.raises(FtrunError, match="lost the leadership"):
         rec.on_exit(exit_(port, 2, 1))
     assert store.generation().number == 1  # the workers never see generation 2
+
+
+def test_roles_and_live_members_match_a_scan_of_every_worker_after_random_moves() -> None:
+    """`with_role` and `live` keep an index per role (no scan of 32,768 workers a fault): after
+    any allowed moves they answer what a scan of every worker's role answers, in the order
+    the roles were taken."""
+    rng = random.Random(52)
+    for _ in range(50):
+        ms = Membership(tuple(range(8)))
+        for _ in range(rng.randrange(1, 60)):
+            w = rng.randrange(14)
+            allowed = sorted(ALLOWED[ms.role(w)], key=lambda r: r.value)
+            if rng.random() < 0.1:  # a new generation: members left out are gone
+                ms.publish(tuple(m for m in ms.members if rng.random() < 0.8))
+            elif allowed:
+                ms.move(w, rng.choice(allowed))
+        scan = list(ms.roles.items())
+        for roles in ([R.SPARE], [R.FINISHED], [R.JOINING, R.READY], [R.SPARE, R.STARTING_SPARE],
+                      list(WorkerRole)):
+            assert ms.with_role(*roles) == [w for w, r in scan if r in roles]
+        assert ms.live() == tuple(m for m in ms.members if ms.roles.get(m) is not R.FINISHED)

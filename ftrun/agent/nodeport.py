@@ -29,7 +29,7 @@ from ftrun.core.drains import DrainRequest
 from ftrun.core.events import Event, EventSink
 from ftrun.core.policy import Liveness
 from ftrun.core.spec import RunSpec
-from ftrun.protocol.rendezvous import Generation, node_of
+from ftrun.protocol.rendezvous import WORKER_ID_STRIDE, Generation, node_of
 from ftrun.protocol.status import Status
 
 if TYPE_CHECKING:
@@ -133,9 +133,10 @@ class NodePort:
 
     def highest_committed(self, worker_ids: Sequence[int]) -> int:
         """One pass for this node's workers' slots, one lookup each in the other nodes'."""
-        here = self._cluster().index
-        slots = self._services.slots
-        mine = max((slots.committed_step(w) for w in worker_ids if node_of(w) == here),
+        first = self._cluster().index * WORKER_ID_STRIDE  # this node's ids: [first, end)
+        end, slots = first + WORKER_ID_STRIDE, self._services.slots
+        # a range test, not `node_of` per id: 32,768 calls were ~3 ms of a fault's decision
+        mine = max((slots.committed_step(w) for w in worker_ids if first <= w < end),
                    default=-1)
         return max(mine, self._others.highest_committed(worker_ids))
 
