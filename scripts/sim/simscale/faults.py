@@ -55,6 +55,8 @@ BURST = 10  # faults within a few ms
 BURST_QUIET_S = 2.0  # no newer generation for this long: the burst's are all out
 SETTLED_PCT = 10.0  # the coordinator at rest: two 1 s windows of its CPU this close
 SETTLE_S = 180.0  # ...within this (thousands of hellos and joins are worked off first)
+REQUEST_READER = "ftrun-requests"  # the coordinator's thread that reads the workers' requests
+IDLE_PCT = 5.0  # ...idle: below this share of a core
 NODE_SIZE = 8
 BACKGROUND_THREADS = ("ftrun-status",)  # the job's status built and the payloads read again,
 # on their own clock (`cluster/jobnodes.StatusThread`), paused while a fault is decided
@@ -145,14 +147,18 @@ def _real_hold(coord: Coordinator, number: int) -> list[float] | None:
 
 
 def settle(job: Job) -> float:
-    """Wait until the coordinator has worked off its start (its CPU in two 1 s windows in a
-    row within SETTLED_PCT points); how long that took."""
+    """Wait until the coordinator has worked off its start: its request reader idle (every
+    worker's hello goes through it: at 4,096 nodes it stays busy for a while after the nodes
+    are up, at a steady rate that the check below alone took for rest) and its threads' CPU
+    in two 1 s windows in a row within SETTLED_PCT points; how long that took."""
     start, last = time.monotonic(), None
     while time.monotonic() - start < SETTLE_S:
-        cpu0, t0 = job.coord.cpu_s(), time.monotonic()
+        cpu0, t0 = job.coord.cpu_by_thread(), time.monotonic()
         time.sleep(1.0)
-        pct = 100 * (job.coord.cpu_s() - cpu0) / (time.monotonic() - t0)
-        if last is not None and abs(pct - last) < SETTLED_PCT:
+        cpu1, span = job.coord.cpu_by_thread(), time.monotonic() - t0
+        pct = 100 * (sum(cpu1.values()) - sum(cpu0.values())) / span
+        requests_pct = 100 * (cpu1.get(REQUEST_READER, 0.0) - cpu0.get(REQUEST_READER, 0.0)) / span
+        if last is not None and abs(pct - last) < SETTLED_PCT and requests_pct < IDLE_PCT:
             break
         last = pct
     return time.monotonic() - start
