@@ -158,8 +158,9 @@ class Membership:
         """A new generation: joiners must heal, members left out are gone. `renumber` False:
         a further change to the generation not yet published (one generation for a burst)."""
         view = View(self.view.generation + (1 if renumber else 0), members)
-        # its set: at 8,192 members, a tuple's `in` took ~0.4 s a fault
-        left = [m for m in self.members if m not in view.member_set]
+        # sets: at 8,192 members a tuple's `in` took ~0.4 s a fault, and at 32,768 a scan
+        # of the old members ~10 ms; by id, as the order they leave in does not matter
+        left = sorted(self.view.member_set - view.member_set)
         self.view = view
         for j in joiners:
             self.move(j, WorkerRole.HEALING)
