@@ -14,6 +14,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -54,7 +55,7 @@ class Coordinator:
                  ) -> None:
         """`rdzv`: the backend's arguments (--rdzv-backend, --rdzv-endpoint, ...); `extra`:
         more of ftrun's flags."""
-        self.dir = workdir
+        self.dir, self.name = workdir, name
         self.log = open(workdir / f"{name}.log", "w")  # noqa: SIM115 (closed in stop)
         env = {**os.environ, "OMP_NUM_THREADS": "1", "FTRUN_RUN_DIR": str(workdir / "run")}
         if name != "coordinator":
@@ -66,6 +67,19 @@ class Coordinator:
         self.started = time.time()
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env,
                                      start_new_session=True)
+
+    def served(self, store: Callable[[], Any], timeout_s: float) -> Any:
+        """What `store()` returns once the coordinator serves its store; a coordinator that
+        exits first is an error at once, with its log's last line (it used to be a wait of
+        `timeout_s` for a store nobody would serve)."""
+        def up() -> Any:
+            if (code := self.proc.poll()) is not None:
+                self.log.flush()
+                lines = (self.dir / f"{self.name}.log").read_text().strip().splitlines()
+                raise RuntimeError(f"the {self.name} exited with {code} before serving its "
+                                   f"store: {lines[-1] if lines else '(no output)'}")
+            return store()
+        return until(up, timeout_s, f"the {self.name}'s store", 0.1)
 
     def cpu_s(self) -> float:
         import psutil

@@ -96,7 +96,7 @@ class Job:
         self.coord = Coordinator(nodes, NODE_SIZE, self.plane.coordinator_args(), self.workdir,
                                  self.conf, extra=("--max-faults", "100000"))
         cleanups.append(self.coord.kill)
-        store = until(self.plane.store, 120, "the coordinator's store", 0.1)
+        store = self.coord.served(self.plane.store, 120)
         etcd = None if self.plane.lab is None else {
             "endpoints": self.plane.lab.endpoints.split(","),
             "conf": dict(kv.split("=", 1) for kv in self.conf.split(","))}
