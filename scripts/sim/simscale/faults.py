@@ -275,8 +275,11 @@ def measure(nodes: int, backend: str, faults: int, procs: int, keep: bool,
     finally:
         if job is not None:
             with contextlib.suppress(Exception):
-                row["errors"] += [e for s in job.procs.everywhere("state", timeout=30)
-                                  for e in s["errors"]][:10]
+                states = job.procs.everywhere("state", timeout=30)
+                row["errors"] += [e for s in states for e in s["errors"]][:10]
+                # a round of the simulators' heartbeats this long: their nodes were silent
+                # about as long (a node lost for it is the simulator's stall, not ftrun's)
+                row["max_beat_round_s"] = round(max(s["max_gap"] for s in states), 2)
             job.close(keep, not row["errors"])
             row["exit_code"] = job.exit_code
             if keep or row["errors"] or job.exit_code != 0:
@@ -323,7 +326,8 @@ def print_rows(rows: list[dict[str, Any]]) -> None:
     for r in rows:
         print("  ".join(f"{r.get(c, '-')!s:>12}" for c in COLUMNS))
         print(f"    {r.get('rdzv_conf', '')}, {r.get('sim_procs', '-')} simulator processes, "
-              f"{os.cpu_count()} cores shared by everything")
+              f"{os.cpu_count()} cores shared by everything; the simulators' longest "
+              f"heartbeat round {r.get('max_beat_round_s', '-')} s")
         if r.get("samples"):
             print(f"    a fault's CPU by thread (mean ms, less its rest): {by_thread(r['samples'])}"
                   f"; at rest: {r.get('rest_cpu_pct')}% of a core, "
