@@ -93,8 +93,10 @@ def test_fault_during_recovery_the_replacement_dies_before_joining(reference, tm
 
 
 def test_healing_source_killed_mid_transfer(reference, tmp_path) -> None:
-    """The replacement heals from ranks 0 and 2 in 256-byte chunks; 0 dies once asked for its
-    share: the heal resumes from rank 2, asking only for the chunks it does not have."""
+    """The replacement heals from ranks 0 and 2 in 256-byte chunks; 0 dies once it sent the
+    first chunk of its share: the heal resumes from rank 2, asking only for the chunks it does
+    not have. (0 used to die before sending any: then whether the heal kept anything depended
+    on whether one of 2's chunks landed before 0's death was seen, and it sometimes did not.)"""
     r = run(tmp_path / "o", "--heal-chunk-mb", str(256 / (1 << 20)), "--log-dir",
             str(tmp_path / "logs"), script_args=("--die", "1:10"),
             env={"FTRUN_DRILL_KILL_MID_TRANSFER": "0"})

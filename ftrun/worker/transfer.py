@@ -153,8 +153,7 @@ def send_heal(group: Group, dst: int, sources: Sequence[int], objects: Mapping[s
     request = torch.zeros(len(layout) + 1, dtype=torch.int64, device=device)
     _run(group, "recv", request, dst, _TAG_REQUEST, interrupt)
     wanted = [int(i) for i in request.cpu().tolist()[1:1 + int(request[0])]]
-    if os.environ.get(DRILL_KILL_MID_TRANSFER) == os.environ.get("FTRUN_WORKER_ID", "-"):
-        os.kill(os.getpid(), signal.SIGKILL)  # a fault drill: a source dies mid-heal
+    drill = os.environ.get(DRILL_KILL_MID_TRANSFER) == os.environ.get("FTRUN_WORKER_ID", "-")
     stats = HealStats(sources=tuple(sources))
     staging: Any = None
     for chunk_id in wanted:
@@ -165,6 +164,8 @@ def send_heal(group: Group, dst: int, sources: Sequence[int], objects: Mapping[s
             stats.staged_bytes = chunk_bytes
             direct = _gather(chunk, views, staging)
         _run(group, "send", direct, dst, _TAG_CHUNK + chunk_id, interrupt)
+        if drill:  # a fault drill: a source dies mid-heal, its first chunk sent (so the
+            os.kill(os.getpid(), signal.SIGKILL)  # heal that resumes has something kept)
         stats.bytes += direct.numel()
         stats.chunks += 1
     stats.seconds = time.monotonic() - started
