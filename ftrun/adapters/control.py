@@ -86,6 +86,26 @@ class RunInfo:
         return alive(self.pid)
 
 
+def _ending(pid: int, grace_s: float = timeouts.JOB_EXIT_GRACE_S) -> bool:
+    """The agent that closed a connection unanswered is gone, or dead and not yet reaped by
+    its parent (a zombie: `kill -0` still finds it), within `grace_s` (its sockets close a
+    moment before it becomes one). A live one means: try again."""
+    import psutil
+
+    deadline = time.monotonic() + grace_s
+    while True:
+        try:
+            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                return True
+        except psutil.NoSuchProcess:
+            return True
+        except psutil.Error:
+            return not alive(pid)
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.02)
+
+
 class JobGone(FtrunError):
     """The job's control socket is gone or has no listener: the job has ended."""
 
@@ -273,7 +293,7 @@ def request(info: RunInfo, doc: dict[str, Any],
             raise FtrunError(f"job {name} did not answer: {exc.message}", hint="try again") \
                 from None
     if not raw:
-        if not info.alive:
+        if _ending(info.pid):
             raise JobGone(f"job {name} has ended", hint="`ftrun status` lists running jobs")
         raise FtrunError(f"job {name} closed the connection without answering", hint="try again")
     try:

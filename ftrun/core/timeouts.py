@@ -46,6 +46,8 @@ LOST_STORE_GRACE_S = 3.0  # a follower whose store host died: SIGTERM, then SIGK
 STATUS_EVERY_S = 1.0  # the coordinator publishing the whole job's status
 CONNECT_TRY_S = 2.0  # one try of a follower reaching the store (Ctrl-C is checked between)
 STORE_LOST_S = 10.0  # a follower's store round trip longer than this: the coordinator is gone
+JOB_EXIT_GRACE_S = 0.5  # a job's agent that closed a control connection unanswered: dead by
+# then (gone or a zombie), or `ftrun` says "try again"
 
 # etcd control plane (--rdzv-backend etcd; each overridable with --rdzv-conf request_timeout=,
 # lease_ttl=)
