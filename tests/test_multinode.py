@@ -106,6 +106,11 @@ def two_nodes(nodes, port: int, args: list[str], b_args: list[str] | None = None
     return a, nodes("b", b_args or args)
 
 
+# For jobs whose nodes all start together: a node that comes more than the last call (1 s by
+# default) after --nnodes MIN joined enters as spares, and the world size stays MIN's
+LONG_LAST_CALL = ("--rdzv-conf", "last_call_timeout=60")
+
+
 def ft_job(port: int, *flags: str, nnodes: str = "2", nproc: int = 2, steps: int = 100000,
            step_time: float = 0.05, out: Path | None = None,
            end_file: Path | None = None) -> list[str]:
@@ -144,11 +149,12 @@ def end_soon(end_file: Path, doc: object, ahead: int = 40) -> int:
 def test_node_lost_then_replaced_without_restart(tmp_path: Path, nodes) -> None:
     port, out, end_file = free_port(), tmp_path / "out", tmp_path / "end_at"
     out.mkdir()
-    args = ft_job(port, "--rdzv-id", "mn", nnodes="2:3", step_time=0.03, out=out,
-                  end_file=end_file)
+    args = ft_job(port, "--rdzv-id", "mn", *LONG_LAST_CALL, nnodes="2:3", step_time=0.03,
+                  out=out, end_file=end_file)
     metrics_port = free_port()  # the coordinator's view of every node, as Prometheus sees it
     a = nodes("a", ft_job(port, "--rdzv-id", "mn", "--metrics-port", str(metrics_port),
-                          nnodes="2:3", step_time=0.03, out=out, end_file=end_file))
+                          *LONG_LAST_CALL, nnodes="2:3", step_time=0.03, out=out,
+                          end_file=end_file))
     wait_listening(port, 30)
     b, c = nodes("b", args), nodes("c", args)
     doc = wait_for(lambda: stepping(a, 6, 10), 120, "6 workers on 3 nodes stepping")
@@ -325,7 +331,8 @@ def test_spares_on_other_nodes_hold_the_world_size_when_a_node_is_lost(tmp_path:
                                                                       nodes) -> None:
     port, out, end_file = free_port(), tmp_path / "out", tmp_path / "end_at"
     out.mkdir()
-    args = ft_job(port, "--spares", "1", nnodes="2:3", nproc=1, out=out, end_file=end_file)
+    args = ft_job(port, "--spares", "1", *LONG_LAST_CALL, nnodes="2:3", nproc=1, out=out,
+                  end_file=end_file)
     a, b = two_nodes(nodes, port, args)
     c = nodes("c", args)
 
