@@ -357,6 +357,9 @@ def test_spares_on_other_nodes_hold_the_world_size_when_a_node_is_lost(tmp_path:
     assert a.wait(150) == 0, a.stderr
     assert b.wait(30) == 0, b.stderr
     assert "take their ranks" in a.stderr
+    entered = next(line for line in a.stderr.splitlines() if "node 3 " in line
+                   and "enters the running job" in line)
+    assert entered.endswith("as spares: its world size (3) is whole")  # not late for the start
     logs = {int(p.stem.split("_")[1]): json.loads(p.read_text()) for p in out.glob("log_*.json")}
     finishers = [w for w in logs if w // 10_000 not in (c_node, 3)]
     assert len(finishers) == 3  # two first members and the spare that took the lost rank

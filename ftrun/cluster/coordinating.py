@@ -288,10 +288,15 @@ class Coordinating:
         host.update_attempt(group_world_size=group_rank + 1)
         entering = len(rec.membership.members) + len(
             rec.membership.with_role(WorkerRole.JOINING, WorkerRole.READY))
-        notice(self.host.emit, f"{node.label} enters the running job")
         if entering >= len(self.others.members):
+            notice(self.host.emit, f"{node.label} enters the running job as spares: its "
+                   f"world size ({len(self.others.members)}) is whole" + (
+                       "" if rec.membership.generation else  # late for the start: say why
+                       f"; it came after --nnodes MIN and the last call (--rdzv-conf "
+                       f"last_call_timeout={self.spec.timings.last_call_timeout:g})"))
             rec.add_spares(self._start_node(node, -1, group_rank, spare=True))
             return
+        notice(self.host.emit, f"{node.label} enters the running job")
         host.update_attempt(world_size=entering + node.nproc)
         rec.add_joiners(self._start_node(node, -1, group_rank))
 
