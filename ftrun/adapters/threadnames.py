@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import sys
 import threading
 from types import FrameType
@@ -23,16 +24,22 @@ OS_NAME_BYTES = 15  # the kernel keeps 15 bytes and a NUL
 _PR_SET_NAME = 15  # prctl(2)
 
 
+@functools.cache
+def _prctl() -> Any:
+    """libc's prctl, loaded once (None where there is none)."""
+    with contextlib.suppress(OSError, AttributeError):
+        return ctypes.CDLL(None, use_errno=True).prctl
+    return None
+
+
 def set_os_thread_name(name: str) -> bool:
     """The calling thread's OS name (its first 15 bytes); False where it could not be set
     (not Linux, no libc): a name is a convenience, never a reason to fail."""
-    if not sys.platform.startswith("linux"):
+    prctl = _prctl() if sys.platform.startswith("linux") else None
+    if prctl is None:
         return False
-    with contextlib.suppress(OSError, AttributeError):
-        libc = ctypes.CDLL(None, use_errno=True)
-        raw = name.encode("utf-8", "replace")[:OS_NAME_BYTES]
-        return bool(libc.prctl(_PR_SET_NAME, ctypes.c_char_p(raw), 0, 0, 0) == 0)
-    return False
+    raw = name.encode("utf-8", "replace")[:OS_NAME_BYTES]
+    return bool(prctl(_PR_SET_NAME, ctypes.c_char_p(raw), 0, 0, 0) == 0)
 
 
 def name_os_threads() -> None:
