@@ -163,3 +163,27 @@ def test_the_launch_prints_its_sources(capsys: pytest.CaptureFixture[str]) -> No
     parse_run_args(["t.py"], env={**SRUN, "PATH": os.environ.get("PATH", "")})
     err = capsys.readouterr().err.splitlines()
     assert len(err) == 1 and err[0].startswith("ftrun: Slurm job 774329: ")
+
+
+def test_an_elastic_step_waits_for_every_node_srun_started() -> None:
+    """--nnodes 2:3 on a 3-node step: the start waits up to 30 s for the third node (it ends
+    as soon as it is in); with ftrun's 1 s last call a node a second late would wait as a
+    spare for the whole run."""
+    said = resolve_slurm(SRUN, {"nnodes": "2:3"}, rdzv_conf="join_timeout=9")
+    assert said is not None and said.values["rdzv_conf"] == "join_timeout=9,last_call_timeout=30"
+    assert "the start waits up to 30 s for all 3 nodes (--rdzv-conf last_call_timeout)" in \
+        said.note
+    for given, conf in (({"nnodes": "2:3"}, "last_call_timeout=2"), ({"nnodes": "2:4"}, ""),
+                        ({"nnodes": "2"}, ""), ({}, "")):
+        other = resolve_slurm(SRUN, given, rdzv_conf=conf)
+        assert other is not None and "rdzv_conf" not in other.values, given
+        assert "waits up to" not in other.note
+
+    def last_call(*argv: str) -> tuple[float, float]:
+        t = build_run_spec([*argv, "t.py"], env=SRUN, notice=lambda _: None).timings
+        return t.last_call_timeout, t.join_timeout
+
+    assert last_call("--nnodes", "2:3") == (30.0, 600.0)
+    assert last_call("--nnodes", "2:3", "--rdzv-conf", "join_timeout=9") == (30.0, 9.0)
+    assert last_call("--nnodes", "2:3", "--rdzv-conf", "last_call_timeout=2") == (2.0, 600.0)
+    assert last_call("--nnodes", "3") == (1.0, 600.0)

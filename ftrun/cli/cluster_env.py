@@ -24,7 +24,7 @@ def scheduler_defaults(ns: argparse.Namespace, given: Mapping[str, str], env: Ma
                        notice: Callable[[str], None]) -> None:
     """Fill in what Slurm knows and the user did not give (`given`: the settings the user
     gave, argparse dests), and say in one line what was taken from where."""
-    settings = resolve_slurm(env, given, expand=expand_nodelist)
+    settings = resolve_slurm(env, given, expand=expand_nodelist, rdzv_conf=ns.rdzv_conf or "")
     if settings is None:
         return
     for dest, value in settings.values.items():

@@ -15,6 +15,7 @@ import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from ftrun.core import timeouts
 from ftrun.core.errors import UsageError
 
 C10D_PORT = 29400  # torchrun's c10d default; a job's store takes C10D_PORT + job id % PORTS
@@ -90,10 +91,12 @@ def _number(env: Mapping[str, str], *names: str) -> tuple[int, str] | None:
 
 
 def resolve_slurm(env: Mapping[str, str], given: Mapping[str, str],
-                  expand: Callable[[str], Sequence[str]] = hostnames) -> SlurmSettings | None:
+                  expand: Callable[[str], Sequence[str]] = hostnames,
+                  rdzv_conf: str = "") -> SlurmSettings | None:
     """The settings a Slurm allocation fills in where the user gave none (None: not under
     Slurm). `given`: the settings the user gave (argparse dests, from the command line or
-    PET_*); `expand`: a node list to host names (`scontrol show hostnames` where present)."""
+    PET_*); `expand`: a node list to host names (`scontrol show hostnames` where present);
+    `rdzv_conf`: the --rdzv-conf given (ftrun may add a last call to it)."""
     job = env.get("SLURM_JOB_ID", "").strip()
     if not job:
         return None
@@ -107,6 +110,7 @@ def resolve_slurm(env: Mapping[str, str], given: Mapping[str, str],
             _outside_srun(env, said)
         elif step[0] > 1:
             spares = _multinode(env, given, said, step[0], expand)
+            _step_last_call(given, rdzv_conf, step[0], said)
     restarts = env.get("SLURM_RESTART_COUNT", "").strip()
     head = f"Slurm job {job}" + (f" (restart {restarts})" if restarts not in ("", "0") else "")
     return SlurmSettings(said.values, spares, said.line(head))
@@ -182,6 +186,22 @@ def _multinode(env: Mapping[str, str], given: Mapping[str, str], said: _Said, no
                            f"--nnodes {given['nnodes']} (they wait in line and enter when a "
                            f"node is lost)")
     return spares
+
+
+def _step_last_call(given: Mapping[str, str], conf: str, nodes: int, said: _Said) -> None:
+    """--nnodes MIN:MAX whose MAX nodes srun all started, and a --rdzv-conf without a last
+    call: the start waits for them (it ends as soon as they are in). ftrun's 1 s last call
+    would start the job with the first MIN, and a node a second late would wait as a spare
+    for the whole run (the world size stays MIN's)."""
+    low, _, high = given.get("nnodes", "").partition(":")
+    keys = {part.split("=")[0].strip(" '\"") for part in conf.split(",")}
+    if "last_call_timeout" in keys or not (
+            low.isdigit() and high.isdigit() and int(low) < int(high) <= nodes):
+        return
+    wait = timeouts.SRUN_LAST_CALL_S
+    said.values["rdzv_conf"] = ",".join(filter(None, (conf, f"last_call_timeout={wait:g}")))
+    said.asides.append(f"the start waits up to {wait:g} s for all {high} nodes "
+                       "(--rdzv-conf last_call_timeout)")
 
 
 def _spares(nnodes: str | None, nodes: int) -> int:

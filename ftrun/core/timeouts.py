@@ -42,6 +42,7 @@ NODE_SUSPECT_S = 1.0  # the same once a worker saw a peer's connection break
 NODE_PING_S = 0.3  # ...or no answer to a ping within this, and no heartbeat for as long
 NODE_JOIN_S = 600.0  # the coordinator waiting for --nnodes MIN nodes (torchrun's join_timeout)
 LAST_CALL_S = 1.0  # after MIN nodes joined, how long more nodes (up to MAX) may still join
+SRUN_LAST_CALL_S = 30.0  # ...under srun, when all MAX nodes are in the step (torchrun's default)
 LOST_STORE_GRACE_S = 3.0  # a follower whose store host died: SIGTERM, then SIGKILL
 STATUS_EVERY_S = 1.0  # the coordinator publishing the whole job's status
 CONNECT_TRY_S = 2.0  # one try of a follower reaching the store (Ctrl-C is checked between)
