@@ -247,14 +247,16 @@ def test_a_restart_starts_over_when_no_node_holds_a_part_and_ends_when_one_lacks
     assert "only 1 of 2 nodes joined" in said and "was refused: this node was started with " \
         "--snapshot-every 100 (the coordinator's: 4)" in said, said[-3000:]
     assert "Traceback" not in said and not states(tmp_path / "mo")
-    # node 1's first worker dies halfway through its copy of step 4, the first snapshot:
-    # node 0 holds its part of step 4, node 1 lacks one. A restart (one allowed: whether
-    # node 0's part is on disk when the fault is decided, which makes it a restart from that
-    # snapshot, is a race) has every rank agree, and the agreement ends the job
+    # node 1's first worker dies halfway through its copy of step 4, the first snapshot, 2 s
+    # after it got there: node 0 holds its part of step 4 (it copied it meanwhile; without
+    # the pause a loaded host could restart node 0's workers before they had, and with no
+    # part anywhere the job rightly started over), node 1 lacks one. A restart (one allowed:
+    # whether node 0's part is on disk when the fault is decided, which makes it a restart
+    # from that snapshot, is a race) has every rank agree, and the agreement ends the job
     ends = two_nodes(tmp_path / "p", tmp_path / "po", both(
         ["--snapshot-every", "4", "--snapshot-dir", str(tmp_path / "ps"), "--max-restarts",
          "1"]),
-        script_args=("--die-all-at", "6"), env={"FTRUN_DRILL_KILL_MID_SNAPSHOT": f"{N1}:4"},
+        script_args=("--die-all-at", "6"), env={"FTRUN_DRILL_KILL_MID_SNAPSHOT": f"{N1}:4:2"},
         check=False)
     said = "".join(ends)
     assert "no step that every rank of its replica group holds" in said, said[-3000:]

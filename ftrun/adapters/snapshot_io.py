@@ -27,7 +27,9 @@ from ftrun.core.errors import first_line
 from ftrun.protocol.snapshots import SKELETON, SlotRecord, not_mine, try_lock, unsafe
 
 _ALIGN = 64
-# "WID:STEP": the first attempt's worker WID dies halfway through copying the snapshot of STEP
+# "WID:STEP[:PAUSE_S]": the first attempt's worker WID dies halfway through copying the
+# snapshot of STEP, PAUSE_S seconds (0 by default) after it got there: the other ranks copy
+# theirs meanwhile, so that only its part is missing (a test's drill)
 DRILL_KILL_MID_SNAPSHOT = "FTRUN_DRILL_KILL_MID_SNAPSHOT"
 
 
@@ -156,7 +158,8 @@ class Slot:
                  for d, n, o in zip(plan.dtypes, plan.counts, plan.offsets, strict=True)]
         for i, (part, offset, t) in enumerate(plan.tensors):
             flats[part][offset:offset + t.numel()].copy_(t.detach().reshape(-1))
-            if i == len(plan.tensors) // 2 and _drill_kill(worker, step):
+            if i == len(plan.tensors) // 2 and (pause := _drill_kill(worker, step)) is not None:
+                time.sleep(pause)
                 os.kill(os.getpid(), 9)  # a fault drill: the snapshot's writer dies mid-copy
         parts = tuple((str(d).removeprefix("torch."), o, n)
                       for d, o, n in zip(plan.dtypes, plan.offsets, plan.counts, strict=True))
@@ -252,9 +255,13 @@ def _frombytes(data: bytes) -> Any:
     return torch.frombuffer(bytearray(data), dtype=torch.uint8)
 
 
-def _drill_kill(worker: int, step: int) -> bool:
-    return (os.environ.get(DRILL_KILL_MID_SNAPSHOT) == f"{worker}:{step}"
-            and os.environ.get("FTRUN_ATTEMPT") == "0")
+def _drill_kill(worker: int, step: int) -> float | None:
+    """The pause before the drill's death of `worker` copying `step`, or None: no drill."""
+    wid, _, rest = os.environ.get(DRILL_KILL_MID_SNAPSHOT, "").partition(":")
+    at, _, pause = rest.partition(":")
+    if (wid, at) != (str(worker), str(step)) or os.environ.get("FTRUN_ATTEMPT") != "0":
+        return None
+    return float(pause or 0)
 
 
 def read_slot(path: str, rec: SlotRecord, owned: bool = False,
