@@ -214,8 +214,8 @@ def test_a_rebuild_takes_the_stall_drills_it_answers() -> None:
 
 # ------------------------------------------------------------------ real jobs
 SCRIPT = str(FIXTURES / "hang_train.py")
-# 80: the last drill (step 35) leaves ~4.5 s of training, in which a loaded host (another
-# test file beside this one, -n 2) still answers `ftrun status` before the job ends
+# 80: the last drill (step 35) leaves ~4.5 s of training (less when a replacement is slow to
+# come: a job that must still answer `ftrun status` after it holds at its end, --hold)
 STEPS = ("--steps", "80")
 
 
@@ -301,10 +301,10 @@ def test_a_stuck_communicator_is_rebuilt_then_its_ranks_replaced(
     """stall: rank 1's collective never completes (every rank waits in it) until the
     communicator is rebuilt. wedge: rank 2's thread never comes back from it, so the rebuilt
     communicator is stuck too and rank 2 is replaced."""
-    out = tmp_path / "o"
+    out, hold = tmp_path / "o", tmp_path / "hold"
     out.mkdir()
     job = start_job("--nproc", "3", "--hang-timeout", "2", SCRIPT, "--out", str(out), *STEPS,
-                    "--step-time", "0.1")
+                    "--step-time", "0.1", "--hold", str(hold))
     try:
         def stepping() -> bool:
             doc = status()
@@ -323,10 +323,11 @@ def test_a_stuck_communicator_is_rebuilt_then_its_ranks_replaced(
         assert {r: w["pid"] for r, w in by_rank(doc).items()} == pids  # nobody replaced
         r = ftrun_out("inject-fault", "--rank", "2", "--kind", "wedge", "--at-step", "35")
         assert r.returncode == 0, r.stdout + r.stderr
-        faults = status()["faults"]
+        faults = status()["faults"]  # the job holds after its last step until `hold`
         assert [f["decision"] for f in faults] == ["rebuild", "rebuild", "replace"]
         assert [f["kind"] for f in faults] == ["stall", "wedge", "hang"]  # the detector's
         assert faults[-1]["rank"] == 2
+        hold.touch()
         assert job.wait(120) == 0
     finally:
         if job.poll() is None:
