@@ -173,8 +173,9 @@ def test_an_elastic_step_waits_for_every_node_srun_started() -> None:
     assert said is not None and said.values["rdzv_conf"] == "join_timeout=9,last_call_timeout=30"
     assert "the start waits up to 30 s for all 3 nodes (--rdzv-conf last_call_timeout)" in \
         said.note
-    for given, conf in (({"nnodes": "2:3"}, "last_call_timeout=2"), ({"nnodes": "2:4"}, ""),
-                        ({"nnodes": "2"}, ""), ({}, "")):
+    for given, conf in (({"nnodes": "2:3"}, "last_call_timeout=2"),
+                        ({"nnodes": "2:3"}, "join_timeout=9, last_call_timeout =2"),
+                        ({"nnodes": "2:4"}, ""), ({"nnodes": "2"}, ""), ({}, "")):
         other = resolve_slurm(SRUN, given, rdzv_conf=conf)
         assert other is not None and "rdzv_conf" not in other.values, given
         assert "waits up to" not in other.note

@@ -193,31 +193,38 @@ def _step_last_call(given: Mapping[str, str], conf: str, nodes: int, said: _Said
     call: the start waits for them (it ends as soon as they are in). ftrun's 1 s last call
     would start the job with the first MIN, and a node a second late would wait as a spare
     for the whole run (the world size stays MIN's)."""
-    low, _, high = given.get("nnodes", "").partition(":")
-    keys = {part.split("=")[0].strip(" '\"") for part in conf.split(",")}
-    if "last_call_timeout" in keys or not (
-            low.isdigit() and high.isdigit() and int(low) < int(high) <= nodes):
+    bounds = _nnodes_range(given.get("nnodes"))
+    keys = {item.partition("=")[0].strip() for item in conf.split(",")}  # as --rdzv-conf's
+    if "last_call_timeout" in keys or bounds is None or not bounds[0] < bounds[1] <= nodes:
         return
     wait = timeouts.SRUN_LAST_CALL_S
     said.values["rdzv_conf"] = ",".join(filter(None, (conf, f"last_call_timeout={wait:g}")))
-    said.asides.append(f"the start waits up to {wait:g} s for all {high} nodes "
+    said.asides.append(f"the start waits up to {wait:g} s for all {bounds[1]} nodes "
                        "(--rdzv-conf last_call_timeout)")
 
 
-def _spares(nnodes: str | None, nodes: int) -> int:
-    if nnodes is None:
-        return 0
-    low, _, high = nnodes.partition(":")
+def _nnodes_range(nnodes: str | None) -> tuple[int, int] | None:
+    """--nnodes N or MIN:MAX as (MIN, MAX); None when not given or unreadable (the launch's
+    own check says what is wrong with it)."""
+    low, _, high = (nnodes or "").partition(":")
     if not low.isdigit() or not (high or low).isdigit():
-        return 0  # the launch's own check says what is wrong with it
-    if int(low) > nodes:
+        return None
+    return int(low), int(high or low)
+
+
+def _spares(nnodes: str | None, nodes: int) -> int:
+    bounds = _nnodes_range(nnodes)
+    if bounds is None:
+        return 0
+    low, high = bounds
+    if low > nodes:
         raise UsageError(f"--nnodes {nnodes} asks for at least {low} nodes, srun started "
                          f"{nodes}", hint=f"srun -N {low} or more, or --nnodes {nodes}")
-    if int(high or low) == 1:
+    if high == 1:
         raise UsageError(f"--nnodes {nnodes} under a {nodes}-node srun: every node would run "
                          f"a job of its own", hint=f"--nnodes {nodes} (or 1:{nodes}) for one "
                          f"job; srun -N 1, or --standalone for a job per node")
-    return max(0, nodes - int(high or low))
+    return max(0, nodes - high)
 
 
 def _rendezvous(env: Mapping[str, str], given: Mapping[str, str], said: _Said,
