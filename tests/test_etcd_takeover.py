@@ -17,16 +17,14 @@ from typing import Any
 
 import pytest
 from etcdlab import EtcdLab, ensure_all_up, etcd_cluster_fixture  # noqa: F401
-from test_multinode import Node, end_soon
+from test_multinode import LONG_LAST_CALL, Node, end_soon
 
 from tests.conftest import FIXTURES, wait_for
 
 
 def etcd_job(lab: EtcdLab, run_id: str, out: Path, end_file: Path) -> list[str]:
-    # the three nodes start together: a long last call keeps one that is seconds late out
-    # of the spares (1 s by default: a node later than that waits as a spare, world size 2)
     return ["--nnodes", "2:3", "--nproc", "1", "--spares", "1", "--rdzv-backend", "etcd",
-            "--rdzv-conf", "last_call_timeout=60",
+            *LONG_LAST_CALL,  # the three nodes start together
             "--rdzv-endpoint", lab.endpoints, "--rdzv-id", run_id, "--local-addr",
             "127.0.0.1", str(FIXTURES / "ft_train.py"), "--steps", "100000",
             "--step-time", "0.04", "--out", str(out), "--end-file", str(end_file)]

@@ -19,7 +19,7 @@ import pytest
 
 from tests import netlab
 from tests.conftest import FIXTURES, ftrun_cmd, pid_alive, wait_for
-from tests.test_multinode import Node, free_port
+from tests.test_multinode import LONG_LAST_CALL, Node, free_port
 
 pytestmark = pytest.mark.slow
 
@@ -51,10 +51,11 @@ def hosts(tmp_path: Path, lab: netlab.NetLab):
 
 def job(lab: netlab.NetLab, port: int, *flags: str, steps: int, out: Path,
         script_args: tuple[str, ...] = (), conf: str = "") -> list[str]:
-    """The three nodes start together: a long last call keeps one that comes seconds after
-    the first two out of the spares (1 s by default; the world size would stay 2)."""
+    """The three nodes start together (LONG_LAST_CALL); `conf`: more --rdzv-conf (one flag:
+    the last one given wins)."""
+    flag, last_call = LONG_LAST_CALL
     return ["--nnodes", "2:3", "--nproc", "1", *flags, "--rdzv-backend", "c10d",
-            "--rdzv-conf", f"{conf}last_call_timeout=60",
+            flag, ",".join(filter(None, (conf, last_call))),
             "--rdzv-endpoint", f"{lab.addr(0)}:{port}", "--rdzv-id", "part",
             str(FIXTURES / "ft_train.py"), "--steps", str(steps), "--step-time", "0.04",
             "--out", str(out), "--trail", str(out),
@@ -185,7 +186,7 @@ def test_a_cut_off_coordinator_leaves_every_node_to_end(tmp_path: Path, lab, hos
     out.mkdir()
     port = free_port()
     agents = start_three(lab, hosts, job(lab, port, steps=100000, out=out,
-                                         conf="rejoin_timeout=2,"))
+                                         conf="rejoin_timeout=2"))
     coord = agents[0]
     doc = wait_for(lambda: (d := coord.status()) and len(d["workers"]) == 3 and all(
         (w["step"] or 0) >= 5 for w in d["workers"]) and d, 150, "3 workers stepping")
