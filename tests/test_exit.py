@@ -76,3 +76,24 @@ def test_files_a_script_never_closed_keep_what_it_wrote(tmp_path) -> None:
     assert "ReferenceError" not in r.stderr  # the exit went through os._exit, not teardown
     assert text.read_text().endswith("step 1\nlast line")
     assert raw.read_bytes() == b"\x01" * 10
+
+
+def test_the_commands_exit_waits_for_its_threads_runs_its_handlers_and_flushes(tmp_path) -> None:
+    """`ftrun` itself leaves through core.leaving (its torch teardown skipped): a non-daemon
+    thread still working is waited for, as python waits, then the atexit handlers run, and
+    a file left open keeps what was written to it, the thread's last line included."""
+    log = tmp_path / "log.txt"
+    code = (
+        "import atexit, threading, time\n"
+        "from ftrun.core.leaving import join_other_threads, leave\n"
+        f"log = open({str(log)!r}, 'w')\n"
+        "def work():\n"
+        "    time.sleep(0.3)\n"
+        "    log.write('thread done\\n')\n"
+        "threading.Thread(target=work).start()\n"
+        "atexit.register(lambda: log.write('handler ran\\n'))\n"
+        "join_other_threads()\n"
+        "leave(3)\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30)
+    assert r.returncode == 3, r.stderr
+    assert log.read_text() == "thread done\nhandler ran\n"

@@ -14,7 +14,7 @@ leaves with 0.
 Every atexit handler runs, as at a normal exit: those registered after `ftrun.init()` before
 `_leave` (atexit runs the last registered first), the earlier ones (multiprocessing's clean-up
 of its semaphores, logging's flush, the script's own) from `_leave`, each once.
-Must not import: torch, typer, rich, other ftrun modules.
+Must not import: torch, typer, rich, ftrun modules other than core.leaving.
 """
 
 from __future__ import annotations
@@ -22,8 +22,6 @@ from __future__ import annotations
 import atexit
 import builtins
 import contextlib
-import gc
-import io
 import json
 import os
 import sys
@@ -32,6 +30,8 @@ import traceback
 from collections.abc import Callable
 from types import TracebackType
 from typing import Any
+
+from ftrun.core.leaving import leave
 
 _state: dict[str, Any] = {"armed": False, "installed": False, "code": 0}
 _LATER: list[Callable[..., Any]] = []  # atexit handlers registered after _leave: run before it
@@ -115,24 +115,4 @@ def _leave() -> None:
         return
     for func in (*_LATER, _leave):  # these ran (or are running): not twice
         _unregister(func)
-    atexit._run_exitfuncs()  # the handlers registered before ftrun.init(), as exit runs them
-    with contextlib.suppress(Exception):  # whatever a file does, the process still leaves
-        flush_open_files()
-    os._exit(_state["code"])
-
-
-def flush_open_files() -> None:
-    """What the interpreter's own teardown would write: the buffers of every file still
-    open (a script's log it never closed lost its lines at os._exit), text layers before
-    the binary ones below them, stdio included."""
-    # by type: isinstance reads __class__, which a dead weakref.proxy raises on
-    found = [o for o in gc.get_objects() if issubclass(type(o), io.IOBase)]
-    # twice over the binary layer: one over another (a GzipFile over a file) in either order
-    for layer in (io.TextIOBase, io.BufferedIOBase, io.BufferedIOBase, io.RawIOBase):
-        for stream in (o for o in found if isinstance(o, layer)):
-            with contextlib.suppress(Exception):  # closed, read-only, a broken pipe: nothing
-                if not stream.closed and stream.writable():
-                    stream.flush()
-    for std in (sys.stdout, sys.stderr):
-        with contextlib.suppress(OSError, ValueError):
-            std.flush()
+    leave(_state["code"])  # runs the handlers registered before ftrun.init(), as exit does
