@@ -108,6 +108,63 @@ def test_the_zygote_killed_mid_run_falls_back_and_the_job_finishes(tmp_path) -> 
     assert sorted(probes(tmp_path)) == ["0_0", "0_1", "1_0", "1_1"]
 
 
+def test_a_fork_the_agent_gave_up_on_never_runs_its_script(tmp_path) -> None:
+    """The answer (the worker's pid) comes a moment after the agent stopped waiting for it
+    (a loaded host), so the agent starts that worker as a new process: the forked one, in a
+    session of its own and already the agent's child, must end before its first line, or
+    the job would hold two processes of one worker (a CI run had one join a shard group it
+    was not in and fail there). A fork the agent takes runs as usual."""
+    code = r'''
+import os, select, sys, time
+from ftrun.adapters import zygote as zmod
+from ftrun.adapters.procs import become_subreaper, reap_strays
+assert become_subreaper()
+out, script = sys.argv[1], sys.argv[2]
+null = os.open(os.devnull, os.O_WRONLY)
+
+def ready():
+    z = zmod.Zygote(sys.executable, dict(os.environ), (), with_torch=False)
+    assert z.wait_ready() is zmod.ZygoteState.READY
+    return z
+
+def fork(z, name):
+    return z.fork(zmod.Target(False, script, (os.path.join(out, name),)), {**os.environ},
+                  null, null)
+
+z = ready()
+taken = fork(z, "taken")
+deadline = time.monotonic() + 30
+while taken.process.poll() is None and time.monotonic() < deadline:
+    time.sleep(0.05)
+z.close()
+
+def late(self, timeout_s):
+    select.select([self._sock], [], [], 10)  # the pid is there...
+    self._lost()  # ...but the agent stopped waiting a moment before
+    raise zmod.ZygoteGone(f"no answer within {timeout_s:g} s")
+
+z = ready()
+zmod.Zygote._answer = late
+try:
+    fork(z, "dropped")
+except zmod.ZygoteGone:
+    pass
+deadline, strays = time.monotonic() + 15, 0
+while strays < 1 and time.monotonic() < deadline:  # the forked one, handed to this process
+    strays += reap_strays(set())
+    time.sleep(0.05)
+time.sleep(0.5)  # a script that did run would have written its file by now
+print(strays, *sorted(os.listdir(out)))
+'''
+    script = tmp_path / "mark.py"
+    script.write_text("import sys\nopen(sys.argv[1], 'w').close()\n")
+    out = tmp_path / "out"
+    out.mkdir()
+    r = subprocess.run([sys.executable, "-c", code, str(out), str(script)],
+                       capture_output=True, text=True, timeout=60)
+    assert r.stdout.split() == ["1", "taken"], (r.stdout, r.stderr)
+
+
 # ------------------------------------------------------------------ units
 def test_messages_round_trip_with_their_descriptors() -> None:
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)

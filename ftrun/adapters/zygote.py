@@ -25,6 +25,7 @@ from ftrun.adapters.procs import Spawned, adopt, spawn
 from ftrun.adapters.wakeup import Wakeup
 from ftrun.core import timeouts
 from ftrun.protocol.zygote import (
+    Accepted,
     ChannelClosed,
     Fork,
     Forked,
@@ -258,6 +259,11 @@ class Zygote:
             raise ZygoteGone(str(exc)) from exc
         msg = self._answer(timeouts.ZYGOTE_FORK_S)
         if isinstance(msg, Forked):
+            try:  # the worker runs its script once it hears this (else it ends unseen)
+                send(self._sock, Accepted(msg.pid))
+            except ChannelClosed as exc:
+                self.close()
+                raise ZygoteGone(str(exc)) from exc
             self.forks += 1
             return adopt(msg.pid)
         self.close()

@@ -24,6 +24,8 @@ ZYGOTE_SLOW_NOTICE_S = 10.0  # the zygote still importing after this long: say w
 ZYGOTE_EXIT_STATUS_S = 0.2  # its socket closed: the zygote's exit status is this close
 ZYGOTE_FORK_S = 3.0  # the zygote answering one fork request with the worker's pid
 ZYGOTE_REPARENT_S = 5.0  # a forked worker waiting to become the agent's child
+ZYGOTE_ACCEPT_S = 3.0  # the zygote waiting for the agent to take the worker it forked
+ZYGOTE_GO_S = 10.0  # a forked worker waiting to hear it was taken (EOF first if not)
 
 # Multi-node (each overridable with --rdzv-conf heartbeat=, node_timeout=, suspect_timeout=,
 # quiet_timeout=, cut_timeout=, fence_timeout=, rejoin_timeout=, join_timeout=,

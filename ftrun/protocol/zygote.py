@@ -62,13 +62,22 @@ class Forked:
 
 
 @dataclass(frozen=True)
+class Accepted:
+    """Agent -> zygote, after Forked: the agent holds the worker's pid, so the worker may run
+    its script. Without it (the agent gave up waiting and starts the worker anew) the forked
+    one ends before the script: one process per worker, never two."""
+
+    pid: int
+
+
+@dataclass(frozen=True)
 class ForkFailed:
     error: str
 
 
-Message = Ready | Importing | Refused | Fork | Forked | ForkFailed
+Message = Ready | Importing | Refused | Fork | Forked | Accepted | ForkFailed
 _TYPES: dict[str, type[Message]] = {t.__name__: t for t in (Ready, Importing, Refused, Fork,
-                                                              Forked, ForkFailed)}
+                                                              Forked, Accepted, ForkFailed)}
 _TUPLES = {"preloaded", "args"}
 
 

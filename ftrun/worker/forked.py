@@ -19,6 +19,7 @@ import io
 import os
 import random
 import runpy
+import select
 import signal
 import sys
 import time
@@ -45,6 +46,7 @@ class Plan:
     report_fd: int  # tells the zygote our pid once we lead our own session
     agent_pid: int
     zygote_pid: int
+    go_fd: int  # the zygote writes a byte once the agent took this worker; EOF: it did not
 
 
 def become_worker(plan: Plan) -> None:
@@ -53,6 +55,8 @@ def become_worker(plan: Plan) -> None:
     os.setsid()  # pid == pgid == sid, as for a spawned worker: the agent signals the group
     os.write(plan.report_fd, str(os.getpid()).encode())
     os.close(plan.report_fd)
+    if not _taken(plan.go_fd):
+        os._exit(137)  # the agent gave up on this fork and starts the worker anew
     if not _adopted_by(plan.agent_pid):
         os._exit(137)  # the agent is gone: a worker must never outlive it
     _set_stdio(plan.stdout, plan.stderr)
@@ -71,6 +75,16 @@ def become_worker(plan: Plan) -> None:
     # leaked ..." as the interpreter ends
     atexit.register(gc.unfreeze)
     run(req)
+
+
+def _taken(go_fd: int) -> bool:
+    """Whether the agent took this worker (the zygote says so with one byte; it closes the
+    pipe, or dies, when the agent did not)."""
+    try:
+        ready = select.select([go_fd], [], [], timeouts.ZYGOTE_GO_S)[0]
+        return bool(ready) and os.read(go_fd, 1) == b"1"
+    finally:
+        os.close(go_fd)
 
 
 def _adopted_by(agent_pid: int) -> bool:

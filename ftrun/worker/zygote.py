@@ -28,6 +28,7 @@ from typing import NoReturn
 from ftrun.adapters.zygote import rss_kb, thread_count
 from ftrun.core import timeouts
 from ftrun.protocol.zygote import (
+    Accepted,
     ChannelClosed,
     Fork,
     Forked,
@@ -165,13 +166,16 @@ def serve(sock: socket.socket, agent_pid: int, warmed: bool = False) -> Plan | N
 
 def _fork(req: Fork, stdout: int, stderr: int, agent_pid: int,
           sock: socket.socket) -> Plan | None:
-    """Fork the worker through a middle process; None here, its Plan in the worker."""
+    """Fork the worker through a middle process; None here, its Plan in the worker. The
+    worker runs its script only once the agent said it took it (`Accepted`): an agent that
+    gave up waiting starts the worker anew, and the forked one must then never run."""
     read_fd, write_fd = os.pipe()
+    go_read, go_write = os.pipe()
     zygote_pid = os.getpid()
     try:
         middle = os.fork()
     except OSError as exc:  # out of processes or memory: the agent starts this one itself
-        for fd in (read_fd, write_fd, stdout, stderr):
+        for fd in (read_fd, write_fd, go_read, go_write, stdout, stderr):
             os.close(fd)
         send(sock, ForkFailed(f"fork: {exc.strerror}"))
         return None
@@ -179,21 +183,44 @@ def _fork(req: Fork, stdout: int, stderr: int, agent_pid: int,
         try:
             if os.fork() != 0:
                 os._exit(0)  # the worker is handed to the agent as this process ends
-            os.close(read_fd)
+            for fd in (read_fd, go_write):
+                os.close(fd)
             sock.close()
-            return Plan(req, stdout, stderr, write_fd, agent_pid, zygote_pid)
+            return Plan(req, stdout, stderr, write_fd, agent_pid, zygote_pid, go_read)
         except BaseException:  # noqa: BLE001 - never back into the zygote's loop
             os._exit(1)
-    os.close(write_fd)
-    os.close(stdout)
-    os.close(stderr)
+    for fd in (write_fd, go_read, stdout, stderr):
+        os.close(fd)
     try:
         pid = _read_pid(read_fd)
     finally:
         os.close(read_fd)
         os.waitpid(middle, 0)  # once the middle is gone, the worker is the agent's child
-    send(sock, Forked(pid) if pid else ForkFailed("the forked worker did not start"))
+    try:
+        _hand_over(sock, pid, go_write)
+    finally:
+        os.close(go_write)  # unless it said go, the worker reads EOF and ends
     return None
+
+
+def _hand_over(sock: socket.socket, pid: int, go_write: int) -> None:
+    """Tell the agent the worker's pid and, once it took it, the worker to go; a worker the
+    agent did not take is killed (it has not run a line of its script)."""
+    if not pid:
+        send(sock, ForkFailed("the forked worker did not start"))
+        return
+    try:
+        send(sock, Forked(pid))
+        answer, fds = recv(sock, timeouts.ZYGOTE_ACCEPT_S)
+    except ChannelClosed:
+        answer, fds = None, []
+    for fd in fds:
+        os.close(fd)
+    if answer == Accepted(pid):
+        os.write(go_write, b"1")
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
 
 
 def _read_pid(read_fd: int) -> int:
