@@ -165,6 +165,36 @@ print(strays, *sorted(os.listdir(out)))
     assert r.stdout.split() == ["1", "taken"], (r.stdout, r.stderr)
 
 
+def test_a_fork_asked_for_while_the_zygote_warms_up_waits_for_it(tmp_path) -> None:
+    """The zygote warms torch up at its first quiet moment (~1.4 s of CPU, longer than the
+    3 s the agent waits for a fork's answer on a loaded host): it says so first, and a fork
+    asked for meanwhile waits for the warm-up instead of giving up on the zygote. Here the
+    wait for an answer is cut to 10 ms, so only the warm-up's notice keeps the fork."""
+    code = r'''
+import os, select, sys, time
+from ftrun.adapters import zygote as zmod
+from ftrun.adapters.procs import become_subreaper
+from ftrun.core import timeouts
+assert become_subreaper()
+z = zmod.Zygote(sys.executable, dict(os.environ), (), with_torch=True)
+assert z.wait_ready() is zmod.ZygoteState.READY
+assert select.select([z._sock], [], [], 30)[0]  # quiet: it warms up, and said so
+timeouts.ZYGOTE_FORK_S = 0.01
+null = os.open(os.devnull, os.O_WRONLY)
+worker = z.fork(zmod.Target(False, sys.argv[1], (sys.argv[2],)), {**os.environ}, null, null)
+deadline = time.monotonic() + 30
+while worker.process.poll() is None and time.monotonic() < deadline:
+    time.sleep(0.05)
+print(worker.process.poll(), z.state.value, os.path.exists(sys.argv[2]))
+z.close()
+'''
+    script = tmp_path / "mark.py"
+    script.write_text("import sys\nopen(sys.argv[1], 'w').close()\n")
+    r = subprocess.run([sys.executable, "-c", code, str(script), str(tmp_path / "ran")],
+                       capture_output=True, text=True, timeout=120)
+    assert r.stdout.split() == ["0", "ready", "True"], (r.stdout, r.stderr[-2000:])
+
+
 # ------------------------------------------------------------------ units
 def test_messages_round_trip_with_their_descriptors() -> None:
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)

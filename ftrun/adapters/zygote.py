@@ -258,6 +258,8 @@ class Zygote:
             self.close()
             raise ZygoteGone(str(exc)) from exc
         msg = self._answer(timeouts.ZYGOTE_FORK_S)
+        while isinstance(msg, Importing):  # its warm-up at a quiet moment: the fork follows
+            msg = self._answer(timeouts.ZYGOTE_WARM_S)
         if isinstance(msg, Forked):
             try:  # the worker runs its script once it hears this (else it ends unseen)
                 send(self._sock, Accepted(msg.pid))

@@ -146,6 +146,10 @@ def serve(sock: socket.socket, agent_pid: int, warmed: bool = False) -> Plan | N
     while True:
         if cold and not select.select([sock], [], [], WARM_WHEN_IDLE_S)[0]:
             cold = False
+            try:  # a fork asked for meanwhile waits for the warm-up: the agent hears why
+                send(sock, Importing(WARM_UP))
+            except ChannelClosed:
+                return None
             _warm_torch()
             if _unsafe_after(WARM_UP) is not None:
                 return None  # the agent sees the zygote gone and starts new processes
