@@ -166,8 +166,8 @@ print(strays, *sorted(os.listdir(out)))
 
 
 def test_a_fork_asked_for_while_the_zygote_warms_up_waits_for_it(tmp_path) -> None:
-    """The zygote warms torch up at its first quiet moment (~1.4 s of CPU, longer than the
-    3 s the agent waits for a fork's answer on a loaded host): it says so first, and a fork
+    """The zygote warms torch up at its first quiet moment (~1.4 s of CPU; on a loaded host
+    it outlasted the agent's wait for a fork's answer): it says so first, and a fork
     asked for meanwhile waits for the warm-up instead of giving up on the zygote. Here the
     wait for an answer is cut to 10 ms, so only the warm-up's notice keeps the fork."""
     code = r'''

@@ -22,8 +22,11 @@ LOG_DRAIN_S = 2.0  # reader threads flushing a dead worker's last output
 ZYGOTE_READY_S = 180.0  # the zygote importing torch and the --preload modules (slow shared FS)
 ZYGOTE_SLOW_NOTICE_S = 10.0  # the zygote still importing after this long: say which module
 ZYGOTE_EXIT_STATUS_S = 0.2  # its socket closed: the zygote's exit status is this close
-ZYGOTE_FORK_S = 3.0  # the zygote answering one fork request with the worker's pid
-ZYGOTE_WARM_S = 60.0  # ...once it said it is warming torch up (~1.4 s of CPU, a loaded host)
+ZYGOTE_PID_S = 3.0  # the zygote waiting for a worker it forked to say its pid
+# the agent waiting for the zygote's answer to one fork request: longer than the zygote's own
+# wait, so that a slow worker comes back as ForkFailed rather than racing the agent's give-up
+ZYGOTE_FORK_S = 10.0
+ZYGOTE_WARM_S = 60.0  # that answer once the zygote said it warms torch up (~1.4 s of CPU)
 ZYGOTE_REPARENT_S = 5.0  # a forked worker waiting to become the agent's child
 ZYGOTE_ACCEPT_S = 3.0  # the zygote waiting for the agent to take the worker it forked
 ZYGOTE_GO_S = 10.0  # a forked worker waiting to hear it was taken (EOF first if not)

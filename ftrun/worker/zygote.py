@@ -229,7 +229,7 @@ def _hand_over(sock: socket.socket, pid: int, go_write: int) -> None:
 
 def _read_pid(read_fd: int) -> int:
     """The worker's pid, written once it leads its own session; 0 if it never was."""
-    deadline = time.monotonic() + timeouts.ZYGOTE_FORK_S
+    deadline = time.monotonic() + timeouts.ZYGOTE_PID_S
     data = b""
     while (left := deadline - time.monotonic()) > 0:
         if not select.select([read_fd], [], [], left)[0]:
