@@ -28,8 +28,11 @@ ZYGOTE_PID_S = 3.0  # the zygote waiting for a worker it forked to say its pid
 ZYGOTE_FORK_S = 10.0
 ZYGOTE_WARM_S = 60.0  # that answer once the zygote said it warms torch up (~1.4 s of CPU)
 ZYGOTE_REPARENT_S = 5.0  # a forked worker waiting to become the agent's child
-ZYGOTE_ACCEPT_S = 3.0  # the zygote waiting for the agent to take the worker it forked
-ZYGOTE_GO_S = 10.0  # a forked worker waiting to hear it was taken (EOF first if not)
+# the zygote waiting for the agent to take the worker it forked: the agent answers at once (or
+# gives up and kills the zygote), so only a starved agent is slow here, and a worker killed
+# for it would be a fault to an agent that holds its pid
+ZYGOTE_ACCEPT_S = ZYGOTE_FORK_S
+ZYGOTE_GO_S = 30.0  # a forked worker waiting to hear it was taken (more than the zygote waits)
 
 # Multi-node (each overridable with --rdzv-conf heartbeat=, node_timeout=, suspect_timeout=,
 # quiet_timeout=, cut_timeout=, fence_timeout=, rejoin_timeout=, join_timeout=,
