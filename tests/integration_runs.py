@@ -12,6 +12,7 @@ from typing import Any, cast
 
 import torch
 from conftest import FIXTURES, ftrun_cmd, run_ftrun, wait_for
+from jobstatus import job_status
 from replicas import bitwise_equal, params
 
 DIE = str(FIXTURES / "die_in_backward.py")
@@ -37,8 +38,8 @@ def fault_free(out: Path, script: str, *args: str) -> Run:
 
 
 def _status_workers() -> list[dict[str, Any]]:
-    r = subprocess.run(ftrun_cmd("status", "--json"), capture_output=True, text=True, timeout=60)
-    return json.loads(r.stdout)["workers"] if r.returncode == 0 else []
+    doc = job_status()
+    return doc["workers"] if doc else []
 
 
 def killed(out: Path, script: str, *args: str, at_step: int) -> Run:

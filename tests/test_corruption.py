@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 import torch
 from conftest import FIXTURES, ftrun_cmd, wait_for
+from jobstatus import job_status
 
 pytestmark = pytest.mark.slow
 
@@ -46,12 +47,10 @@ class Job:
     def stepping(self, members: int) -> None:
         """Its members reached step 2 (ft_train's --wait-file holds them there)."""
         def ready() -> bool:
-            r = subprocess.run(ftrun_cmd("status", "--run-id", self.name, "--json"),
-                               capture_output=True, text=True, env=self.env, timeout=60)
-            if r.returncode:
+            doc = job_status(self.env, self.name)
+            if doc is None:
                 return False
-            steps = [w["step"] or 0 for w in json.loads(r.stdout)["workers"]
-                     if w["role"] == "member"]
+            steps = [w["step"] or 0 for w in doc["workers"] if w["role"] == "member"]
             return len(steps) == members and min(steps) > 1
         wait_for(ready, 120, f"{self.name}: {members} members stepping")
 

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import ftrun_cmd, run_ftrun, wait_for
+from jobstatus import job_status
 
 from ftrun.core.exits import EXIT_REQUEUE
 
@@ -22,9 +23,7 @@ ARGS = ("--steps", str(STEPS), "--step-time", "0.03")
 
 
 def status(run_id: str) -> dict | None:
-    r = subprocess.run(ftrun_cmd("status", "--run-id", run_id, "--json"), capture_output=True,
-                       text=True, timeout=30)
-    return json.loads(r.stdout) if r.returncode == 0 else None
+    return job_status(run_id=run_id)
 
 
 def start(run_id: str, out: Path, *flags: str, args: tuple[str, ...] = ARGS

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import FIXTURES, ftrun_cmd, run_ftrun, wait_for
+from jobstatus import job_status
 
 from ftrun.protocol.status import Status
 
@@ -139,10 +140,9 @@ def _ftrun_out(*args: str) -> subprocess.CompletedProcess[str]:
 
 def _groups_at(step: int) -> object:
     """Both groups training past `step`, and a spare group of 2 ready."""
-    r = _ftrun_out("status", "--json")
-    if r.returncode:
+    doc = job_status()
+    if doc is None:
         return None
-    doc = json.loads(r.stdout)
     rows = doc.get("replica_groups") or []
     members = [w for w in doc["workers"] if w["role"] == "member"]
     live = len(members) == 4 and all((w["step"] or 0) > step for w in members)
@@ -174,10 +174,10 @@ def test_drills_on_a_sharded_job_recover_and_status_shows_its_groups(
         for kind in ("comm", "stall", "kill"):
             r = _ftrun_out("inject-fault", "--rank", "3", "--kind", kind)
             assert r.returncode == 0 and "yes" in r.stdout, f"{kind}:\n{r.stdout}{r.stderr}"
-            step = max(w["step"] or 0 for w in json.loads(
-                _ftrun_out("status", "--json").stdout)["workers"] if w["role"] == "member")
+            step = max(w["step"] or 0 for w in (job_status() or {})["workers"]
+                       if w["role"] == "member")
             wait_for(lambda s=step: _groups_at(s + 2), 60, f"both groups training after {kind}")
-        faults = json.loads(_ftrun_out("status", "--json").stdout)["faults"]
+        faults = (job_status() or {})["faults"]
         assert [f["decision"] for f in faults] == ["rebuild", "rebuild", "shrink"]
         assert "spare group" in faults[-1]["reason"]
     finally:

@@ -15,27 +15,25 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from jobstatus import job_status
 from ports import free_port
 
 from tests.conftest import FIXTURES, ftrun_cmd, pid_alive, wait_for
 
-# Tests poll `ftrun status` in loops: each call is a new Python process (~0.25 s of CPU).
-# Back to back they took most of a core of a 2-core host from the jobs under test; at least
-# this much idle time between two calls (from any test helper) bounds that.
-STATUS_PAUSE_S = 0.5
+# Tests poll a job's status in loops: read in this process (tests/jobstatus.py), a few ms of
+# CPU each, here and in the agent that answers; a pause between two reads all the same.
+STATUS_PAUSE_S = 0.1
 _status_done_at = [0.0]
 
 
 def ftrun_status(env: dict[str, str] | None = None) -> dict[str, Any] | None:
-    """`ftrun status --json` (the job of the run directory `env` names), paced; None if it
-    fails (no job there yet, or gone)."""
+    """What `ftrun status --json` prints (the job of the run directory `env` names), paced;
+    None if it fails (no job there yet, or gone)."""
     time.sleep(max(0.0, _status_done_at[0] + STATUS_PAUSE_S - time.monotonic()))
     try:
-        r = subprocess.run(ftrun_cmd("status", "--json"), env=env, capture_output=True,
-                           text=True, timeout=60)
+        return job_status(env)
     finally:
         _status_done_at[0] = time.monotonic()
-    return json.loads(r.stdout) if r.returncode == 0 else None
 
 
 class Node:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 from conftest import FIXTURES, ftrun_cmd, wait_for
+from jobstatus import job_status
 from ports import free_port
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import CollectorRegistry
@@ -243,9 +244,9 @@ def inject(*args: str) -> None:
 
 
 def status() -> dict:
-    r = subprocess.run(ftrun_cmd("status", "--json"), capture_output=True, text=True, timeout=30)
-    assert r.returncode == 0, r.stderr
-    return json.loads(r.stdout)
+    doc = job_status()
+    assert doc is not None, "no job answered"
+    return doc
 
 
 def scrape(port: int) -> dict:
@@ -302,8 +303,7 @@ def test_a_drill_run_is_scraped_as_its_status_says_and_reported_after(tmp_path: 
 
 
 def status_or_none() -> dict | None:
-    r = subprocess.run(ftrun_cmd("status", "--json"), capture_output=True, text=True, timeout=30)
-    return json.loads(r.stdout) if r.returncode == 0 else None
+    return job_status()
 
 
 VOLATILE = {"ftrun_uptime_seconds", "ftrun_goodput_ratio"}  # move with time

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import FIXTURES, ftrun_cmd, run_ftrun, wait_for
+from jobstatus import job_status
 from replicas import bitwise_equal, params
 
 from ftrun.worker.loader import Loader
@@ -96,10 +97,8 @@ def test_gpt_kill(gpt_reference, tmp_path, private_run_dir) -> None:
     try:
         def spare_ready() -> bool:
             assert job.poll() is None, job.communicate()[1]
-            r = subprocess.run(ftrun_cmd("status", "--json"), capture_output=True, text=True,
-                               timeout=60)
-            return r.returncode == 0 and any(w.get("role") == "spare"
-                                             for w in json.loads(r.stdout)["workers"])
+            doc = job_status()
+            return doc is not None and any(w.get("role") == "spare" for w in doc["workers"])
         wait_for(spare_ready, 120, "a ready spare")
         go.touch()
         _, err = job.communicate(timeout=300)

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 from conftest import ftrun_cmd, wait_for
 from fakestore import MemoryStore
+from jobstatus import job_status
 
 from ftrun.protocol.rendezvous import Generation
 from ftrun.worker.exchange import value_key
@@ -23,9 +24,7 @@ TRAIN = str(Path(__file__).parent.parent / "examples" / "train_ddp.py")
 
 
 def status(run_id: str) -> dict | None:
-    r = subprocess.run(ftrun_cmd("status", "--run-id", run_id, "--json"), capture_output=True,
-                       text=True, timeout=30)
-    return json.loads(r.stdout) if r.returncode == 0 else None
+    return job_status(run_id=run_id)
 
 
 def published(out: Path, number: int) -> bool:

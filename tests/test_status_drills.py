@@ -8,6 +8,7 @@ import time
 
 import pytest
 from conftest import FIXTURES, ftrun_cmd, wait_for
+from jobstatus import job_status
 from statusdocs import fault, status, worker
 
 from ftrun.agent.journal import FaultRecord, Journal, summarize
@@ -108,14 +109,14 @@ def test_status_and_drills_on_a_running_job(tmp_path, private_run_dir) -> None:
         stderr=subprocess.PIPE, text=True)
     try:
         def steps() -> object:
-            r = ftrun_out("status", "--json")
-            if r.returncode:
+            doc = job_status()  # polled in this process; the command's own JSON is read below
+            if doc is None:
                 return None
-            doc = json.loads(r.stdout)
             ws = doc["workers"]  # none while the zygote still imports torch
             return doc if len(ws) == 3 and all((w["step"] or 0) > 5 for w in ws) else None
 
-        doc = wait_for(steps, 60, "a running job with progress")
+        wait_for(steps, 60, "a running job with progress")
+        doc = json.loads(ftrun_out("status", "--json").stdout)
         assert {"run_id", "generation", "world_size", "workers", "faults"} <= set(doc)
         assert sorted(w["rank"] for w in doc["workers"]) == [0, 1, 2]
         assert all({"rank", "pid", "state", "step"} <= set(w) for w in doc["workers"])
@@ -163,14 +164,16 @@ def test_silent_faults_gpu_hang_stuck_straggler(tmp_path, private_run_dir) -> No
         stderr=subprocess.PIPE, text=True)
 
     def status() -> dict:
-        return json.loads(ftrun_out("status", "--json").stdout)
+        doc = job_status()
+        assert doc is not None, "the job did not answer"
+        return doc
 
     def members() -> dict[int, dict]:
         return {w["rank"]: w for w in status()["workers"] if w["role"] == "member"}
 
     try:
-        wait_for(lambda: ftrun_out("status", "--json").returncode == 0
-                 and len(ws := status()["workers"]) == 3
+        wait_for(lambda: (d := job_status()) is not None
+                 and len(ws := d["workers"]) == 3
                  and all((w["step"] or 0) > 5 for w in ws), 60, "progress")
         gpu1 = members()[1]["gpu"]
         # an application XID does not fail the GPU
