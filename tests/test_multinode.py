@@ -20,20 +20,11 @@ from ports import free_port
 
 from tests.conftest import FIXTURES, ftrun_cmd, pid_alive, wait_for
 
-# Tests poll a job's status in loops: read in this process (tests/jobstatus.py), a few ms of
-# CPU each, here and in the agent that answers; a pause between two reads all the same.
-STATUS_PAUSE_S = 0.1
-_status_done_at = [0.0]
-
 
 def ftrun_status(env: dict[str, str] | None = None) -> dict[str, Any] | None:
-    """What `ftrun status --json` prints (the job of the run directory `env` names), paced;
-    None if it fails (no job there yet, or gone)."""
-    time.sleep(max(0.0, _status_done_at[0] + STATUS_PAUSE_S - time.monotonic()))
-    try:
-        return job_status(env)
-    finally:
-        _status_done_at[0] = time.monotonic()
+    """What `ftrun status --json` prints (the job of the run directory `env` names), read in
+    this process (tests/jobstatus.py); None if it fails (no job there yet, or gone)."""
+    return job_status(env)
 
 
 class Node:
