@@ -304,26 +304,26 @@ class Agent:
             self._exits_decided_at = time.monotonic()  # a burst's rest: `_rest_of_burst`
 
     def _rest_of_burst(self, sel: selectors.BaseSelector) -> list[Worker | RemoteWorker]:
-        """The exits that follow one within `BURST_QUIET_S` of each other (at most
-        `BURST_MAX_S` in all): ranks lost together (a switch, a rack) are decided in this
-        pass, so they make one generation and one communicator rebuild on every survivor,
-        not one each (faults ms apart spread over several passes of a fast loop). Within
-        `BURST_FOLLOW_S` of a pass that decided exits, a burst's rest, spread out: quiet
-        `BURST_TAIL_QUIET_S`, up to `BURST_TAIL_MAX_S` (10 exits over 0.1 s: 2 generations)."""
+        """The exits that follow one within `BURST_QUIET_S` of each other (up to `BURST_MAX_S`):
+        ranks lost together (a switch, a rack) are decided in this pass, so they make one
+        generation and one communicator rebuild on every survivor, not one each. Within
+        `BURST_FOLLOW_S` of a pass that decided exits, a burst's rest: quiet `BURST_TAIL_QUIET_S`,
+        up to `BURST_TAIL_MAX_S` (10 exits over 0.1 s: 2 generations)."""
         more: list[Worker | RemoteWorker] = []
         now = time.monotonic()
         tail = now - self._exits_decided_at < timeouts.BURST_FOLLOW_S  # the rest of a burst
         quiet = timeouts.BURST_TAIL_QUIET_S if tail else timeouts.BURST_QUIET_S
         deadline = now + (timeouts.BURST_TAIL_MAX_S if tail else timeouts.BURST_MAX_S)
         quiet_until = now + quiet
-        while (now := time.monotonic()) < min(quiet_until, deadline):
+        while True:  # one look at least: a thread of a loaded host may wake past `quiet`
             got: list[Worker | RemoteWorker] = [
-                *self.runtime.workers.reap_ready(sel, min(quiet_until, deadline) - now),
+                *self.runtime.workers.reap_ready(sel, max(0.0, min(quiet_until, deadline) - now)),
                 *self.cluster.remote_exits()]
             if got:
                 more += got
                 quiet_until = time.monotonic() + quiet
-        return more
+            if (now := time.monotonic()) >= min(quiet_until, deadline):
+                return more
 
     def _one_generation(self) -> AbstractContextManager[None]:
         """The changes decided in one pass of the loop (faults found together: several
