@@ -261,6 +261,20 @@ def test_a_remote_exit_is_kept_with_its_error_and_its_replacement_spawned_on_its
     assert job.coord.others.remote_workers()[-1].worker_id == 10_002
 
 
+def test_a_nodes_relay_inbox_is_kept_from_its_report_while_it_is_in_the_attempt(
+        make: Callable[..., Job]) -> None:
+    job = make()
+    job.start(1, 2)
+    job.report(Spawned(node=1, workers="10000:0:4321", relay="10.0.0.2:4000"),
+               Spawned(node=2, workers="20000:0:4322"))  # no inbox: pushed to directly
+    job.coord.remote_exits()
+    assert job.coord.others.relay_inboxes() == {1: "10.0.0.2:4000"}
+    job.report(Left(node=1, reason="received SIGTERM"))
+    job.coord.remote_exits()
+    job.coord.tick()
+    assert job.coord.others.relay_inboxes() == {}
+
+
 def test_kill_remote_sends_kill_only_for_a_live_worker_on_a_live_node(
         make: Callable[..., Job]) -> None:
     job = make()

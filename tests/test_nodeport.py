@@ -26,6 +26,9 @@ class NodeOne(NoOtherNodes):
     def other_nodes(self) -> list[int]:
         return [1]
 
+    def relay_inboxes(self) -> dict[int, str]:
+        return {1: "10.0.0.2:4000"}
+
     def allocate_id(self, node: int) -> int:
         return node * WORKER_ID_STRIDE + 7
 
@@ -66,7 +69,7 @@ def test_a_question_about_another_nodes_worker_goes_to_the_cluster(node: FakeNod
     assert node_of_ids(here, there) == (0, 1) and port.peek_id(1) == there
     port.place(there, rank=1, local_rank=0, spare=False)
     assert [w.worker_id for w in node.workers.all] == [here] and cluster.placed == [(there, 1)]
-    assert port.live_nodes() == [0, 1]
+    assert port.live_nodes() == [0, 1] and port.relay_inboxes() == {1: "10.0.0.2:4000"}
     assert port.highest_committed([here, there]) == 41 and port.highest_committed([here]) == -1
     assert port.kill_worker(there) and cluster.killed == [there]
     assert port.kill_worker(here) and cluster.killed == [there]  # this node's own

@@ -97,6 +97,9 @@ class FakePort:
     def live_nodes(self) -> list[int]:
         return self.nodes
 
+    def relay_inboxes(self) -> dict[int, str]:
+        return {}
+
     def initial_members(self) -> tuple[int, ...]:
         return tuple(range(self.spec.nproc))
 

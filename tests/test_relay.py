@@ -11,15 +11,8 @@ from conftest import wait_for
 
 from ftrun.adapters.store import LOOPBACK, HostedStore, client
 from ftrun.cluster.relay import GenerationRelay
-from ftrun.protocol.rendezvous import (
-    LATEST_KEY,
-    Generation,
-    gen_key,
-    parse_relay_message,
-    publish,
-    relay_message,
-    relay_queue,
-)
+from ftrun.protocol.fanout import parse_relay_message, relay_message, relay_queue
+from ftrun.protocol.rendezvous import LATEST_KEY, Generation, gen_key, publish
 from ftrun.worker.comm import Interrupt
 from ftrun.worker.genwatch import GenerationWatcher
 

@@ -51,6 +51,8 @@ class OtherNodes(Protocol):
     def peek_id(self, node: int) -> int: ...
     def place(self, worker_id: int, rank: int, local_rank: int, spare: bool) -> None: ...
     def other_nodes(self) -> list[int]: ...
+    def relay_inboxes(self) -> dict[int, str]:
+        """Each other node's relay inbox, where it has one (`protocol.fanout.relay_plan`)."""
     def initial_members(self) -> tuple[int, ...] | None:
         """The first generation's members, None: this node's workers."""
     def remote_workers(self) -> list[RemoteWorker]: ...
@@ -115,6 +117,9 @@ class NoOtherNodes:
 
     def other_nodes(self) -> list[int]:
         return []
+
+    def relay_inboxes(self) -> dict[int, str]:
+        return {}
 
     def initial_members(self) -> tuple[int, ...] | None:
         return None

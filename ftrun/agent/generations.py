@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -24,6 +25,7 @@ from ftrun.agent.script_ends import ScriptEnds
 from ftrun.core.events import GenerationFields, emit_as, notice
 from ftrun.core.membership import Membership, WorkerRole
 from ftrun.core.policy import Snapshot, decide_respawn
+from ftrun.protocol.fanout import RelayHop, relay_plan, tree_from
 from ftrun.protocol.rendezvous import Generation, publish
 
 R = WorkerRole
@@ -85,13 +87,18 @@ class Generations:
 
     def _send(self, gen: Generation) -> None:
         self.port.fence_generation(gen)
-        publish(self.store, gen, self.relays())
-        emit_as(self.port.emit, GenerationFields(gen.number, len(gen.members), gen.published_at,
-                                                 gen.reason, gen.urgent))
+        plan = self.relays()
+        publish(self.store, gen, plan)
+        emit_as(self.port.emit, GenerationFields(
+            gen.number, len(gen.members), gen.published_at, gen.reason, gen.urgent,
+            forwarded=sum(len(hop.children) for hop in plan)))
 
-    def relays(self) -> list[int]:
-        """The other nodes: their agents relay each generation to their workers."""
-        return [n for n in self.port.live_nodes() if n != 0]
+    def relays(self) -> list[RelayHop]:
+        """The other nodes: their agents relay each generation to their workers (in a large
+        job some of them to the others: `relay_plan`, from FTRUN_RELAY_TREE_FROM nodes)."""
+        inboxes = self.port.relay_inboxes()
+        return relay_plan([(n, inboxes.get(n, "")) for n in self.port.live_nodes() if n != 0],
+                          tree_from(os.environ))
 
     def spawn(self, node: int, local_rank: int, role: WorkerRole | None = None,
               rank: int = -1) -> int:

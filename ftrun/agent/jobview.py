@@ -28,6 +28,7 @@ class Node:
     alive: bool = True
     in_attempt: bool = False  # its workers belong to the current attempt
     net_drill: str = ""  # why a net-down drill cannot run there ("": it can)
+    relay_inbox: str = ""  # where its relay takes forwarded records (protocol.fanout)
 
     @property
     def label(self) -> str:
@@ -46,6 +47,10 @@ class Node:
     def left_attempt(self) -> None:
         """Its workers were told to stop: they belong to no attempt now."""
         self.in_attempt = False
+
+    def relays_at(self, inbox: str) -> None:
+        """Its agent said where its relay of this attempt takes forwarded records."""
+        self.relay_inbox = inbox
 
 
 class NodeReport(Protocol):

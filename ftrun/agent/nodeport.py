@@ -109,6 +109,9 @@ class NodePort:
         cluster = self._cluster()
         return [cluster.index, *cluster.others.other_nodes()]
 
+    def relay_inboxes(self) -> dict[int, str]:
+        return self._cluster().others.relay_inboxes()
+
     def initial_members(self) -> tuple[int, ...]:
         return self._others.initial_members() or tuple(range(self.spec.nproc))
 

@@ -228,6 +228,8 @@ class Coordinating:
         for wid, local_rank, pid in started:
             if wid in self.workers.by_id:
                 self.workers.by_id[wid].spawned(pid, local_rank)
+        if msg.node in self.nodes:
+            self.nodes[msg.node].relays_at(msg.relay)
 
     def _on_join(self, msg: Join) -> None:
         node = Node(msg.node, msg.host, msg.pid, msg.nproc, net_drill=msg.net_drill)

@@ -61,6 +61,10 @@ class JobDirectory:
     def other_nodes(self) -> list[int]:
         return [n.index for n in self._table.alive() if n.in_attempt]
 
+    def relay_inboxes(self) -> dict[int, str]:
+        return {n.index: n.relay_inbox for n in self._table.alive()
+                if n.in_attempt and n.relay_inbox}
+
     def initial_members(self) -> tuple[int, ...] | None:
         return self._members
 

@@ -255,7 +255,7 @@ class Following(SupervisesNoOtherNode):
                                               local_rank=i, spare=cmd.spare)
                    for i in range(self.spec.nproc)]
         self._report(Spawned.of(self.index, ((w.worker_id, w.local_rank, w.spawned.pid)
-                                             for w in started)))
+                                             for w in started), self._inbox()))
         a = host.attempt
         emit_as(host.emit, StartedFields(a.restarts, a.world_size,
                                          tuple(w.spawned.pid for w in host.runtime.workers.all),
@@ -266,10 +266,14 @@ class Following(SupervisesNoOtherNode):
         self._close_relay(link_works=True)
         if self.spec.on_fault is OnFault.RESTART:
             return  # its workers follow no generation
-        self._relay, why = open_relay(cmd.addr, cmd.port, self.index)
+        self._relay, why = open_relay(cmd.addr, cmd.port, self.index, self.spec.local_addr)
         self.host.update_attempt(relay_addr=self._relay.addr if self._relay is not None else "")
         if why:
             notice(self.host.emit, why)
+
+    def _inbox(self) -> str:
+        """Where this node's relay takes records forwarded by another node ("": none)."""
+        return self._relay.inbox_addr if self._relay is not None else ""
 
     def _close_relay(self, link_works: bool) -> None:
         if self._relay is not None:
@@ -314,7 +318,8 @@ class Following(SupervisesNoOtherNode):
                     w = self.host.runtime.workers.spawn(cmd.worker, rank=cmd.rank,
                                                 local_rank=local_rank, spare=cmd.spare)
                     self._report(Spawned.of(self.index,
-                                            [(w.worker_id, w.local_rank, w.spawned.pid)]))
+                                            [(w.worker_id, w.local_rank, w.spawned.pid)],
+                                            self._inbox()))
                 case Ping():  # a peer's connection broke somewhere: are we alive?
                     self._report(Pong(node=self.index, seq=cmd.seq))
                 case Kill():  # the coordinator found it hung, or a straggler to evict

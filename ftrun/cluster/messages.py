@@ -143,11 +143,12 @@ class Spawned:
     kind: ClassVar[str] = "spawned"
     node: int
     workers: str
+    relay: str = ""  # "host:port" of the node's relay inbox (protocol.fanout): "" none
 
     @classmethod
-    def of(cls, node: int, started: Iterable[tuple[int, int, int]]) -> Spawned:
+    def of(cls, node: int, started: Iterable[tuple[int, int, int]], relay: str = "") -> Spawned:
         """The report of `started`: (worker id, local rank, pid) each."""
-        return cls(node, workers_text(started))
+        return cls(node, workers_text(started), relay)
 
     def started(self) -> list[tuple[int, int, int]] | str:
         """(worker id, local rank, pid) of each worker, or why the report is refused."""

@@ -6,28 +6,28 @@ store when the coordinator names it on this node's relay queue; moving that copy
 source store when the leadership (and the store with it) moves (`follow`), without a gap the
 workers could wait in; and the address this node's workers watch (`FTRUN_RELAY`). A new
 generation thus wakes one reader per node on the coordinator's store, not one per worker, and
-the record crosses the network once per node.
+the record crosses the network once per node. In a large job (`protocol.fanout.relay_plan`)
+the coordinator pushes to one node of each group, which forwards the record to the others'
+inboxes: a queue on each one's relay store, read beside its queue on the coordinator's.
 Must not import: typer, rich, the CLI, the agent or the worker library. Torch lazily.
 """
 
 from __future__ import annotations
 
+import contextlib
+import socket
 import threading
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
-from ftrun.adapters.store import LOOPBACK, HostedStore, QueueReader
+from ftrun.adapters.store import ALL_INTERFACES, LOOPBACK, HostedStore, QueueReader
 from ftrun.core import timeouts
 from ftrun.core.errors import first_line
-from ftrun.protocol.rendezvous import (
-    LATEST_KEY,
-    Generation,
-    gen_key,
-    parse_relay_message,
-    relay_queue,
-    store_endpoint,
-)
+from ftrun.protocol.fanout import RelayMessage, parse_relay_message, relay_message, relay_queue
+from ftrun.protocol.rendezvous import LATEST_KEY, Generation, gen_key, store_endpoint
+
+FORWARD_CONNECT_S = 2.0  # a forwarder's connection to a node of its group: then it goes direct
 
 
 class _Source:
@@ -45,24 +45,35 @@ class GenerationRelay:
     """Started before this node's workers of an attempt, closed after they stopped."""
 
     def __init__(self, connect: Callable[[], Any], node: int,
-                 on_lost: Callable[[str], None], local: Any = None) -> None:
+                 on_lost: Callable[[str], None], local: Any = None,
+                 reachable_as: str = "", inbox_at: str = "") -> None:
         """`local`: where the records are copied (a simulated node's own store, which its
-        workers do not watch); by default a loopback store of this node's own, served here,
-        at `addr`."""
+        workers do not watch); by default a store of this node's own, served here, at `addr`
+        (loopback). `reachable_as`: this node's address for the other nodes: the store then
+        listens on every interface and holds this node's inbox, at `inbox_addr`. `inbox_at`:
+        "host:port" of another store holding it (a simulator's)."""
         self._hosted: HostedStore | None = None
         if local is None:
-            self._hosted = HostedStore(0, LOOPBACK)
+            self._hosted = HostedStore(0, ALL_INTERFACES if reachable_as else LOOPBACK)
             local = self._hosted.serve()
+            inbox_at = f"{reachable_as}:{self._hosted.port}" if reachable_as else inbox_at
         self._local: Any = local
         self.addr = "" if self._hosted is None else f"{LOOPBACK}:{self._hosted.port}"
+        self.inbox_addr = inbox_at  # where a forwarder pushes to this node ("": no inbox)
         self._node = node
         self._on_lost = on_lost
         self._lock = threading.Lock()  # the copied records: a reader's thread, or follow()
         self._copied = -1
+        self._links: dict[str, Any] = {}  # a forwarder's connections to its group's inboxes
         source = _Source(connect)
         self._source = source
         self._catch_up(source)
         source.reader = self._reader_of(source)
+        self._inbox: QueueReader | None = None
+        if inbox_at:
+            self._inbox = QueueReader(connector(inbox_at), relay_queue(node),
+                                      lambda raw: self._on_message(self._source, raw),
+                                      lambda why: None, "ftrun-relay-inbox")
 
     def follow(self, connect: Callable[[], Any]) -> None:
         """Copy from the store `connect` reaches from now on (the new leader's): first every
@@ -84,24 +95,45 @@ class GenerationRelay:
             old.reader.close(None)
 
     def _reader_of(self, source: _Source) -> QueueReader:
-        def deliver(raw: str | bytes) -> None:  # the reader's thread
-            message = parse_relay_message(raw)
-            if message is None:
-                return  # not ours to act on: only the coordinator pushes here
-            number, record = message
-            if record is not None and self._keep(source, number, record):
-                return  # the next one, carried whole: no read of the source's
-            try:
+        return QueueReader(source.connect, relay_queue(self._node),
+                           lambda raw: self._on_message(source, raw),
+                           lambda why: self._lost(source, why), "ftrun-relay")
+
+    def _lost(self, source: _Source, why: str) -> None:
+        if source is self._source:  # a source followed away from is expected to die
+            self._on_lost(why)
+
+    def _on_message(self, source: _Source, raw: str | bytes) -> None:
+        """A reader's thread: a record pushed by the coordinator, or (the inbox) forwarded.
+        Kept here first, then forwarded to this node's group, if it names one."""
+        message = parse_relay_message(raw)
+        if message is None:
+            return  # not ours to act on
+        number, record = message.number, message.record
+        if record is None or not self._keep(source, number, record):
+            try:  # a gap (or only the number came): read from the source
                 self._copy_up_to(source, number, record)
             except Exception as exc:  # the store is gone: the heartbeat (or election) says so
-                lost(first_line(exc))
+                self._lost(source, first_line(exc))
+        if message.children:
+            self._forward(source, message)
 
-        def lost(why: str) -> None:
-            if source is self._source:  # a source followed away from is expected to die
-                self._on_lost(why)
-
-        return QueueReader(source.connect, relay_queue(self._node), deliver, lost,
-                           "ftrun-relay")
+    def _forward(self, source: _Source, message: RelayMessage) -> None:
+        """Push the record to each node of this node's group, on its inbox; one that cannot
+        be reached is pushed to on the source instead, as the coordinator would have."""
+        payload = (relay_message(message.number, message.record) if message.record is not None
+                   else str(message.number).encode())
+        for node, addr in message.children:
+            try:
+                link = self._links.get(addr)
+                if link is None:
+                    refused_at_once(addr)  # c10d's client retries a refusal until its timeout
+                    link = self._links[addr] = connector(addr, FORWARD_CONNECT_S)()
+                link.queue_push(relay_queue(node), payload)
+            except Exception:
+                self._links.pop(addr, None)
+                with contextlib.suppress(Exception):  # the source gone too: its loss says so
+                    source.upstream.queue_push(relay_queue(node), payload)
 
     def _keep(self, source: _Source, number: int, record: bytes) -> bool:
         """Keep `record` if it is the next one this node's workers wait for (or the first):
@@ -164,29 +196,65 @@ class GenerationRelay:
         source = self._source
         if source.reader is not None:
             source.reader.close(source.upstream if link_works else None)
+        if self._inbox is not None:
+            self._inbox.close(self._inbox_link())
+        self._links.clear()
         with self._lock:
             self._local = None
         if self._hosted is not None:
             self._hosted.close()  # the server stops with its last reference
 
+    def _inbox_link(self) -> Any:
+        """A connection to the inbox's store, to wake its reader: this node's own, or a
+        new one to the simulator's (None if it cannot be had: the reader ends with it)."""
+        if self._hosted is not None:
+            return self._local
+        try:
+            return connector(self.inbox_addr, FORWARD_CONNECT_S)()
+        except Exception:
+            return None
 
-def connector(addr: str) -> Callable[[], Any]:
+
+def connector(addr: str, timeout_s: float = timeouts.STORE_CLIENT_CONNECT_S
+              ) -> Callable[[], Any]:
     """What `follow` takes for the store at `addr` ("host:port", a generation's `store`)."""
     from ftrun.adapters.store import client
 
     host, port = store_endpoint(addr)
-    return lambda: client(host, port, timeouts.STORE_CLIENT_CONNECT_S)
+    return lambda: client(host, port, timeout_s)
 
 
-def open_relay(addr: str, port: int, node: int) -> tuple[GenerationRelay | None, str]:
+def open_relay(addr: str, port: int, node: int, local_addr: str | None = None
+               ) -> tuple[GenerationRelay | None, str]:
     """This attempt's relay of the coordinator's store at `addr:port`, or None and the line
-    saying it could not start (the workers then watch the coordinator's store, as they can)."""
+    saying it could not start (the workers then watch the coordinator's store, as they can).
+    Its inbox is reached at `local_addr` (--local-addr), else at this host's address on the
+    route to the coordinator."""
     from ftrun.adapters.store import client
 
     try:
         return GenerationRelay(
             lambda: client(addr, port, timeouts.STORE_CLIENT_CONNECT_S),
-            node, lambda why: None), ""  # a lost store is the heartbeat's to notice
+            node, lambda why: None,  # a lost store is the heartbeat's to notice
+            reachable_as=local_addr or route_addr(addr, port)), ""
     except Exception as exc:
         return None, (f"no generation relay on this node ({first_line(exc)}); its workers "
                       "watch the coordinator's store")
+
+
+def route_addr(host: str, port: int) -> str:
+    """This host's address on the route to `host` (no packet is sent), "" if none: a relay
+    then has no inbox, and the coordinator pushes to it directly."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect((host, port))
+            return str(probe.getsockname()[0])
+    except (OSError, UnicodeError):
+        return ""
+
+
+def refused_at_once(addr: str) -> None:
+    """Raise OSError if nothing listens at `addr` (a relay closed, its node gone): a plain
+    connection says so in one round trip."""
+    host, port = store_endpoint(addr)
+    socket.create_connection((host, port), timeout=FORWARD_CONNECT_S).close()

@@ -21,6 +21,7 @@ from typing import Any, ClassVar, Protocol, TypeVar, get_type_hints
 from ftrun.core import records
 from ftrun.core.errors import FtrunError
 from ftrun.protocol import member_runs
+from ftrun.protocol.fanout import RelayHop, relay_message, relay_queue
 
 PREFIX = "ftrun/"
 LATEST_KEY = PREFIX + "gen/latest"
@@ -35,30 +36,6 @@ def node_of(worker_id: int) -> int:
 
 def gen_key(number: int) -> str:
     return f"{PREFIX}gen/{number}"
-
-
-def relay_queue(node: int) -> str:
-    """Node `node`'s agent relays each generation pushed here to its own workers
-    (`ftrun.cluster.relay`); the coordinator's own node has none: its workers watch the
-    store itself."""
-    return f"{PREFIX}relay/{node}"
-
-
-def relay_message(number: int, record: bytes) -> bytes:
-    """What a relay queue carries: the generation's number, a newline, its record as the
-    store holds it (a few hundred bytes however large the job): the relay needs no read of
-    its own, one round trip a node less on the coordinator's store for every generation."""
-    return f"{number}\n".encode() + record
-
-
-def parse_relay_message(raw: str | bytes) -> tuple[int, bytes | None] | None:
-    """(number, record) of a relay message; the record None when only a number came (an
-    agent of an older version pushes that); None if it is neither."""
-    data = raw.encode() if isinstance(raw, str) else bytes(raw)
-    head, newline, record = data.partition(b"\n")
-    if not (head.isascii() and head.isdigit()):
-        return None
-    return int(head), (record if newline else None)
 
 
 def spare_group_key(worker_id: int) -> str:
@@ -154,16 +131,19 @@ def store_endpoint(addr: str) -> tuple[str, int]:
     return host, int(port)
 
 
-def publish(store: Store, gen: Generation, relays: Iterable[int] = ()) -> None:
+def publish(store: Store, gen: Generation, relays: Iterable[int | RelayHop] = ()) -> None:
     """The record first, then the pointer: a reader of `latest` always finds the record.
     Then each node of `relays` is pushed the record (a push each, answered by no one:
-    microseconds)."""
+    microseconds); a `RelayHop` with children, the record and whom to forward it to
+    (`protocol.fanout.relay_plan`)."""
     record = gen.encode()
     store.set(gen_key(gen.number), record)
     store.set(LATEST_KEY, str(gen.number))
     message = relay_message(gen.number, record)
-    for node in relays:
-        store.queue_push(relay_queue(node), message)  # type: ignore[attr-defined]
+    for hop in relays:
+        node, children = (hop, ()) if isinstance(hop, int) else (hop.node, hop.children)
+        store.queue_push(relay_queue(node),  # type: ignore[attr-defined]
+                         relay_message(gen.number, record, children) if children else message)
 
 
 def read_generation(store: Store, number: int, timeout_s: float) -> Generation:

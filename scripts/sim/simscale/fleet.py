@@ -1,13 +1,14 @@
 """Light simulated nodes for the per-fault sweep (`faults`, issue #52): thousands of followers
-on one host, each on the node-side path a real agent runs for a generation, at two threads and
-three store connections a node.
+on one host, each on the node-side path a real agent runs for a generation, at three threads and
+four store connections a node.
 
 Each node's own, as on a real follower: its `QueueReader` of commands (Start, Spawn, Ping,
 Kill, Stop, End answered as `sim_cluster.SimNode` answers them) and its `GenerationRelay`
 (`ftrun.cluster.relay`: its reader blocked on the node's relay queue, its copy of each record
-from the coordinator's store). The relay copies into `NodeCopy` instead of a loopback store
-its workers would watch: it decodes each record once (`Generation.from_json`, as a worker's
-watcher does) and keeps when it arrived: that is when the node was notified.
+from the coordinator's store, its reader of its inbox, where a forwarder of its group pushes
+the record in a large job: `protocol.fanout`). The relay copies into `NodeCopy` instead of a
+loopback store its workers would watch: it decodes each record once (`Generation.from_json`,
+as a worker's watcher does) and keeps when it arrived: that is when the node was notified.
 Shared by a process's nodes, where a real host has one of each per node (the coordinator sees
 the same requests, on fewer connections): the heartbeats (one thread bumps every node's
 counter once a period and sets its payload when rebuilt, as `link.Heartbeat` does), the reports
@@ -29,7 +30,7 @@ from dataclasses import asdict
 from datetime import timedelta
 from typing import Any
 
-from ftrun.adapters.store import QueueReader, client
+from ftrun.adapters.store import LOOPBACK, HostedStore, QueueReader, client
 from ftrun.cluster.link import (
     AGENT_QUEUE,
     NODE_COUNTER,
@@ -133,7 +134,8 @@ class LightNode:
                 self.attempt = cmd.attempt
                 fleet.attempt_store(cmd.addr, cmd.port)
                 self.relay = GenerationRelay(lambda: client(cmd.addr, cmd.port, CONNECT_S),
-                                             self.index, fleet.lost, local=self.copy)
+                                             self.index, fleet.lost, local=self.copy,
+                                             inbox_at=fleet.inbox_at)
                 self.spawn([(cmd.first_id + i, i) for i in range(self.nproc)])
             case Spawn():
                 self.spawn([(cmd.worker, cmd.local_rank)])
@@ -153,7 +155,9 @@ class LightNode:
         """Workers (id, local rank) started on one order: one report, as a follower's."""
         for worker, _ in started:
             self.workers[worker] = True
-        self.fleet.report(Spawned.of(self.index, ((w, lr, os.getpid()) for w, lr in started)))
+        inbox = self.relay.inbox_addr if self.relay is not None else ""
+        self.fleet.report(Spawned.of(self.index, ((w, lr, os.getpid()) for w, lr in started),
+                                     inbox))
         for worker, _ in started:
             self.fleet.hello(worker)
 
@@ -205,6 +209,14 @@ class Fleet:
         self._requests: Any = None
         self._stop = threading.Event()
         self._seats = None if etcd is None else Seats(etcd)
+        # the nodes' relay inboxes (protocol.fanout), one store for the process's nodes as
+        # a real node has one of its own; SIM_NO_TREE=1: none, every node pushed to directly
+        self._inboxes: HostedStore | None = None
+        self.inbox_at = ""
+        if os.environ.get("SIM_NO_TREE") != "1":
+            self._inboxes = HostedStore(0, LOOPBACK)
+            self._inboxes.serve()
+            self.inbox_at = f"{LOOPBACK}:{self._inboxes.port}"
         threading.Thread(target=self._beat, name="sim-beats", daemon=True).start()
 
     def lost(self, why: str) -> None:
@@ -261,6 +273,8 @@ class Fleet:
             node.close()
         if self._seats is not None:
             self._seats.close()
+        if self._inboxes is not None:
+            self._inboxes.close()
 
 
 class Seats:

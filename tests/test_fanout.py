@@ -1,0 +1,142 @@
+"""The fan-out tree of a large job's generations (protocol.fanout): the plan is pure, the
+forwarding runs through real relays and real c10d stores: a forwarder pushes the record to its
+group's inboxes, one it cannot reach is pushed to on the coordinator's store, and a group
+whose forwarder died reads what it missed from the coordinator's store."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+
+from conftest import wait_for
+
+from ftrun.adapters.store import LOOPBACK, HostedStore, client
+from ftrun.cluster.relay import GenerationRelay
+from ftrun.protocol.fanout import (
+    RelayHop,
+    RelayMessage,
+    parse_relay_message,
+    relay_message,
+    relay_plan,
+)
+from ftrun.protocol.rendezvous import Generation, gen_key, publish
+
+
+def _gen(number: int) -> Generation:
+    return Generation(number, tuple(range(10_000, 10_008)), reason=f"g{number}")
+
+
+# ------------------------------------------------------------------ the plan (pure)
+def test_a_small_job_is_pushed_to_node_by_node() -> None:
+    nodes = [(n, f"10.0.0.{n}:7000") for n in range(1, 64)]
+    assert relay_plan(nodes) == [RelayHop(n) for n in range(1, 64)]
+
+
+def test_a_large_job_is_pushed_to_one_node_a_group_of_about_its_square_root() -> None:
+    nodes = [(n, f"h{n}:7") for n in range(1, 1025)]
+    plan = relay_plan(nodes)
+    assert len(plan) == 32 and all(len(hop.children) == 31 for hop in plan)
+    reached = [hop.node for hop in plan] + [int(c.split("@")[0]) for hop in plan
+                                            for c in hop.children]
+    assert sorted(reached) == list(range(1, 1025))  # every node once
+    assert plan[0] == RelayHop(1, tuple(f"{n}@h{n}:7" for n in range(2, 33)))
+
+
+def test_a_node_without_an_inbox_is_pushed_to_directly() -> None:
+    nodes = [(n, "" if n % 10 == 0 else f"h{n}:7") for n in range(1, 101)]
+    plan = relay_plan(nodes, tree_from=64)
+    direct = [hop.node for hop in plan if not hop.children]
+    assert set(range(10, 101, 10)) <= set(direct)
+    assert all(not c.startswith(f"{n}@") for hop in plan for c in hop.children
+               for n in range(10, 101, 10))
+    few = [(n, "" if n > 5 else f"h{n}:7") for n in range(1, 101)]  # 5 with an inbox
+    assert relay_plan(few, tree_from=64) == [RelayHop(n) for n in range(1, 101)]
+
+
+def test_a_relay_message_carries_the_children_and_drops_a_malformed_one() -> None:
+    raw = relay_message(7, b'{"x": 1}', ("3@10.0.0.3:5000", "4@h:6000"))
+    assert parse_relay_message(raw) == RelayMessage(7, b'{"x": 1}',
+                                                    ((3, "10.0.0.3:5000"), (4, "h:6000")))
+    assert parse_relay_message(b"7 x@h:1,5@nocolon,6@h:2\nrec") == RelayMessage(
+        7, b"rec", ((6, "h:2"),))
+    assert parse_relay_message(b"7\nrec") == RelayMessage(7, b"rec")
+    assert parse_relay_message(b"7") == RelayMessage(7, None)
+    assert parse_relay_message(b"x 1@h:1\nrec") is None
+
+
+# ------------------------------------------------------------------ real relays
+class _Pops:
+    """A relay's connection to the coordinator's store that records what it popped."""
+
+    def __init__(self, inner: object, popped: list[bytes]) -> None:
+        self._inner, self._popped = inner, popped
+
+    def queue_pop(self, key: str, block: bool) -> bytes:
+        raw = self._inner.queue_pop(key, block)  # type: ignore[attr-defined]
+        self._popped.append(bytes(raw))
+        return raw  # type: ignore[no-any-return]
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._inner, name)
+
+
+@contextmanager
+def _job(nodes: int) -> Iterator[tuple[object, dict[int, GenerationRelay], dict[int, list[bytes]]]]:
+    """The coordinator's store with generation 0, and a relay for each node 1..`nodes` with
+    an inbox on loopback; each relay's pops from the coordinator's store are recorded."""
+    upstream = HostedStore(0, LOOPBACK)
+    store = upstream.serve()
+    publish(store, _gen(0))
+    popped: dict[int, list[bytes]] = {n: [] for n in range(1, nodes + 1)}
+    with ExitStack() as stack:
+        relays = {}
+        for n in popped:
+            relays[n] = GenerationRelay(
+                lambda n=n: _Pops(client(LOOPBACK, upstream.port, 10.0), popped[n]),  # type: ignore[misc]
+                n, lambda why: None, reachable_as=LOOPBACK)
+            stack.callback(relays[n].close, True)
+        yield store, relays, popped
+    time.sleep(0.05)
+    upstream.close()
+
+
+def _holds(relay: GenerationRelay, number: int) -> bool:
+    held = relay.latest()
+    return held is not None and held.number >= number
+
+
+def test_a_forwarder_pushes_the_record_to_its_group_not_the_coordinators_store() -> None:
+    with _job(3) as (store, relays, popped):
+        children = tuple(f"{n}@{relays[n].inbox_addr}" for n in (2, 3))
+        publish(store, _gen(1), relays=[RelayHop(1, children)])  # type: ignore[arg-type]
+        for n in (1, 2, 3):
+            wait_for(lambda n=n: _holds(relays[n], 1), 10, f"node {n} holding generation 1")
+        assert relays[3].latest() == _gen(1)
+        assert len(popped[1]) == 1 and popped[2] == popped[3] == []  # one push, upstream
+
+
+def test_a_node_the_forwarder_cannot_reach_is_pushed_to_on_the_coordinators_store() -> None:
+    with _job(2) as (store, relays, popped):
+        dead = HostedStore(0, LOOPBACK)  # a port that nobody serves
+        dead_at = f"{LOOPBACK}:{dead.port}"
+        dead.close()
+        publish(store, _gen(1), relays=[RelayHop(1, (f"2@{dead_at}",))])  # type: ignore[arg-type]
+        wait_for(lambda: _holds(relays[2], 1), 20, "node 2 holding generation 1")
+        assert [parse_relay_message(raw) for raw in popped[2]] == [
+            RelayMessage(1, _gen(1).encode())]  # the forwarder pushed it upstream
+
+
+def test_a_group_whose_forwarder_died_reads_what_it_missed_from_the_coordinators_store(
+        ) -> None:
+    with _job(3) as (store, relays, popped):
+        group = tuple(f"{n}@{relays[n].inbox_addr}" for n in (2, 3))
+        relays[1].close(link_works=True)  # its node lost: the push below reaches no one
+        publish(store, _gen(1), relays=[RelayHop(1, group)])  # type: ignore[arg-type]
+        publish(store, _gen(2), relays=[RelayHop(2, group[1:])])  # the next plan, without it
+        for n in (2, 3):
+            wait_for(lambda n=n: _holds(relays[n], 2), 10, f"node {n} holding generation 2")
+            host, _, port = relays[n].addr.rpartition(":")
+            local = client(host, int(port), 10.0)
+            assert Generation.from_json(local.get(gen_key(1))) == _gen(1)  # the gap, read
+        assert popped[3] == []
