@@ -12,13 +12,14 @@ from contextlib import ExitStack, contextmanager
 from conftest import wait_for
 
 from ftrun.adapters.store import LOOPBACK, HostedStore, client
-from ftrun.cluster.relay import GenerationRelay
+from ftrun.cluster.relay import GenerationRelay, open_relay
 from ftrun.protocol.fanout import (
     RelayHop,
     RelayMessage,
     parse_relay_message,
     relay_message,
     relay_plan,
+    relay_queue,
 )
 from ftrun.protocol.rendezvous import Generation, gen_key, publish
 
@@ -33,14 +34,28 @@ def test_a_small_job_is_pushed_to_node_by_node() -> None:
     assert relay_plan(nodes) == [RelayHop(n) for n in range(1, 64)]
 
 
+def _reached(plan: list[RelayHop]) -> list[int]:
+    return sorted([hop.node for hop in plan] + [int(c.split("@")[0]) for hop in plan
+                                                for c in hop.children])
+
+
 def test_a_large_job_is_pushed_to_one_node_a_group_of_about_its_square_root() -> None:
     nodes = [(n, f"h{n}:7") for n in range(1, 1025)]
     plan = relay_plan(nodes)
     assert len(plan) == 32 and all(len(hop.children) == 31 for hop in plan)
-    reached = [hop.node for hop in plan] + [int(c.split("@")[0]) for hop in plan
-                                            for c in hop.children]
-    assert sorted(reached) == list(range(1, 1025))  # every node once
-    assert plan[0] == RelayHop(1, tuple(f"{n}@h{n}:7" for n in range(2, 33)))
+    assert _reached(plan) == list(range(1, 1025))  # every node once
+    assert plan[0] == RelayHop(1, tuple(f"{n}@h{n}:7" for n in range(2, 33)))  # indices 1-32
+    assert plan[1] == RelayHop(33, tuple(f"{n}@h{n}:7" for n in range(34, 65)))
+
+
+def test_a_node_lost_changes_only_its_own_group() -> None:
+    nodes = [(n, f"h{n}:7") for n in range(1, 1025)]
+    before = relay_plan(nodes)
+    for lost in (40, 33):  # one forwarded to, then its group's forwarder
+        after = relay_plan([(n, a) for n, a in nodes if n != lost])
+        assert _reached(after) == [n for n in range(1, 1025) if n != lost]
+        assert [hop for hop in after if hop not in before] == [
+            hop for hop in after if hop.node in (33, 34)]  # group 33-64 alone
 
 
 def test_a_node_without_an_inbox_is_pushed_to_directly() -> None:
@@ -107,13 +122,22 @@ def _holds(relay: GenerationRelay, number: int) -> bool:
 
 
 def test_a_forwarder_pushes_the_record_to_its_group_not_the_coordinators_store() -> None:
+    """The first record reaches the group on the coordinator's store while the forwarder
+    connects to their inboxes (off its forwarding path); the next ones go to the inboxes."""
     with _job(3) as (store, relays, popped):
         children = tuple(f"{n}@{relays[n].inbox_addr}" for n in (2, 3))
         publish(store, _gen(1), relays=[RelayHop(1, children)])  # type: ignore[arg-type]
         for n in (1, 2, 3):
             wait_for(lambda n=n: _holds(relays[n], 1), 10, f"node {n} holding generation 1")
-        assert relays[3].latest() == _gen(1)
-        assert len(popped[1]) == 1 and popped[2] == popped[3] == []  # one push, upstream
+        assert len(popped[2]) == len(popped[3]) == 1  # not connected yet: upstream
+        wait_for(lambda: all(relays[1].forwards_to(relays[n].inbox_addr) for n in (2, 3)), 10,
+                 "the forwarder connected to both inboxes")
+        for number in (2, 3):
+            publish(store, _gen(number), relays=[RelayHop(1, children)])  # type: ignore[arg-type]
+        for n in (1, 2, 3):
+            wait_for(lambda n=n: _holds(relays[n], 3), 10, f"node {n} holding generation 3")
+        assert relays[3].latest() == _gen(3)
+        assert len(popped[1]) == 3 and len(popped[2]) == len(popped[3]) == 1  # none upstream
 
 
 def test_a_node_the_forwarder_cannot_reach_is_pushed_to_on_the_coordinators_store() -> None:
@@ -121,10 +145,13 @@ def test_a_node_the_forwarder_cannot_reach_is_pushed_to_on_the_coordinators_stor
         dead = HostedStore(0, LOOPBACK)  # a port that nobody serves
         dead_at = f"{LOOPBACK}:{dead.port}"
         dead.close()
-        publish(store, _gen(1), relays=[RelayHop(1, (f"2@{dead_at}",))])  # type: ignore[arg-type]
-        wait_for(lambda: _holds(relays[2], 1), 20, "node 2 holding generation 1")
+        for number in (1, 2):
+            publish(store, _gen(number),
+                    relays=[RelayHop(1, (f"2@{dead_at}",))])  # type: ignore[arg-type]
+            wait_for(lambda n=number: _holds(relays[2], n), 10, f"node 2 holding {number}")
         assert [parse_relay_message(raw) for raw in popped[2]] == [
-            RelayMessage(1, _gen(1).encode())]  # the forwarder pushed it upstream
+            RelayMessage(n, _gen(n).encode()) for n in (1, 2)]  # the forwarder pushed upstream
+        assert not relays[1].forwards_to(dead_at)
 
 
 def test_a_group_whose_forwarder_died_reads_what_it_missed_from_the_coordinators_store(
@@ -139,4 +166,24 @@ def test_a_group_whose_forwarder_died_reads_what_it_missed_from_the_coordinators
             host, _, port = relays[n].addr.rpartition(":")
             local = client(host, int(port), 10.0)
             assert Generation.from_json(local.get(gen_key(1))) == _gen(1)  # the gap, read
-        assert popped[3] == []
+        pushed = [parse_relay_message(raw) for raw in popped[2] + popped[3]]
+        assert 1 not in [m.number for m in pushed if m is not None]  # never pushed to them
+
+
+def test_a_followers_relay_takes_records_on_its_inbox_at_its_address_towards_the_coordinator(
+        ) -> None:
+    upstream = HostedStore(0, LOOPBACK)
+    store = upstream.serve()
+    publish(store, _gen(0))
+    relay, why = open_relay(LOOPBACK, upstream.port, 1)  # as a follower opens it, no --local-addr
+    assert relay is not None and why == ""
+    try:
+        host, _, port = relay.inbox_addr.rpartition(":")
+        assert host == LOOPBACK and int(port) == int(relay.addr.rpartition(":")[2])
+        client(host, int(port), 10.0).queue_push(relay_queue(1),
+                                                 relay_message(1, _gen(1).encode()))
+        wait_for(lambda: _holds(relay, 1), 10, "generation 1, taken on the inbox")
+    finally:
+        relay.close(link_works=True)
+        time.sleep(0.05)
+        upstream.close()

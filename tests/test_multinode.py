@@ -142,9 +142,8 @@ def test_node_lost_then_replaced_without_restart(tmp_path: Path, nodes) -> None:
                   out=out, end_file=end_file)
     metrics_port = free_port()  # the coordinator's view of every node, as Prometheus sees it
     a = nodes("a", ft_job(port, "--rdzv-id", "mn", "--metrics-port", str(metrics_port),
-                          "--log-dir", str(tmp_path / "logs_a"), *LONG_LAST_CALL,
-                          nnodes="2:3", step_time=0.03, out=out, end_file=end_file),
-              env={"FTRUN_RELAY_TREE_FROM": "2"})  # one node forwards to the other (fanout)
+                          *LONG_LAST_CALL, nnodes="2:3", step_time=0.03, out=out,
+                          end_file=end_file))
     wait_listening(port, 30)
     b, c = nodes("b", args), nodes("c", args)
     doc = wait_for(lambda: stepping(a, 6, 10), 120, "6 workers on 3 nodes stepping")
@@ -180,10 +179,6 @@ def test_node_lost_then_replaced_without_restart(tmp_path: Path, nodes) -> None:
         assert node.wait(180) == 0, node.stderr
     assert "Traceback" not in a.stderr + b.stderr + d.stderr
     assert "lost with 2 members" in a.stderr
-    events = [json.loads(line) for line in
-              next((tmp_path / "logs_a").glob("*/events.jsonl")).read_text().splitlines()]
-    forwarded = [e["forwarded"] for e in events if e["event"] == "generation"]
-    assert max(forwarded) == 1  # d's joining at least: reached through the other's relay
 
     logs = {int(p.stem.split("_")[1]): json.loads(p.read_text()) for p in out.glob("log_*.json")}
     committed: set[int] = set()

@@ -56,7 +56,8 @@ def test_a_lost_node_takes_its_group_out_and_the_groups_return_to_full_size(
     port, end_file, out = free_port(), tmp_path / "end_at", tmp_path / "out"
     out.mkdir()
     args = job(port, end_file, out)
-    a = nodes("a", args)
+    a = nodes("a", ["--log-dir", str(tmp_path / "logs_a"), *args],  # type: ignore[call-arg]
+              env={"FTRUN_RELAY_TREE_FROM": "2"})  # generations through a node's relay
     wait_listening(port, 60)
     followers = [nodes(name, args) for name in ("b", "c", "d")]
     first = doc_when(lambda: members(a, 4, 3), 240, "4 nodes of 1 worker stepping")
@@ -94,6 +95,9 @@ def test_a_lost_node_takes_its_group_out_and_the_groups_return_to_full_size(
            "of 2" in a.stderr, a.stderr[-3000:]
     assert "replica groups back in service" in a.stderr
     assert "Traceback" not in everything, everything[-3000:]
+    events = [json.loads(line) for line in
+              next((tmp_path / "logs_a").glob("*/events.jsonl")).read_text().splitlines()]
+    assert max(e["forwarded"] for e in events if e["event"] == "generation") >= 1
 
     logs = seen(out)
     end = int(end_file.read_text())

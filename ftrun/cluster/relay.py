@@ -22,12 +22,12 @@ from datetime import timedelta
 from typing import Any
 
 from ftrun.adapters.store import ALL_INTERFACES, LOOPBACK, HostedStore, QueueReader
+from ftrun.cluster import forward_links
+from ftrun.cluster.forward_links import ForwardLinks
 from ftrun.core import timeouts
 from ftrun.core.errors import first_line
 from ftrun.protocol.fanout import RelayMessage, parse_relay_message, relay_message, relay_queue
 from ftrun.protocol.rendezvous import LATEST_KEY, Generation, gen_key, store_endpoint
-
-FORWARD_CONNECT_S = 2.0  # a forwarder's connection to a node of its group: then it goes direct
 
 
 class _Source:
@@ -64,7 +64,7 @@ class GenerationRelay:
         self._on_lost = on_lost
         self._lock = threading.Lock()  # the copied records: a reader's thread, or follow()
         self._copied = -1
-        self._links: dict[str, Any] = {}  # a forwarder's connections to its group's inboxes
+        self._links = ForwardLinks(lambda addr, timeout_s: connector(addr, timeout_s)())
         source = _Source(connect)
         self._source = source
         self._catch_up(source)
@@ -119,21 +119,21 @@ class GenerationRelay:
             self._forward(source, message)
 
     def _forward(self, source: _Source, message: RelayMessage) -> None:
-        """Push the record to each node of this node's group, on its inbox; one that cannot
-        be reached is pushed to on the source instead, as the coordinator would have."""
+        """Push the record to each node of this node's group, on its inbox; one not connected
+        yet (`ForwardLinks`) or that cannot be reached is pushed to on the source instead, as
+        the coordinator would have."""
         payload = (relay_message(message.number, message.record) if message.record is not None
                    else str(message.number).encode())
         for node, addr in message.children:
+            link = self._links.get(addr)
             try:
-                link = self._links.get(addr)
-                if link is None:
-                    refused_at_once(addr)  # c10d's client retries a refusal until its timeout
-                    link = self._links[addr] = connector(addr, FORWARD_CONNECT_S)()
-                link.queue_push(relay_queue(node), payload)
+                if link is not None:
+                    link.queue_push(relay_queue(node), payload)
+                    continue
             except Exception:
-                self._links.pop(addr, None)
-                with contextlib.suppress(Exception):  # the source gone too: its loss says so
-                    source.upstream.queue_push(relay_queue(node), payload)
+                self._links.drop(addr)
+            with contextlib.suppress(Exception):  # the source gone too: its loss says so
+                source.upstream.queue_push(relay_queue(node), payload)
 
     def _keep(self, source: _Source, number: int, record: bytes) -> bool:
         """Keep `record` if it is the next one this node's workers wait for (or the first):
@@ -182,6 +182,11 @@ class GenerationRelay:
                 if n > self._copied:
                     self._store(n, record)
 
+    def forwards_to(self, inbox: str) -> bool:
+        """Whether a record for the node at `inbox` goes there from here (connected), not
+        on the source."""
+        return self._links.get(inbox) is not None
+
     def latest(self) -> Generation | None:
         """The newest generation copied here (what this node's workers hold), or None."""
         with self._lock:
@@ -198,7 +203,7 @@ class GenerationRelay:
             source.reader.close(source.upstream if link_works else None)
         if self._inbox is not None:
             self._inbox.close(self._inbox_link())
-        self._links.clear()
+        self._links.close()
         with self._lock:
             self._local = None
         if self._hosted is not None:
@@ -210,7 +215,7 @@ class GenerationRelay:
         if self._hosted is not None:
             return self._local
         try:
-            return connector(self.inbox_addr, FORWARD_CONNECT_S)()
+            return connector(self.inbox_addr, forward_links.CONNECT_S)()
         except Exception:
             return None
 
@@ -252,9 +257,3 @@ def route_addr(host: str, port: int) -> str:
     except (OSError, UnicodeError):
         return ""
 
-
-def refused_at_once(addr: str) -> None:
-    """Raise OSError if nothing listens at `addr` (a relay closed, its node gone): a plain
-    connection says so in one round trip."""
-    host, port = store_endpoint(addr)
-    socket.create_connection((host, port), timeout=FORWARD_CONNECT_S).close()

@@ -149,7 +149,7 @@ class GenerationFields(Fields):
     published_at: float
     reason: str = ""
     urgent: bool = False
-    forwarded: int = 0  # nodes that got it from another node's relay (protocol.fanout)
+    forwarded: int = 0  # nodes it was sent to through another node's relay (protocol.fanout)
 
 
 @dataclass(frozen=True)

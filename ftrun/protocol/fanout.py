@@ -86,13 +86,18 @@ def relay_plan(nodes: Sequence[tuple[int, str]], tree_from: int = TREE_FROM_NODE
                ) -> list[RelayHop]:
     """Who the coordinator pushes a generation to: `nodes` are (node, its relay's inbox,
     "" if none). Fewer than `tree_from` with an inbox: every node, directly. Else the nodes
-    with an inbox in groups of ceil(√n), in the order given: the first of each group
-    forwards to the others; the nodes without one are pushed to directly."""
-    reachable = [(n, addr) for n, addr in nodes if addr]
+    with an inbox by index in groups of ceil(√n) indices (followers count from 1: nodes 1 to
+    size are the first group): the lowest of each
+    group forwards to the others; the nodes without one are pushed to directly. A node lost
+    or added changes only its own group (while √n's ceiling holds): every other forwarder
+    keeps its connections."""
+    reachable = sorted((n, addr) for n, addr in nodes if addr)
     direct = [RelayHop(n) for n, addr in nodes if not addr]
     if len(reachable) < max(tree_from, 2):
         return [RelayHop(n) for n, _ in nodes]
     size = math.isqrt(len(reachable) - 1) + 1
-    groups = [reachable[i:i + size] for i in range(0, len(reachable), size)]
+    groups: dict[int, list[tuple[int, str]]] = {}
+    for n, addr in reachable:
+        groups.setdefault((n - 1) // size, []).append((n, addr))
     return direct + [RelayHop(group[0][0], tuple(f"{n}@{addr}" for n, addr in group[1:]))
-                     for group in groups]
+                     for group in groups.values()]

@@ -1,0 +1,79 @@
+"""A forwarding relay's connections to the inboxes of its group (`protocol.fanout`).
+
+Owns: one store connection per inbox address, made on a thread of its own, never on the path
+that forwards a record: c10d's client reverse-resolves the peer and retries a refusal until
+its timeout, so a connection made there would hold the whole group's record behind one slow
+or dead node. Until an inbox is connected the forwarder pushes that node's record on the
+coordinator's store, as the coordinator would have without the tree.
+Must not import: typer, rich, the CLI, the agent or the worker library. Torch lazily.
+"""
+
+from __future__ import annotations
+
+import queue
+import socket
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from ftrun.protocol.rendezvous import store_endpoint
+
+CONNECT_S = 2.0  # one inbox's connection (a refusal is told at once, by a plain probe)
+_CLOSE = ""  # on the queue: the connecting thread ends
+
+
+class ForwardLinks:
+    """`connect(addr, timeout_s)` makes a client connection to the store at "host:port"."""
+
+    def __init__(self, connect: Callable[[str, float], Any]) -> None:
+        self._connect = connect
+        self._lock = threading.Lock()
+        self._links: dict[str, Any] = {}
+        self._asked: set[str] = set()  # queued or being connected
+        self._todo: queue.SimpleQueue[str] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._closed = False
+
+    def get(self, addr: str) -> Any | None:
+        """The connection to `addr`, or None: not made yet (it is asked for now)."""
+        with self._lock:
+            link = self._links.get(addr)
+            if link is not None or self._closed or addr in self._asked:
+                return link
+            self._asked.add(addr)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, daemon=True,
+                                                name="ftrun-relay-links")
+                self._thread.start()
+        self._todo.put(addr)
+        return None
+
+    def drop(self, addr: str) -> None:
+        """A push on it failed: the next record asks for a new one."""
+        with self._lock:
+            self._links.pop(addr, None)
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            self._links.clear()
+        self._todo.put(_CLOSE)
+
+    def _run(self) -> None:
+        while (addr := self._todo.get()) != _CLOSE:
+            try:
+                refused_at_once(addr)
+                link = self._connect(addr, CONNECT_S)
+            except Exception:
+                link = None  # unreachable now: asked again by the next record
+            with self._lock:
+                self._asked.discard(addr)
+                if link is not None and not self._closed:
+                    self._links[addr] = link
+
+
+def refused_at_once(addr: str) -> None:
+    """Raise OSError if nothing listens at `addr` (a relay closed, its node gone): a plain
+    connection says so in one round trip, where c10d's client would retry until its timeout."""
+    host, port = store_endpoint(addr)
+    socket.create_connection((host, port), timeout=CONNECT_S).close()
