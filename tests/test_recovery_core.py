@@ -426,6 +426,7 @@ def test_nodes_lost_in_one_pass_are_one_decision_one_generation_a_record_each() 
     assert faults[0]["reason"] == faults[1]["reason"] == (
         f"node 1 (h), node 2 (h) lost with 2 members; spare workers {spares[0]}, "
         f"{spares[1]} (starting) take their ranks on 1 node")
+    assert "decided_with" not in faults[0] and faults[1]["decided_with"] == 1  # said once
     assert rec.faults == 2 and store.generation().fault_at == 998.0  # the earliest seen
 
 

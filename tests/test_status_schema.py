@@ -193,6 +193,16 @@ def test_a_notice_whose_fields_do_not_read_is_one_line_and_the_agent_goes_on() -
     assert lines[1] == "ftrun: hello"
 
 
+def test_nodes_lost_at_once_are_said_once_on_the_console() -> None:
+    out = io.StringIO()
+    reason = "node 1 (h), node 2 (h) lost with 2 members; continuing with 2 workers on 1 node"
+    for node, decided_with in ((1, None), (2, 1)):
+        fields = {"worker": node * 10_000, "rank": node, "decision": "shrink", "reason": reason,
+                  "node": node, **({"decided_with": decided_with} if decided_with else {})}
+        render.notice("fault", fields, out)
+    assert out.getvalue() == f"ftrun: {reason}\n"
+
+
 def test_a_heartbeat_payload_round_trips_and_a_bad_one_is_refused() -> None:
     live = Liveness(worker=10_000, rank=2, step=41, idle_s=0.1, waiting_s=None, stopped=False,
                     compute_s=0.01, step_s=0.02, generation=3, phase=Phase.COLLECTIVE,

@@ -68,10 +68,11 @@ class NodeLosses:
             if self.groups.spanning else decide_node_loss(snap, label, lost_members)
         now = time.time()
         committed = self.highest_committed()
-        for loss, rank, first in firsts:  # one record per node, one decision
+        for i, (loss, rank, first) in enumerate(firsts):  # one record per node, one decision
             emit_as(self.emit, FaultFields(first, rank, d.action, d.reason, f"{loss.label} lost",
                                            detected_at=now, committed_before=committed,
-                                           node=loss.node))
+                                           node=loss.node,
+                                           decided_with=firsts[0][0].node if i else None))
         fault_at = min(min(loss.last_seen for loss, _, _ in firsts), now)
         if self.groups.spanning and d.action is FaultAction.SHRINK:
             self.groups.act_on_node_loss(d, fault_at)

@@ -47,6 +47,8 @@ def _notice_text(f: ev.Fields) -> str | None:
     match f:
         case ev.NoticeFields():
             return f.text
+        case ev.FaultFields(decided_with=int()):
+            return None  # said with the first node's record of the same decision
         case ev.FailureFields() | ev.FaultFields():
             return f.reason
         case ev.GenerationFields():

@@ -133,6 +133,9 @@ class FaultFields(Fields):
     detected_at: float | None = absent()
     committed_before: int = -1
     node: int | None = absent()  # a lost node's
+    # nodes lost at once are one decision, a record each: the others name the first one's node
+    # (the console says the decision once, not once a node: 3,072 lines at 4,096 nodes)
+    decided_with: int | None = absent()
     # silent corruption (#53): every replica went back to this verified step, kept at
     # `lost_from`; `recovered_at`: recovered where it was found (a rollback or a redo with
     # nobody to replace)
