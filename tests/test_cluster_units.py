@@ -89,9 +89,10 @@ class Job:
         return rec
 
 
-def join(node: int, rdzv_id: str = "job", host: str = "", flags: str = "") -> Join:
+def join(node: int, rdzv_id: str = "job", host: str = "", flags: str = "",
+         relay: str = "") -> Join:
     return message(Join, node=node, host=host or f"h{node}", pid=100 + node, nproc=2,
-                   rdzv_id=rdzv_id, flags=flags)
+                   rdzv_id=rdzv_id, flags=flags, relay=relay)
 
 
 def exited(worker: int, code: int, attempt: int = 0, error: str = "") -> Exited:
@@ -273,6 +274,15 @@ def test_a_nodes_relay_inbox_is_kept_from_its_report_while_it_is_in_the_attempt(
     job.coord.remote_exits()
     job.coord.tick()
     assert job.coord.others.relay_inboxes() == {}
+
+
+def test_a_relay_inbox_named_in_a_join_is_kept_on_the_node(make: Callable[..., Job]) -> None:
+    """A node that rejoins a new leader with its workers (etcd) keeps its relay, and its Join
+    says where its inbox is: the new leader's plan can use it at once."""
+    job = make()
+    job.report(join(1, relay="10.0.0.3:5000"))
+    job.coord.remote_exits()  # the loop reads the agents' reports
+    assert job.coord.nodes[1].relay_inbox == "10.0.0.3:5000"
 
 
 def test_kill_remote_sends_kill_only_for_a_live_worker_on_a_live_node(

@@ -232,7 +232,8 @@ class Coordinating:
             self.nodes[msg.node].relays_at(msg.relay)
 
     def _on_join(self, msg: Join) -> None:
-        node = Node(msg.node, msg.host, msg.pid, msg.nproc, net_drill=msg.net_drill)
+        node = Node(msg.node, msg.host, msg.pid, msg.nproc, net_drill=msg.net_drill,
+                    relay_inbox=msg.relay)  # a takeover: the relay its workers watch on
         taken = node.index in self.nodes and self.nodes[node.index].alive
         refused = why_refused(rdzv_id=self.spec.rdzv_id, flags=shared_flags(self.spec),
                               joining_rdzv_id=msg.rdzv_id, joining_flags=msg.flags,

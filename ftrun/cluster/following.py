@@ -170,7 +170,7 @@ class Following(SupervisesNoOtherNode):
         self._report(Join(node=self.index, host=socket.gethostname(), pid=os.getpid(),
                           nproc=self.spec.nproc, rdzv_id=self.spec.rdzv_id,
                           net_drill=self.net.refusal, running=running,
-                          flags=shared_flags(self.spec)))
+                          flags=shared_flags(self.spec), relay=self._inbox()))
         self.plane.register(self.index)
         notice(self.host.emit, f"joined the rendezvous at {self.ep} as node {self.index}")
         try:

@@ -132,6 +132,7 @@ class Join:
     net_drill: str
     running: str  # its coordinator gone (etcd), it keeps its workers: "id:local_rank:pid,..."
     flags: str = ""
+    relay: str = ""  # with `running`: its relay's inbox, as `Spawned.relay` said it
 
 
 @dataclass(frozen=True)
