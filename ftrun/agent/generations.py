@@ -40,6 +40,7 @@ class Generations:
         self.membership = membership
         self.ends = ends
         self._held: list[Generation] | None = None  # a batch's changes, published at its end
+        self._tree_from = tree_from(os.environ)  # the job size the relay tree starts at
 
     def detach(self) -> None:
         """The attempt is over: its store goes; nothing is published any more."""
@@ -98,7 +99,7 @@ class Generations:
         job some of them to the others: `relay_plan`, from FTRUN_RELAY_TREE_FROM nodes)."""
         inboxes = self.port.relay_inboxes()
         return relay_plan([(n, inboxes.get(n, "")) for n in self.port.live_nodes() if n != 0],
-                          tree_from(os.environ))
+                          self._tree_from)
 
     def spawn(self, node: int, local_rank: int, role: WorkerRole | None = None,
               rank: int = -1) -> int:

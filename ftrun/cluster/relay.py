@@ -126,12 +126,12 @@ class GenerationRelay:
                    else str(message.number).encode())
         for node, addr in message.children:
             link = self._links.get(addr)
-            try:
-                if link is not None:
+            if link is not None:
+                try:
                     link.queue_push(relay_queue(node), payload)
                     continue
-            except Exception:
-                self._links.drop(addr)
+                except Exception:
+                    self._links.drop(addr)
             with contextlib.suppress(Exception):  # the source gone too: its loss says so
                 source.upstream.queue_push(relay_queue(node), payload)
 

@@ -87,10 +87,9 @@ def relay_plan(nodes: Sequence[tuple[int, str]], tree_from: int = TREE_FROM_NODE
     """Who the coordinator pushes a generation to: `nodes` are (node, its relay's inbox,
     "" if none). Fewer than `tree_from` with an inbox: every node, directly. Else the nodes
     with an inbox by index in groups of ceil(√n) indices (followers count from 1: nodes 1 to
-    size are the first group): the lowest of each
-    group forwards to the others; the nodes without one are pushed to directly. A node lost
-    or added changes only its own group (while √n's ceiling holds): every other forwarder
-    keeps its connections."""
+    size are the first group): the lowest of each group forwards to the others; the nodes
+    without one are pushed to directly. A node lost or added changes only its own group
+    (while √n's ceiling holds): every other forwarder keeps its connections."""
     reachable = sorted((n, addr) for n, addr in nodes if addr)
     direct = [RelayHop(n) for n, addr in nodes if not addr]
     if len(reachable) < max(tree_from, 2):
