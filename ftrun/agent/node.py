@@ -12,7 +12,6 @@ Must not import: typer, rich, the CLI or the worker library. Torch only through 
 
 from __future__ import annotations
 
-import math
 import os
 import selectors
 import signal
@@ -31,6 +30,7 @@ from ftrun.agent.cluster import Adopt, Cluster, Handover, Local
 from ftrun.agent.nodeport import NodePort
 from ftrun.agent.notices import Notices
 from ftrun.agent.outcomes import Outcome, group_decision, on_exit, stopped_by
+from ftrun.agent.pacing import Pacing
 from ftrun.agent.recovery import Recovery
 from ftrun.agent.roster import Attempt, RemoteWorker, RunResult, Worker
 from ftrun.agent.runtime import NodeRuntime
@@ -79,7 +79,7 @@ class Agent:
         self._requests: QueueReader | None = None  # the recovery's request reader
         self._killed: set[tuple[int, int]] = set()  # (attempt, worker) the watch had killed
         self.notices = Notices(spec)  # a preemption notice: this node's ranks hand over
-        self._exits_decided_at = -math.inf  # when a pass last decided exits (and published)
+        self.pacing = Pacing()  # a burst's exits in one pass; a fault's pass publishes first
         self.guardian = Guardian()  # before any thread or socket of the run exists
         try:
             self.runtime = self._build_runtime(spec)
@@ -284,12 +284,15 @@ class Agent:
     def _pass(self, sel: selectors.BaseSelector, ended: list[Worker | RemoteWorker],
               outcome: Outcome) -> None:
         """One pass of the loop: what it found (`ended`: exits, maybe none) and what its tick
-        finds (nodes lost, requests, findings), decided and published as one generation."""
+        finds (nodes lost, requests, findings), decided and published as one generation.
+        A pass with exits leaves the periodic checks to the next (`Pacing`)."""
         control = self.runtime.services.control_plane
         if ended and self.recovery is not None:
-            ended += self._rest_of_burst(sel)
+            ended += self.pacing.rest_of_burst(lambda timeout_s: [
+                *self.runtime.workers.reap_ready(sel, timeout_s), *self.cluster.remote_exits()])
+        checks = self.pacing.runs_checks(bool(ended))
         with self._one_generation():  # what this pass finds: one generation
-            outcome.decide(self._tick())
+            outcome.decide(self._tick(checks))
             if self.recovery is not None and outcome.decision is None:
                 outcome.decide(self.recovery.handle_requests())
             control.sample(time.time(), ended)  # before slots retire
@@ -300,30 +303,7 @@ class Agent:
             outcome.decide(group_decision(
                 self.recovery, outcome, self.runtime.port.all_workers,
                 self.attempt.restarts, self.spec.max_restarts))
-        if ended:
-            self._exits_decided_at = time.monotonic()  # a burst's rest: `_rest_of_burst`
-
-    def _rest_of_burst(self, sel: selectors.BaseSelector) -> list[Worker | RemoteWorker]:
-        """The exits that follow one within `BURST_QUIET_S` of each other (up to `BURST_MAX_S`):
-        ranks lost together (a switch, a rack) are decided in this pass, so they make one
-        generation and one communicator rebuild on every survivor, not one each. Within
-        `BURST_FOLLOW_S` of a pass that decided exits, a burst's rest: quiet `BURST_TAIL_QUIET_S`,
-        up to `BURST_TAIL_MAX_S` (10 exits over 0.1 s: 2 generations)."""
-        more: list[Worker | RemoteWorker] = []
-        now = time.monotonic()
-        tail = now - self._exits_decided_at < timeouts.BURST_FOLLOW_S  # the rest of a burst
-        quiet = timeouts.BURST_TAIL_QUIET_S if tail else timeouts.BURST_QUIET_S
-        deadline = now + (timeouts.BURST_TAIL_MAX_S if tail else timeouts.BURST_MAX_S)
-        quiet_until = now + quiet
-        while True:  # one look at least: a thread of a loaded host may wake past `quiet`
-            got: list[Worker | RemoteWorker] = [
-                *self.runtime.workers.reap_ready(sel, max(0.0, min(quiet_until, deadline) - now)),
-                *self.cluster.remote_exits()]
-            if got:
-                more += got
-                quiet_until = time.monotonic() + quiet
-            if (now := time.monotonic()) >= min(quiet_until, deadline):
-                return more
+        self.pacing.passed(bool(ended), checks)
 
     def _one_generation(self) -> AbstractContextManager[None]:
         """The changes decided in one pass of the loop (faults found together: several
@@ -350,11 +330,12 @@ class Agent:
         return self.cluster.idle_wait(self.runtime.services.health.wait_s(time.time())
                                       if self.recovery else TIMELINE_EVERY_S)
 
-    def _tick(self) -> Decision | None:
+    def _tick(self, checks: bool = True) -> Decision | None:
+        """`checks` False: the periodic ones (hangs judged, heartbeats read) wait."""
         membership = self.recovery.membership if self.recovery is not None else None
-        self.act(self.runtime.services.health.tick(membership, time.time()))
+        self.act(self.runtime.services.health.tick(membership, time.time(), judge=checks))
         self.runtime.services.snapshots.drain()
-        return self.cluster.tick()
+        return self.cluster.tick(periodic=checks)
 
     def act(self, findings: list[Finding]) -> None:
         """Do what the health watch found: kill a member once per attempt (on whichever node

@@ -198,11 +198,13 @@ class HealthWatch:
         return found
 
     # ------------------------------------------------------------ hangs and stragglers
-    def tick(self, membership: Membership | None, now: float) -> list[Finding]:
-        """What the agent should do about GPUs, hangs and stragglers; it acts, this watches."""
+    def tick(self, membership: Membership | None, now: float, judge: bool = True
+             ) -> list[Finding]:
+        """What the agent should do about GPUs, hangs and stragglers; it acts, this watches.
+        `judge` False: hangs and stragglers wait for the next tick (a fault's pass)."""
         found = self._noted(self._gpu_findings(now), now)  # before judging: a GPU kill counts
         found += self._degraded_drains(now)
-        return found + self._noted(self._judge(membership, now), now)
+        return found + (self._noted(self._judge(membership, now), now) if judge else [])
 
     def _noted(self, found: list[Finding], now: float) -> list[Finding]:
         self._killing.update((f.worker, now) for f in found if isinstance(f, Kill))

@@ -45,7 +45,7 @@ from ftrun.cluster.messages import (
     Spawned,
     parse_report,
 )
-from ftrun.cluster.nodewatch import NodeWatch
+from ftrun.cluster.nodewatch import NodeWatch, Verdict
 from ftrun.cluster.plane import C10dPlane, Plane, deposed
 from ftrun.cluster.relay import GenerationRelay
 from ftrun.cluster.remotes import RemoteWorkers
@@ -320,7 +320,8 @@ class Coordinating:
     def on_local_exit(self, w: Worker) -> None:
         pass
 
-    def tick(self) -> Decision | None:
+    def tick(self, periodic: bool = True) -> Decision | None:
+        """`periodic` False: exits decided, published first; heartbeats read next pass."""
         if (why := self.plane.deposed()) is not None:  # another agent may lead by now
             raise deposed(self.plane, f"the coordinator stopped deciding: {why}")  # once
         if self._pending is not None:
@@ -328,8 +329,8 @@ class Coordinating:
             return pending
         self.table.publish_status()
         self.table.send_net_drills()
-        verdict = self.watch.check(self.rdzv.store,
-                                   lambda: [n.index for n in self.table.alive()])
+        verdict = self.watch.check(self.rdzv.store, lambda: [
+            n.index for n in self.table.alive()]) if periodic else Verdict([], None)
         self.table.ping(verdict.ping)
         if (stepping_down := self.drained.tick()) is not None:
             return stepping_down  # this node drained (etcd): the job goes on without it
