@@ -35,10 +35,12 @@ from ftrun.cluster.messages import (
     Start,
     Stop,
 )
+from ftrun.core import timeouts
 from ftrun.core.events import Event
 from ftrun.core.membership import WorkerRole
 from ftrun.core.node_flags import shared_flags
 from ftrun.core.spec import RunSpec
+from ftrun.protocol.fanout import relay_queue, warm_message
 from ftrun.protocol.rendezvous import Hello, encode
 
 R = WorkerRole
@@ -274,6 +276,32 @@ def test_a_nodes_relay_inbox_is_kept_from_its_report_while_it_is_in_the_attempt(
     job.coord.remote_exits()
     job.coord.tick()
     assert job.coord.others.relay_inboxes() == {}
+
+
+def test_the_forwarders_are_told_their_groups_once_no_new_inbox_came_for_a_while(
+        make: Callable[..., Job], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ahead of the first fault (it found the forwarders unconnected: its record went to
+    most of the job on the coordinator's store): once the inboxes stopped coming for
+    `RELAY_WARM_QUIET_S`, a periodic tick tells each forwarder its group, once; a fault's
+    pass (not periodic) does not stop to do it."""
+    monkeypatch.setenv("FTRUN_RELAY_TREE_FROM", "2")
+    job = make()
+    job.start(1, 2, 3)
+    job.recovery()
+    job.report(*(Spawned(node=n, workers=f"{n}0000:0:{n}", relay=f"10.0.0.{n}:4000")
+                 for n in (1, 2, 3)))
+    job.coord.remote_exits()
+    told = lambda: job.worker_store.drain(relay_queue(1))  # noqa: E731
+    assert told()[0].startswith(b"0\n")  # generation 0, pushed when recovery began
+    assert job.coord.tick() is None and told() == []  # inboxes just came: not quiet yet
+    monkeypatch.setattr(timeouts, "RELAY_WARM_QUIET_S", 0.0)
+    assert job.coord.tick(periodic=False) is None and told() == []
+    assert job.coord.tick() is None
+    assert told() == [warm_message(("2@10.0.0.2:4000",))]  # groups 1-2, then 3 alone
+    job.report(Spawned(node=2, workers="20001:0:2", relay="10.0.0.2:4000"))  # no news
+    job.coord.remote_exits()
+    job.coord.tick()
+    assert told() == []
 
 
 def test_a_relay_inbox_named_in_a_join_is_kept_on_the_node(make: Callable[..., Job]) -> None:

@@ -20,6 +20,7 @@ from ftrun.protocol.fanout import (
     relay_message,
     relay_plan,
     relay_queue,
+    warm_message,
 )
 from ftrun.protocol.rendezvous import Generation, gen_key, publish
 
@@ -78,6 +79,8 @@ def test_a_relay_message_carries_the_children_and_drops_a_malformed_one() -> Non
     assert parse_relay_message(b"7\nrec") == RelayMessage(7, b"rec")
     assert parse_relay_message(b"7") == RelayMessage(7, None)
     assert parse_relay_message(b"x 1@h:1\nrec") is None
+    assert parse_relay_message(warm_message(("3@h:5", "4@h:6"))) == RelayMessage(
+        -1, None, ((3, "h:5"), (4, "h:6")), warm=True)  # a group told ahead: no record
 
 
 # ------------------------------------------------------------------ real relays
@@ -138,6 +141,22 @@ def test_a_forwarder_pushes_the_record_to_its_group_not_the_coordinators_store()
             wait_for(lambda n=n: _holds(relays[n], 3), 10, f"node {n} holding generation 3")
         assert relays[3].latest() == _gen(3)
         assert len(popped[1]) == 3 and len(popped[2]) == len(popped[3]) == 1  # none upstream
+
+
+def test_a_forwarder_told_its_group_ahead_sends_the_first_record_through_the_inboxes() -> None:
+    """The coordinator tells each forwarder its group once the inboxes are known
+    (`Generations.warm_relays`): the forwarder connects then, so the first fault's record
+    already goes to the inboxes, not to the group on the coordinator's store."""
+    with _job(3) as (store, relays, popped):
+        children = tuple(f"{n}@{relays[n].inbox_addr}" for n in (2, 3))
+        store.queue_push(relay_queue(1), warm_message(children))  # type: ignore[attr-defined]
+        wait_for(lambda: all(relays[1].forwards_to(relays[n].inbox_addr) for n in (2, 3)), 10,
+                 "the forwarder connected to both inboxes, told ahead")
+        assert _holds(relays[1], 0) and not _holds(relays[1], 1)  # no record came with it
+        publish(store, _gen(1), relays=[RelayHop(1, children)])  # type: ignore[arg-type]
+        for n in (1, 2, 3):
+            wait_for(lambda n=n: _holds(relays[n], 1), 10, f"node {n} holding generation 1")
+        assert popped[2] == popped[3] == []  # through the inboxes, the first one too
 
 
 def test_a_node_the_forwarder_cannot_reach_is_pushed_to_on_the_coordinators_store() -> None:

@@ -22,10 +22,11 @@ from typing import Any
 
 from ftrun.agent.ports import RecoveryPort
 from ftrun.agent.script_ends import ScriptEnds
+from ftrun.core import timeouts
 from ftrun.core.events import GenerationFields, emit_as, notice
 from ftrun.core.membership import Membership, WorkerRole
 from ftrun.core.policy import Snapshot, decide_respawn
-from ftrun.protocol.fanout import RelayHop, relay_plan, tree_from
+from ftrun.protocol.fanout import RelayHop, relay_plan, relay_queue, tree_from, warm_message
 from ftrun.protocol.rendezvous import Generation, publish
 
 R = WorkerRole
@@ -41,6 +42,8 @@ class Generations:
         self.ends = ends
         self._held: list[Generation] | None = None  # a batch's changes, published at its end
         self._tree_from = tree_from(os.environ)  # the job size the relay tree starts at
+        self._warmed: dict[int, tuple[str, ...]] = {}  # forwarder -> the group it was told
+        self._inboxes_changed_at: float | None = None  # a node named its relay's inbox then
 
     def detach(self) -> None:
         """The attempt is over: its store goes; nothing is published any more."""
@@ -90,6 +93,7 @@ class Generations:
         self.port.fence_generation(gen)
         plan = self.relays()
         publish(self.store, gen, plan)
+        self._warmed = {hop.node: hop.children for hop in plan if hop.children}
         emit_as(self.port.emit, GenerationFields(
             gen.number, len(gen.members), gen.published_at, gen.reason, gen.urgent,
             forwarded=sum(len(hop.children) for hop in plan)))
@@ -100,6 +104,28 @@ class Generations:
         inboxes = self.port.relay_inboxes()
         return relay_plan([(n, inboxes.get(n, "")) for n in self.port.live_nodes() if n != 0],
                           self._tree_from)
+
+    def inboxes_changed(self) -> None:
+        """A node named its relay's inbox (the start's reports: thousands, one by one)."""
+        self._inboxes_changed_at = time.monotonic()
+
+    def warm_relays(self, now: float) -> int:
+        """Once no node has named a new inbox for `RELAY_WARM_QUIET_S`, each forwarder of
+        the plan is told its group, if it was not told that one already (by the last
+        generation, or before): it connects to their inboxes now. Without this the first
+        fault's record went to most of the job on the coordinator's store, as without the
+        tree, while the forwarders connected. The number of forwarders told."""
+        changed = self._inboxes_changed_at
+        if changed is None or now - changed < timeouts.RELAY_WARM_QUIET_S or self.store is None:
+            return 0
+        self._inboxes_changed_at = None
+        told = [hop for hop in self.relays() if hop.children
+                and self._warmed.get(hop.node) != hop.children]
+        with contextlib.suppress(Exception):  # the store gone: the attempt ends anyway
+            for hop in told:
+                self.store.queue_push(relay_queue(hop.node), warm_message(hop.children))
+                self._warmed[hop.node] = hop.children
+        return len(told)
 
     def spawn(self, node: int, local_rank: int, role: WorkerRole | None = None,
               rank: int = -1) -> int:

@@ -48,9 +48,11 @@ class Node:
         """Its workers were told to stop: they belong to no attempt now."""
         self.in_attempt = False
 
-    def relays_at(self, inbox: str) -> None:
-        """Its agent said where its relay of this attempt takes forwarded records."""
-        self.relay_inbox = inbox
+    def relays_at(self, inbox: str) -> bool:
+        """Its agent said where its relay of this attempt takes forwarded records: whether
+        that is news."""
+        changed, self.relay_inbox = inbox != self.relay_inbox, inbox
+        return changed
 
 
 class NodeReport(Protocol):

@@ -228,8 +228,10 @@ class Coordinating:
         for wid, local_rank, pid in started:
             if wid in self.workers.by_id:
                 self.workers.by_id[wid].spawned(pid, local_rank)
-        if msg.node in self.nodes:
-            self.nodes[msg.node].relays_at(msg.relay)
+        rec = self.host.recovery
+        if msg.node in self.nodes and self.nodes[msg.node].relays_at(msg.relay) and \
+                rec is not None:
+            rec.gens.inboxes_changed()  # the forwarders are told their groups ahead
 
     def _on_join(self, msg: Join) -> None:
         node = Node(msg.node, msg.host, msg.pid, msg.nproc, net_drill=msg.net_drill,
@@ -331,6 +333,8 @@ class Coordinating:
         self.table.send_net_drills()
         verdict = self.watch.check(self.rdzv.store, lambda: [
             n.index for n in self.table.alive()]) if periodic else Verdict([], None)
+        if periodic and self.host.recovery is not None:
+            self.host.recovery.gens.warm_relays(time.monotonic())
         self.table.ping(verdict.ping)
         if (stepping_down := self.drained.tick()) is not None:
             return stepping_down  # this node drained (etcd): the job goes on without it

@@ -109,6 +109,10 @@ class GenerationRelay:
         message = parse_relay_message(raw)
         if message is None:
             return  # not ours to act on
+        if message.warm:  # the group this node forwards to from now on: connect ahead
+            for _, addr in message.children:
+                self._links.get(addr)
+            return
         number, record = message.number, message.record
         if record is None or not self._keep(source, number, record):
             try:  # a gap (or only the number came): read from the source

@@ -16,6 +16,8 @@ BURST_MAX_S = 0.05  # or a rack lost: one communicator rebuild, not one per rank
 BURST_TAIL_QUIET_S = 0.04  # the pass after one that took exits, within BURST_FOLLOW_S: the
 BURST_FOLLOW_S = 0.1  # rest of a burst, spread out by that pass's work, is gathered into one,
 BURST_TAIL_MAX_S = 0.1  # up to this (10 faults over 0.1 s: the first alone, the rest in one)
+RELAY_WARM_QUIET_S = 1.0  # no node named a new relay inbox for this long: the forwarders are
+# told their groups (one plan for a start's thousands of reports, not one each)
 STORE_CLIENT_CONNECT_S = 60.0  # worker -> agent store connection
 STORE_SERVER_START_S = 30.0  # agent binding its TCPStore
 LOG_DRAIN_S = 2.0  # reader threads flushing a dead worker's last output

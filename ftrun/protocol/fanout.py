@@ -23,6 +23,7 @@ from dataclasses import dataclass
 PREFIX = "ftrun/"
 TREE_FROM_NODES = 64  # below: every node is pushed to directly (the tree saves too little)
 TREE_FROM_ENV = "FTRUN_RELAY_TREE_FROM"  # the coordinator's: another size to start it at
+WARM = "warm"  # a message's head: the forwarder's group, before any record goes through it
 
 
 def relay_queue(node: int) -> str:
@@ -46,6 +47,7 @@ class RelayMessage:
     number: int
     record: bytes | None  # None: only the number came (an agent of an older version)
     children: tuple[tuple[int, str], ...] = ()  # (node, "host:port") to forward to
+    warm: bool = False  # no record: connect to the children now, ahead of the next one
 
 
 def relay_message(number: int, record: bytes, children: Sequence[str] = ()) -> bytes:
@@ -56,12 +58,22 @@ def relay_message(number: int, record: bytes, children: Sequence[str] = ()) -> b
     return f"{head}\n".encode() + record
 
 
+def warm_message(children: Sequence[str]) -> bytes:
+    """A forwarder's group, sent ahead of any record (`WARM`): it connects to their inboxes
+    now, so that the first fault's record already goes through it. A relay that does not
+    know it drops it (its number does not parse)."""
+    return f"{WARM} {','.join(children)}\n".encode()
+
+
 def parse_relay_message(raw: str | bytes) -> RelayMessage | None:
     """A relay message, or None if it is not one (a child that does not parse is dropped:
     it is pushed to directly by the next generation's plan, or reads the gap)."""
     data = raw.encode() if isinstance(raw, str) else bytes(raw)
     head, newline, record = data.partition(b"\n")
     number, _, listed = head.partition(b" ")
+    if number == WARM.encode():
+        return RelayMessage(-1, None, tuple(_children(listed.decode("ascii", "replace"))),
+                            warm=True)
     if not (number.isascii() and number.isdigit()):
         return None
     return RelayMessage(int(number), record if newline else None,
