@@ -10,8 +10,9 @@ the record in a large job: `protocol.fanout`). The relay copies into `NodeCopy` 
 loopback store its workers would watch: it decodes each record once (`Generation.from_json`,
 as a worker's watcher does) and keeps when it arrived: that is when the node was notified.
 Shared by a process's nodes, where a real host has one of each per node (the coordinator sees
-the same requests, on fewer connections): the heartbeats (one thread bumps every node's
-counter once a period and sets its payload when rebuilt, as `link.Heartbeat` does), the reports
+the same requests, on fewer connections): the heartbeats (`BEAT_THREADS` threads bump their share
+of the nodes' counters once a period and set their payloads when rebuilt, as `link.Heartbeat`
+does), the reports
 (one `Outbox`: the coordinator reads one agent queue anyway), the workers' hellos (one
 connection), and on etcd the leases (one client grants each node a lease, puts its node key on
 it and keeps it alive KEEPALIVES_PER_TTL times a TTL, the requests `EtcdPlane` sends; the
@@ -64,6 +65,7 @@ from ftrun.protocol.rendezvous import Generation, Hello, gen_key, send_request
 
 CONNECT_S = 120.0
 STEP_S = 0.5  # what the payloads report as a step
+BEAT_THREADS = 4  # a process's heartbeat senders, each a share of its nodes
 POLL_S = 0.005  # a process looking at its nodes' copies while the parent waits
 KEEPALIVES_PER_TTL = 3  # as etcd_lease's
 GEN_PREFIX = gen_key(0)[:-1]  # a generation's record is GEN_PREFIX + its number
@@ -217,7 +219,9 @@ class Fleet:
             self._inboxes = HostedStore(0, LOOPBACK)
             self._inboxes.serve()
             self.inbox_at = f"{LOOPBACK}:{self._inboxes.port}"
-        threading.Thread(target=self._beat, name="sim-beats", daemon=True).start()
+        for k in range(BEAT_THREADS):
+            threading.Thread(target=self._beat, args=(k,), name=f"sim-beats-{k}",
+                             daemon=True).start()
 
     def lost(self, why: str) -> None:
         if not self._stop.is_set():
@@ -246,15 +250,18 @@ class Fleet:
                 self._seats.take(node.index)
         return [n.index for n in self.nodes]
 
-    def _beat(self) -> None:
-        """Every node's heartbeat, one round a period: its counter, its payload when rebuilt
-        (every `payload_s`), as `link.Heartbeat` sends them."""
+    def _beat(self, share: int) -> None:
+        """The heartbeats of every `BEAT_THREADS`-th node from `share`, one round a period:
+        its counter, its payload when rebuilt (every `payload_s`), as `link.Heartbeat` sends
+        them. Several threads, each on its own connection: a real node beats on its own, and
+        one thread's round of 2,048 sequential round trips, each a turn of a store server
+        busy with a start, ran past 20 s (the coordinator then dropped the nodes as cut off)."""
         beats = connect(self.ep, CONNECT_S)
         sent: dict[int, float] = {}
         while not self._stop.wait(self.beat_s):
             start = time.time()
             with self.lock:
-                nodes = [n for n in self.nodes if not n.ended]
+                nodes = [n for n in self.nodes[share::BEAT_THREADS] if not n.ended]
             try:
                 for node in nodes:
                     if start - sent.get(node.index, 0.0) >= self.payload_s:
@@ -329,10 +336,15 @@ class Played:
         return self.fleet.add_nodes(count, nproc)
 
     def wait_up(self, timeout: float) -> bool:
-        """Every node started, its workers said hello, its relay holds generation 0."""
+        """Every node started, its workers said hello, its relay holds generation 0. False
+        at once if a node was ended (the coordinator dropped it, or ended the job) or the
+        store was lost: the run cannot be measured."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if all(n.relay is not None and 0 in n.copy.arrived for n in self.fleet.nodes):
+            nodes = self.fleet.nodes
+            if any(n.ended for n in nodes) or self.fleet.errors:
+                return False
+            if all(n.relay is not None and 0 in n.copy.arrived for n in nodes):
                 return True
             time.sleep(POLL_S * 10)
         return False
