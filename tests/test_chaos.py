@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 from conftest import FIXTURES, ftrun_cmd, wait_for
-from test_multinode import ftrun_status
+from jobstatus import job_status
 
 KINDS = ("kill", "exception", "exit", "segv", "comm")
 COUNT = 6
@@ -27,7 +27,7 @@ def test_chaos_on_a_running_job(tmp_path: Path, private_run_dir: Path) -> None:
         stderr=subprocess.PIPE, text=True)
     try:
         def training() -> bool:
-            doc = ftrun_status()
+            doc = job_status()
             members = [w for w in (doc or {}).get("workers", []) if w["role"] == "member"]
             return len(members) == 3 and all((w["step"] or 0) > 5 for w in members)
 
@@ -45,7 +45,7 @@ def test_chaos_on_a_running_job(tmp_path: Path, private_run_dir: Path) -> None:
         head = next(x for x in r.stdout.splitlines() if " drills in " in x)
         assert head.endswith(f"{COUNT} faults, {COUNT} recovered"), r.stdout
         assert "goodput 0." in r.stdout and "committed steps lost 0" in r.stdout
-        doc = ftrun_status()
+        doc = job_status()
         assert doc is not None
         faults = doc["faults"]
         assert len(faults) == COUNT and all(f["recovered"] and f["injected"] for f in faults)

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import FIXTURES, ftrun_cmd, run_ftrun, wait_for
+from jobstatus import job_status
 from replicas import bitwise_equal, params
-from test_multinode import ftrun_status
 
 from ftrun.agent.journal import Journal
 from ftrun.core.policy import (
@@ -258,7 +258,7 @@ def start_job(*args: str) -> subprocess.Popen[str]:
 
 
 def status() -> dict:
-    return ftrun_status(os.environ.copy()) or {}
+    return job_status(os.environ.copy()) or {}
 
 
 def by_rank(doc: dict) -> dict[int, dict]:

@@ -21,12 +21,6 @@ from ports import free_port
 from tests.conftest import FIXTURES, ftrun_cmd, pid_alive, wait_for
 
 
-def ftrun_status(env: dict[str, str] | None = None) -> dict[str, Any] | None:
-    """What `ftrun status --json` prints (the job of the run directory `env` names), read in
-    this process (tests/jobstatus.py); None if it fails (no job there yet, or gone)."""
-    return job_status(env)
-
-
 class Node:
     """One `ftrun` agent process, as if on its own machine (own FTRUN_RUN_DIR)."""
 
@@ -45,7 +39,9 @@ class Node:
                                      start_new_session=True)
 
     def status(self) -> dict[str, Any] | None:
-        return ftrun_status(self.env)
+        """What `ftrun status --json` prints for this node's run directory, read in this
+        process (tests/jobstatus.py); None if there is no job there (yet, or any more)."""
+        return job_status(self.env)
 
     def wait(self, timeout: float) -> int:
         return self.proc.wait(timeout)

@@ -30,7 +30,7 @@ def job(port: int, end_file: Path, out: Path) -> list[str]:
 
 def members(node: Node, size: int, step: int) -> dict[str, Any] | None:
     """`node`'s status when `size` members are past `step` (asked every 0.5 s at most: each
-    ask is a process that imports the CLI)."""
+    ask reads the job's status documents and their heartbeats, in this process)."""
     time.sleep(0.5)
     doc = node.status()
     if not doc or doc["world_size"] != size:
