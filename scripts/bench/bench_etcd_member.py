@@ -13,12 +13,16 @@ same step without one) against its own over as many steps before it (after the f
 measured within one run, not across runs). Printed: every run; the median `in_run` of the
 killed runs and of the calm ones (the host's own drift over a run) and their quotient (the
 goal: within 2% of 1); the medians of the step times across runs, as before; and the
-generations after the first that the killed runs published (a fault makes one; goal: none).
-etcd's own election after the kill happens inside the window.
+generations after the first that the killed runs published (a fault makes one; goal: none);
+and what else used this host's cores in each window: the share of a core of the etcd members
+alive and of the agents (their own processes, not the workers): a kill that slows the steps
+on these 2 cores through them shows there. etcd's own election after the kill happens inside
+the window.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -72,31 +76,83 @@ def one_run(a: argparse.Namespace, lab: object, run_id: str, kill: bool) -> dict
             kill_strays(out)
 
 
+def _reached(a: argparse.Namespace, out: str, step: int, deadline: float) -> bool:
+    """Every rank past `step` before `deadline` (the monotonic clock)."""
+    while time.monotonic() < deadline:
+        ranks = {int(e["rank"]) for e in read_events(out)
+                 if e["ev"] == "step" and e["step"] >= step}
+        if len(ranks) == a.nodes:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def cpu_s(pids: list[int]) -> dict[str, float]:
+    """CPU seconds so far of each process alive, by its pid."""
+    import psutil
+
+    used = {}
+    for pid in pids:
+        with contextlib.suppress(psutil.Error):
+            t = psutil.Process(pid).cpu_times()
+            used[str(pid)] = t.user + t.system
+    return used
+
+
+class CpuWindows:
+    """The share of a core the etcd members and the agents (each launcher's own process, not
+    its workers) used between marks: what else ran on this host's cores while the steps of a
+    window were timed. etcd's members that died meanwhile are left out of that window."""
+
+    def __init__(self, lab: object, procs: list[subprocess.Popen[bytes]]) -> None:
+        self.lab, self.agents = lab, [p.pid for p in procs]
+        self.marks: list[tuple[float, dict[str, float], dict[str, float]]] = []
+
+    def _etcd(self) -> list[int]:
+        return [p.pid for p in self.lab.procs if p is not None]  # type: ignore[attr-defined]
+
+    def mark(self) -> None:
+        self.marks.append((time.monotonic(), cpu_s(self._etcd()), cpu_s(self.agents)))
+
+    def shares(self) -> list[tuple[float, float]]:
+        """(etcd, agents) share of a core in each window between two marks."""
+        out = []
+        for (t0, e0, a0), (t1, e1, a1) in zip(self.marks, self.marks[1:], strict=False):
+            span = t1 - t0
+            out.append((sum(e1[k] - e0[k] for k in e1 if k in e0) / span,
+                        sum(a1[k] - a0[k] for k in a1 if k in a0) / span))
+        return out
+
+
 def _observe(a: argparse.Namespace, lab: object, out: str,
              procs: list[subprocess.Popen[bytes]], kill: bool) -> dict[str, object]:
     deadline = time.monotonic() + a.timeout
-    while time.monotonic() < deadline:
-        ranks = {int(e["rank"]) for e in read_events(out)
-                 if e["ev"] == "step" and e["step"] >= a.kill_after}
-        if len(ranks) == a.nodes:
-            break
-        time.sleep(0.05)
-    else:
+    first = max(WARM_STEPS, a.kill_after - a.window)
+    cpu = CpuWindows(lab, procs)
+    if not _reached(a, out, first, deadline):
+        return {"error": "never reached the first timed step"}
+    cpu.mark()
+    if not _reached(a, out, a.kill_after, deadline):
         return {"error": "never reached the kill step"}
+    cpu.mark()
     victim = None
     if kill:
         victim = lab.raft_leader()  # type: ignore[attr-defined]
         lab.kill(victim)  # type: ignore[attr-defined]
+    if _reached(a, out, a.kill_after + a.window, deadline):
+        cpu.mark()
     for p in procs:
         p.wait(a.timeout)
     if victim is not None:
         lab.restart(victim)  # type: ignore[attr-defined]
     logs = "".join(Path(out, f"launcher{i}.log").read_text() for i in range(a.nodes))
     worlds = {int(e["world"]) for e in read_events(out) if e["ev"] == "step"}
-    first = max(WARM_STEPS, a.kill_after - a.window)
     after, before = (step_times(out, 0, a.kill_after, a.window),
                      step_times(out, 0, first, a.kill_after - first))
+    shares = cpu.shares()
     return {"step_s": after, "before_s": before, "in_run": round(after / before, 4),
+            "etcd_cpu": [round(e, 3) for e, _ in shares],  # before, after: share of a core
+            "agents_cpu": [round(g, 3) for _, g in shares],
             "codes": [p.returncode for p in procs], "worlds": sorted(worlds),
             "new_generations": logs.count("ftrun: generation ")}  # each fault makes one
 
@@ -113,6 +169,7 @@ def main() -> None:
 
     rows: dict[bool, list[float]] = {False: [], True: []}
     in_run: dict[bool, list[float]] = {False: [], True: []}
+    cpu: dict[bool, list[tuple[list[float], list[float]]]] = {False: [], True: []}
     with EtcdLab() as lab:
         for rep in range(a.reps):
             for kill in (True, False):
@@ -121,6 +178,7 @@ def main() -> None:
                 if "error" not in r and r["codes"] == [0] * a.nodes:
                     rows[kill].append(float(r["step_s"]))  # type: ignore[arg-type]
                     in_run[kill].append(float(r["in_run"]))  # type: ignore[arg-type]
+                    cpu[kill].append((r["etcd_cpu"], r["agents_cpu"]))  # type: ignore[arg-type]
     if rows[True] and rows[False]:
         killed, calm = statistics.median(rows[True]), statistics.median(rows[False])
         print(f"{a.nodes} agents x 1 worker, etcd raft leader SIGKILLed after step "
@@ -131,6 +189,12 @@ def main() -> None:
               f"{', '.join(f'{x:.3f}' for x in in_run[True])}), {c_in:.3f} calm (runs: "
               f"{', '.join(f'{x:.3f}' for x in in_run[False])}); killed / calm "
               f"{k_in / c_in:.3f}")
+        for kill, name in ((True, "killed"), (False, "calm")):
+            whole = [c for c in cpu[kill] if len(c[0]) == 2]
+            if whole:
+                med = [statistics.median(c[i][w] for c in whole) for i in (0, 1) for w in (0, 1)]
+                print(f"{name}: share of a core before / after the point, medians: etcd "
+                      f"{med[0]:.3f} / {med[1]:.3f}, the agents {med[2]:.3f} / {med[3]:.3f}")
 
 
 if __name__ == "__main__":
