@@ -10,9 +10,9 @@ the record in a large job: `protocol.fanout`). The relay copies into `NodeCopy` 
 loopback store its workers would watch: it decodes each record once (`Generation.from_json`,
 as a worker's watcher does) and keeps when it arrived: that is when the node was notified.
 Shared by a process's nodes, where a real host has one of each per node (the coordinator sees
-the same requests, on fewer connections): the heartbeats (`BEAT_THREADS` threads bump their share
-of the nodes' counters once a period and set their payloads when rebuilt, as `link.Heartbeat`
-does), the reports
+the same requests, on fewer connections): the heartbeats (a thread for each `NODES_PER_BEATER`
+nodes bumps their counters once a period and sets their payloads when rebuilt, as
+`link.Heartbeat` does), the reports
 (one `Outbox`: the coordinator reads one agent queue anyway), the workers' hellos (one
 connection), and on etcd the leases (one client grants each node a lease, puts its node key on
 it and keeps it alive KEEPALIVES_PER_TTL times a TTL, the requests `EtcdPlane` sends; the
@@ -65,7 +65,7 @@ from ftrun.protocol.rendezvous import Generation, Hello, gen_key, send_request
 
 CONNECT_S = 120.0
 STEP_S = 0.5  # what the payloads report as a step
-BEAT_THREADS = 4  # a process's heartbeat senders, each a share of its nodes
+NODES_PER_BEATER = 512  # the nodes one heartbeat thread beats, one round trip after another
 POLL_S = 0.005  # a process looking at its nodes' copies while the parent waits
 KEEPALIVES_PER_TTL = 3  # as etcd_lease's
 GEN_PREFIX = gen_key(0)[:-1]  # a generation's record is GEN_PREFIX + its number
@@ -219,9 +219,7 @@ class Fleet:
             self._inboxes = HostedStore(0, LOOPBACK)
             self._inboxes.serve()
             self.inbox_at = f"{LOOPBACK}:{self._inboxes.port}"
-        for k in range(BEAT_THREADS):
-            threading.Thread(target=self._beat, args=(k,), name=f"sim-beats-{k}",
-                             daemon=True).start()
+        self._beaters = 0  # heartbeat threads started: one for each NODES_PER_BEATER nodes
 
     def lost(self, why: str) -> None:
         if not self._stop.is_set():
@@ -246,22 +244,32 @@ class Fleet:
             node.join()
             with self.lock:
                 self.nodes.append(node)
+                self._more_beaters()
             if self._seats is not None:
                 self._seats.take(node.index)
         return [n.index for n in self.nodes]
 
+    def _more_beaters(self) -> None:
+        """Under the lock: a heartbeat thread for each `NODES_PER_BEATER` nodes joined."""
+        while self._beaters * NODES_PER_BEATER < len(self.nodes):
+            threading.Thread(target=self._beat, args=(self._beaters,), daemon=True,
+                             name=f"sim-beats-{self._beaters}").start()
+            self._beaters += 1
+
     def _beat(self, share: int) -> None:
-        """The heartbeats of every `BEAT_THREADS`-th node from `share`, one round a period:
-        its counter, its payload when rebuilt (every `payload_s`), as `link.Heartbeat` sends
-        them. Several threads, each on its own connection: a real node beats on its own, and
-        one thread's round of 2,048 sequential round trips, each a turn of a store server
-        busy with a start, ran past 20 s (the coordinator then dropped the nodes as cut off)."""
+        """The heartbeats of the `share`-th block of `NODES_PER_BEATER` nodes, one round a
+        period: each one's counter, its payload when rebuilt (every `payload_s`), as
+        `link.Heartbeat` sends them. A thread a block, each on its own connection: a real node
+        beats on its own, and one thread's round of 2,048 sequential round trips, each a turn
+        of a store server busy with a start, ran past 20 s at 4,096 nodes (the coordinator
+        then dropped hundreds of nodes as cut off)."""
         beats = connect(self.ep, CONNECT_S)
         sent: dict[int, float] = {}
         while not self._stop.wait(self.beat_s):
             start = time.time()
             with self.lock:
-                nodes = [n for n in self.nodes[share::BEAT_THREADS] if not n.ended]
+                nodes = [n for n in self.nodes[share * NODES_PER_BEATER:][:NODES_PER_BEATER]
+                         if not n.ended]
             try:
                 for node in nodes:
                     if start - sent.get(node.index, 0.0) >= self.payload_s:
