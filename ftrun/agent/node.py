@@ -291,19 +291,21 @@ class Agent:
             ended += self.pacing.rest_of_burst(lambda timeout_s: [
                 *self.runtime.workers.reap_ready(sel, timeout_s), *self.cluster.remote_exits()])
         checks = self.pacing.runs_checks(bool(ended))
-        with self._one_generation():  # what this pass finds: one generation
-            outcome.decide(self._tick(checks))
-            if self.recovery is not None and outcome.decision is None:
-                outcome.decide(self.recovery.handle_requests())
-            control.sample(time.time(), ended)  # before slots retire
-            control.apply_drills()
-            for worker in ended:
-                on_exit(self.recovery, worker, outcome)
-        if outcome.decision is None:
-            outcome.decide(group_decision(
-                self.recovery, outcome, self.runtime.port.all_workers,
-                self.attempt.restarts, self.spec.max_restarts))
-        self.pacing.passed(bool(ended), checks)
+        try:
+            with self._one_generation():  # what this pass finds: one generation
+                outcome.decide(self._tick(checks))
+                if self.recovery is not None and outcome.decision is None:
+                    outcome.decide(self.recovery.handle_requests())
+                control.sample(time.time(), ended)  # before slots retire
+                control.apply_drills()
+                for worker in ended:
+                    on_exit(self.recovery, worker, outcome)
+            if outcome.decision is None:
+                outcome.decide(group_decision(
+                    self.recovery, outcome, self.runtime.port.all_workers,
+                    self.attempt.restarts, self.spec.max_restarts))
+        finally:  # a pass that raised (deposed) still settles what the next one owes
+            self.pacing.passed(bool(ended), checks)
 
     def _one_generation(self) -> AbstractContextManager[None]:
         """The changes decided in one pass of the loop (faults found together: several
