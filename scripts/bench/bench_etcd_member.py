@@ -139,10 +139,12 @@ def _observe(a: argparse.Namespace, lab: object, out: str,
     if kill:
         victim = lab.raft_leader()  # type: ignore[attr-defined]
         lab.kill(victim)  # type: ignore[attr-defined]
-    if _reached(a, out, a.kill_after + a.window, deadline):
-        cpu.mark()
+    ended = _reached(a, out, a.kill_after + a.window, deadline)
+    cpu.mark()
     for p in procs:
         p.wait(a.timeout)
+    if not ended:
+        return {"error": "never reached the end of the window after the point"}
     if victim is not None:
         lab.restart(victim)  # type: ignore[attr-defined]
     logs = "".join(Path(out, f"launcher{i}.log").read_text() for i in range(a.nodes))

@@ -113,8 +113,7 @@ class Job:
         self.victims = [(p, i) for i in range(max(shares)) for p in range(k) if i < shares[p]]
         if not all(self.procs.everywhere("wait_up", UP_S, timeout=UP_S + 60)):
             raise TimeoutError(f"the simulated nodes were not all up within {UP_S:g} s (or the "
-                               "coordinator dropped one, or a simulator lost its store: "
-                               "see the coordinator's log)")
+                               "coordinator dropped one or ended the job: see its log)")
         until(lambda: len(self.coord.seen()) == NODE_SIZE, 120, "node 0's workers", 0.05)
 
     def newest(self) -> int:
