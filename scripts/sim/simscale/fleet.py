@@ -15,7 +15,7 @@ nodes bumps their counters once a period and sets their payloads when rebuilt, a
 `link.Heartbeat` does), the reports
 (one `Outbox`: the coordinator reads one agent queue anyway), the workers' hellos (one
 connection), and on etcd the leases (one client grants each node a lease, puts its node key on
-it and keeps it alive KEEPALIVES_PER_TTL times a TTL, the requests `EtcdPlane` sends; the
+it and keeps it alive, `seats.Seats`: the requests `EtcdPlane` sends; the
 simulated nodes do not stand in the election). No worker process runs.
 Must not import: `sim_scale`, the agent's loop, the CLI.
 """
@@ -62,12 +62,12 @@ from ftrun.core import timeouts
 from ftrun.core.policy import Liveness
 from ftrun.core.states import Phase
 from ftrun.protocol.rendezvous import Generation, Hello, gen_key, send_request
+from simscale.seats import Seats
 
 CONNECT_S = 120.0
 STEP_S = 0.5  # what the payloads report as a step
 NODES_PER_BEATER = 512  # the nodes one heartbeat thread beats, one round trip after another
 POLL_S = 0.005  # a process looking at its nodes' copies while the parent waits
-KEEPALIVES_PER_TTL = 3  # as etcd_lease's
 GEN_PREFIX = gen_key(0)[:-1]  # a generation's record is GEN_PREFIX + its number
 
 
@@ -290,47 +290,6 @@ class Fleet:
             self._seats.close()
         if self._inboxes is not None:
             self._inboxes.close()
-
-
-class Seats:
-    """The etcd seats of a process's nodes: a lease each with the node's key on it, kept alive
-    at the rate a real agent's lease thread keeps it (requests through one client, on a thread
-    of its own)."""
-
-    def __init__(self, conf: Any) -> None:
-        from ftrun.adapters.etcd import EtcdClient
-
-        self.conf = conf
-        self.client = EtcdClient(conf)
-        self.leases: list[int] = []
-        self._lock = threading.Lock()
-        self._stop = threading.Event()
-        threading.Thread(target=self._keep_alive, name="sim-leases", daemon=True).start()
-
-    def take(self, index: int) -> None:
-        with self._lock:
-            reply = self.client.request("lease/grant", {"TTL": self.conf.lease_ttl})
-            lease = int(reply["ID"])
-            self.client.put(f"{self.conf.prefix}nodes/{index}", socket.gethostname(), lease)
-            self.leases.append(lease)
-
-    def _keep_alive(self) -> None:
-        """Each lease refreshed once every TTL / KEEPALIVES_PER_TTL."""
-        while not self._stop.wait(self.conf.lease_ttl / KEEPALIVES_PER_TTL):
-            with self._lock:
-                leases = list(self.leases)
-                for lease in leases:
-                    self.client.request("lease/keepalive", {"ID": lease})
-
-    def close(self) -> None:
-        self._stop.set()
-        with self._lock:
-            for lease in self.leases:
-                try:
-                    self.client.request("lease/revoke", {"ID": lease})
-                except Exception:  # the lab may be gone: the lease lapses on its own
-                    break
-            self.client.close()
 
 
 # ------------------------------------------------------------------ a simulator process
