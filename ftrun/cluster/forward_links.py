@@ -38,15 +38,26 @@ class ForwardLinks:
         """The connection to `addr`, or None: not made yet (it is asked for now)."""
         with self._lock:
             link = self._links.get(addr)
-            if link is not None or self._closed or addr in self._asked:
-                return link
+        if link is None:
+            self.ask(addr)
+        return link
+
+    def ask(self, addr: str) -> None:
+        """Connect to `addr` on the links' thread, unless connected or asked already."""
+        with self._lock:
+            if addr in self._links or self._closed or addr in self._asked:
+                return
             self._asked.add(addr)
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, daemon=True,
                                                 name="ftrun-relay-links")
                 self._thread.start()
         self._todo.put(addr)
-        return None
+
+    def connected(self, addr: str) -> bool:
+        """Whether a connection to `addr` is held (asks for nothing)."""
+        with self._lock:
+            return addr in self._links
 
     def drop(self, addr: str) -> None:
         """A push on it failed: the next record asks for a new one."""

@@ -111,7 +111,7 @@ class GenerationRelay:
             return  # not ours to act on
         if message.warm:  # the group this node forwards to from now on: connect ahead
             for _, addr in message.children:
-                self._links.get(addr)
+                self._links.ask(addr)
             return
         number, record = message.number, message.record
         if record is None or not self._keep(source, number, record):
@@ -189,7 +189,7 @@ class GenerationRelay:
     def forwards_to(self, inbox: str) -> bool:
         """Whether a record for the node at `inbox` goes there from here (connected), not
         on the source."""
-        return self._links.get(inbox) is not None
+        return self._links.connected(inbox)
 
     def latest(self) -> Generation | None:
         """The newest generation copied here (what this node's workers hold), or None."""
