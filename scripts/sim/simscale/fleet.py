@@ -268,8 +268,8 @@ class Fleet:
         while not self._stop.wait(self.beat_s):
             start = time.time()
             with self.lock:
-                nodes = [n for n in self.nodes[share * NODES_PER_BEATER:][:NODES_PER_BEATER]
-                         if not n.ended]
+                block = self.nodes[share * NODES_PER_BEATER:(share + 1) * NODES_PER_BEATER]
+                nodes = [n for n in block if not n.ended]
             try:
                 for node in nodes:
                     if start - sent.get(node.index, 0.0) >= self.payload_s:
