@@ -11,8 +11,9 @@ from contextlib import ExitStack, contextmanager
 
 from conftest import wait_for
 
+from ftrun.adapters.relay_inbox import frame
 from ftrun.adapters.store import LOOPBACK, HostedStore, client
-from ftrun.cluster.relay import GenerationRelay, open_relay
+from ftrun.cluster.relay import GenerationRelay, inbox_link, open_relay
 from ftrun.protocol.fanout import (
     RelayHop,
     RelayMessage,
@@ -198,10 +199,11 @@ def test_a_followers_relay_takes_records_on_its_inbox_at_its_address_towards_the
     assert relay is not None and why == ""
     try:
         host, _, port = relay.inbox_addr.rpartition(":")
-        assert host == LOOPBACK and int(port) == int(relay.addr.rpartition(":")[2])
-        client(host, int(port), 10.0).queue_push(relay_queue(1),
-                                                 relay_message(1, _gen(1).encode()))
+        assert host == LOOPBACK and int(port) != int(relay.addr.rpartition(":")[2])
+        link = inbox_link(relay.inbox_addr, 10.0)
+        link.send(frame(relay_message(1, _gen(1).encode())))
         wait_for(lambda: _holds(relay, 1), 10, "generation 1, taken on the inbox")
+        link.close()
     finally:
         relay.close(link_works=True)
         time.sleep(0.05)

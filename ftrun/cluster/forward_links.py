@@ -1,29 +1,28 @@
 """A forwarding relay's connections to the inboxes of its group (`protocol.fanout`).
 
-Owns: one store connection per inbox address, made on a thread of its own, never on the path
-that forwards a record: c10d's client reverse-resolves the peer and retries a refusal until
-its timeout, so a connection made there would hold the whole group's record behind one slow
-or dead node. Until an inbox is connected the forwarder pushes that node's record on the
-coordinator's store, as the coordinator would have without the tree.
+Owns: one connection per inbox address (`adapters.relay_inbox.InboxLink`), made on a thread
+of its own, never on the path that forwards a record: a connection made there would hold the
+whole group's record behind one slow or dead node (a connect waits out its timeout on a host
+that does not answer). Until an inbox is connected the forwarder pushes that node's record
+on the coordinator's store, as the coordinator would have without the tree.
 Must not import: typer, rich, the CLI, the agent or the worker library. Torch lazily.
 """
 
 from __future__ import annotations
 
+import contextlib
 import queue
-import socket
 import threading
 from collections.abc import Callable
 from typing import Any
 
-from ftrun.protocol.rendezvous import store_endpoint
-
-CONNECT_S = 2.0  # one inbox's connection (a refusal is told at once, by a plain probe)
+CONNECT_S = 2.0  # one inbox's connection and greeting
 _CLOSE = ""  # on the queue: the connecting thread ends
 
 
 class ForwardLinks:
-    """`connect(addr, timeout_s)` makes a client connection to the store at "host:port"."""
+    """`connect(addr, timeout_s)` makes a connection to the inbox at "host:port": anything
+    with `close()`, which `drop` and `close` call."""
 
     def __init__(self, connect: Callable[[str, float], Any]) -> None:
         self._connect = connect
@@ -62,29 +61,33 @@ class ForwardLinks:
     def drop(self, addr: str) -> None:
         """A push on it failed: the next record asks for a new one."""
         with self._lock:
-            self._links.pop(addr, None)
+            link = self._links.pop(addr, None)
+        _close(link)
 
     def close(self) -> None:
         with self._lock:
             self._closed = True
-            self._links.clear()
+            links, self._links = list(self._links.values()), {}
+        for link in links:
+            _close(link)
         self._todo.put(_CLOSE)
 
     def _run(self) -> None:
         while (addr := self._todo.get()) != _CLOSE:
             try:
-                refused_at_once(addr)
                 link = self._connect(addr, CONNECT_S)
             except Exception:
                 link = None  # unreachable now: asked again by the next record
             with self._lock:
                 self._asked.discard(addr)
-                if link is not None and not self._closed:
+                kept = link is not None and not self._closed
+                if kept:
                     self._links[addr] = link
+            if not kept:
+                _close(link)
 
 
-def refused_at_once(addr: str) -> None:
-    """Raise OSError if nothing listens at `addr` (a relay closed, its node gone): a plain
-    connection says so in one round trip, where c10d's client would retry until its timeout."""
-    host, port = store_endpoint(addr)
-    socket.create_connection((host, port), timeout=CONNECT_S).close()
+def _close(link: Any) -> None:
+    if link is not None:
+        with contextlib.suppress(Exception):
+            link.close()

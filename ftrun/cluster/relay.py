@@ -8,7 +8,8 @@ workers could wait in; and the address this node's workers watch (`FTRUN_RELAY`)
 generation thus wakes one reader per node on the coordinator's store, not one per worker, and
 the record crosses the network once per node. In a large job (`protocol.fanout.relay_plan`)
 the coordinator pushes to one node of each group, which forwards the record to the others'
-inboxes: a queue on each one's relay store, read beside its queue on the coordinator's.
+inboxes (`adapters.relay_inbox`: a plain listener of each relay's, read beside its queue on
+the coordinator's store). The store the workers watch listens on loopback only.
 Must not import: typer, rich, the CLI, the agent or the worker library. Torch lazily.
 """
 
@@ -21,8 +22,8 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
+from ftrun.adapters.relay_inbox import InboxLink, InboxListener, frame
 from ftrun.adapters.store import ALL_INTERFACES, LOOPBACK, HostedStore, QueueReader
-from ftrun.cluster import forward_links
 from ftrun.cluster.forward_links import ForwardLinks
 from ftrun.core import timeouts
 from ftrun.core.errors import first_line
@@ -46,34 +47,34 @@ class GenerationRelay:
 
     def __init__(self, connect: Callable[[], Any], node: int,
                  on_lost: Callable[[str], None], local: Any = None,
-                 reachable_as: str = "", inbox_at: str = "") -> None:
+                 reachable_as: str = "") -> None:
         """`local`: where the records are copied (a simulated node's own store, which its
-        workers do not watch); by default a store of this node's own, served here, at `addr`
-        (loopback). `reachable_as`: this node's address for the other nodes: the store then
-        listens on every interface and holds this node's inbox, at `inbox_addr`. `inbox_at`:
-        "host:port" of another store holding it (a simulator's)."""
+        workers do not watch); by default a store of this node's own, served here on
+        loopback, at `addr`. `reachable_as`: this node's address for the other nodes: it
+        then has an inbox, listening on every interface (on loopback only if that is the
+        address), at `inbox_addr`."""
         self._hosted: HostedStore | None = None
         if local is None:
-            self._hosted = HostedStore(0, ALL_INTERFACES if reachable_as else LOOPBACK)
+            self._hosted = HostedStore(0, LOOPBACK)
             local = self._hosted.serve()
-            inbox_at = f"{reachable_as}:{self._hosted.port}" if reachable_as else inbox_at
         self._local: Any = local
         self.addr = "" if self._hosted is None else f"{LOOPBACK}:{self._hosted.port}"
-        self.inbox_addr = inbox_at  # where a forwarder pushes to this node ("": no inbox)
         self._node = node
         self._on_lost = on_lost
         self._lock = threading.Lock()  # the copied records: a reader's thread, or follow()
         self._copied = -1
-        self._links = ForwardLinks(lambda addr, timeout_s: connector(addr, timeout_s)())
+        self._links = ForwardLinks(inbox_link)
         source = _Source(connect)
         self._source = source
         self._catch_up(source)
         source.reader = self._reader_of(source)
-        self._inbox: QueueReader | None = None
-        if inbox_at:
-            self._inbox = QueueReader(connector(inbox_at), relay_queue(node),
-                                      lambda raw: self._on_message(self._source, raw),
-                                      lambda why: None, "ftrun-relay-inbox")
+        self._inbox: InboxListener | None = None
+        self.inbox_addr = ""  # where a forwarder sends to this node ("": no inbox)
+        if reachable_as:
+            self._inbox = InboxListener(
+                LOOPBACK if reachable_as == LOOPBACK else ALL_INTERFACES,
+                lambda raw: self._on_message(self._source, raw), "ftrun-relay-inbox")
+            self.inbox_addr = f"{reachable_as}:{self._inbox.port}"
 
     def follow(self, connect: Callable[[], Any]) -> None:
         """Copy from the store `connect` reaches from now on (the new leader's): first every
@@ -128,11 +129,12 @@ class GenerationRelay:
         the coordinator would have."""
         payload = (relay_message(message.number, message.record) if message.record is not None
                    else str(message.number).encode())
+        framed = frame(payload)
         for node, addr in message.children:
             link = self._links.get(addr)
             if link is not None:
                 try:
-                    link.queue_push(relay_queue(node), payload)
+                    link.send(framed)
                     continue
                 except Exception:
                     self._links.drop(addr)
@@ -206,22 +208,18 @@ class GenerationRelay:
         if source.reader is not None:
             source.reader.close(source.upstream if link_works else None)
         if self._inbox is not None:
-            self._inbox.close(self._inbox_link())
+            self._inbox.close()
         self._links.close()
         with self._lock:
             self._local = None
         if self._hosted is not None:
             self._hosted.close()  # the server stops with its last reference
 
-    def _inbox_link(self) -> Any:
-        """A connection to the inbox's store, to wake its reader: this node's own, or a
-        new one to the simulator's (None if it cannot be had: the reader ends with it)."""
-        if self._hosted is not None:
-            return self._local
-        try:
-            return connector(self.inbox_addr, forward_links.CONNECT_S)()
-        except Exception:
-            return None
+
+def inbox_link(addr: str, timeout_s: float) -> InboxLink:
+    """A forwarder's connection to the inbox at `addr` ("host:port", a node's `inbox_addr`)."""
+    host, port = store_endpoint(addr)
+    return InboxLink(host, port, timeout_s)
 
 
 def connector(addr: str, timeout_s: float = timeouts.STORE_CLIENT_CONNECT_S

@@ -31,7 +31,7 @@ from dataclasses import asdict
 from datetime import timedelta
 from typing import Any
 
-from ftrun.adapters.store import LOOPBACK, HostedStore, QueueReader, client
+from ftrun.adapters.store import LOOPBACK, QueueReader, client
 from ftrun.cluster.link import (
     AGENT_QUEUE,
     NODE_COUNTER,
@@ -137,7 +137,7 @@ class LightNode:
                 fleet.attempt_store(cmd.addr, cmd.port)
                 self.relay = GenerationRelay(lambda: client(cmd.addr, cmd.port, CONNECT_S),
                                              self.index, fleet.lost, local=self.copy,
-                                             inbox_at=fleet.inbox_at)
+                                             reachable_as=fleet.inbox_host)
                 self.spawn([(cmd.first_id + i, i) for i in range(self.nproc)])
             case Spawn():
                 self.spawn([(cmd.worker, cmd.local_rank)])
@@ -211,14 +211,9 @@ class Fleet:
         self._requests: Any = None
         self._stop = threading.Event()
         self._seats = None if etcd is None else Seats(etcd)
-        # the nodes' relay inboxes (protocol.fanout), one store for the process's nodes as
-        # a real node has one of its own; SIM_NO_TREE=1: none, every node pushed to directly
-        self._inboxes: HostedStore | None = None
-        self.inbox_at = ""
-        if os.environ.get("SIM_NO_TREE") != "1":
-            self._inboxes = HostedStore(0, LOOPBACK)
-            self._inboxes.serve()
-            self.inbox_at = f"{LOOPBACK}:{self._inboxes.port}"
+        # each node's relay has an inbox on loopback (protocol.fanout), as a real node's on
+        # its address; SIM_NO_TREE=1: none, every node pushed to directly
+        self.inbox_host = "" if os.environ.get("SIM_NO_TREE") == "1" else LOOPBACK
         self._beaters = 0  # heartbeat threads started: one for each NODES_PER_BEATER nodes
 
     def lost(self, why: str) -> None:
@@ -288,8 +283,6 @@ class Fleet:
             node.close()
         if self._seats is not None:
             self._seats.close()
-        if self._inboxes is not None:
-            self._inboxes.close()
 
 
 # ------------------------------------------------------------------ a simulator process
