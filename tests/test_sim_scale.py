@@ -72,11 +72,16 @@ def test_sim_scale_on_a_real_etcd(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow  # one relay process importing torch
-def test_the_fanout_floor_reaches_every_relay_and_prints_its_row() -> None:
+@pytest.mark.parametrize("tree", [[], ["--tree", "--tree-from", "2"]], ids=["direct", "tree"])
+def test_the_fanout_floor_reaches_every_relay_and_prints_its_row(tree: list[str]) -> None:
+    """Every relay holds each generation (else the script exits non-zero), pushed to
+    directly or, `--tree`, through its forwarder's inbox connection."""
     script = SCRIPT.parent / "fanout_floor.py"
     done = subprocess.run([sys.executable, str(script), "--nodes", "6", "--repeat", "2",
-                           "--sim-procs", "1"], capture_output=True, text=True, timeout=110)
+                           "--sim-procs", "1", *tree], capture_output=True, text=True,
+                          timeout=110)
     assert done.returncode == 0, done.stdout + done.stderr[-2000:]
     [row] = [line.split() for line in done.stdout.splitlines() if line.split()[:2] == ["6", "1"]]
-    last_p50, last_max, first_p50 = float(row[2]), float(row[4]), float(row[5])
+    assert row[2] == ("yes" if tree else "no")
+    last_p50, last_max, first_p50 = float(row[3]), float(row[5]), float(row[6])
     assert 0 < first_p50 <= last_p50 <= last_max  # measured from the push, per relay

@@ -7,9 +7,12 @@ reader thread and connection, copying into a `NodeCopy` as the sweep's light nod
 record, the pointer, one push a node) and measures from the first byte it sends to the last
 node holding the record. Whatever the sweep's figure holds above this floor is the
 coordinator's; what is in the floor is the relays' wake-ups sharing this host's cores, which
-on a cluster run on each node's own.
+on a cluster run on each node's own. `--tree`: each relay has an inbox on loopback, and the
+records go by the coordinator's plan (`relay_plan`: to one node of each group of ~√N, which
+sends them on), its forwarders told their groups first, as the coordinator tells them.
 
 Usage: python scripts/sim/fanout_floor.py --nodes 256,1024 --repeat 12 [--sim-procs 2]
+       [--tree [--tree-from 64]]
 Must not import: the agent, the CLI.
 """
 
@@ -29,6 +32,13 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
 
 from ftrun.adapters.store import LOOPBACK, HostedStore, client  # noqa: E402
+from ftrun.protocol.fanout import (  # noqa: E402
+    TREE_FROM_NODES,
+    RelayHop,
+    relay_plan,
+    relay_queue,
+    warm_message,
+)
 from ftrun.protocol.rendezvous import Generation, publish  # noqa: E402
 
 CONNECT_S = 60.0
@@ -37,7 +47,7 @@ POLL_S = 0.002
 WORKERS_PER_NODE = 8
 
 
-def _relays(conn: Connection, port: int, nodes: list[int]) -> None:
+def _relays(conn: Connection, port: int, nodes: list[int], tree: bool) -> None:
     """A child: one relay per node, then answers `when(number)` until told to stop."""
     from sim_proc import prepare_process
     from simscale.fleet import NodeCopy
@@ -47,9 +57,10 @@ def _relays(conn: Connection, port: int, nodes: list[int]) -> None:
     prepare_process()
     copies = [NodeCopy() for _ in nodes]
     relays = [GenerationRelay(lambda: client(LOOPBACK, port, CONNECT_S), node,
-                              lambda why: None, local=copy)
+                              lambda why: None, local=copy,
+                              reachable_as=LOOPBACK if tree else "")
               for node, copy in zip(nodes, copies, strict=True)]
-    conn.send("ready")
+    conn.send([(node, relay.inbox_addr) for node, relay in zip(nodes, relays, strict=True)])
     while (number := conn.recv()) is not None:
         deadline = time.monotonic() + HOLD_S
         while not all(number in c.arrived for c in copies) and time.monotonic() < deadline:
@@ -60,7 +71,8 @@ def _relays(conn: Connection, port: int, nodes: list[int]) -> None:
     conn.send("closed")
 
 
-def measure(nodes: int, procs: int, repeat: int) -> dict[str, Any]:
+def measure(nodes: int, procs: int, repeat: int, tree: bool,
+            tree_from: int = TREE_FROM_NODES) -> dict[str, Any]:
     hosted = HostedStore(0, LOOPBACK)
     store = hosted.serve()
     members = tuple(range(nodes * WORKERS_PER_NODE))
@@ -70,19 +82,28 @@ def measure(nodes: int, procs: int, repeat: int) -> dict[str, Any]:
     for p in range(procs):
         parent, child = ctx.Pipe()
         proc = ctx.Process(target=_relays, args=(child, hosted.port,
-                                                 list(range(p, nodes, procs))), daemon=True)
+                                                 list(range(p, nodes, procs)), tree),
+                           daemon=True)
         proc.start()
         pipes.append(parent)
         children.append(proc)
+    inboxes: list[tuple[int, str]] = []
     for pipe in pipes:
-        if not pipe.poll(CONNECT_S * 2) or pipe.recv() != "ready":
+        if not pipe.poll(CONNECT_S * 2):
             raise SystemExit("a relay process did not start")
-    time.sleep(1.0)  # the readers are blocked on their queues
+        inboxes += pipe.recv()
+    plan: list[int | RelayHop] = list(range(nodes))
+    if tree:
+        plan = list(relay_plan(inboxes, tree_from))
+        for hop in plan:  # the forwarders told their groups, as Generations.warm_relays does
+            if isinstance(hop, RelayHop) and hop.children:
+                store.queue_push(relay_queue(hop.node), warm_message(hop.children))
+    time.sleep(1.0 if not tree else 3.0)  # the readers are blocked, the links made
     last, first = [], []
     for number in range(1, repeat + 1):
         start = time.time()
         publish(store, Generation(number, members[1:], reason="floor", published_at=start),
-                relays=range(nodes))
+                relays=plan)
         for pipe in pipes:
             pipe.send(number)
         arrived = [t for pipe in pipes for t in pipe.recv()]
@@ -96,7 +117,7 @@ def measure(nodes: int, procs: int, repeat: int) -> dict[str, Any]:
         pipe.poll(CONNECT_S)
         proc.join(CONNECT_S)
     hosted.close()
-    return {"nodes": nodes, "procs": procs, "repeat": repeat,
+    return {"nodes": nodes, "procs": procs, "repeat": repeat, "tree": tree,
             "last_p50_ms": 1e3 * statistics.median(last), "last_max_ms": 1e3 * max(last),
             "first_p50_ms": 1e3 * statistics.median(first)}
 
@@ -106,11 +127,15 @@ def main() -> None:
     ap.add_argument("--nodes", default="256,1024", help="comma-separated node counts")
     ap.add_argument("--sim-procs", type=int, default=2)
     ap.add_argument("--repeat", type=int, default=12)
+    ap.add_argument("--tree", action="store_true", help="through the relay tree's inboxes")
+    ap.add_argument("--tree-from", type=int, default=TREE_FROM_NODES,
+                    help="the job size the tree starts at (the coordinator's default)")
     a = ap.parse_args()
-    print("nodes  procs  last node p50 / largest (ms)  first node p50 (ms)")
+    print("nodes  procs  tree  last node p50 / largest (ms)  first node p50 (ms)")
     for nodes in (int(n) for n in a.nodes.split(",")):
-        r = measure(nodes, a.sim_procs, a.repeat)
-        print(f"{r['nodes']:>5}  {r['procs']:>5}  {r['last_p50_ms']:8.1f} / "
+        r = measure(nodes, a.sim_procs, a.repeat, a.tree, a.tree_from)
+        print(f"{r['nodes']:>5}  {r['procs']:>5}  {'yes' if r['tree'] else ' no':>4}  "
+              f"{r['last_p50_ms']:8.1f} / "
               f"{r['last_max_ms']:6.1f}              {r['first_p50_ms']:8.1f}")
 
 
