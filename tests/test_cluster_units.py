@@ -304,6 +304,23 @@ def test_the_forwarders_are_told_their_groups_once_no_new_inbox_came_for_a_while
     assert told() == []
 
 
+def test_forwarders_whose_inboxes_came_before_the_recovery_are_told_their_groups_too(
+        make: Callable[..., Job], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A new leader (etcd) adopts nodes that named their inboxes before its recovery began:
+    no inbox news follows, and its forwarders are told their groups all the same."""
+    monkeypatch.setenv("FTRUN_RELAY_TREE_FROM", "2")
+    monkeypatch.setattr(timeouts, "RELAY_WARM_QUIET_S", 0.0)
+    job = make()
+    job.start(1, 2, 3)
+    job.report(*(Spawned(node=n, workers=f"{n}0000:0:{n}", relay=f"10.0.0.{n}:4000")
+                 for n in (1, 2, 3)))
+    job.coord.remote_exits()
+    job.recovery()
+    job.worker_store.drain(relay_queue(1))  # generation 0
+    assert job.coord.tick() is None
+    assert job.worker_store.drain(relay_queue(1)) == [warm_message(("2@10.0.0.2:4000",))]
+
+
 def test_a_relay_inbox_named_in_a_join_is_kept_on_the_node(make: Callable[..., Job]) -> None:
     """A node that rejoins a new leader with its workers (etcd) keeps its relay, and its Join
     says where its inbox is: the new leader's plan can use it at once."""

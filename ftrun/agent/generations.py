@@ -43,7 +43,9 @@ class Generations:
         self._held: list[Generation] | None = None  # a batch's changes, published at its end
         self._tree_from = tree_from(os.environ)  # the job size the relay tree starts at
         self._warmed: dict[int, tuple[str, ...]] = {}  # forwarder -> the group it was told
-        self._inboxes_changed_at: float | None = None  # a node named its relay's inbox then
+        # a node named its relay's inbox then; at first, now: a new leader (etcd) adopts
+        # nodes whose inboxes came before it coordinated, and tells their forwarders too
+        self._inboxes_changed_at: float | None = time.monotonic()
 
     def detach(self) -> None:
         """The attempt is over: its store goes; nothing is published any more."""
