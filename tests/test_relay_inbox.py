@@ -1,13 +1,16 @@
 """A relay's inbox on the wire (adapters.relay_inbox): real sockets on loopback. Frames cut
-anywhere arrive whole and in order, from several senders; a sender that does not greet, or
-sends a frame past the limit, is cut off while the others go on; the link refuses what is
-not an inbox (a c10d store of an older relay) within its timeout; closing wakes the thread."""
+anywhere arrive whole and in order, from several senders; a sender that does not greet (in
+time), or sends a frame past the limit, is cut off while the others go on; a message that
+fails is reported and the reading goes on; a link sees a closed inbox before it sends into
+it, refuses what is not an inbox (a c10d store of an older relay) within its timeout, and
+never blocks; closing wakes every thread and frees the port."""
 
 from __future__ import annotations
 
 import socket
 import threading
 import time
+from collections.abc import Iterator
 
 import pytest
 from conftest import wait_for
@@ -21,6 +24,9 @@ from ftrun.adapters.relay_inbox import (
     frame,
 )
 from ftrun.adapters.store import LOOPBACK, HostedStore
+from ftrun.core import timeouts
+
+Inbox = tuple[InboxListener, list[bytes], list[str]]
 
 
 def test_a_sender_parses_frames_cut_at_every_byte() -> None:
@@ -31,53 +37,103 @@ def test_a_sender_parses_frames_cut_at_every_byte() -> None:
         assert taken is not None
         got += taken
     assert got == [b"1\nrecord", b"", b"2\n" + b"x" * 300]
+    assert _Sender().take(wire) == got  # and all in one read
 
 
 def test_a_sender_that_does_not_greet_or_frames_past_the_limit_is_refused() -> None:
     assert _Sender().take(b"\x00\x00\x00\x05hello") is None  # no greeting
     assert _Sender().take(b"ftrun-inbox 2\n") is None  # another version
-    too_long = (MAX_FRAME + 1).to_bytes(4, "big")
-    assert _Sender().take(GREETING + too_long) is None
+    assert _Sender().take(GREETING + (MAX_FRAME + 1).to_bytes(4, "big")) is None
+    with pytest.raises(ValueError):
+        frame(b"x" * (MAX_FRAME + 1))  # the sending side will not build one
 
 
 @pytest.fixture
-def inbox() -> object:
+def inbox() -> Iterator[Inbox]:
     got: list[bytes] = []
-    listener = InboxListener(LOOPBACK, got.append, "test-inbox")
-    yield listener, got
+    errors: list[str] = []
+
+    def deliver(message: bytes) -> None:
+        if message == b"boom":
+            raise ValueError("a message that fails")
+        got.append(message)
+
+    listener = InboxListener(LOOPBACK, deliver, "test-inbox", errors.append)
+    yield listener, got, errors
     listener.close()
 
 
-def test_two_senders_each_arrive_in_order_and_a_bad_one_leaves_them_alone(inbox) -> None:
-    listener, got = inbox
+def test_two_senders_each_arrive_in_order_and_a_bad_one_leaves_them_alone(
+        inbox: Inbox) -> None:
+    listener, got, errors = inbox
     first, second = (InboxLink(LOOPBACK, listener.port, 5.0) for _ in range(2))
-    stranger = socket.create_connection((LOOPBACK, listener.port), timeout=5.0)
-    stranger.sendall(b"GET / HTTP/1.1\r\n\r\n")
-    assert stranger.recv(16) == b""  # cut off at once
+    with socket.create_connection((LOOPBACK, listener.port), timeout=5.0) as stranger:
+        stranger.sendall(b"GET / HTTP/1.1\r\n\r\n")
+        assert stranger.recv(16) == b""  # cut off at once
     for n in range(50):
         first.send(frame(b"a%d" % n))
         second.send(frame(b"b%d" % n))
+        if n == 25:
+            first.send(frame(b"boom"))  # reported; the reading goes on
     wait_for(lambda: len(got) == 100, 10, "both senders' frames")
     assert [m for m in got if m.startswith(b"a")] == [b"a%d" % n for n in range(50)]
     assert [m for m in got if m.startswith(b"b")] == [b"b%d" % n for n in range(50)]
+    assert errors == ["ValueError: a message that fails"]
     first.close()
     second.send(frame(b"after"))  # one sender leaving does not stop the other
     wait_for(lambda: got[-1:] == [b"after"], 10, "the second sender's frame after the first left")
     second.close()
 
 
-def test_closing_wakes_the_listener_and_frees_its_port(inbox) -> None:
-    listener, _ = inbox
+def test_a_connection_that_does_not_greet_in_time_is_dropped(
+        inbox: Inbox, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(timeouts, "INBOX_GREETING_S", 0.2)
+    listener, _, _ = inbox
+    with socket.create_connection((LOOPBACK, listener.port), timeout=5.0) as silent:
+        started = time.monotonic()
+        assert silent.recv(16) == b""  # closed by the inbox, not by this timeout
+        assert time.monotonic() - started < 4.0
+
+
+def test_a_link_sees_a_closed_inbox_before_it_sends_and_never_blocks(inbox: Inbox) -> None:
+    listener, got, _ = inbox
+    link = InboxLink(LOOPBACK, listener.port, 5.0)
+    link.send(frame(b"1"))
+    wait_for(lambda: got == [b"1"], 10, "the first frame")
+    listener.close()
+    time.sleep(0.2)  # the inbox's end closed: its FIN reached the link
+    with pytest.raises(ConnectionResetError):
+        link.send(frame(b"2"))  # told before the frame goes, not one frame later
+    link.close()
+
+
+def test_a_link_to_an_inbox_that_reads_nothing_raises_rather_than_waits() -> None:
+    with socket.socket() as held:  # greets, then never reads: its buffers fill
+        held.bind((LOOPBACK, 0))
+        held.listen(1)
+        answer = threading.Thread(target=lambda: (c := held.accept()[0]).sendall(GREETING)
+                                  or time.sleep(1) or c.close(), daemon=True)
+        answer.start()
+        link = InboxLink(LOOPBACK, held.getsockname()[1], 5.0)
+        started = time.monotonic()
+        with pytest.raises(BlockingIOError):
+            for _ in range(10_000):
+                link.send(frame(b"x" * 65536))
+        assert time.monotonic() - started < 2.0
+        link.close()
+        answer.join(5.0)
+
+
+def test_closing_wakes_the_listener_and_frees_its_port(inbox: Inbox) -> None:
+    listener, _, _ = inbox
     link = InboxLink(LOOPBACK, listener.port, 5.0)
     started = time.monotonic()
     listener.close()
-    assert time.monotonic() - started < 2.0  # not its idle timeout
+    assert time.monotonic() - started < 2.0  # not a join's timeout
     assert not any(t.name == "test-inbox" for t in threading.enumerate())
-    with pytest.raises(OSError):
-        for _ in range(100):  # the connection was closed by the listener's end
-            link.send(frame(b"x" * 65536))
-    with pytest.raises(OSError):
-        InboxLink(LOOPBACK, listener.port, 1.0)
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection((LOOPBACK, listener.port), timeout=5.0)
+    link.close()
 
 
 def test_a_link_to_a_store_not_an_inbox_fails_within_its_timeout() -> None:
@@ -87,7 +143,7 @@ def test_a_link_to_a_store_not_an_inbox_fails_within_its_timeout() -> None:
     hosted = HostedStore(0, LOOPBACK)
     store = hosted.serve()
     started = time.monotonic()
-    with pytest.raises(OSError):
+    with pytest.raises(TimeoutError):
         InboxLink(LOOPBACK, hosted.port, 0.5)
     assert time.monotonic() - started < 3.0
     store.set("still", "served")

@@ -3,7 +3,8 @@ forwarder sends it (`protocol.fanout`), and the forwarder's connection to it.
 
 Owns: the wire (a greeting line each way, then frames: a 4-byte big-endian length and the
 message), the listener's threads (one accepts; one reads each sender's connection), and
-`InboxLink`, a forwarder's connection (made with a timeout, one frame a send).
+`InboxLink`, a forwarder's connection (made with a timeout; a send never blocks: a frame
+goes whole at once, or the link is reported broken and the record goes another way).
 Why not a queue on a c10d store, as before: a message through one costs the receiving
 node's store server a push, a waiter woken, then the reader's pop and its next wait (four
 requests), and the forwarder a round trip a node, one after another, as a push is answered;
@@ -27,9 +28,8 @@ from collections.abc import Callable
 from ftrun.core import timeouts
 
 GREETING = b"ftrun-inbox 1\n"  # both ways: a sender's first bytes, and the inbox's answer
-MAX_FRAME = 1 << 24  # a longer frame is not a relay message: its connection is dropped
-SEND_S = 1.0  # one frame's write: past it the receiver reads nothing (its link is dropped)
-ACCEPT_RETRY_S = 0.1  # out of descriptors or memory for a moment: the next accept after it
+MAX_FRAME = 1 << 23  # a longer frame is not a relay message (a record of 100,000 ranks: <1 MB)
+MAX_SENDERS = 64  # connections an inbox reads at once (a forwarder, and one that replaced it)
 _ACCEPT_AGAIN = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM, errno.ECONNABORTED}
 _LENGTH = struct.Struct(">I")
 _READ = 65536
@@ -37,6 +37,8 @@ _READ = 65536
 
 def frame(message: bytes) -> bytes:
     """A message as it goes on the wire: built once, sent to each node of a group."""
+    if len(message) > MAX_FRAME:
+        raise ValueError(f"a relay message of {len(message)} bytes is over {MAX_FRAME}")
     return _LENGTH.pack(len(message)) + message
 
 
@@ -45,27 +47,30 @@ class _Sender:
 
     def __init__(self) -> None:
         self.greeted = False
-        self.pending = b""
+        self._pending = bytearray()
 
     def take(self, data: bytes) -> list[bytes] | None:
         """The whole messages `data` completes, or None: not an inbox's sender (drop it)."""
-        self.pending += data
+        self._pending += data
         if not self.greeted:
-            if not GREETING.startswith(self.pending[:len(GREETING)]):
+            if not GREETING.startswith(bytes(self._pending[:len(GREETING)])):
                 return None
-            if len(self.pending) < len(GREETING):
+            if len(self._pending) < len(GREETING):
                 return []
-            self.greeted, self.pending = True, self.pending[len(GREETING):]
+            self.greeted = True
+            del self._pending[:len(GREETING)]
         messages: list[bytes] = []
-        while len(self.pending) >= _LENGTH.size:
-            (length,) = _LENGTH.unpack_from(self.pending)
+        start = 0
+        while len(self._pending) - start >= _LENGTH.size:
+            (length,) = _LENGTH.unpack_from(self._pending, start)
             if length > MAX_FRAME:
                 return None
-            end = _LENGTH.size + length
-            if len(self.pending) < end:
+            end = start + _LENGTH.size + length
+            if len(self._pending) < end:
                 break
-            messages.append(self.pending[_LENGTH.size:end])
-            self.pending = self.pending[end:]
+            messages.append(bytes(self._pending[start + _LENGTH.size:end]))
+            start = end
+        del self._pending[:start]
         return messages
 
 
@@ -73,9 +78,11 @@ class InboxListener:
     """Listens on `host` (port chosen by the system): each message any sender frames goes,
     in the order that sender sent it, to `deliver`, on a thread reading that sender's
     connection (a blocking read, one system call a message: a poll then a read, with 1,024
-    inboxes in 2 processes on this host, took ~1.5 times as long to reach them all)."""
+    inboxes in 2 processes on this host, took ~1.5 times as long to reach them all). What
+    `deliver` raises goes to `on_error` (one line), and the reading goes on."""
 
-    def __init__(self, host: str, deliver: Callable[[bytes], None], name: str) -> None:
+    def __init__(self, host: str, deliver: Callable[[bytes], None], name: str,
+                 on_error: Callable[[str], None] = lambda why: None) -> None:
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         try:
             sock.bind((host, 0))
@@ -86,7 +93,7 @@ class InboxListener:
         sock.set_inheritable(False)
         self._listener = sock
         self.port: int = sock.getsockname()[1]
-        self._deliver, self._name = deliver, name
+        self._deliver, self._on_error, self._name = deliver, on_error, name
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._senders: list[socket.socket] = []
@@ -100,16 +107,18 @@ class InboxListener:
         thread.start()
 
     def close(self, timeout_s: float = timeouts.THREAD_JOIN_S) -> None:
-        """Stop taking messages: shutting the sockets down wakes every thread."""
+        """Stop taking messages: shutting the sockets down wakes every thread (on Linux; a
+        thread not woken is a daemon, left to end with its socket). One deadline for all."""
         self._stop.set()
         with self._lock:
             socks, threads = [self._listener, *self._senders], list(self._threads)
         for sock in socks:
             with contextlib.suppress(OSError):
                 sock.shutdown(socket.SHUT_RDWR)
+        deadline = time.monotonic() + timeout_s
         for thread in threads:
             if thread is not threading.current_thread() and thread.ident is not None:
-                thread.join(timeout_s)
+                thread.join(max(0.0, deadline - time.monotonic()))
         for sock in socks:
             sock.close()
 
@@ -120,19 +129,22 @@ class InboxListener:
             except OSError as exc:
                 if self._stop.is_set() or exc.errno not in _ACCEPT_AGAIN:
                     return  # shut down by close (or the socket is broken)
-                time.sleep(ACCEPT_RETRY_S)
+                time.sleep(timeouts.INBOX_ACCEPT_RETRY_S)
                 continue
             with self._lock:
-                if self._stop.is_set():
-                    conn.close()
-                    return
-                self._senders.append(conn)
+                refused = self._stop.is_set() or len(self._senders) >= MAX_SENDERS
+                if not refused:
+                    self._senders.append(conn)
+            if refused:
+                conn.close()
+                continue
             self._start(self._read_all, conn)
 
     def _read_all(self, conn: socket.socket) -> None:
         sender = _Sender()
         try:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            conn.settimeout(timeouts.INBOX_GREETING_S)  # until it greets: then none
             while not self._stop.is_set():
                 data = conn.recv(_READ)
                 was_greeted = sender.greeted
@@ -141,8 +153,9 @@ class InboxListener:
                     return
                 if sender.greeted and not was_greeted:
                     conn.sendall(GREETING)
+                    conn.settimeout(None)  # a forwarder sends only when the job changes
                 for message in messages:
-                    self._deliver(message)
+                    self._deliver_one(message)
         except OSError:
             return
         finally:
@@ -151,32 +164,53 @@ class InboxListener:
                     self._senders.remove(conn)
             conn.close()
 
+    def _deliver_one(self, message: bytes) -> None:
+        try:
+            self._deliver(message)
+        except Exception as exc:  # a bad message (or its store) must not end the reading
+            self._on_error(f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:200]}")
+
 
 class InboxLink:
-    """A forwarder's connection to one inbox, greeted both ways before it is used."""
+    """A forwarder's connection to one inbox, greeted both ways within `timeout_s`."""
 
     def __init__(self, host: str, port: int, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
         sock = socket.create_connection((host, port), timeout=timeout_s)
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if hasattr(socket, "TCP_USER_TIMEOUT"):  # Linux: a silent host cuts the link
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT,
+                                int(timeouts.INBOX_UNACKED_S * 1000))
             sock.sendall(GREETING)
             answer = b""
             while len(answer) < len(GREETING):
+                sock.settimeout(max(0.001, deadline - time.monotonic()))
                 got = sock.recv(len(GREETING) - len(answer))
                 if not got:
                     break
                 answer += got
             if answer != GREETING:
                 raise ConnectionError(f"{host}:{port} is not a relay inbox (no greeting)")
-            sock.settimeout(SEND_S)
+            sock.setblocking(False)
         except BaseException:
             sock.close()
             raise
         self._sock = sock
+        self._lock = threading.Lock()  # a followed-away source's reader may still forward
 
     def send(self, framed: bytes) -> None:
-        """One `frame`; raises OSError if it cannot go (the link is then dropped)."""
-        self._sock.sendall(framed)
+        """One `frame`, whole, at once; raises OSError if it cannot be (the inbox closed its
+        end, or its host takes nothing: the link is then dropped, never blocked on)."""
+        with self._lock:
+            try:
+                if self._sock.recv(1, socket.MSG_PEEK) == b"":
+                    raise ConnectionResetError("the inbox closed its end")
+            except BlockingIOError:
+                pass  # open, and nothing to read: as expected
+            sent = self._sock.send(framed)
+            if sent != len(framed):
+                raise BlockingIOError(f"the inbox took {sent} of {len(framed)} bytes")
 
     def close(self) -> None:
         with contextlib.suppress(OSError):

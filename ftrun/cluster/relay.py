@@ -64,17 +64,25 @@ class GenerationRelay:
         self._lock = threading.Lock()  # the copied records: a reader's thread, or follow()
         self._copied = -1
         self._links = ForwardLinks(inbox_link)
-        source = _Source(connect)
-        self._source = source
-        self._catch_up(source)
-        source.reader = self._reader_of(source)
         self._inbox: InboxListener | None = None
         self.inbox_addr = ""  # where a forwarder sends to this node ("": no inbox)
-        if reachable_as:
-            self._inbox = InboxListener(
-                LOOPBACK if reachable_as == LOOPBACK else ALL_INTERFACES,
-                lambda raw: self._on_message(self._source, raw), "ftrun-relay-inbox")
-            self.inbox_addr = f"{reachable_as}:{self._inbox.port}"
+        try:
+            if reachable_as:  # a message that fails (none is sent before the address is
+                # named) is dropped, as one that does not parse
+                self._inbox = InboxListener(
+                    LOOPBACK if reachable_as == LOOPBACK else ALL_INTERFACES,
+                    lambda raw: self._on_message(self._source, raw), "ftrun-relay-inbox")
+                self.inbox_addr = f"{reachable_as}:{self._inbox.port}"
+            source = _Source(connect)
+            self._source = source
+            self._catch_up(source)
+            source.reader = self._reader_of(source)
+        except BaseException:
+            if self._inbox is not None:
+                self._inbox.close()
+            if self._hosted is not None:
+                self._hosted.close()
+            raise
 
     def follow(self, connect: Callable[[], Any]) -> None:
         """Copy from the store `connect` reaches from now on (the new leader's): first every
@@ -124,15 +132,20 @@ class GenerationRelay:
             self._forward(source, message)
 
     def _forward(self, source: _Source, message: RelayMessage) -> None:
-        """Push the record to each node of this node's group, on its inbox; one not connected
-        yet (`ForwardLinks`) or that cannot be reached is pushed to on the source instead, as
-        the coordinator would have."""
+        """Send the record to each node of this node's group, on its inbox; one not connected
+        yet (`ForwardLinks`), whose inbox closed its end, or that takes nothing at once is
+        pushed to on the source instead, as the coordinator would have. A host gone silent
+        loses what is sent to it until its link is cut (`INBOX_UNACKED_S`): its node is
+        lost to the job by then, and a relay reads any gap from the source."""
         payload = (relay_message(message.number, message.record) if message.record is not None
                    else str(message.number).encode())
-        framed = frame(payload)
+        try:
+            framed: bytes | None = frame(payload)
+        except ValueError:
+            framed = None  # too long for a frame: the whole group on the source
         for node, addr in message.children:
-            link = self._links.get(addr)
-            if link is not None:
+            link = self._links.get(addr) if framed is not None else None
+            if link is not None and framed is not None:
                 try:
                     link.send(framed)
                     continue

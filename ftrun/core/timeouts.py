@@ -18,6 +18,10 @@ BURST_FOLLOW_S = 0.1  # rest of a burst, spread out by that pass's work, is gath
 BURST_TAIL_MAX_S = 0.1  # up to this (10 faults over 0.1 s: the first alone, the rest in one)
 RELAY_WARM_QUIET_S = 1.0  # no node named a new relay inbox for this long: the forwarders are
 # told their groups (one plan for a start's thousands of reports, not one each)
+INBOX_GREETING_S = 2.0  # a relay inbox's connection: made and greeted both ways within this
+INBOX_UNACKED_S = 10.0  # a frame to an inbox not acknowledged by its host for this long: the
+# link is cut (a host gone silent), and that node's next record goes on the coordinator's store
+INBOX_ACCEPT_RETRY_S = 0.1  # an inbox out of descriptors or memory: its next accept after this
 STORE_CLIENT_CONNECT_S = 60.0  # worker -> agent store connection
 STORE_SERVER_START_S = 30.0  # agent binding its TCPStore
 LOG_DRAIN_S = 2.0  # reader threads flushing a dead worker's last output
