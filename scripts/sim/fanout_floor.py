@@ -48,7 +48,9 @@ WORKERS_PER_NODE = 8
 
 
 def _relays(conn: Connection, port: int, nodes: list[int], tree: bool) -> None:
-    """A child: one relay per node, then answers `when(number)` until told to stop."""
+    """A child: one relay per node, then answers `when(number)` (or, for a list of
+    (forwarder, its children's inboxes), how many of those links are made) until told to
+    stop."""
     from sim_proc import prepare_process
     from simscale.fleet import NodeCopy
 
@@ -61,7 +63,12 @@ def _relays(conn: Connection, port: int, nodes: list[int], tree: bool) -> None:
                               reachable_as=LOOPBACK if tree else "")
               for node, copy in zip(nodes, copies, strict=True)]
     conn.send([(node, relay.inbox_addr) for node, relay in zip(nodes, relays, strict=True)])
+    by_node = dict(zip(nodes, relays, strict=True))
     while (number := conn.recv()) is not None:
+        if isinstance(number, list):
+            conn.send(sum(by_node[n].forwards_to(addr) for n, group in number
+                          if n in by_node for addr in group))
+            continue
         deadline = time.monotonic() + HOLD_S
         while not all(number in c.arrived for c in copies) and time.monotonic() < deadline:
             time.sleep(POLL_S)
@@ -69,6 +76,21 @@ def _relays(conn: Connection, port: int, nodes: list[int], tree: bool) -> None:
     for relay in relays:
         relay.close(link_works=False)
     conn.send("closed")
+
+
+def _await_links(pipes: list[Connection], groups: list[tuple[int, list[str]]]) -> None:
+    """Until every forwarder holds a link to each of its group's inboxes (the floor is
+    through the tree, not the fallback pushes on the coordinator's store)."""
+    wanted, deadline = sum(len(group) for _, group in groups), time.monotonic() + CONNECT_S
+    while True:
+        for pipe in pipes:
+            pipe.send(groups)
+        linked = sum(pipe.recv() for pipe in pipes)
+        if linked == wanted:
+            return
+        if time.monotonic() > deadline:
+            raise SystemExit(f"{linked} of {wanted} inbox links made in {CONNECT_S:g} s")
+        time.sleep(0.2)
 
 
 def measure(nodes: int, procs: int, repeat: int, tree: bool,
@@ -98,7 +120,9 @@ def measure(nodes: int, procs: int, repeat: int, tree: bool,
         for hop in plan:  # the forwarders told their groups, as Generations.warm_relays does
             if isinstance(hop, RelayHop) and hop.children:
                 store.queue_push(relay_queue(hop.node), warm_message(hop.children))
-    time.sleep(1.0 if not tree else 3.0)  # the readers are blocked, the links made
+    _await_links(pipes, [(hop.node, [c.partition("@")[2] for c in hop.children])
+                         for hop in plan if isinstance(hop, RelayHop)])
+    time.sleep(1.0)  # the readers are blocked on their queues
     last, first = [], []
     for number in range(1, repeat + 1):
         start = time.time()
