@@ -174,6 +174,24 @@ def test_a_node_the_forwarder_cannot_reach_is_pushed_to_on_the_coordinators_stor
         assert not relays[1].forwards_to(dead_at)
 
 
+def test_a_node_whose_inbox_closed_gets_that_same_record_on_the_coordinators_store() -> None:
+    """A frame into an inbox that closed its end would be lost (only the next write fails):
+    the forwarder looks first, and pushes that node's record upstream, not the next one."""
+    with _job(3) as (store, relays, popped):
+        children = tuple(f"{n}@{relays[n].inbox_addr}" for n in (2, 3))
+        store.queue_push(relay_queue(1), warm_message(children))  # type: ignore[attr-defined]
+        wait_for(lambda: all(relays[1].forwards_to(relays[n].inbox_addr) for n in (2, 3)), 10,
+                 "the forwarder connected to both inboxes")
+        relays[3]._inbox.close()  # type: ignore[union-attr]  # its inbox alone ends
+        time.sleep(0.2)  # its end's close reached the forwarder's link
+        publish(store, _gen(1), relays=[RelayHop(1, children)])  # type: ignore[arg-type]
+        for n in (1, 2, 3):
+            wait_for(lambda n=n: _holds(relays[n], 1), 10, f"node {n} holding generation 1")
+        assert popped[2] == [] and [parse_relay_message(raw) for raw in popped[3]] == [
+            RelayMessage(1, _gen(1).encode())]
+        assert not relays[1].forwards_to(relays[3].inbox_addr)  # dropped: asked again
+
+
 def test_a_group_whose_forwarder_died_reads_what_it_missed_from_the_coordinators_store(
         ) -> None:
     with _job(3) as (store, relays, popped):

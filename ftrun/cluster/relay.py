@@ -22,7 +22,7 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
-from ftrun.adapters.relay_inbox import InboxLink, InboxListener, frame
+from ftrun.adapters.relay_inbox import InboxLink, InboxListener, closed, frame
 from ftrun.adapters.store import ALL_INTERFACES, LOOPBACK, HostedStore, QueueReader
 from ftrun.cluster.forward_links import ForwardLinks
 from ftrun.core import timeouts
@@ -143,9 +143,14 @@ class GenerationRelay:
             framed: bytes | None = frame(payload)
         except ValueError:
             framed = None  # too long for a frame: the whole group on the source
+        links = {addr: self._links.get(addr) if framed is not None else None
+                 for _, addr in message.children}
+        gone = closed([link for link in links.values() if link is not None])
         for node, addr in message.children:
-            link = self._links.get(addr) if framed is not None else None
-            if link is not None and framed is not None:
+            link = links[addr]
+            if link in gone:
+                self._links.drop(addr)
+            elif link is not None and framed is not None:
                 try:
                     link.send(framed)
                     continue
