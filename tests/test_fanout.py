@@ -160,6 +160,24 @@ def test_a_forwarder_told_its_group_ahead_sends_the_first_record_through_the_inb
         assert popped[2] == popped[3] == []  # through the inboxes, the first one too
 
 
+def test_a_forwarder_closes_its_links_to_nodes_that_left_its_group() -> None:
+    """A new group (told ahead, or with a record) keeps only its own links: one to a node
+    that left held a reader thread there until the forwarder's relay closed."""
+    with _job(3) as (store, relays, popped):
+        two, three = (f"{n}@{relays[n].inbox_addr}" for n in (2, 3))
+        store.queue_push(relay_queue(1), warm_message((two, three)))  # type: ignore[attr-defined]
+        wait_for(lambda: all(relays[1].forwards_to(relays[n].inbox_addr) for n in (2, 3)), 10,
+                 "the forwarder connected to both inboxes")
+        publish(store, _gen(1), relays=[RelayHop(1, (two,)), RelayHop(3)])  # type: ignore[arg-type]
+        for n in (1, 2, 3):
+            wait_for(lambda n=n: _holds(relays[n], 1), 10, f"node {n} holding generation 1")
+        assert relays[1].forwards_to(relays[2].inbox_addr)
+        assert not relays[1].forwards_to(relays[3].inbox_addr)  # closed, and not asked again
+        store.queue_push(relay_queue(1), warm_message((three,)))  # type: ignore[attr-defined]
+        wait_for(lambda: relays[1].forwards_to(relays[3].inbox_addr), 10, "the new group's link")
+        assert not relays[1].forwards_to(relays[2].inbox_addr)
+
+
 def test_a_node_the_forwarder_cannot_reach_is_pushed_to_on_the_coordinators_store() -> None:
     with _job(2) as (store, relays, popped):
         dead = HostedStore(0, LOOPBACK)  # a port that nobody serves

@@ -58,6 +58,14 @@ class ForwardLinks:
         with self._lock:
             return addr in self._links
 
+    def keep_only(self, addrs: set[str]) -> None:
+        """This relay's group is now `addrs`: the links to any other inbox are closed (each
+        held a reader thread on its node until this relay closed)."""
+        with self._lock:
+            stale = [self._links.pop(addr) for addr in list(self._links) if addr not in addrs]
+        for link in stale:
+            _close(link)
+
     def drop(self, addr: str) -> None:
         """A push on it failed: the next record asks for a new one."""
         with self._lock:

@@ -119,6 +119,7 @@ class GenerationRelay:
         if message is None:
             return  # not ours to act on
         if message.warm:  # the group this node forwards to from now on: connect ahead
+            self._links.keep_only({addr for _, addr in message.children})
             for _, addr in message.children:
                 self._links.ask(addr)
             return
@@ -143,6 +144,7 @@ class GenerationRelay:
             framed: bytes | None = frame(payload)
         except ValueError:
             framed = None  # too long for a frame: the whole group on the source
+        self._links.keep_only({addr for _, addr in message.children})
         links = {addr: self._links.get(addr) if framed is not None else None
                  for _, addr in message.children}
         gone = closed([link for link in links.values() if link is not None])
