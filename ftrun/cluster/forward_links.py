@@ -16,7 +16,8 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-CONNECT_S = 2.0  # one inbox's connection and greeting
+from ftrun.core import timeouts
+
 _CLOSE = ""  # on the queue: the connecting thread ends
 
 
@@ -83,7 +84,7 @@ class ForwardLinks:
     def _run(self) -> None:
         while (addr := self._todo.get()) != _CLOSE:
             try:
-                link = self._connect(addr, CONNECT_S)
+                link = self._connect(addr, timeouts.INBOX_GREETING_S)
             except Exception:
                 link = None  # unreachable now: asked again by the next record
             with self._lock:

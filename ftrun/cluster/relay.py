@@ -144,12 +144,12 @@ class GenerationRelay:
             framed: bytes | None = frame(payload)
         except ValueError:
             framed = None  # too long for a frame: the whole group on the source
-        self._links.keep_only({addr for _, addr in message.children})
-        links = {addr: self._links.get(addr) if framed is not None else None
-                 for _, addr in message.children}
+        group = {addr for _, addr in message.children}
+        self._links.keep_only(group)
+        links = {addr: self._links.get(addr) for addr in group} if framed is not None else {}
         gone = closed([link for link in links.values() if link is not None])
         for node, addr in message.children:
-            link = links[addr]
+            link = links.get(addr)
             if link in gone:
                 self._links.drop(addr)
             elif link is not None and framed is not None:
