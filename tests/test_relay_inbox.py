@@ -96,6 +96,19 @@ def test_a_connection_that_does_not_greet_in_time_is_dropped(
         assert time.monotonic() - started < 4.0
 
 
+def test_a_greeted_sender_quiet_past_the_read_timeout_is_still_read(
+        inbox: Inbox, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The read after the greeting has a timeout too, re-armed: a forwarder sends only when
+    the job changes, and its link stays."""
+    monkeypatch.setattr(timeouts, "WATCH_POLL_S", 0.1)
+    listener, got, _ = inbox
+    link = InboxLink(LOOPBACK, listener.port, 5.0)
+    time.sleep(0.5)  # several expiries of the read
+    link.send(frame(b"late"))
+    wait_for(lambda: got == [b"late"], 10, "a frame after a quiet spell")
+    link.close()
+
+
 def test_a_group_is_looked_at_once_for_inboxes_that_closed_their_end(inbox: Inbox) -> None:
     """A frame written into a closed end is lost (only the next write fails): the forwarder
     asks first, for its whole group in one poll."""

@@ -147,14 +147,20 @@ class InboxListener:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             conn.settimeout(timeouts.INBOX_GREETING_S)  # until it greets: then none
             while not self._stop.is_set():
-                data = conn.recv(_READ)
+                try:
+                    data = conn.recv(_READ)
+                except TimeoutError:
+                    if sender.greeted:
+                        continue  # re-armed: close() wakes it sooner
+                    return  # never greeted in time
                 was_greeted = sender.greeted
                 messages = sender.take(data) if data else None
                 if messages is None:
                     return
                 if sender.greeted and not was_greeted:
                     conn.sendall(GREETING)
-                    conn.settimeout(None)  # a forwarder sends only when the job changes
+                    # a forwarder sends only when the job changes: a long wait, re-armed
+                    conn.settimeout(timeouts.WATCH_POLL_S)
                 for message in messages:
                     self._deliver_one(message)
         except OSError:
