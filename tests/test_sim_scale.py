@@ -75,13 +75,35 @@ def test_sim_scale_on_a_real_etcd(tmp_path: Path) -> None:
 @pytest.mark.parametrize("tree", [[], ["--tree", "--tree-from", "2"]], ids=["direct", "tree"])
 def test_the_fanout_floor_reaches_every_relay_and_prints_its_row(tree: list[str]) -> None:
     """Every relay holds each generation (else the script exits non-zero), pushed to
-    directly or, `--tree`, through its forwarder's inbox connection."""
+    directly or, `--tree`, through its forwarder's inbox connection (the forwarders in a
+    simulator process of their own, `simscale/placement.py`)."""
     script = SCRIPT.parent / "fanout_floor.py"
     done = subprocess.run([sys.executable, str(script), "--nodes", "6", "--repeat", "2",
                            "--sim-procs", "1", *tree], capture_output=True, text=True,
                           timeout=110)
     assert done.returncode == 0, done.stdout + done.stderr[-2000:]
-    [row] = [line.split() for line in done.stdout.splitlines() if line.split()[:2] == ["6", "1"]]
+    procs = "2" if tree else "1"  # the tree's forwarders play in a process of their own
+    [row] = [line.split() for line in done.stdout.splitlines()
+             if line.split()[:2] == ["6", procs]]
     assert row[2] == ("yes" if tree else "no")
     last_p50, last_max, first_p50 = float(row[3]), float(row[5]), float(row[6])
     assert 0 < first_p50 <= last_p50 <= last_max  # measured from the push, per relay
+
+
+def test_the_forwarders_play_apart_as_the_coordinators_plan_picks_them(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """`simscale/placement.py` follows the real `relay_plan`: in a job of 4,096 nodes (4,095
+    followers) the lowest of each group of 64 forwards, each in the process of its own, the
+    rest dealt evenly; below the tree's size, no forwarder and no extra process."""
+    monkeypatch.syspath_prepend(str(SCRIPT.parent))
+    from simscale.placement import forwarders_of, shares
+
+    followers = range(1, 4096)
+    apart = forwarders_of(followers, tree_from=64)
+    assert apart == set(range(1, 4096, 64))
+    parts = shares(followers, 2, apart)
+    assert parts[-1] == sorted(apart) and len(parts) == 3
+    assert sorted(n for part in parts for n in part) == list(followers)
+    assert abs(len(parts[0]) - len(parts[1])) <= 1
+    assert forwarders_of(range(1, 64), tree_from=64) == set()
+    assert shares(range(1, 64), 2, set()) == [list(range(1, 64, 2)), list(range(2, 64, 2))]

@@ -31,6 +31,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
 
+from simscale.placement import forwarders_of, shares  # noqa: E402
+
 from ftrun.adapters.store import LOOPBACK, HostedStore, client  # noqa: E402
 from ftrun.protocol.fanout import (  # noqa: E402
     TREE_FROM_NODES,
@@ -94,17 +96,18 @@ def _await_links(pipes: list[Connection], groups: list[tuple[int, list[str]]]) -
 
 
 def measure(nodes: int, procs: int, repeat: int, tree: bool,
-            tree_from: int = TREE_FROM_NODES) -> dict[str, Any]:
+            tree_from: int = TREE_FROM_NODES, apart: bool = False) -> dict[str, Any]:
     hosted = HostedStore(0, LOOPBACK)
     store = hosted.serve()
     members = tuple(range(nodes * WORKERS_PER_NODE))
     publish(store, Generation(0, members))  # what each relay catches up with when it starts
     ctx = multiprocessing.get_context("spawn")
     pipes, children = [], []
-    for p in range(procs):
+    everyone = range(nodes)
+    apart_set = forwarders_of(everyone, tree_from) if apart else set()
+    for share in shares(everyone, procs, apart_set):
         parent, child = ctx.Pipe()
-        proc = ctx.Process(target=_relays, args=(child, hosted.port,
-                                                 list(range(p, nodes, procs)), tree),
+        proc = ctx.Process(target=_relays, args=(child, hosted.port, share, tree),
                            daemon=True)
         proc.start()
         pipes.append(parent)
@@ -141,7 +144,7 @@ def measure(nodes: int, procs: int, repeat: int, tree: bool,
         pipe.poll(CONNECT_S)
         proc.join(CONNECT_S)
     hosted.close()
-    return {"nodes": nodes, "procs": procs, "repeat": repeat, "tree": tree,
+    return {"nodes": nodes, "procs": len(pipes), "repeat": repeat, "tree": tree,
             "last_p50_ms": 1e3 * statistics.median(last), "last_max_ms": 1e3 * max(last),
             "first_p50_ms": 1e3 * statistics.median(first)}
 
@@ -154,10 +157,14 @@ def main() -> None:
     ap.add_argument("--tree", action="store_true", help="through the relay tree's inboxes")
     ap.add_argument("--tree-from", type=int, default=TREE_FROM_NODES,
                     help="the job size the tree starts at (the coordinator's default)")
+    ap.add_argument("--packed", action="store_true",
+                    help="--tree: the forwarders among the relays (by default in a simulator "
+                         "process of their own: simscale/placement.py)")
     a = ap.parse_args()
     print("nodes  procs  tree  last node p50 / largest (ms)  first node p50 (ms)")
     for nodes in (int(n) for n in a.nodes.split(",")):
-        r = measure(nodes, a.sim_procs, a.repeat, a.tree, a.tree_from)
+        r = measure(nodes, a.sim_procs, a.repeat, a.tree, a.tree_from,
+                    a.tree and not a.packed)
         print(f"{r['nodes']:>5}  {r['procs']:>5}  {'yes' if r['tree'] else ' no':>4}  "
               f"{r['last_p50_ms']:8.1f} / "
               f"{r['last_max_ms']:6.1f}              {r['first_p50_ms']:8.1f}")

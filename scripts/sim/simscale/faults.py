@@ -42,7 +42,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ftrun.protocol.fanout import tree_from
 from simscale.coordinator import RDZV_ID, Coordinator, until, work_folder
+from simscale.placement import forwarders_of, shares
 
 BEATS_PER_S = 2000.0  # the heartbeats the simulator and the coordinator's store keep up here
 LEASE_RENEWALS_PER_S = 300.0  # etcd keep-alives a second the lab takes beside the rest
@@ -55,6 +57,7 @@ BURST = 10  # faults within a few ms
 BURST_QUIET_S = 2.0  # no newer generation for this long: the burst's are all out
 SETTLED_PCT = 10.0  # the coordinator at rest: two 1 s windows of its CPU this close
 SETTLE_S = 180.0  # ...within this (thousands of hellos and joins are worked off first)
+CONNECT_S = 60.0  # the coordinator's store, for the node indices
 REQUEST_READER = "ftrun-requests"  # the coordinator's thread that reads the workers' requests
 IDLE_PCT = 5.0  # ...idle: below this share of a core
 NODE_SIZE = 8
@@ -102,15 +105,20 @@ class Job:
             "conf": dict(kv.split("=", 1) for kv in self.conf.split(","))}
         scripts = str(Path(__file__).resolve().parent.parent)
         os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # a store gone at the end: quiet
-        self.procs = Procs(procs, fleet.serve, (scripts, store, RDZV_ID, self.beat_s,
-                                                PAYLOAD_EVERY_BEATS * self.beat_s, etcd))
+        followers = range(1, nodes)
+        apart = set() if os.environ.get("SIM_NO_TREE") == "1" or os.environ.get(
+            "SIM_FORWARDERS_PACKED") == "1" else forwarders_of(followers, tree_from(os.environ))
+        reserve(store, nodes - 1)
+        self.procs = Procs(procs + bool(apart), fleet.serve,
+                           (scripts, store, RDZV_ID, self.beat_s,
+                            PAYLOAD_EVERY_BEATS * self.beat_s, etcd))
         cleanups.append(self.procs.kill)
-        k = len(self.procs.conns)
-        shares = [(nodes - 1) // k + (i < (nodes - 1) % k) for i in range(k)]
-        self.procs.everywhere("add_nodes", per_proc=[(n, NODE_SIZE) for n in shares],
+        parts = shares(followers, procs, apart)
+        self.procs.everywhere("add_nodes", per_proc=[(part, NODE_SIZE) for part in parts],
                               timeout=UP_S)
-        # victims in rounds across the processes, a different node each fault
-        self.victims = [(p, i) for i in range(max(shares)) for p in range(k) if i < shares[p]]
+        # victims in rounds across the relays' processes, a different node each fault
+        sizes = [len(part) for part in parts[:procs]]
+        self.victims = [(p, i) for i in range(max(sizes)) for p in range(procs) if i < sizes[p]]
         if not all(self.procs.everywhere("wait_up", UP_S, timeout=UP_S + 60)):
             raise TimeoutError(f"the simulated nodes were not all up within {UP_S:g} s (or the "
                                "coordinator dropped one or ended the job: see its log)")
@@ -140,6 +148,16 @@ class Job:
         self.plane.close()
         if ok and self.exit_code == 0 and not keep:
             shutil.rmtree(self.workdir, ignore_errors=True)
+
+
+def reserve(store: tuple[str, int], count: int) -> None:
+    """Node indices 1 to `count` drawn at once for the simulated nodes (`placement` says who
+    plays which): none is drawn again by a node that joins as real ones do."""
+    from ftrun.cluster.link import NODE_COUNTER, Endpoint, connect
+
+    drawn = int(connect(Endpoint(*store), CONNECT_S).add(NODE_COUNTER, count))
+    if drawn != count:
+        raise RuntimeError(f"node indices up to {drawn} drawn, not {count}: another joined")
 
 
 def _real_hold(coord: Coordinator, number: int) -> list[float] | None:

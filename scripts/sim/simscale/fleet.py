@@ -34,7 +34,6 @@ from typing import Any
 from ftrun.adapters.store import LOOPBACK, QueueReader, client
 from ftrun.cluster.link import (
     AGENT_QUEUE,
-    NODE_COUNTER,
     Endpoint,
     Outbox,
     command_queue,
@@ -111,10 +110,12 @@ class LightNode:
         self.attempt = 0
         self.ended = False
 
-    def join(self) -> None:
+    def join(self, index: int) -> None:
+        """Join as node `index` (drawn for it, `placement`: as `--node-rank` names a real
+        node's)."""
         fleet = self.fleet
+        self.index = index
         with fleet.lock:
-            self.index = int(fleet.link.add(NODE_COUNTER, 1))
             fleet.link.delete_key(command_queue(self.index))
         self._reader = QueueReader(lambda: connect(fleet.ep, CONNECT_S),
                                    command_queue(self.index), self._command, fleet.lost,
@@ -233,10 +234,10 @@ class Fleet:
         with self.lock:
             send_request(self._requests, Hello(worker, os.getpid(), spare=False))
 
-    def add_nodes(self, count: int, nproc: int) -> list[int]:
-        for _ in range(count):
+    def add_nodes(self, indices: list[int], nproc: int) -> list[int]:
+        for index in indices:
             node = LightNode(self, nproc)
-            node.join()
+            node.join(index)
             with self.lock:
                 self.nodes.append(node)
                 self._more_beaters()
@@ -292,8 +293,8 @@ class Played:
     def __init__(self, fleet: Fleet) -> None:
         self.fleet = fleet
 
-    def add_nodes(self, count: int, nproc: int) -> list[int]:
-        return self.fleet.add_nodes(count, nproc)
+    def add_nodes(self, indices: list[int], nproc: int) -> list[int]:
+        return self.fleet.add_nodes(indices, nproc)
 
     def wait_up(self, timeout: float) -> bool:
         """Every node started, its workers said hello, its relay holds generation 0. False
