@@ -2,7 +2,7 @@
 forwarder sends it (`protocol.fanout`), and the forwarder's connection to it.
 
 Owns: the wire (a greeting line each way, then frames: a 4-byte big-endian length and the
-message), the listener's threads (one accepts; one reads each sender's connection), and
+message), an inbox's sockets (served by the process's inbox thread, `inbox_reactor`), and
 `InboxLink`, a forwarder's connection (made with a timeout; a send never blocks: a frame
 goes whole at once, or the link is reported broken and the record goes another way).
 Why not a queue on a c10d store, as before: a message through one costs the receiving
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import select
 import socket
 import struct
@@ -26,6 +27,7 @@ import threading
 import time
 from collections.abc import Callable
 
+from ftrun.adapters import inbox_reactor
 from ftrun.core import timeouts
 
 GREETING = b"ftrun-inbox 1\n"  # both ways: a sender's first bytes, and the inbox's answer
@@ -77,105 +79,135 @@ class _Sender:
 
 class InboxListener:
     """Listens on `host` (port chosen by the system): each message any sender frames goes,
-    in the order that sender sent it, to `deliver`, on a thread reading that sender's
-    connection (a blocking read, one system call a message: a poll then a read, with 1,024
-    inboxes in 2 processes on this host, took ~1.5 times as long to reach them all). What
+    in the order that sender sent it, to `deliver`, on the process's inbox thread
+    (`inbox_reactor`: one for every inbox of a process, each frame a read there). What
     `deliver` raises goes to `on_error` (one line), and the reading goes on."""
 
-    def __init__(self, host: str, deliver: Callable[[bytes], None], name: str,
+    def __init__(self, host: str, deliver: Callable[[bytes], None],
                  on_error: Callable[[str], None] = lambda why: None) -> None:
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         try:
             sock.bind((host, 0))
             sock.listen(128)
+            sock.setblocking(False)
         except OSError:
             sock.close()
             raise
         sock.set_inheritable(False)
         self._listener = sock
         self.port: int = sock.getsockname()[1]
-        self._deliver, self._on_error, self._name = deliver, on_error, name
-        self._stop = threading.Event()
-        self._lock = threading.Lock()
-        self._senders: list[socket.socket] = []
-        self._threads: list[threading.Thread] = []
-        self._start(self._accept_all)
+        self._deliver, self._on_error = deliver, on_error
+        self._senders: dict[socket.socket, _Sender] = {}  # the reactor's thread only
+        self._greet_by: dict[socket.socket, float] = {}  # ...and when each must have greeted
+        self._accept_at: float | None = None  # out of descriptors: accepting again then
+        self._closed = False
+        self._done = threading.Event()  # closed on the reactor's thread
+        self._reactor = inbox_reactor.attach(self, self._start)
 
-    def _start(self, target: Callable[..., None], *args: object) -> None:
-        thread = threading.Thread(target=target, args=args, name=self._name, daemon=True)
-        with self._lock:
-            self._threads = [t for t in self._threads if t.is_alive()] + [thread]
-        thread.start()
+    def _start(self, reactor: inbox_reactor.Reactor) -> None:
+        self._reactor = reactor  # may run before attach() returned it
+        if not self._closed:
+            reactor.watch(self._listener, self._accept_all)
 
     def close(self, timeout_s: float = timeouts.THREAD_JOIN_S) -> None:
-        """Stop taking messages: shutting the sockets down wakes every thread (on Linux; a
-        thread not woken is a daemon, left to end with its socket). One deadline for all."""
-        self._stop.set()
-        with self._lock:
-            socks, threads = [self._listener, *self._senders], list(self._threads)
-        for sock in socks:
-            with contextlib.suppress(OSError):
-                sock.shutdown(socket.SHUT_RDWR)
-        deadline = time.monotonic() + timeout_s
-        for thread in threads:
-            if thread is not threading.current_thread() and thread.ident is not None:
-                thread.join(max(0.0, deadline - time.monotonic()))
-        for sock in socks:
+        """Stop taking messages: the sockets closed on the inbox thread, waited for at most
+        `timeout_s` (one busy delivering elsewhere: they are shut down meanwhile, so that
+        the senders see the end)."""
+        if self._closed:
+            return
+        self._closed = True
+        self._reactor.call(self._close_here)
+        if not self._done.wait(timeout_s):
+            for sock in [self._listener, *list(self._senders)]:
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)
+
+    def _close_here(self) -> None:
+        for sock in [self._listener, *self._senders]:
+            self._reactor.unwatch(sock)
             sock.close()
+        self._senders.clear()
+        self._greet_by.clear()
+        inbox_reactor.detach(self._reactor, self)
+        self._done.set()
+
+    def expire(self, now: float) -> float | None:
+        """The reactor's thread: senders that did not greet in time are cut off; an inbox out
+        of descriptors accepts again. The next deadline ahead, if any."""
+        for conn in [c for c, due in self._greet_by.items() if due <= now]:
+            self._drop(conn)
+        if self._accept_at is not None and self._accept_at <= now and not self._closed:
+            self._accept_at = None
+            self._reactor.watch(self._listener, self._accept_all)
+        ahead = list(self._greet_by.values())
+        return min([*ahead, *([self._accept_at] if self._accept_at is not None else [])],
+                   default=None)
 
     def _accept_all(self) -> None:
-        while not self._stop.is_set():
+        while not self._closed:
             try:
                 conn, _ = self._listener.accept()
+            except BlockingIOError:
+                return
             except OSError as exc:
-                if self._stop.is_set() or exc.errno not in _ACCEPT_AGAIN:
-                    return  # shut down by close (or the socket is broken)
-                time.sleep(timeouts.INBOX_ACCEPT_RETRY_S)
-                continue
-            with self._lock:
-                refused = self._stop.is_set() or len(self._senders) >= MAX_SENDERS
-                if not refused:
-                    self._senders.append(conn)
-            if refused:
+                if exc.errno in _ACCEPT_AGAIN:  # not readable again until a sender leaves
+                    self._reactor.unwatch(self._listener)
+                    self._accept_at = time.monotonic() + timeouts.INBOX_ACCEPT_RETRY_S
+                return
+            if len(self._senders) >= MAX_SENDERS:
                 conn.close()
                 continue
-            self._start(self._read_all, conn)
+            try:
+                conn.setblocking(False)
+                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                self._reactor.watch(conn, functools.partial(self._read, conn))
+            except (OSError, ValueError):
+                conn.close()
+                continue
+            self._senders[conn] = _Sender()
+            self._greet_by[conn] = time.monotonic() + timeouts.INBOX_GREETING_S
 
-    def _read_all(self, conn: socket.socket) -> None:
-        sender = _Sender()
-        try:
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            conn.settimeout(timeouts.INBOX_GREETING_S)  # until it greets: then none
-            while not self._stop.is_set():
-                try:
-                    data = conn.recv(_READ)
-                except TimeoutError:
-                    if sender.greeted:
-                        continue  # re-armed: close() wakes it sooner
-                    return  # never greeted in time
-                was_greeted = sender.greeted
-                messages = sender.take(data) if data else None
-                if messages is None:
-                    return
-                if sender.greeted and not was_greeted:
-                    conn.sendall(GREETING)
-                    # a forwarder sends only when the job changes: a long wait, re-armed
-                    conn.settimeout(timeouts.WATCH_POLL_S)
-                for message in messages:
-                    self._deliver_one(message)
-        except OSError:
+    def _read(self, conn: socket.socket) -> None:
+        sender = self._senders.get(conn)
+        if sender is None:
             return
-        finally:
-            with self._lock:
-                if conn in self._senders:
-                    self._senders.remove(conn)
-            conn.close()
+        try:
+            data = conn.recv(_READ)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            data = b""
+        was_greeted = sender.greeted
+        messages = sender.take(data) if data else None
+        if messages is None:
+            self._drop(conn)
+            return
+        if sender.greeted and not was_greeted:
+            self._greet_by.pop(conn, None)
+            try:  # a new connection's buffer takes the line at once, or it is broken
+                if conn.send(GREETING) != len(GREETING):
+                    raise BlockingIOError
+            except OSError:
+                self._drop(conn)
+                return
+        for message in messages:
+            if self._closed:
+                return  # closed by a delivery (on this thread)
+            self._deliver_one(message)
+
+    def _drop(self, conn: socket.socket) -> None:
+        self._reactor.unwatch(conn)
+        self._senders.pop(conn, None)
+        self._greet_by.pop(conn, None)
+        conn.close()
 
     def _deliver_one(self, message: bytes) -> None:
         try:
             self._deliver(message)
         except Exception as exc:  # a bad message (or its store) must not end the reading
-            self._on_error(f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:200]}")
+            with contextlib.suppress(Exception):  # nor a report that fails
+                self._on_error(
+                    f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:200]}")
 
 
 class InboxLink:

@@ -71,7 +71,7 @@ class GenerationRelay:
                 # named) is dropped, as one that does not parse
                 self._inbox = InboxListener(
                     LOOPBACK if reachable_as == LOOPBACK else ALL_INTERFACES,
-                    lambda raw: self._on_message(self._source, raw), "ftrun-relay-inbox")
+                    lambda raw: self._on_message(self._source, raw))
                 self.inbox_addr = f"{reachable_as}:{self._inbox.port}"
             source = _Source(connect)
             self._source = source
