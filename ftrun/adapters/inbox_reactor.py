@@ -4,7 +4,8 @@ a selector over their listening sockets and their senders' connections.
 Owns: the reactor (started with the first inbox of a process, ended when its last one
 closes, started again by the next; a process forked from one that had it starts its own),
 calls run on its thread (an inbox's sockets registered, or closed), and the deadlines it
-keeps (a sender that must greet, an inbox out of descriptors that accepts again later).
+keeps (a sender that must greet, an inbox out of descriptors that accepts again later),
+looked at only for the inboxes that have one.
 Why one thread, not one per connection: a frame then costs its node one read, not a thread
 woken and a turn at the GIL; and an agent holds one thread for its inbox, not two or more.
 (A simulator process with thousands of inboxes, issue #52: each one's wake-up was most of
@@ -50,6 +51,7 @@ class Reactor:
         self._selector.register(self._wake_in, selectors.EVENT_READ, None)
         self._calls: list[Handler] = []
         self.served: set[Served] = set()  # under _LOCK
+        self._timed: set[Served] = set()  # those with a deadline ahead (this thread only)
         self.thread = threading.Thread(target=self._run, name=THREAD_NAME, daemon=True)
 
     def on_thread(self) -> bool:
@@ -68,6 +70,17 @@ class Reactor:
     def watch(self, sock: socket.socket, handler: Handler) -> None:
         """On the reactor's thread: `handler` runs whenever `sock` has something to read."""
         self._selector.register(sock, selectors.EVENT_READ, handler)
+
+    def remind(self, inbox: Served) -> None:
+        """On the reactor's thread: `inbox` has a deadline now (`Served.expire`). Only such
+        inboxes are looked at between reads: a simulator process has thousands of them."""
+        self._timed.add(inbox)
+
+    def forget(self, inbox: Served) -> None:
+        """On the reactor's thread: `inbox` is served no more (`detach`)."""
+        self._timed.discard(inbox)
+        with _LOCK:
+            self.served.discard(inbox)
 
     def unwatch(self, sock: socket.socket) -> None:
         with contextlib.suppress(KeyError, ValueError, OSError):
@@ -103,11 +116,14 @@ class Reactor:
     def _expire(self) -> float:
         """Every inbox's passed deadlines acted on; how long to wait for the next one (at
         most `timeouts.WATCH_POLL_S`)."""
-        now = time.monotonic()
-        with _LOCK:
-            served = list(self.served)
-        ahead = [due for inbox in served if (due := inbox.expire(now)) is not None]
-        return max(0.0, min([timeouts.WATCH_POLL_S, *(due - now for due in ahead)]))
+        now, wait = time.monotonic(), timeouts.WATCH_POLL_S
+        for inbox in list(self._timed):
+            due = inbox.expire(now)
+            if due is None:
+                self._timed.discard(inbox)
+            else:
+                wait = min(wait, max(0.0, due - now))
+        return wait
 
     def _retire(self) -> bool:
         """No inbox left and no call pending: this reactor ends (the next inbox starts a new
@@ -141,5 +157,4 @@ def attach(inbox: Served, first: Callable[[Reactor], None]) -> Reactor:
 
 def detach(reactor: Reactor, inbox: Served) -> None:
     """On the reactor's thread: `inbox` is no longer served (its sockets closed already)."""
-    with _LOCK:
-        reactor.served.discard(inbox)
+    reactor.forget(inbox)

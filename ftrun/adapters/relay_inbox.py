@@ -153,6 +153,7 @@ class InboxListener:
                 if exc.errno in _ACCEPT_AGAIN:  # not readable again until a sender leaves
                     self._reactor.unwatch(self._listener)
                     self._accept_at = time.monotonic() + timeouts.INBOX_ACCEPT_RETRY_S
+                    self._reactor.remind(self)
                 return
             if len(self._senders) >= MAX_SENDERS:
                 conn.close()
@@ -166,6 +167,7 @@ class InboxListener:
                 continue
             self._senders[conn] = _Sender()
             self._greet_by[conn] = time.monotonic() + timeouts.INBOX_GREETING_S
+            self._reactor.remind(self)
 
     def _read(self, conn: socket.socket) -> None:
         sender = self._senders.get(conn)
