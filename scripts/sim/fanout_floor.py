@@ -54,7 +54,7 @@ def _relays(conn: Connection, port: int, nodes: list[int], tree: bool) -> None:
     (forwarder, its children's inboxes), how many of those links are made) until told to
     stop."""
     from sim_proc import prepare_process
-    from simscale.fleet import NodeCopy
+    from simscale.fleet import NodeCopy, freeze_heap
 
     from ftrun.cluster.relay import GenerationRelay
 
@@ -64,6 +64,7 @@ def _relays(conn: Connection, port: int, nodes: list[int], tree: bool) -> None:
                               lambda why: None, local=copy,
                               reachable_as=LOOPBACK if tree else "")
               for node, copy in zip(nodes, copies, strict=True)]
+    freeze_heap()
     conn.send([(node, relay.inbox_addr) for node, relay in zip(nodes, relays, strict=True)])
     by_node = dict(zip(nodes, relays, strict=True))
     while (number := conn.recv()) is not None:
