@@ -31,6 +31,7 @@ from ftrun.agent.nodeport import NodePort
 from ftrun.agent.notices import Notices
 from ftrun.agent.outcomes import Outcome, group_decision, on_exit, stopped_by
 from ftrun.agent.pacing import Pacing
+from ftrun.agent.precedence import freeze_heap
 from ftrun.agent.recovery import Recovery
 from ftrun.agent.roster import Attempt, RemoteWorker, RunResult, Worker
 from ftrun.agent.runtime import NodeRuntime
@@ -134,6 +135,7 @@ class Agent:
         while True:
             hosted = HostedStore.for_workers(self.spec, self._static_port() or 0,
                                              self.attempt.master_addr)
+            freeze_heap()  # torch is in by now: a full collection's bulk
             self.update_attempt(restarts=restarts)
             try:
                 self.update_attempt(worker_port=hosted.port)
