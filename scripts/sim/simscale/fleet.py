@@ -203,7 +203,12 @@ class Fleet:
                  etcd: Any = None) -> None:
         self.ep, self.rdzv_id = ep, rdzv_id
         self.beat_s, self.payload_s = beat_s, payload_s
-        self.lock = threading.Lock()
+        self.lock = threading.Lock()  # the nodes list and the shared link
+        # the workers' hellos on the attempt's store, one round trip after another: their own
+        # lock, not the one the heartbeat threads take each round (at 4,096 nodes a start's
+        # 16,000 hellos a process held that one; a start that failed had whole processes'
+        # nodes lost with no beat for 20-24 s, likely their beaters waiting for it)
+        self._requests_lock = threading.Lock()
         self.link = connect(ep, CONNECT_S)
         self.nodes: list[LightNode] = []
         self.errors: list[str] = []
@@ -226,13 +231,13 @@ class Fleet:
         self._outbox.put(msg)
 
     def attempt_store(self, host: str, port: int) -> None:
-        with self.lock:
+        with self._requests_lock:
             if self._requests is None:
                 self._requests = client(host, port, CONNECT_S)
                 self._requests.set_timeout(timedelta(seconds=CONNECT_S))
 
     def hello(self, worker: int) -> None:
-        with self.lock:
+        with self._requests_lock:
             send_request(self._requests, Hello(worker, os.getpid(), spare=False))
 
     def add_nodes(self, indices: list[int], nproc: int) -> list[int]:
