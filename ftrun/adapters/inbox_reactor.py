@@ -77,7 +77,7 @@ class Reactor:
         self._timed.add(inbox)
 
     def forget(self, inbox: Served) -> None:
-        """On the reactor's thread: `inbox` is served no more (`detach`)."""
+        """On the reactor's thread: `inbox` is served no more (its sockets closed already)."""
         self._timed.discard(inbox)
         with _LOCK:
             self.served.discard(inbox)
@@ -153,8 +153,3 @@ def attach(inbox: Served, first: Callable[[Reactor], None]) -> Reactor:
         reactor.served.add(inbox)
     reactor.call(lambda: first(reactor))
     return reactor
-
-
-def detach(reactor: Reactor, inbox: Served) -> None:
-    """On the reactor's thread: `inbox` is no longer served (its sockets closed already)."""
-    reactor.forget(inbox)

@@ -128,7 +128,7 @@ class InboxListener:
             sock.close()
         self._senders.clear()
         self._greet_by.clear()
-        inbox_reactor.detach(self._reactor, self)
+        self._reactor.forget(self)
         self._done.set()
 
     def expire(self, now: float) -> float | None:
