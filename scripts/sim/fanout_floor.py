@@ -54,8 +54,9 @@ def _relays(conn: Connection, port: int, nodes: list[int], tree: bool) -> None:
     (forwarder, its children's inboxes), how many of those links are made) until told to
     stop."""
     from sim_proc import prepare_process
-    from simscale.fleet import NodeCopy, freeze_heap
+    from simscale.fleet import NodeCopy
 
+    from ftrun.agent.precedence import freeze_heap
     from ftrun.cluster.relay import GenerationRelay
 
     prepare_process()

@@ -22,7 +22,6 @@ Must not import: `sim_scale`, the agent's loop, the CLI.
 
 from __future__ import annotations
 
-import gc
 import json
 import os
 import socket
@@ -33,6 +32,7 @@ from datetime import timedelta
 from typing import Any
 
 from ftrun.adapters.store import LOOPBACK, QueueReader, client
+from ftrun.agent.precedence import freeze_heap
 from ftrun.cluster.link import (
     AGENT_QUEUE,
     Endpoint,
@@ -206,8 +206,7 @@ class Fleet:
         self.lock = threading.Lock()  # the nodes list and the shared link
         # the workers' hellos on the attempt's store, one round trip after another: their own
         # lock, not the one the heartbeat threads take each round (at 4,096 nodes a start's
-        # 16,000 hellos a process held that one; a start that failed had whole processes'
-        # nodes lost with no beat for 20-24 s, likely their beaters waiting for it)
+        # 16,000 hellos a process held that one; a real node's beats never wait on its hellos)
         self._requests_lock = threading.Lock()
         self.link = connect(ep, CONNECT_S)
         self.nodes: list[LightNode] = []
@@ -293,16 +292,6 @@ class Fleet:
 
 
 # ------------------------------------------------------------------ a simulator process
-def freeze_heap() -> None:
-    """Once the nodes are up: what the process holds so far is left out of the collector's
-    passes (`gc.freeze`). A real agent's heap is one node's; a process of 500 or 2,000 of
-    them paused 65-180 ms in each full collection (measured at 1,024 nodes, 3 processes),
-    now and then in the middle of a fault's fan-out. Not collected first: at 4,096 nodes that
-    collection, in a process still sending its workers' hellos, held it 13.7 s, and its
-    nodes were lost with no beat for 20 s (as the agent's `freeze_heap` does not either)."""
-    gc.freeze()
-
-
 class Played:
     """The calls one fleet process answers (`sim_proc.answer`)."""
 
@@ -322,6 +311,11 @@ class Played:
             if any(n.ended for n in nodes):
                 return False
             if all(n.relay is not None and 0 in n.copy.arrived for n in nodes):
+                # as an agent does (`freeze_heap`): a real agent's heap is one node's; a
+                # process of 500 or 2,000 of them paused 65-180 ms in each full collection
+                # (1,024 nodes), now and then in the middle of a fault's fan-out. Not
+                # collected first: at 4,096 nodes that collection held a process still
+                # sending its workers' hellos 13.7 s, and its nodes were lost
                 freeze_heap()
                 return True
             time.sleep(POLL_S * 10)
