@@ -488,10 +488,10 @@ def test_the_main_loop_reads_payloads_only_when_the_status_thread_has_not(
     on: list[object] = []
     real = jobnodes.read_payloads
 
-    def counted(store: object, nodes: list[int]) -> list[bytes]:
+    def counted(store: object, nodes: list[int], between: Callable[[], None]) -> list[bytes]:
         reads.append(time.monotonic())
         on.append(store)
-        return real(store, nodes)
+        return real(store, nodes, between)
 
     monkeypatch.setattr(jobnodes, "read_payloads", counted)
     job = make()
