@@ -93,8 +93,8 @@ def test_the_fanout_floor_reaches_every_relay_and_prints_its_row(tree: list[str]
 def test_the_forwarders_play_apart_as_the_coordinators_plan_picks_them(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """`simscale/placement.py` follows the real `relay_plan`: in a job of 4,096 nodes (4,095
-    followers) the lowest of each group of 64 forwards, each in the process of its own, the
-    rest dealt evenly; below the tree's size, no forwarder and no extra process."""
+    followers) the lowest of each group of 64 forwards, in processes of their own, the rest
+    dealt evenly; below the tree's size, no forwarder and no extra process."""
     monkeypatch.syspath_prepend(str(SCRIPT.parent))
     from simscale.placement import forwarders_of, shares
 
@@ -107,3 +107,57 @@ def test_the_forwarders_play_apart_as_the_coordinators_plan_picks_them(
     assert abs(len(parts[0]) - len(parts[1])) <= 1
     assert forwarders_of(range(1, 64), tree_from=64) == set()
     assert shares(range(1, 64), 2, set()) == [list(range(1, 64, 2)), list(range(2, 64, 2))]
+    two = shares(followers, 2, apart, apart_procs=2)  # the forwarders dealt round two
+    assert two[:2] == parts[:2] and two[2:] == [sorted(apart)[0::2], sorted(apart)[1::2]]
+    assert shares(range(1, 64), 2, set(), apart_procs=2) == shares(range(1, 64), 2, set())
+
+
+def test_the_simulated_heartbeats_are_spread_over_the_period(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """`simscale/beats.py` beats each node once a period, as `link.Heartbeat` does, its
+    payload when due; a thread's nodes spread over the period, not all at once (a burst of
+    512 held up the faults that came behind it), on a real store."""
+    import threading
+    import time
+
+    from ftrun.adapters.store import LOOPBACK, HostedStore
+    from ftrun.cluster.link import Endpoint, heartbeat_key, payload_key
+
+    monkeypatch.syspath_prepend(str(SCRIPT.parent))
+    from simscale.beats import BEAT_SLICES, Beaters
+
+    class Node:
+        def __init__(self, index: int) -> None:
+            self.index, self.ended, self.built = index, False, 0
+
+        def payload(self, now: float, started: float) -> str:
+            self.built += 1
+            return f"node {self.index} at {now - started:.3f}"
+
+    hosted = HostedStore(0, LOOPBACK)
+    store = hosted.serve()
+    nodes, lock, lost = [Node(i) for i in range(1, 2 * BEAT_SLICES + 1)], threading.Lock(), []
+    period = 0.4
+    beaters = Beaters(Endpoint(LOOPBACK, hosted.port), period, 0.0, time.time(),
+                      lambda: nodes, lock, lost.append)
+    beats: dict[int, list[float]] = {n.index: [] for n in nodes}
+    try:
+        beaters.cover(len(nodes))
+        deadline = time.monotonic() + 10 * period
+        while time.monotonic() < deadline and min(map(len, beats.values())) < 3:
+            for node in nodes:  # when each counter moved, seen every ~5 ms
+                count = int(store.add(heartbeat_key(node.index), 0))
+                if count > len(beats[node.index]):
+                    beats[node.index].append(time.monotonic())
+            time.sleep(0.005)
+        assert store.get(payload_key(1)).startswith(b"node 1 at ")
+    finally:
+        beaters.close()
+        hosted.close()
+    assert lost == [] and all(len(times) >= 3 for times in beats.values())
+    assert all(n.built >= 3 for n in nodes)  # payload_s 0: one with every beat
+    second = sorted(times[1] for times in beats.values())  # each node's second beat
+    assert second[-1] - second[0] > period / 2  # over the period, not in one burst
+    gaps = [b - a for times in beats.values() for a, b in zip(times, times[1:], strict=False)]
+    assert max(gaps) < 5 * period  # every node beat again within a few periods
+    assert period * 0.8 < beaters.max_gap < 5 * period

@@ -7,7 +7,8 @@ etcd (`sim_etcd.JobPlane`). Then `--faults` worker faults one after another, eac
 node (a worker exits 1; its node reports it as a follower does; the coordinator replaces it):
 - notified: from the exit's report to each node's relay holding the new generation's record,
   decoded (`fleet.NodeCopy`), and to node 0's own workers holding it; per fault the median
-  node and the last one; over the faults their p50 and p99;
+  node and the last one, and (`by_process_ms`) each simulator process's first, median and
+  last node, the forwarders' processes last; over the faults their p50 and p99;
 - the leader's CPU: its threads' CPU (the kernel's per-thread schedstat: the agent's loop,
   both store servers, the others; not `BACKGROUND_THREADS`, which work on a clock of their
   own, not on a fault's) from just before the exit to `TAIL_S` after the last node held it,
@@ -27,7 +28,8 @@ This host cannot beat for thousands of nodes ten times a second beside everythin
 heartbeat period is scaled to keep ~`BEATS_PER_S` beats a second (`heartbeat=`, with the
 coordinator's silence fuses scaled from it), and on etcd the lease TTL to keep
 ~`LEASE_RENEWALS_PER_S` keep-alives a second; each row says what it ran with (`rdzv_conf`).
-A fault's path does not depend on either.
+A fault's path does not depend on either. The beats are spread over the period, as nodes on
+their own clocks send them (`beats.Beaters`).
 Must not import: `sim_scale` (it imports this).
 """
 
@@ -61,6 +63,9 @@ CONNECT_S = 60.0  # the coordinator's store, for the node indices
 REQUEST_READER = "ftrun-requests"  # the coordinator's thread that reads the workers' requests
 IDLE_PCT = 5.0  # ...idle: below this share of a core
 NODE_SIZE = 8
+FORWARDER_PROCS = 2  # the relay tree's forwarders dealt round this many processes of their own
+# (`SIM_FORWARDER_PROCS`): on a cluster each is a host; 64 in one process took turns at its
+# GIL, and at 4,096 nodes the last held the record 54-159 ms after the fault, 54-120 in two
 BACKGROUND_THREADS = ("ftrun-status",)  # the job's status built and the payloads read again,
 # on their own clock (`cluster/jobnodes.StatusThread`), paused while a fault is decided
 
@@ -109,11 +114,12 @@ class Job:
         apart = set() if os.environ.get("SIM_NO_TREE") == "1" or os.environ.get(
             "SIM_FORWARDERS_PACKED") == "1" else forwarders_of(followers, tree_from(os.environ))
         reserve(store, nodes - 1)
-        self.procs = Procs(procs + bool(apart), fleet.serve,
+        parts = shares(followers, procs, apart,
+                       int(os.environ.get("SIM_FORWARDER_PROCS", FORWARDER_PROCS)))
+        self.procs = Procs(len(parts), fleet.serve,
                            (scripts, store, RDZV_ID, self.beat_s,
                             PAYLOAD_EVERY_BEATS * self.beat_s, etcd))
         cleanups.append(self.procs.kill)
-        parts = shares(followers, procs, apart)
         self.procs.everywhere("add_nodes", per_proc=[(part, NODE_SIZE) for part in parts],
                               timeout=UP_S)
         # victims in rounds across the relays' processes, a different node each fault
@@ -127,14 +133,14 @@ class Job:
     def newest(self) -> int:
         return int(max(self.procs.everywhere("newest")))
 
-    def held(self, number: int) -> tuple[list[float], list[float]]:
-        """(each simulated node's arrival of `number`, node 0's workers')."""
+    def held(self, number: int) -> tuple[list[list[float]], list[float]]:
+        """(each simulator process's nodes' arrivals of `number`, node 0's workers')."""
         parts = self.procs.everywhere("held", number, HOLD_S, timeout=HOLD_S + 60)
         if any(p is None for p in parts):
             raise TimeoutError(f"generation {number} not held by every node in {HOLD_S:g} s")
         real = until(lambda: _real_hold(self.coord, number), HOLD_S, f"generation {number} "
                      "on node 0")
-        return [t for p in parts for t in p], real
+        return parts, real
 
     def traffic(self) -> tuple[dict[str, float], Any]:
         return self.coord.cpu_by_thread(), self.plane.traffic()
@@ -221,7 +227,8 @@ def one_fault(job: Job, k: int, rest: dict[str, float]) -> dict[str, Any]:
     before = job.procs.call(proc, "workers_of", position)
     (cpu0, e0), start = job.traffic(), time.monotonic()
     t0, node = job.procs.call(proc, "exit_worker", position)
-    times, real = job.held(number)
+    parts, real = job.held(number)
+    times = [t for part in parts for t in part]
     time.sleep(TAIL_S)
     (cpu1, e1), span = job.traffic(), time.monotonic() - start
     record = job.procs.call(proc, "record", number)
@@ -232,6 +239,9 @@ def one_fault(job: Job, k: int, rest: dict[str, float]) -> dict[str, Any]:
             "at": round(t0, 3),
             "median_ms": 1000 * arrivals[len(arrivals) // 2], "last_ms": 1000 * arrivals[-1],
             "publish_ms": 1000 * (record[0] - t0) if record else None,
+            # each simulator process's nodes (the forwarders' last): first, median, last
+            "by_process_ms": [[round(1000 * (q - t0), 1) for q in (p[0], p[len(p) // 2], p[-1])]
+                              for p in map(sorted, parts) if p],
             "record_bytes": record[3] if record else None,
             "decode_ms": 1000 * record[4] if record else None,
             "cpu_ms": 1000 * (fault_cpu(cpu1) - fault_cpu(cpu0) - rest["cpu"] * span),
@@ -296,9 +306,9 @@ def measure(nodes: int, backend: str, faults: int, procs: int, keep: bool,
             with contextlib.suppress(Exception):
                 states = job.procs.everywhere("state", timeout=30)
                 row["errors"] += [e for s in states for e in s["errors"]][:10]
-                # a round of the simulators' heartbeats this long: their nodes were silent
-                # about as long (a node lost for it is the simulator's stall, not ftrun's)
-                row["max_beat_round_s"] = round(max(s["max_gap"] for s in states), 2)
+                # a simulated node this long without a beat (one lost for it is the
+                # simulator's stall, not ftrun's)
+                row["max_beat_gap_s"] = round(max(s["max_gap"] for s in states), 2)
             job.close(keep, not row["errors"])
             row["exit_code"] = job.exit_code
             if keep or row["errors"] or job.exit_code != 0:
@@ -345,8 +355,8 @@ def print_rows(rows: list[dict[str, Any]]) -> None:
     for r in rows:
         print("  ".join(f"{r.get(c, '-')!s:>12}" for c in COLUMNS))
         print(f"    {r.get('rdzv_conf', '')}, {r.get('sim_procs', '-')} simulator processes, "
-              f"{os.cpu_count()} cores shared by everything; the simulators' longest "
-              f"heartbeat round {r.get('max_beat_round_s', '-')} s")
+              f"{os.cpu_count()} cores shared by everything; the longest a simulated node "
+              f"went without a beat {r.get('max_beat_gap_s', '-')} s")
         if r.get("samples"):
             print(f"    a fault's CPU by thread (mean ms, less its rest): {by_thread(r['samples'])}"
                   f"; at rest: {r.get('rest_cpu_pct')}% of a core, "

@@ -1,5 +1,5 @@
 """Which simulator process plays which node (issue #52): the forwarders of the relay tree
-in a process of their own, the other nodes dealt round the rest.
+in processes of their own, the other nodes dealt round the rest.
 
 Why: on a cluster a forwarder is a host of its own, its sends to its group on its own core.
 Packed among thousands of relays in one process, it shares their GIL: the relays it wakes
@@ -27,9 +27,11 @@ def forwarders_of(nodes: Sequence[int], tree_from: int) -> set[int]:
     return {hop.node for hop in plan if hop.children}
 
 
-def shares(nodes: Sequence[int], procs: int, apart: set[int]) -> list[list[int]]:
+def shares(nodes: Sequence[int], procs: int, apart: set[int],
+           apart_procs: int = 1) -> list[list[int]]:
     """The nodes each process plays: the others dealt round `procs` processes, then `apart`
-    (if any) in one more, the last."""
+    (if any) dealt round `apart_procs` more, the last."""
     rest = [n for n in nodes if n not in apart]
     dealt = [rest[p::procs] for p in range(procs)]
-    return dealt + [sorted(apart)] if apart else dealt
+    ordered = sorted(apart)
+    return dealt + [ordered[p::apart_procs] for p in range(min(apart_procs, len(ordered)))]
