@@ -125,9 +125,10 @@ class Job:
         # victims in rounds across the relays' processes, a different node each fault
         sizes = [len(part) for part in parts[:procs]]
         self.victims = [(p, i) for i in range(max(sizes)) for p in range(procs) if i < sizes[p]]
-        if not all(self.procs.everywhere("wait_up", UP_S, timeout=UP_S + 60)):
-            raise TimeoutError(f"the simulated nodes were not all up within {UP_S:g} s (or the "
-                               "coordinator dropped one or ended the job: see its log)")
+        if why := "; ".join(w for w in self.procs.everywhere("wait_up", UP_S,
+                                                             timeout=UP_S + 60) if w):
+            raise TimeoutError(f"the simulated nodes did not all come up: {why} (the "
+                               f"coordinator's log: {self.workdir})")
         until(lambda: len(self.coord.seen()) == NODE_SIZE, 120, "node 0's workers", 0.05)
 
     def newest(self) -> int:
@@ -313,6 +314,11 @@ def measure(nodes: int, backend: str, faults: int, procs: int, keep: bool,
             row["exit_code"] = job.exit_code
             if keep or row["errors"] or job.exit_code != 0:
                 row["workdir"] = str(job.workdir)
+        else:  # a start that failed: what it started ends now, not with the job's timeout
+            # (a coordinator left running beside the next run made that one fail too)
+            for cleanup in reversed(cleanups):
+                with contextlib.suppress(Exception):
+                    cleanup()
     return row
 
 

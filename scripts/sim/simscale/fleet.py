@@ -108,6 +108,7 @@ class LightNode:
         self.relay: GenerationRelay | None = None
         self.attempt = 0
         self.ended = False
+        self.ended_why = ""  # the coordinator's reason, once ended
 
     def join(self, index: int) -> None:
         """Join as node `index` (drawn for it, `placement`: as `--node-rank` names a real
@@ -148,7 +149,7 @@ class LightNode:
             case Stop():
                 fleet.report(Stopped(node=self.index))
             case End():
-                self.ended = True
+                self.ended, self.ended_why = True, cmd.reason or "ended"
                 fleet.report(Bye(node=self.index))
             case str():
                 fleet.errors.append(f"node {self.index}: refused command ({cmd})")
@@ -268,15 +269,17 @@ class Played:
     def add_nodes(self, indices: list[int], nproc: int) -> list[int]:
         return self.fleet.add_nodes(indices, nproc)
 
-    def wait_up(self, timeout: float) -> bool:
-        """Every node started, its workers said hello, its relay holds generation 0. False
-        at once if a node was ended (the coordinator dropped it, or ended the job): the run
-        cannot be measured. (A slow read is not a reason: the row reports the errors.)"""
+    def wait_up(self, timeout: float) -> str:
+        """"" once every node started, its workers said hello, its relay holds generation 0;
+        else why not: at once if a node was ended (the coordinator dropped it, or ended the
+        job): the run cannot be measured. (A slow read is not a reason: the row reports the
+        errors.)"""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             nodes = self.fleet.nodes
-            if any(n.ended for n in nodes):
-                return False
+            if ended := [n for n in nodes if n.ended]:
+                return (f"{len(ended)} nodes ended, node {ended[0].index} first: "
+                        f"{ended[0].ended_why}")
             if all(n.relay is not None and 0 in n.copy.arrived for n in nodes):
                 # as an agent does (`freeze_heap`): a real agent's heap is one node's; a
                 # process of 500 or 2,000 of them paused 65-180 ms in each full collection
@@ -284,9 +287,11 @@ class Played:
                 # collected first: at 4,096 nodes that collection held a process still
                 # sending its workers' hellos 13.7 s, and its nodes were lost
                 freeze_heap()
-                return True
+                return ""
             time.sleep(POLL_S * 10)
-        return False
+        waiting = [n for n in self.fleet.nodes if n.relay is None or 0 not in n.copy.arrived]
+        return (f"{len(waiting)} nodes not up in {timeout:g} s, node {waiting[0].index} first "
+                f"({'no Start' if waiting[0].relay is None else 'no generation 0'})")
 
     def held(self, number: int, timeout: float) -> list[float] | None:
         """When each live node got generation `number` (None: not every one in `timeout`)."""
