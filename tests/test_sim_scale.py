@@ -71,6 +71,30 @@ def test_sim_scale_on_a_real_etcd(tmp_path: Path) -> None:
     assert "backend etcd" in stdout
 
 
+@pytest.mark.slow  # four simulator processes and a coordinator, each importing torch
+@pytest.mark.timeout(150)
+def test_the_per_fault_sweep_runs_through_the_tree_end_to_end(tmp_path: Path) -> None:
+    """`--per-fault` at 12 nodes, the tree from 4 (the coordinator's FTRUN_RELAY_TREE_FROM):
+    every fault's generation reaches every simulated node (each process's arrivals come back,
+    the forwarders' two processes last), the burst is published, the job ends with 0."""
+    import os
+
+    out = tmp_path / "rows.json"
+    done = subprocess.run([sys.executable, str(SCRIPT), "--per-fault", "--nodes", "12",
+                           "--faults", "2", "--sim-procs", "2", "--timeout-s", "110",
+                           "--json", str(out)], capture_output=True, text=True, timeout=145,
+                          env={**os.environ, "FTRUN_RELAY_TREE_FROM": "4"})
+    assert done.returncode == 0, done.stdout + done.stderr[-2000:]
+    [row] = json.loads(out.read_text())
+    assert row["errors"] == [] and row["exit_code"] == 0, row
+    assert row["sim_procs"] == 4  # the forwarders (nodes 1, 5, 9) in two of their own
+    for sample in row["samples"]:
+        assert 0 < sample["publish_ms"] <= sample["median_ms"] <= sample["last_ms"]
+        assert len(sample["by_process_ms"]) == 4
+        assert all(0 < first <= median <= last <= sample["last_ms"] + 0.1  # rounded
+                   for first, median, last in sample["by_process_ms"])
+    assert row["generations_for_burst"] >= 1 and row["max_beat_gap_s"] > 0
+
 @pytest.mark.slow  # one relay process importing torch
 @pytest.mark.parametrize("tree", [[], ["--tree", "--tree-from", "2"]], ids=["direct", "tree"])
 def test_the_fanout_floor_reaches_every_relay_and_prints_its_row(tree: list[str]) -> None:
