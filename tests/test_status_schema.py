@@ -94,6 +94,34 @@ def test_readers_get_attributes_of_the_right_record() -> None:
     assert isinstance(off.zygote, ZygoteOff) and off.served_by is None and off.nodes is None
 
 
+def test_a_record_replaced_is_the_same_as_through_dataclasses_replace() -> None:
+    """`records.replaced` (a job's status re-labels every worker row with it) makes what
+    `dataclasses.replace` makes, and leaves the original alone; a record with a
+    __post_init__, and an unknown field, go through `replace` itself."""
+    from ftrun.core.records import replaced
+
+    row = Status.from_json(whole_job()).workers[1]
+    fast = replaced(row, node=7, host="h7", role="member")
+    assert fast == dataclasses.replace(row, node=7, host="h7", role="member")
+    assert type(fast) is type(row) and fast.to_json() == {**row.to_json(), "node": 7,
+                                                          "host": "h7", "role": "member"}
+    assert (row.node, row.host, row.role) == (1, row.host, "spare")  # untouched
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        fast.node = 8  # type: ignore[misc]
+    with pytest.raises(TypeError):
+        replaced(row, nodes=3)
+
+    @dataclasses.dataclass(frozen=True)
+    class Checked:
+        value: int
+
+        def __post_init__(self) -> None:
+            if self.value < 0:
+                raise ValueError("negative")
+
+    with pytest.raises(ValueError):  # through its __init__, as replace does
+        replaced(Checked(1), value=-1)
+
 def test_keys_the_records_do_not_know_are_dropped() -> None:
     newer = {**document(workers=[{**worker(), "gpu_util": 0.9}]), "ok": True, "future": [1]}
     assert Status.from_json(newer).to_json() == document(workers=[worker()])

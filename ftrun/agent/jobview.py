@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from ftrun.core.membership import Membership
+from ftrun.core.records import replaced
 from ftrun.protocol.status import NodeRow, Snapshot, Status, WorkerRow
 
 
@@ -79,14 +80,13 @@ def merge_job_status(doc: Status, nodes: Sequence[Node], payloads: Mapping[int, 
     """The coordinator's status (node 0) plus every live node's workers from its payload.
     `pace` is called between two nodes (the builder's pause while the agent's loop decides)."""
     host = socket.gethostname()
-    workers = [dataclasses.replace(w, node=0, host=host) for w in doc.workers]
+    workers = [replaced(w, node=0, host=host) for w in doc.workers]
     by_index = {n.index: n for n in nodes}
     for index, payload in sorted(payloads.items()):
         pace()
         for w in payload.workers:
             role = role_of(membership, w.worker_id) if membership is not None else w.role
-            workers.append(dataclasses.replace(w, role=role, node=index,
-                                               host=by_index[index].host))
+            workers.append(replaced(w, role=role, node=index, host=by_index[index].host))
     listing = [NodeRow(node=0, host=host, pid=os.getpid(), alive=True,
                        role="coordinator (serves the store)", snapshot=doc.snapshot)]
     listing += [NodeRow(node=n.index, host=n.host, pid=n.pid, alive=n.alive, role="worker node",

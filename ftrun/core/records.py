@@ -13,13 +13,14 @@ Must not import: anything outside the standard library and `ftrun.core`.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import functools
 import math
 import types
 from collections.abc import Callable, Mapping
 from dataclasses import MISSING, Field, field, fields, is_dataclass
-from typing import Any, TypeVar, Union, get_args, get_origin, get_type_hints
+from typing import Any, TypeVar, Union, cast, get_args, get_origin, get_type_hints
 
 from ftrun.core.errors import FtrunError
 
@@ -45,6 +46,26 @@ def to_json(record: Any) -> dict[str, Any]:
         else:
             out[name] = value if encode is None else encode(value)
     return out
+
+
+def replaced(record: T, **changes: Any) -> T:
+    """`dataclasses.replace(record, **changes)`, for a record that `from_json` makes without
+    its __init__ (a plain frozen dataclass) a copy of its fields with `changes`, ~0.7 µs, not
+    ~8: a job's status re-labels every worker row (32,768 at 4,096 nodes: 0.26 s through
+    `replace`, on the coordinator's status thread). Others, and an unknown field, go through
+    `replace` (which says what is wrong)."""
+    cls: Any = type(record)
+    if not _decoders(cls)[2] or not changes.keys() <= _names(cls):
+        return cast(T, dataclasses.replace(cast(Any, record), **changes))
+    copy = object.__new__(cls)
+    copy.__dict__.update(record.__dict__)
+    copy.__dict__.update(changes)
+    return copy
+
+
+@functools.cache
+def _names(cls: type) -> frozenset[str]:
+    return frozenset(f.name for f in fields(cls))
 
 
 Encode = Callable[[Any], Any]
