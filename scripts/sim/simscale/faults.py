@@ -44,11 +44,19 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ftrun.core import timeouts
 from ftrun.protocol.fanout import tree_from
 from simscale.coordinator import RDZV_ID, Coordinator, until, work_folder
 from simscale.placement import forwarders_of, shares
 
 BEATS_PER_S = 2000.0  # the heartbeats the simulator and the coordinator's store keep up here
+CUT_BEATS = 30  # a quiet node that misses a ping is cut after this many beats (by default 10).
+# While the store works off a start of 4,096 nodes, a simulator's heartbeat thread takes its
+# 512 nodes one round trip after another, and their pongs go out behind 2,000 nodes' hellos on
+# one outbox: a node went up to 20.2 s without a beat in a start that held, and starts failed
+# with nodes cut "no answer to a ping and no heartbeat for 24.3 s" (20.5 s is 10 beats). A
+# real node beats and answers on connections of its own. A fault here is a worker's exit:
+# this fuse is not on its path
 LEASE_RENEWALS_PER_S = 300.0  # etcd keep-alives a second the lab takes beside the rest
 PAYLOAD_EVERY_BEATS = 2.5  # a follower rebuilds its payload every 0.25 s at 0.1 s beats
 BASE_S = 3.0  # the coordinator at rest, measured before the faults
@@ -73,7 +81,8 @@ BACKGROUND_THREADS = ("ftrun-status",)  # the job's status built and the payload
 def scaled(nodes: int, backend: str) -> tuple[float, str]:
     """(the heartbeat period, the --rdzv-conf) this host can keep at `nodes` nodes."""
     beat = float(os.environ.get("SIM_BEAT_S", 0)) or max(0.1, round(nodes / BEATS_PER_S, 2))
-    conf = [f"heartbeat={beat:g}", f"node_timeout={max(5.0, 50 * beat):g}"]
+    conf = [f"heartbeat={beat:g}", f"node_timeout={max(5.0, 50 * beat):g}",
+            f"cut_timeout={max(timeouts.NODE_CUT_S, CUT_BEATS * beat):g}"]
     if backend == "etcd":
         conf.append(f"lease_ttl={max(2, math.ceil(3 * nodes / LEASE_RENEWALS_PER_S))}")
     return beat, ",".join(conf)
