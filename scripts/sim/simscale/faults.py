@@ -52,8 +52,9 @@ from simscale.placement import forwarders_of, shares
 BEATS_PER_S = 2000.0  # the heartbeats the simulator and the coordinator's store keep up here
 CUT_BEATS = 30  # a quiet node that misses a ping is cut after this many beats (by default 10).
 # While the store works off a start of 4,096 nodes, a simulator's heartbeat thread takes its
-# 512 nodes one round trip after another, and their pongs go out behind 2,000 nodes' hellos on
-# one outbox: a node went up to 20.2 s without a beat in a start that held, and starts failed
+# nodes one round trip after another (512 then: `beats.NODES_PER_BEATER`), and their pongs go
+# out behind 2,000 nodes' hellos on one outbox: a node went up to 20.2 s without a beat in a
+# start that held, and starts failed
 # with nodes cut "no answer to a ping and no heartbeat for 24.3 s" (20.5 s is 10 beats). A
 # real node beats and answers on connections of its own. A fault here is a worker's exit:
 # this fuse is not on its path

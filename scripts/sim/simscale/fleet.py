@@ -11,7 +11,7 @@ loopback store its workers would watch: it decodes each record once (`Generation
 as a worker's watcher does) and keeps when it arrived: that is when the node was notified.
 Shared by a process's nodes, where a real host has one of each per node (the coordinator sees
 the same requests, on fewer connections): the heartbeats (`beats.Beaters`: a thread for each
-512 nodes, their beats spread over the period), the reports (one `Outbox`: the coordinator
+128 nodes, their beats spread over the period), the reports (one `Outbox`: the coordinator
 reads one agent queue anyway), the workers' hellos (one connection), and on etcd the leases
 (one client grants each node a lease, puts its node key on it and keeps it alive,
 `seats.Seats`: the requests `EtcdPlane` sends; the simulated nodes do not stand in the
