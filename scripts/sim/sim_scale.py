@@ -48,7 +48,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from simscale.coordinator import RDZV_ID, Coordinator, status, until, work_folder
+from simscale.coordinator import RDZV_ID, Coordinator, end_all, status, until, work_folder
 
 if TYPE_CHECKING:
     from sim_etcd import JobPlane
@@ -66,9 +66,7 @@ CHILD_GRACE_S = 30.0  # the parent waits this much longer than the child's watch
 def give_up() -> None:
     """The child's watchdog: its coordinator (a session of its own, workers included), its
     simulator processes and its etcd members must not outlive it."""
-    for cleanup in reversed(CLEANUPS):
-        with contextlib.suppress(Exception):
-            cleanup()
+    end_all(CLEANUPS)
     print("sim_scale: gave up: the job size ran past --timeout-s", file=sys.stderr, flush=True)
     os._exit(3)
 

@@ -35,6 +35,14 @@ def work_folder(prefix: str) -> Path:
     return Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
 
 
+def end_all(cleanups: list[Callable[[], None]]) -> None:
+    """What a run started (its coordinator, simulator processes, etcd members), ended last
+    first; one that fails does not keep the others running."""
+    for cleanup in reversed(cleanups):
+        with contextlib.suppress(Exception):
+            cleanup()
+
+
 def until(cond: Any, timeout_s: float, what: str, poll_s: float = 0.005) -> Any:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:

@@ -46,7 +46,7 @@ from typing import Any
 
 from ftrun.core import timeouts
 from ftrun.protocol.fanout import tree_from
-from simscale.coordinator import RDZV_ID, Coordinator, until, work_folder
+from simscale.coordinator import RDZV_ID, Coordinator, end_all, until, work_folder
 from simscale.placement import forwarders_of, shares
 
 BEATS_PER_S = 2000.0  # the heartbeats the simulator and the coordinator's store keep up here
@@ -54,10 +54,9 @@ CUT_BEATS = 30  # a quiet node that misses a ping is cut after this many beats (
 # While the store works off a start of 4,096 nodes, a simulator's heartbeat thread takes its
 # nodes one round trip after another (512 then: `beats.NODES_PER_BEATER`), and their pongs go
 # out behind 2,000 nodes' hellos on one outbox: a node went up to 20.2 s without a beat in a
-# start that held, and starts failed
-# with nodes cut "no answer to a ping and no heartbeat for 24.3 s" (20.5 s is 10 beats). A
-# real node beats and answers on connections of its own. A fault here is a worker's exit:
-# this fuse is not on its path
+# start that held, and starts failed with nodes cut "no answer to a ping and no heartbeat for
+# 24.3 s" (20.5 s is 10 beats). A real node beats and answers on connections of its own. A
+# fault here is a worker's exit: this fuse is not on its path
 LEASE_RENEWALS_PER_S = 300.0  # etcd keep-alives a second the lab takes beside the rest
 PAYLOAD_EVERY_BEATS = 2.5  # a follower rebuilds its payload every 0.25 s at 0.1 s beats
 BASE_S = 3.0  # the coordinator at rest, measured before the faults
@@ -326,9 +325,7 @@ def measure(nodes: int, backend: str, faults: int, procs: int, keep: bool,
                 row["workdir"] = str(job.workdir)
         else:  # a start that failed: what it started ends now, not with the job's timeout
             # (a coordinator left running beside the next run made that one fail too)
-            for cleanup in reversed(cleanups):
-                with contextlib.suppress(Exception):
-                    cleanup()
+            end_all(cleanups)
     return row
 
 
