@@ -280,12 +280,13 @@ class Played:
         job): the run cannot be measured. (A slow read is not a reason: the row reports the
         errors.)"""
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+        while True:
             nodes = self.fleet.nodes
             if ended := [n for n in nodes if n.ended]:
                 return (f"{len(ended)} nodes ended, node {ended[0].index} first: "
                         f"{ended[0].ended_why}")
-            if all(n.relay is not None and 0 in n.copy.arrived for n in nodes):
+            waiting = [n for n in nodes if n.relay is None or 0 not in n.copy.arrived]
+            if not waiting:
                 # as an agent does (`freeze_heap`): a real agent's heap is one node's; a
                 # process of 500 or 2,000 of them paused 65-180 ms in each full collection
                 # (1,024 nodes), now and then in the middle of a fault's fan-out. Not
@@ -293,10 +294,11 @@ class Played:
                 # sending its workers' hellos 13.7 s, and its nodes were lost
                 freeze_heap()
                 return ""
+            if time.monotonic() >= deadline:
+                return (f"{len(waiting)} nodes not up in {timeout:g} s, node "
+                        f"{waiting[0].index} first "
+                        f"({'no Start' if waiting[0].relay is None else 'no generation 0'})")
             time.sleep(POLL_S * 10)
-        waiting = [n for n in self.fleet.nodes if n.relay is None or 0 not in n.copy.arrived]
-        return (f"{len(waiting)} nodes not up in {timeout:g} s, node {waiting[0].index} first "
-                f"({'no Start' if waiting[0].relay is None else 'no generation 0'})")
 
     def held(self, number: int, timeout: float) -> list[float] | None:
         """When each live node got generation `number` (None: not every one in `timeout`)."""
