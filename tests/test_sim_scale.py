@@ -185,3 +185,59 @@ def test_the_simulated_heartbeats_are_spread_over_the_period(
     gaps = [b - a for times in beats.values() for a, b in zip(times, times[1:], strict=False)]
     assert max(gaps) < 5 * period  # every node beat again within a few periods
     assert period * 0.8 < beaters.max_gap < 5 * period
+
+
+def test_the_beats_played_apart_beat_what_the_fleet_told_them(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """`simscale/beats_apart.py`: a fleet's beats from a process of their own, on a real store:
+    each node told it beats, its payload naming the workers and the newest generation the
+    fleet's process told it; a node ended beats no more; closed, the process is gone."""
+    import time
+
+    from ftrun.adapters.store import LOOPBACK, HostedStore
+    from ftrun.cluster.link import Endpoint, heartbeat_key, payload_key
+
+    monkeypatch.syspath_prepend(str(SCRIPT.parent))
+    from simscale.beats_apart import BeatsApart
+
+    def counts() -> list[int]:
+        return [int(store.add(heartbeat_key(index), 0)) for index in (5, 9)]
+
+    def wait_for(check: Any, what: str) -> None:
+        deadline = time.monotonic() + 20
+        while not check():
+            assert time.monotonic() < deadline, what
+            time.sleep(0.02)
+
+    hosted = HostedStore(0, LOOPBACK)
+    store = hosted.serve()
+    period = 0.2
+    apart = BeatsApart(Endpoint(LOOPBACK, hosted.port), period, 0.0, time.time())
+    try:
+        for position, index in enumerate((5, 9)):
+            apart.node(position, index)
+            apart.workers(position, [100 + position, 200 + position])
+        apart.holds(0, 3)
+        apart.holds(0, 2)  # an older one arriving late: the newest stays 3
+        wait_for(lambda: min(counts()) >= 2, "both nodes beat twice")
+        wait_for(lambda: b'"generation": 3' in store.get(payload_key(5)), "generation 3 beaten")
+        payload = json.loads(store.get(payload_key(5)))
+        assert [row["worker_id"] for row in payload["workers"]] == [100, 200]
+        assert {live["generation"] for live in payload["liveness"]} == {3}
+        assert {live["generation"] for live in json.loads(store.get(payload_key(9)))[
+            "liveness"]} == {0}
+        apart.workers(1, [201])  # worker 101 exited
+        wait_for(lambda: [row["worker_id"] for row in json.loads(
+            store.get(payload_key(9)))["workers"]] == [201], "node 9's payload without 101")
+        apart.ended(1)
+        time.sleep(2 * period)  # a beat under way when it was told ends
+        ended_at = counts()[1]
+        time.sleep(4 * period)
+        after = counts()
+        assert after[1] == ended_at and after[0] > 2  # node 9 silent, node 5 beating
+        assert 0 < apart.max_gap < 5 * period
+        assert apart.errors() == []
+    finally:
+        apart.close()
+        hosted.close()
+    assert apart._proc.poll() is not None

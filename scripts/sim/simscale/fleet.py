@@ -11,7 +11,8 @@ loopback store its workers would watch: it decodes each record once (`Generation
 as a worker's watcher does) and keeps when it arrived: that is when the node was notified.
 Shared by a process's nodes, where a real host has one of each per node (the coordinator sees
 the same requests, on fewer connections): the heartbeats (`beats.Beaters`: a thread for each
-128 nodes, their beats spread over the period), the reports (one `Outbox`: the coordinator
+128 nodes, their beats spread over the period, in a process of their own, `beats_apart`, told
+of each node's workers and newest generation), the reports (one `Outbox`: the coordinator
 reads one agent queue anyway), the workers' hellos (one connection), and on etcd the leases
 (one client grants each node a lease, puts its node key on it and keeps it alive,
 `seats.Seats`: the requests `EtcdPlane` sends; the simulated nodes do not stand in the
@@ -21,12 +22,11 @@ Must not import: `sim_scale`, the agent's loop, the CLI.
 
 from __future__ import annotations
 
-import json
 import os
 import socket
 import threading
 import time
-from dataclasses import asdict
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -56,14 +56,12 @@ from ftrun.cluster.messages import (
 )
 from ftrun.cluster.relay import GenerationRelay
 from ftrun.core import timeouts
-from ftrun.core.policy import Liveness
-from ftrun.core.states import Phase
 from ftrun.protocol.rendezvous import Generation, Hello, gen_key, send_request
 from simscale.beats import Beaters
+from simscale.beats_apart import BeatsApart, apart, payload_json
 from simscale.seats import Seats
 
 CONNECT_S = 120.0
-STEP_S = 0.5  # what the payloads report as a step
 POLL_S = 0.005  # a process looking at its nodes' copies while the parent waits
 HELD_POLL_S = 0.02  # ...for a generation (when each node got it is kept as it comes)
 GEN_PREFIX = gen_key(0)[:-1]  # a generation's record is GEN_PREFIX + its number
@@ -75,15 +73,21 @@ class NodeCopy:
     decode it then, each on its own core; here one decode is done on demand (`gen`), off the
     path that is timed, as this host has no core per node."""
 
-    def __init__(self) -> None:
+    def __init__(self, on_new: Callable[[int], None] | None = None) -> None:
+        """`on_new`: told each generation's number as it arrives (the beats process's copy
+        of the newest, `beats_apart`)."""
         self._keys: dict[str, bytes] = {}
         self.arrived: dict[int, float] = {}  # generation -> when its record was copied here
+        self._on_new = on_new
 
     def set(self, key: str, value: str | bytes) -> None:
         raw = value.encode() if isinstance(value, str) else bytes(value)
         self._keys[key] = raw
         if key.startswith(GEN_PREFIX) and key[len(GEN_PREFIX):].isdigit():
-            self.arrived.setdefault(int(key[len(GEN_PREFIX):]), time.time())
+            number = int(key[len(GEN_PREFIX):])
+            self.arrived.setdefault(number, time.time())
+            if self._on_new is not None:
+                self._on_new(number)
 
     def get(self, key: str) -> bytes:
         return self._keys[key]
@@ -100,11 +104,13 @@ class NodeCopy:
 class LightNode:
     """One simulated follower: its own command reader and relay, the rest shared."""
 
-    def __init__(self, fleet: Fleet, nproc: int) -> None:
-        self.fleet, self.nproc = fleet, nproc
+    def __init__(self, fleet: Fleet, nproc: int, position: int) -> None:
+        self.fleet, self.nproc, self.position = fleet, nproc, position  # its place in `nodes`
         self.index = -1
         self.workers: dict[int, bool] = {}  # worker id -> alive
-        self.copy = NodeCopy()
+        apart = fleet.apart
+        self.copy = NodeCopy(None if apart is None else
+                             lambda number: apart.holds(position, number))
         self.relay: GenerationRelay | None = None
         self.attempt = 0
         self.ended = False
@@ -150,6 +156,8 @@ class LightNode:
                 fleet.report(Stopped(node=self.index))
             case End():
                 self.ended, self.ended_why = True, cmd.reason or "ended"
+                if fleet.apart is not None:
+                    fleet.apart.ended(self.position)
                 fleet.report(Bye(node=self.index))
             case str():
                 fleet.errors.append(f"node {self.index}: refused command ({cmd})")
@@ -158,6 +166,7 @@ class LightNode:
         """Workers (id, local rank) started on one order: one report, as a follower's."""
         for worker, _ in started:
             self.workers[worker] = True
+        self._tell_workers()
         inbox = self.relay.inbox_addr if self.relay is not None else ""
         self.fleet.report(Spawned.of(self.index, ((w, lr, os.getpid()) for w, lr in started),
                                      inbox))
@@ -167,6 +176,7 @@ class LightNode:
     def exit(self, worker: int, code: int, by_launcher: bool = False) -> float:
         """A worker of this node ends with `code`, reported as a follower reports it."""
         self.workers[worker] = False
+        self._tell_workers()
         now = time.time()
         self.fleet.report(Exited(node=self.index, worker=worker, attempt=self.attempt,
                                  pid=os.getpid(), returncode=code, wall_time=now, error="",
@@ -174,20 +184,14 @@ class LightNode:
         return now
 
     def payload(self, now: float, started: float) -> str:
-        """The heartbeat payload, shaped as a real follower's (`sim_cluster.SimNode`)."""
-        step, into = int((now - started) / STEP_S), (now - started) % STEP_S
-        live = [w for w, alive in self.workers.items() if alive]
-        newest = max(self.copy.arrived, default=0)
-        liveness = [asdict(Liveness(worker=w, rank=-1, step=step, idle_s=into, waiting_s=None,
-                                    stopped=False, compute_s=STEP_S / 2, step_s=STEP_S,
-                                    generation=newest, phase=Phase.STEP, step_p95_s=STEP_S))
-                    for w in live]
-        rows = [{"worker_id": w, "rank": -1, "local_rank": w % 10_000, "pid": os.getpid(),
-                 "state": "running", "role": "member", "step": step, "committed_step": step - 1,
-                 "step_time_ms": STEP_S * 1000, "since_progress_s": round(into, 2),
-                 "phase": f"step {step}", "cpu": "busy", "gpu": None, "health": None,
-                 "straggler": None} for w in live]
-        return json.dumps({"workers": rows, "liveness": liveness, "snapshot": None})
+        """The heartbeat payload (beaten on a thread of this process: `SIM_BEATS_APART=0`)."""
+        return payload_json((w for w, alive in self.workers.items() if alive),
+                            max(self.copy.arrived, default=0), now, started, os.getpid())
+
+    def _tell_workers(self) -> None:
+        if self.fleet.apart is not None:
+            self.fleet.apart.workers(self.position,
+                                     [w for w, alive in self.workers.items() if alive])
 
     def close(self) -> None:
         self._reader.close(None)
@@ -223,8 +227,10 @@ class Fleet:
         # each node's relay has an inbox on loopback (protocol.fanout), as a real node's on
         # its address; SIM_NO_TREE=1: none, every node pushed to directly
         self.inbox_host = "" if os.environ.get("SIM_NO_TREE") == "1" else LOOPBACK
-        self.beaters = Beaters(ep, beat_s, payload_s, self.started, lambda: self.nodes,
-                               self.lock, self.lost)
+        # the beats: in a process of their own (`beats_apart`), or on threads of this one
+        self.apart = BeatsApart(ep, beat_s, payload_s, self.started) if apart() else None
+        self.beaters = None if self.apart is not None else Beaters(
+            ep, beat_s, payload_s, self.started, lambda: self.nodes, self.lock, self.lost)
 
     def lost(self, why: str) -> None:
         if not self._stop.is_set():
@@ -244,19 +250,25 @@ class Fleet:
             send_request(self._requests, Hello(worker, os.getpid(), spare=False))
 
     def add_nodes(self, indices: list[int], nproc: int) -> list[int]:
-        for index in indices:
-            node = LightNode(self, nproc)
+        for index in indices:  # one after another, on the process's main thread
+            node = LightNode(self, nproc, len(self.nodes))
+            if self.apart is not None:
+                self.apart.node(node.position, index)
             node.join(index)
             with self.lock:
                 self.nodes.append(node)
-                self.beaters.cover(len(self.nodes))
+                if self.beaters is not None:
+                    self.beaters.cover(len(self.nodes))
             if self._seats is not None:
                 self._seats.take(node.index)
         return [n.index for n in self.nodes]
 
     def close(self) -> None:
         self._stop.set()
-        self.beaters.close()
+        if self.beaters is not None:
+            self.beaters.close()
+        if self.apart is not None:
+            self.apart.close()
         self._outbox.close(timeouts.THREAD_JOIN_S)
         for node in self.nodes:
             node.close()
@@ -337,7 +349,11 @@ class Played:
         return len(self.fleet.nodes[position].workers)
 
     def state(self) -> dict[str, Any]:
-        return {"errors": list(self.fleet.errors[:10]), "max_gap": self.fleet.beaters.max_gap}
+        fleet = self.fleet
+        if fleet.apart is None:
+            return {"errors": list(fleet.errors[:10]), "max_gap": fleet.beaters.max_gap}
+        return {"errors": (fleet.errors + fleet.apart.errors())[:10],
+                "max_gap": fleet.apart.max_gap}
 
     def end(self) -> None:
         """Every live worker exits 0 (the job's end)."""
