@@ -6,7 +6,7 @@ test_health.py; here: which rows they are given, when, and what the watch makes 
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +20,7 @@ from ftrun.agent.watch import (
     CHECK_EVERY_S,
     HANG_CHECK_MARGIN_S,
     KILL_EXIT_WAIT_S,
+    ROWS_PER_CHECK,
     STRAGGLER_CHECKS,
     Drain,
     HealthWatch,
@@ -153,11 +154,42 @@ def test_waits_already_past_the_timeout_keep_the_usual_check_pace() -> None:
         return Liveness(worker=0, rank=0, step=5, idle_s=9.0, waiting_s=s, stopped=False,
                         compute_s=0.0, step_s=0.0)
 
-    assert next_hang_check_s([waiting(None)], 5.0) == CHECK_EVERY_S
-    assert next_hang_check_s([waiting(9.0)], 5.0) == CHECK_EVERY_S  # judged: a long phase?
+    assert next_hang_check_s([waiting(None)], 5.0) is None
+    assert next_hang_check_s([waiting(9.0)], 5.0) is None  # judged: a long phase?
     assert next_hang_check_s([waiting(9.0), waiting(4.95)], 5.0) == pytest.approx(
         0.05 + HANG_CHECK_MARGIN_S)
-    assert next_hang_check_s([waiting(0.01)], 0.6) == CHECK_EVERY_S
+    assert next_hang_check_s([waiting(0.01)], 0.6) == pytest.approx(0.59 + HANG_CHECK_MARGIN_S)
+
+
+def test_a_large_job_is_judged_less_often_unless_a_wait_is_about_to_cross(
+        watched: Watched) -> None:
+    """Past ROWS_PER_CHECK members a job is judged every CHECK_EVERY_S x members /
+    ROWS_PER_CHECK (8,192: every second), not every CHECK_EVERY_S; a wait about to cross the
+    timeout still brings a check at its crossing. (At 32,768 members a judgement took ~25 ms
+    of the coordinator's loop; a check pulled back to every 0.25 s made that a tenth of a
+    core, in every fault's fan-out.)"""
+    remote = [Liveness(worker=10_000 + i, rank=3 + i, step=5, idle_s=0.1, waiting_s=None,
+                       stopped=False, compute_s=0.0, step_s=0.0, generation=0,
+                       phase=Phase.STEP) for i in range(4 * ROWS_PER_CHECK - 3)]
+    judged: list[float] = []
+
+    class Counting(WatchNode):
+        def remote_liveness(self) -> list[Liveness]:
+            judged.append(0.0)
+            return list(self.remote)
+
+    watched.watch.port = Counting(watched.node.spec, watched.node.workers, remote)
+    ms = api((0, 1, 2, *(m.worker for m in remote)))
+    in_step(watched, 5, 0.0)
+    for k in range(8):  # 1.0, 1.25, ... 2.75
+        assert watched.tick(ms, 1.0 + 0.25 * k) == []
+    assert len(judged) == 2  # at 1.0 and 2.0
+    remote[-1] = replace(remote[-1], waiting_s=4.9)  # crosses the 5 s timeout in 0.1 s
+    watched.tick(ms, 3.0)  # judged: its next check at the crossing, not at 4.0
+    watched.tick(ms, 3.05)
+    assert len(judged) == 3
+    watched.tick(ms, 3.0 + 0.1 + HANG_CHECK_MARGIN_S)
+    assert len(judged) == 4
 
 
 def test_the_whole_job_is_judged_here_other_nodes_members_included(watched: Watched) -> None:
