@@ -29,7 +29,7 @@ import threading
 from collections.abc import Iterable, Sequence
 from multiprocessing.connection import Connection
 
-from ftrun.cluster.link import Endpoint
+from ftrun.cluster.link import Endpoint, connect
 from ftrun.core.policy import Liveness
 from ftrun.core.states import Phase
 from simscale.beats import Beaters
@@ -39,6 +39,10 @@ CAPACITY = 1 << 16  # nodes a fleet process can hold: their newest generations, 
 STEP_S = 0.5  # what the payloads report as a step
 GAP_EVERY_S = 0.5  # the beats process says its longest gap between two beats this often
 CLOSE_S = 5.0
+BOOT_S = 120.0  # the beats process up, torch's store imported, before any node joins: a node
+# whose first beat waits longer than the node timeout is cut (0.1 s beats at 12 nodes: 5.1 s),
+# and on a loaded host the import in the first heartbeat thread took longer: a start's nodes
+# were all cut
 
 
 def apart() -> bool:
@@ -97,6 +101,18 @@ class BeatsApart:
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, sys.path))}
         self._proc = subprocess.Popen(argv, env=env, pass_fds=(theirs.fileno(), self.shared.fd))
         theirs.close()
+        self._booted()
+
+    def _booted(self) -> None:
+        """Wait for the beats process's first word: it can beat now."""
+        try:
+            if self._conn.poll(BOOT_S) and self._conn.recv() == ("ready",):
+                return
+            why = f"not up in {BOOT_S:g} s"
+        except (OSError, EOFError):
+            why = f"ended at its start (exit {self._proc.wait(CLOSE_S)})"
+        self._proc.kill()
+        raise RuntimeError(f"the simulated nodes' beats process {why}")
 
     def node(self, position: int, index: int) -> None:
         self._send(("node", position, index))
@@ -160,6 +176,7 @@ def main(args: list[str]) -> int:
     prepare_process()
     conn, shared = Connection(int(args[0])), _Shared(int(args[1]))
     ep, pid = Endpoint(args[2], int(args[3])), int(args[7])
+    connect(ep, BOOT_S)  # torch's store imported here, not in the first heartbeat thread
     nodes: list[_Node] = []
     lock, send_lock = threading.Lock(), threading.Lock()
 
@@ -169,6 +186,7 @@ def main(args: list[str]) -> int:
 
     beaters = Beaters(ep, float(args[4]), float(args[5]), float(args[6]), lambda: nodes, lock,
                       lost)
+    conn.send(("ready",))
     try:
         while True:
             shared.gap[0] = beaters.max_gap
