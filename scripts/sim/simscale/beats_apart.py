@@ -1,5 +1,5 @@
 """A fleet process's heartbeats played in a process of their own (issue #52), and the payload a
-simulated node beats: `BeatsApart` in the fleet's process, `play` in the beats process.
+simulated node beats: `BeatsApart` in the fleet's process, `main` in the beats process.
 
 Why apart: on threads of the fleet's process, the heartbeat threads (16 for 2,048 nodes) took
 turns at its GIL with the one thread that reads a fault's ~2,000 relay frames. Each time that
@@ -110,9 +110,10 @@ class BeatsApart:
                 return
             why = f"not up in {BOOT_S:g} s"
         except (OSError, EOFError):
-            why = f"ended at its start (exit {self._proc.wait(CLOSE_S)})"
-        self._proc.kill()
-        raise RuntimeError(f"the simulated nodes' beats process {why}")
+            why = "ended at its start"
+        self._end()
+        raise RuntimeError(f"the simulated nodes' beats process {why} "
+                           f"(exit {self._proc.returncode})")
 
     def node(self, position: int, index: int) -> None:
         self._send(("node", position, index))
@@ -138,18 +139,22 @@ class BeatsApart:
             while self._conn.poll(0):
                 self._errors.append(str(self._conn.recv()))
         if (code := self._proc.poll()) is not None and not self._conn.closed:
-            self._errors.append(f"the beats process ended early (exit {code})")
+            return [*self._errors, f"the beats process ended early (exit {code})"]
         return list(self._errors)
 
     def close(self) -> None:
         with contextlib.suppress(OSError):
             self._send(("stop",))
+        self._end()
+        self._conn.close()
+
+    def _end(self) -> None:
+        """The beats process gone: asked already, or killed after CLOSE_S; reaped."""
         try:
             self._proc.wait(CLOSE_S)
         except subprocess.TimeoutExpired:
             self._proc.kill()
             self._proc.wait(CLOSE_S)
-        self._conn.close()
 
     def _send(self, message: tuple[object, ...]) -> None:
         with self._lock:
