@@ -192,6 +192,23 @@ def test_a_large_job_is_judged_less_often_unless_a_wait_is_about_to_cross(
     assert len(judged) == 4
 
 
+def test_a_small_job_is_still_judged_every_check_interval(watched: Watched) -> None:
+    """ROWS_PER_CHECK members or fewer, no wait about to cross: every CHECK_EVERY_S, as
+    before next_hang_check_s stopped capping the pace (it says None here)."""
+    judged: list[float] = []
+
+    class Counting(WatchNode):
+        def remote_liveness(self) -> list[Liveness]:
+            judged.append(0.0)
+            return []
+
+    watched.watch.port = Counting(watched.node.spec, watched.node.workers)
+    in_step(watched, 5, 0.0)
+    for k in range(4):  # 1.0, 1.25, 1.5, 1.75
+        assert watched.tick(api(), 1.0 + CHECK_EVERY_S * k) == []
+    assert len(judged) == 4
+
+
 def test_the_whole_job_is_judged_here_other_nodes_members_included(watched: Watched) -> None:
     def quiet(worker: int, rank: int, stopped: bool) -> Liveness:  # in its step for 30 s
         return Liveness(worker=worker, rank=rank, step=5, idle_s=30.0, waiting_s=None,
