@@ -6,6 +6,7 @@ import gc
 import json
 import threading
 import time
+from collections.abc import Callable
 
 from statusdocs import fault, status, worker
 
@@ -104,6 +105,57 @@ def test_a_builds_pauses_are_bounded_in_all_when_the_loop_stays_busy() -> None:
     # (slowed, never stopped: a pass may block for as long as etcd is away)
 
 
+def test_a_pass_that_published_holds_the_builders_while_it_settles() -> None:
+    """After a publication the fault's record fans out (forwarders, nodes, workers): a
+    status build beside it slowed the last node (etcd, 1,024 nodes: median 70.6 ms, not
+    52.4). A pass that published nothing starts no settle."""
+    loop = LoopPrecedence(settle_s=0.3)
+    generation = [7]
+    with loop.deciding(lambda: generation[0]):
+        pass  # nothing published
+    assert loop.settle_left() == 0.0
+    with loop.deciding(lambda: generation[0]):
+        generation[0] += 1
+    assert 0.2 < loop.settle_left() <= 0.3
+    took: list[float] = []
+
+    def builder() -> None:
+        with loop.building():
+            start = time.monotonic()
+            loop.yield_to_loop()
+            took.append(time.monotonic() - start)
+            start = time.monotonic()
+            loop.yield_to_loop()  # settled: at once
+            took.append(time.monotonic() - start)
+
+    thread = threading.Thread(target=builder, daemon=True)
+    thread.start()
+    thread.join(WAIT_S)
+    assert len(took) == 2 and took[0] >= 0.15 and took[1] < 0.05
+    assert loop.settle_left() == 0.0
+    start = time.monotonic()
+    loop.yield_to_loop()  # a thread that is not building never settles
+    assert time.monotonic() - start < 0.05
+
+
+def test_a_settle_spends_the_builds_budget_too() -> None:
+    loop = LoopPrecedence(settle_s=WAIT_S)
+    loop.published()
+    took: list[float] = []
+
+    def builder() -> None:
+        with loop.building(budget_s=0.1):
+            for _ in range(3):
+                start = time.monotonic()
+                loop.yield_to_loop()
+                took.append(time.monotonic() - start)
+
+    thread = threading.Thread(target=builder, daemon=True)
+    thread.start()
+    thread.join(WAIT_S)
+    assert len(took) == 3 and took[0] >= 0.09 and max(took[1:]) < 0.05
+
+
 def _rows(n: int) -> tuple[WorkerRow, ...]:
     """Rows with what the encoder must escape: quotes, backslashes, control and non-ASCII."""
     return tuple(WorkerRow.from_json(worker(
@@ -163,6 +215,43 @@ def test_between_two_status_builds_the_payloads_are_kept_read() -> None:
         assert all(t > built[0] for t in refreshed)
     finally:
         thread.close()
+
+
+def test_a_status_build_waits_for_a_publication_to_settle_within_a_bound() -> None:
+    """No build starts while a publication settles, unless it has waited
+    SETTLE_HOLD_MAX_S: faults a few tenths of a second apart must not stop the status."""
+    from ftrun.cluster import jobnodes
+
+    built: list[float] = []
+    settles: list[float] = []  # when each settle ends (monotonic)
+
+    class Store:
+        def set(self, key: str, value: str) -> None:
+            built.append(time.monotonic())
+
+    def settle_left() -> float:
+        return max([0.0, *(end - time.monotonic() for end in settles)])
+
+    start = time.monotonic()
+    settles.append(start + 0.4)
+    thread = jobnodes.StatusThread(lambda: "{}", Store, lambda: None, lambda: 0.02,
+                                   settle_left)
+    try:
+        _wait_for(lambda: len(built) == 1)
+        assert built[0] >= start + 0.4  # the first build came after the settle
+        settles.append(time.monotonic() + 60.0)  # one that never ends: the bound lets go
+        _wait_for(lambda: len(built) == 2)
+        held = built[1] - built[0]
+        assert jobnodes.SETTLE_HOLD_MAX_S <= held < jobnodes.SETTLE_HOLD_MAX_S + 2.0
+    finally:
+        thread.close()
+
+
+def _wait_for(done: Callable[[], bool]) -> None:
+    deadline = time.monotonic() + WAIT_S
+    while not done():
+        assert time.monotonic() < deadline, "not within the test's wait"
+        time.sleep(0.02)
 
 
 FROZEN = """

@@ -279,7 +279,7 @@ class Agent:
                 ended: list[Worker | RemoteWorker] = [
                     *self.runtime.workers.reap_ready(sel, self._idle_wait()),
                     *self.cluster.remote_exits()]
-                with self.runtime.precedence.deciding():  # the status builders wait
+                with self.runtime.precedence.deciding(self._generation):  # builders wait
                     self._pass(sel, ended, outcome)
         return outcome
 
@@ -308,6 +308,11 @@ class Agent:
                     self.attempt.restarts, self.spec.max_restarts))
         finally:  # a pass that raised (deposed) still settles what the next one owes
             self.pacing.passed(bool(ended), checks)
+
+    def _generation(self) -> int:
+        """The membership's number (-1 without in-process recovery): a pass that moved it
+        published, and the status builders settle after it (precedence.py)."""
+        return self.recovery.membership.generation if self.recovery is not None else -1
 
     def _one_generation(self) -> AbstractContextManager[None]:
         """The changes decided in one pass of the loop (faults found together: several

@@ -4,12 +4,17 @@ Owns: `LoopPrecedence`, which the loop holds through each of its passes (`decidi
 it decides and publishes a fault's generation; between passes it waits for the next event),
 and at whose `yield_to_loop` the thread that builds the job's status (every few seconds,
 ~0.3-0.6 s of Python at 8,192 workers) pauses between its pieces, within a budget a build
-(`building`). Python runs one thread at a time: a fault that arrived during a status build
+(`building`); and for SETTLE_S after a pass that published a generation, while the fault's
+record fans out to the forwarders, the nodes and their workers (`settle_left`). Python runs
+one thread at a time: a fault that arrived during a status build
 waited for the build, each of its store round trips for the builder's time slice (at 1,024
 nodes one fault in ~12 was published 450 ms late, not ~40 ms). During a pass the
 collector's automatic runs are deferred as well (a full collection of the coordinator's
 heap took up to ~140 ms at 1,024 nodes): it runs after the pass. And `freeze_heap`, once an
 attempt's store is up, takes what the agent holds by then (its imports) out of full passes.
+The settle: at 1,024 nodes on etcd the 9 faults of 84 with a status build in their window
+took a median 70.6 ms to reach the last node, the other 75 52.4 ms; the build (~0.15-0.2 s of
+the coordinator's host) ran after the publication, beside the fan-out it slowed.
 Must not import: anything of ftrun beyond core (the cluster's status thread imports this).
 """
 
@@ -18,11 +23,13 @@ from __future__ import annotations
 import gc
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 YIELD_BUDGET_S = 1.0  # a build pauses at most this long in all: a pass that blocks (an etcd
 # write during an outage) or a loop that stays busy slows the status, never stops it
+SETTLE_S = 0.5  # after a publication the builders wait this long: the last node of 4,096
+# has the record ~0.25 s after it (p99, simulated); a status is at most this much staler
 
 
 def freeze_heap() -> None:
@@ -40,7 +47,9 @@ def freeze_heap() -> None:
 class LoopPrecedence:
     """Shared by the agent's loop (the only one that decides) and its background builders."""
 
-    def __init__(self) -> None:
+    def __init__(self, settle_s: float = SETTLE_S) -> None:
+        self._settle_s = settle_s
+        self._settled_at = 0.0  # monotonic: the last publication's settle ends then
         self._quiet = threading.Event()
         self._quiet.set()
         self._owner: int | None = None  # the deciding thread: it never waits for itself
@@ -49,14 +58,26 @@ class LoopPrecedence:
         self._budgets: dict[int, float] = {}  # a building thread -> its pauses' budget left
 
     @contextmanager
-    def deciding(self) -> Iterator[None]:
+    def deciding(self, generation: Callable[[], object] | None = None) -> Iterator[None]:
         """A pass of the loop (what it found decided and published) runs within this;
-        nested uses are one window."""
+        nested uses are one window. `generation`: the number the pass may publish, read
+        before and after; a pass that moved it starts a settle (`published`)."""
+        before = None if generation is None else generation()
         self._enter()
         try:
             yield
         finally:
+            if generation is not None and generation() != before:
+                self.published()  # before the builders are let go
             self._leave()
+
+    def published(self) -> None:
+        """A generation went out now: builders settle SETTLE_S from here."""
+        self._settled_at = time.monotonic() + self._settle_s
+
+    def settle_left(self) -> float:
+        """Seconds until the last publication's settle ends (0.0: none under way)."""
+        return max(0.0, self._settled_at - time.monotonic())
 
     def _enter(self) -> None:
         if self._depth == 0:
@@ -89,14 +110,22 @@ class LoopPrecedence:
 
     def yield_to_loop(self) -> None:
         """A builder's pause between two pieces: returns at once unless this thread is
-        `building` with budget left and the loop is deciding (then when it is done, or when
-        the budget is spent); the deciding thread never waits here."""
+        `building` with budget left and the loop is deciding or a publication settling
+        (then when both are over, or when the budget is spent); the deciding thread never
+        waits here."""
         me = threading.get_ident()
         left = self._budgets.get(me, 0.0)
-        if left <= 0.0 or self._quiet.is_set() or me == self._owner:
+        if left <= 0.0 or me == self._owner or (
+                self._quiet.is_set() and self._settled_at <= time.monotonic()):
             return
         start = time.monotonic()
-        self._quiet.wait(left)
+        while (budget := start + left - time.monotonic()) > 0.0:
+            if not self._quiet.is_set():
+                self._quiet.wait(budget)
+            elif (settle := self.settle_left()) > 0.0:
+                time.sleep(min(settle, budget))
+            else:
+                break
         self._budgets[me] = left - (time.monotonic() - start)
 
     @property

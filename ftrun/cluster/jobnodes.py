@@ -56,6 +56,8 @@ THREAD_READS_AFTER = 2.0  # read periods: the status thread reads the payloads t
 LOOP_READS_AFTER = 3.0  # ...the main loop (a fault's decision, the health watch) reads them
 # itself only when they are this old (at 1,024 nodes a read and parse in the loop held a
 # fault ~0.2-0.9 s)
+SETTLE_HOLD_MAX_S = 2.0  # a build or a read waits out publications' settles this long at
+# most, then goes
 
 
 class NodeTable:
@@ -244,7 +246,8 @@ class NodeTable:
         self._say_refused()
         if self._status is None:
             self._status = StatusThread(self._build_status, lambda: connect(self.ep, 30.0),
-                                        self._refresh_payloads, lambda: self._read_every_s)
+                                        self._refresh_payloads, lambda: self._read_every_s,
+                                        self.host.runtime.precedence.settle_left)
         if (why := self._status.failed()) is not None:
             notice(self.host.emit, f"could not publish the job status: {why}")
 
@@ -270,14 +273,20 @@ class StatusThread:
     build at 1,024 nodes comes every ~6-12 s, and the loop, reading them itself after
     LOOP_READS_AFTER periods, held a fault ~0.2-0.9 s with the read. A status is read from
     the control thread the same way (`ftrun status`). A failed build is kept for the main
-    loop to say."""
+    loop to say. Neither starts while a publication settles (`settle_left`, precedence.py),
+    unless it has waited SETTLE_HOLD_MAX_S: a fault every few tenths of a second would
+    otherwise stop the status."""
 
     def __init__(self, build: Callable[[], str], connect: Callable[[], Any],
-                 refresh: Callable[[], None], refresh_every: Callable[[], float]) -> None:
+                 refresh: Callable[[], None], refresh_every: Callable[[], float],
+                 settle_left: Callable[[], float] = lambda: 0.0) -> None:
         """`connect`: the job's store, on a connection of the thread's own; `refresh`: the
-        payloads read if stale, looked at every `refresh_every()` seconds."""
+        payloads read if stale, looked at every `refresh_every()` seconds; `settle_left`:
+        seconds until the last publication has settled."""
         self._build, self._connect = build, connect
         self._refresh, self._refresh_every = refresh, refresh_every
+        self._settle_left = settle_left
+        self._held_since: float | None = None  # settles waited out since (monotonic)
         self._failed: str | None = None
         self._told = False
         self._stop = threading.Event()
@@ -298,13 +307,27 @@ class StatusThread:
         wait, next_build, store = 0.0, 0.0, None
         while not self._stop.wait(wait):
             start = time.monotonic()
+            if (wait := self._settling(start)) > 0.0:
+                continue
             if start < next_build:
                 self._keep_read()
             else:
                 store = self._publish(store)
+                self._held_since = None  # the next one waits out settles again
                 cost = time.monotonic() - start
                 next_build = start + max(timeouts.STATUS_EVERY_S, cost / STATUS_SHARE)
             wait = max(0.0, min(next_build - time.monotonic(), self._refresh_every()))
+
+    def _settling(self, now: float) -> float:
+        """How long to wait for a publication to settle (0.0: go on now). Once a build or a
+        read has waited SETTLE_HOLD_MAX_S, they go on until the next build is done."""
+        left = self._settle_left()
+        if left <= 0.0:
+            self._held_since = None
+            return 0.0
+        if self._held_since is None:
+            self._held_since = now
+        return max(0.0, min(left, self._held_since + SETTLE_HOLD_MAX_S - now))
 
     def _publish(self, store: Any) -> Any:
         """One status built and set; the connection (made at the first)."""
