@@ -120,7 +120,11 @@ def test_a_pass_that_published_holds_the_builders_while_it_settles() -> None:
     took: list[float] = []
 
     def builder() -> None:
-        with loop.building():
+        with loop.building():  # the payload reads: a fault's decision may need them
+            start = time.monotonic()
+            loop.yield_to_loop()
+            took.append(time.monotonic() - start)
+        with loop.building(settles=True):  # the status
             start = time.monotonic()
             loop.yield_to_loop()
             took.append(time.monotonic() - start)
@@ -131,7 +135,7 @@ def test_a_pass_that_published_holds_the_builders_while_it_settles() -> None:
     thread = threading.Thread(target=builder, daemon=True)
     thread.start()
     thread.join(WAIT_S)
-    assert len(took) == 2 and took[0] >= 0.15 and took[1] < 0.05
+    assert len(took) == 3 and took[0] < 0.05 and took[1] >= 0.15 and took[2] < 0.05
     assert loop.settle_left() == 0.0
     start = time.monotonic()
     loop.yield_to_loop()  # a thread that is not building never settles
@@ -144,7 +148,7 @@ def test_a_settle_spends_the_builds_budget_too() -> None:
     took: list[float] = []
 
     def builder() -> None:
-        with loop.building(budget_s=0.1):
+        with loop.building(budget_s=0.1, settles=True):
             for _ in range(3):
                 start = time.monotonic()
                 loop.yield_to_loop()
@@ -219,7 +223,8 @@ def test_between_two_status_builds_the_payloads_are_kept_read() -> None:
 
 def test_a_status_build_waits_for_a_publication_to_settle_within_a_bound() -> None:
     """No build starts while a publication settles, unless it has waited
-    SETTLE_HOLD_MAX_S: faults a few tenths of a second apart must not stop the status."""
+    SETTLE_HOLD_MAX_S: faults a few tenths of a second apart must not stop the status. The
+    payloads are kept read meanwhile (a fault's decision would read them itself)."""
     from ftrun.cluster import jobnodes
 
     built: list[float] = []
@@ -234,11 +239,13 @@ def test_a_status_build_waits_for_a_publication_to_settle_within_a_bound() -> No
 
     start = time.monotonic()
     settles.append(start + 0.4)
-    thread = jobnodes.StatusThread(lambda: "{}", Store, lambda: None, lambda: 0.02,
-                                   settle_left)
+    refreshed: list[float] = []
+    thread = jobnodes.StatusThread(lambda: "{}", Store, lambda: refreshed.append(
+        time.monotonic()), lambda: 0.02, settle_left)
     try:
         _wait_for(lambda: len(built) == 1)
         assert built[0] >= start + 0.4  # the first build came after the settle
+        assert sum(t < start + 0.4 for t in refreshed) >= 3  # read meanwhile
         settles.append(time.monotonic() + 60.0)  # one that never ends: the bound lets go
         _wait_for(lambda: len(built) == 2)
         held = built[1] - built[0]

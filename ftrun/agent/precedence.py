@@ -4,8 +4,9 @@ Owns: `LoopPrecedence`, which the loop holds through each of its passes (`decidi
 it decides and publishes a fault's generation; between passes it waits for the next event),
 and at whose `yield_to_loop` the thread that builds the job's status (every few seconds,
 ~0.3-0.6 s of Python at 8,192 workers) pauses between its pieces, within a budget a build
-(`building`); and for SETTLE_S after a pass that published a generation, while the fault's
-record fans out to the forwarders, the nodes and their workers (`settle_left`). Python runs
+(`building`); and the status build for SETTLE_S after a pass that published a generation,
+while the fault's record fans out to the forwarders, the nodes and their workers
+(`settle_left`). Python runs
 one thread at a time: a fault that arrived during a status build
 waited for the build, each of its store round trips for the builder's time slice (at 1,024
 nodes one fault in ~12 was published 450 ms late, not ~40 ms). During a pass the
@@ -28,8 +29,8 @@ from contextlib import contextmanager
 
 YIELD_BUDGET_S = 1.0  # a build pauses at most this long in all: a pass that blocks (an etcd
 # write during an outage) or a loop that stays busy slows the status, never stops it
-SETTLE_S = 0.5  # after a publication the builders wait this long: the last node of 4,096
-# has the record ~0.25 s after it (p99, simulated); a status is at most this much staler
+SETTLE_S = 0.3  # after a publication the status build waits this long: the last node of
+# 4,096 has the record ~0.25 s after it (p99, simulated); a status is at most this much staler
 
 
 def freeze_heap() -> None:
@@ -56,6 +57,7 @@ class LoopPrecedence:
         self._depth = 0
         self._collector_was_on = False
         self._budgets: dict[int, float] = {}  # a building thread -> its pauses' budget left
+        self._settling: set[int] = set()  # building threads that also wait out settles
 
     @contextmanager
     def deciding(self, generation: Callable[[], object] | None = None) -> Iterator[None]:
@@ -96,33 +98,38 @@ class LoopPrecedence:
                 gc.enable()
 
     @contextmanager
-    def building(self, budget_s: float | None = None) -> Iterator[None]:
+    def building(self, budget_s: float | None = None, settles: bool = False) -> Iterator[None]:
         """A background build on this thread: its pauses at `yield_to_loop` take at most
-        `budget_s` (YIELD_BUDGET_S) in all. A thread outside one (the control thread
-        answering `ftrun status`) never pauses: a pass blocked on an etcd write during an
-        outage would hold the answer."""
+        `budget_s` (YIELD_BUDGET_S) in all; `settles`: it pauses for a publication's settle
+        too (the status, not the payload reads a fault's decision may need). A thread
+        outside one (the control thread answering `ftrun status`) never pauses: a pass
+        blocked on an etcd write during an outage would hold the answer."""
         me = threading.get_ident()
         self._budgets[me] = YIELD_BUDGET_S if budget_s is None else budget_s
+        if settles:
+            self._settling.add(me)
         try:
             yield
         finally:
             self._budgets.pop(me, None)
+            self._settling.discard(me)
 
     def yield_to_loop(self) -> None:
         """A builder's pause between two pieces: returns at once unless this thread is
-        `building` with budget left and the loop is deciding or a publication settling
-        (then when both are over, or when the budget is spent); the deciding thread never
-        waits here."""
+        `building` with budget left and the loop is deciding or (a build that `settles`) a
+        publication settling: then when both are over, or when the budget is spent. The
+        deciding thread never waits here."""
         me = threading.get_ident()
         left = self._budgets.get(me, 0.0)
-        if left <= 0.0 or me == self._owner or (
-                self._quiet.is_set() and self._settled_at <= time.monotonic()):
+        settles = me in self._settling
+        if left <= 0.0 or me == self._owner or (self._quiet.is_set() and (
+                not settles or self._settled_at <= time.monotonic())):
             return
         start = time.monotonic()
         while (budget := start + left - time.monotonic()) > 0.0:
             if not self._quiet.is_set():
                 self._quiet.wait(budget)
-            elif (settle := self.settle_left()) > 0.0:
+            elif settles and (settle := self.settle_left()) > 0.0:
                 time.sleep(min(settle, budget))
             else:
                 break
