@@ -31,6 +31,10 @@ YIELD_BUDGET_S = 1.0  # a build pauses at most this long in all: a pass that blo
 # write during an outage) or a loop that stays busy slows the status, never stops it
 SETTLE_S = 0.3  # after a publication the status build waits this long: the last node of
 # 4,096 has the record ~0.25 s after it (p99, simulated); a status is at most this much staler
+SETTLE_BUDGET_S = 4.0  # a status build's pauses for settles, in all: faults a few tenths of a
+# second apart stretch a build (at 4,096 nodes ~0.85 s of Python), never stop it; sharing
+# YIELD_BUDGET_S, a build that had spent it ran through the next fault's fan-out (462 ms of
+# its CPU in one fault's window, the last node 263 ms after the fault)
 
 
 def freeze_heap() -> None:
@@ -57,7 +61,7 @@ class LoopPrecedence:
         self._depth = 0
         self._collector_was_on = False
         self._budgets: dict[int, float] = {}  # a building thread -> its pauses' budget left
-        self._settling: set[int] = set()  # building threads that also wait out settles
+        self._settles: dict[int, float] = {}  # a status build -> its settles' budget left
 
     @contextmanager
     def deciding(self, generation: Callable[[], object] | None = None) -> Iterator[None]:
@@ -101,39 +105,43 @@ class LoopPrecedence:
     def building(self, budget_s: float | None = None, settles: bool = False) -> Iterator[None]:
         """A background build on this thread: its pauses at `yield_to_loop` take at most
         `budget_s` (YIELD_BUDGET_S) in all; `settles`: it pauses for a publication's settle
-        too (the status, not the payload reads a fault's decision may need). A thread
-        outside one (the control thread answering `ftrun status`) never pauses: a pass
-        blocked on an etcd write during an outage would hold the answer."""
+        too, within SETTLE_BUDGET_S (the status, not the payload reads a fault's decision
+        may need). A thread outside one (the control thread answering `ftrun status`) never
+        pauses: a pass blocked on an etcd write during an outage would hold the answer."""
         me = threading.get_ident()
         self._budgets[me] = YIELD_BUDGET_S if budget_s is None else budget_s
         if settles:
-            self._settling.add(me)
+            self._settles[me] = SETTLE_BUDGET_S
         try:
             yield
         finally:
             self._budgets.pop(me, None)
-            self._settling.discard(me)
+            self._settles.pop(me, None)
 
     def yield_to_loop(self) -> None:
         """A builder's pause between two pieces: returns at once unless this thread is
-        `building` with budget left and the loop is deciding or (a build that `settles`) a
-        publication settling: then when both are over, or when the budget is spent. The
+        `building` and the loop is deciding or (a build that `settles`) a publication
+        settling: then when both are over, or when the budgets for them are spent. The
         deciding thread never waits here."""
         me = threading.get_ident()
-        left = self._budgets.get(me, 0.0)
-        settles = me in self._settling
-        if left <= 0.0 or me == self._owner or (self._quiet.is_set() and (
-                not settles or self._settled_at <= time.monotonic())):
+        left, settles = self._budgets.get(me, 0.0), self._settles.get(me, 0.0)
+        if me == self._owner or not (
+                (left > 0.0 and not self._quiet.is_set()) or
+                (settles > 0.0 and self._settled_at > time.monotonic())):
             return
-        start = time.monotonic()
-        while (budget := start + left - time.monotonic()) > 0.0:
-            if not self._quiet.is_set():
-                self._quiet.wait(budget)
-            elif settles and (settle := self.settle_left()) > 0.0:
-                time.sleep(min(settle, budget))
+        while True:
+            start = time.monotonic()
+            if left > 0.0 and not self._quiet.is_set():
+                self._quiet.wait(left)
+                left -= time.monotonic() - start
+            elif settles > 0.0 and (settle := self.settle_left()) > 0.0:
+                time.sleep(min(settle, settles))
+                settles -= time.monotonic() - start
             else:
                 break
-        self._budgets[me] = left - (time.monotonic() - start)
+        self._budgets[me] = left
+        if me in self._settles:
+            self._settles[me] = settles
 
     @property
     def is_deciding(self) -> bool:
