@@ -8,7 +8,6 @@ import threading
 import time
 from collections.abc import Callable
 
-import pytest
 from statusdocs import fault, status, worker
 
 from ftrun.agent import precedence
@@ -122,11 +121,11 @@ def test_a_pass_that_published_holds_the_builders_while_it_settles() -> None:
     took: list[float] = []
 
     def builder() -> None:
-        with loop.building():  # the payload reads: a fault's decision may need them
+        with loop.building():  # no settle budget: it never waits for one
             start = time.monotonic()
             loop.yield_to_loop()
             took.append(time.monotonic() - start)
-        with loop.building(settles=True):  # the status
+        with loop.building(settle_budget_s=precedence.SETTLE_BUDGET_S):  # the status
             start = time.monotonic()
             loop.yield_to_loop()
             took.append(time.monotonic() - start)
@@ -144,12 +143,11 @@ def test_a_pass_that_published_holds_the_builders_while_it_settles() -> None:
     assert time.monotonic() - start < 0.05
 
 
-def test_settles_have_a_budget_of_their_own(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_settles_have_a_budget_of_their_own() -> None:
     """A build that spent its pauses for the loop still pauses for a settle (sharing one
     budget, a build ran through a fault's fan-out at 4,096 nodes); its settles' pauses are
     bounded in all too (faults a few tenths of a second apart stretch a build, never stop
     it)."""
-    monkeypatch.setattr(precedence, "SETTLE_BUDGET_S", 0.3)
     loop = LoopPrecedence(settle_s=WAIT_S)
     took: list[float] = []
     published = threading.Event()
@@ -160,7 +158,7 @@ def test_settles_have_a_budget_of_their_own(monkeypatch: pytest.MonkeyPatch) -> 
         took.append(time.monotonic() - start)
 
     def builder() -> None:
-        with loop.building(budget_s=0.1, settles=True):
+        with loop.building(budget_s=0.1, settle_budget_s=0.3):
             pause()  # while the loop decides
             assert published.wait(WAIT_S)
             for _ in range(3):

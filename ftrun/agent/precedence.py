@@ -31,10 +31,10 @@ YIELD_BUDGET_S = 1.0  # a build pauses at most this long in all: a pass that blo
 # write during an outage) or a loop that stays busy slows the status, never stops it
 SETTLE_S = 0.3  # after a publication the status build waits this long: the last node of
 # 4,096 has the record ~0.25 s after it (p99, simulated); a status is at most this much staler
-SETTLE_BUDGET_S = 4.0  # a status build's pauses for settles, in all: faults a few tenths of a
-# second apart stretch a build (at 4,096 nodes ~0.85 s of Python), never stop it; sharing
-# YIELD_BUDGET_S, a build that had spent it ran through the next fault's fan-out (462 ms of
-# its CPU in one fault's window, the last node 263 ms after the fault)
+SETTLE_BUDGET_S = 4.0  # a status build's pauses for settles, in all (`building`): faults a
+# few tenths of a second apart stretch a build (at 4,096 nodes ~0.85 s of Python), never stop
+# it; sharing YIELD_BUDGET_S, a build that had spent it ran through the next fault's fan-out
+# (462 ms of its CPU in one fault's window, the last node 263 ms after the fault)
 
 
 def freeze_heap() -> None:
@@ -102,16 +102,17 @@ class LoopPrecedence:
                 gc.enable()
 
     @contextmanager
-    def building(self, budget_s: float | None = None, settles: bool = False) -> Iterator[None]:
-        """A background build on this thread: its pauses at `yield_to_loop` take at most
-        `budget_s` (YIELD_BUDGET_S) in all; `settles`: it pauses for a publication's settle
-        too, within SETTLE_BUDGET_S (the status, not the payload reads a fault's decision
-        may need). A thread outside one (the control thread answering `ftrun status`) never
-        pauses: a pass blocked on an etcd write during an outage would hold the answer."""
+    def building(self, budget_s: float | None = None,
+                 settle_budget_s: float = 0.0) -> Iterator[None]:
+        """A background build on this thread: its pauses at `yield_to_loop` for the loop
+        take at most `budget_s` (YIELD_BUDGET_S) in all, those for a publication's settle
+        at most `settle_budget_s` (0.0: it does not wait for settles). A thread outside one
+        (the control thread answering `ftrun status`) never pauses: a pass blocked on an
+        etcd write during an outage would hold the answer."""
         me = threading.get_ident()
         self._budgets[me] = YIELD_BUDGET_S if budget_s is None else budget_s
-        if settles:
-            self._settles[me] = SETTLE_BUDGET_S
+        if settle_budget_s > 0.0:
+            self._settles[me] = settle_budget_s
         try:
             yield
         finally:
@@ -120,7 +121,7 @@ class LoopPrecedence:
 
     def yield_to_loop(self) -> None:
         """A builder's pause between two pieces: returns at once unless this thread is
-        `building` and the loop is deciding or (a build that `settles`) a publication
+        `building` and the loop is deciding or (a build with a settle budget) a publication
         settling: then when both are over, or when the budgets for them are spent. The
         deciding thread never waits here."""
         me = threading.get_ident()

@@ -27,6 +27,7 @@ from typing import Any
 
 from ftrun.adapters.store import HostedStore
 from ftrun.agent.jobview import Node, merge_job_status
+from ftrun.agent.precedence import SETTLE_BUDGET_S
 from ftrun.cluster.host import NodeHost
 from ftrun.cluster.link import STATUS_KEY, Endpoint, command_queue, connect, read_payloads
 from ftrun.cluster.messages import (
@@ -57,6 +58,10 @@ LOOP_READS_AFTER = 3.0  # ...the main loop (a fault's decision, the health watch
 # itself only when they are this old (at 1,024 nodes a read and parse in the loop held a
 # fault ~0.2-0.9 s)
 SETTLE_HOLD_MAX_S = 2.0  # a due build waits out publications' settles this long at most
+READ_SETTLE_BUDGET_S = 1.0  # a read the status thread starts pauses for settles this long in
+# all: it starts on time (the loop, finding the payloads stale, would read them in a fault's
+# decision), and the loop uses the last ones while it pauses (~0.15 s of the coordinator at
+# 1,024 nodes, every few seconds, beside a fault's fan-out otherwise)
 
 
 class NodeTable:
@@ -253,12 +258,12 @@ class NodeTable:
     def _refresh_payloads(self) -> None:
         """The status thread, between two builds: the payloads read again before the loop
         would read them itself (at 1,024 nodes a read is ~0.1-0.2 s of the coordinator)."""
-        with self.host.runtime.precedence.building():
+        with self.host.runtime.precedence.building(settle_budget_s=READ_SETTLE_BUDGET_S):
             self._read_if_stale(grace=THREAD_READS_AFTER)
 
     def _build_status(self) -> str:
         precedence = self.host.runtime.precedence
-        with precedence.building(settles=True):
+        with precedence.building(settle_budget_s=SETTLE_BUDGET_S):
             return status_text(self.host.runtime.services.control_plane.status(),
                                precedence.yield_to_loop)
 
