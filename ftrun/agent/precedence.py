@@ -6,16 +6,17 @@ and at whose `yield_to_loop` the thread that builds the job's status (every few 
 ~0.3-0.6 s of Python at 8,192 workers) pauses between its pieces, within a budget a build
 (`building`); and the status build for SETTLE_S after a pass that published a generation,
 while the fault's record fans out to the forwarders, the nodes and their workers
-(`settle_left`). Python runs
-one thread at a time: a fault that arrived during a status build
-waited for the build, each of its store round trips for the builder's time slice (at 1,024
+(`settle_left`). Python runs one thread at a time: a fault that arrived during a status
+build waited for the build, each of its store round trips for the builder's time slice (at 1,024
 nodes one fault in ~12 was published 450 ms late, not ~40 ms). During a pass the
 collector's automatic runs are deferred as well (a full collection of the coordinator's
 heap took up to ~140 ms at 1,024 nodes): it runs after the pass. And `freeze_heap`, once an
 attempt's store is up, takes what the agent holds by then (its imports) out of full passes.
 The settle: at 1,024 nodes on etcd the 9 faults of 84 with a status build in their window
 took a median 70.6 ms to reach the last node, the other 75 52.4 ms; the build (~0.15-0.2 s of
-the coordinator's host) ran after the publication, beside the fan-out it slowed.
+the coordinator's host) ran after the publication, beside the fan-out it slowed. With the
+settle, at 4,096 simulated nodes the last node's pooled p99 went 349 -> 222 ms (15 pairs,
+docs/scale.md); at 1,024 on etcd the change was within the host's noise.
 Must not import: anything of ftrun beyond core (the cluster's status thread imports this).
 """
 

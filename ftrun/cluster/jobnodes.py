@@ -279,9 +279,10 @@ class StatusThread:
     the control thread the same way (`ftrun status`). A failed build is kept for the main
     loop to say. A build does not start while a publication settles (`settle_left`,
     precedence.py), unless it has waited SETTLE_HOLD_MAX_S: faults a few tenths of a second
-    apart would otherwise stop the status. The reads are never held: a fault's decision
-    reads the payloads itself when they are stale (`highest_committed`), and held reads
-    made the simulator's faults at 1,024 nodes slower (p95 101 ms, not 77)."""
+    apart would otherwise stop the status. A read starts on time and pauses within for a
+    settle (READ_SETTLE_BUDGET_S): a fault's decision reads the payloads itself when they
+    are stale (`highest_committed`), and reads held at their start made the simulator's
+    faults at 1,024 nodes slower (p95 101 ms, not 77)."""
 
     def __init__(self, build: Callable[[], str], connect: Callable[[], Any],
                  refresh: Callable[[], None], refresh_every: Callable[[], float],
