@@ -112,8 +112,7 @@ class LoopPrecedence:
         etcd write during an outage would hold the answer."""
         me = threading.get_ident()
         self._budgets[me] = YIELD_BUDGET_S if budget_s is None else budget_s
-        if settle_budget_s > 0.0:
-            self._settles[me] = settle_budget_s
+        self._settles[me] = settle_budget_s
         try:
             yield
         finally:
@@ -126,11 +125,9 @@ class LoopPrecedence:
         settling: then when both are over, or when the budgets for them are spent. The
         deciding thread never waits here."""
         me = threading.get_ident()
-        left, settles = self._budgets.get(me, 0.0), self._settles.get(me, 0.0)
-        if me == self._owner or not (
-                (left > 0.0 and not self._quiet.is_set()) or
-                (settles > 0.0 and self._settled_at > time.monotonic())):
+        if me == self._owner or me not in self._budgets:
             return
+        left, settles = self._budgets[me], self._settles[me]
         while True:
             start = time.monotonic()
             if left > 0.0 and not self._quiet.is_set():
@@ -141,9 +138,7 @@ class LoopPrecedence:
                 settles -= time.monotonic() - start
             else:
                 break
-        self._budgets[me] = left
-        if me in self._settles:
-            self._settles[me] = settles
+        self._budgets[me], self._settles[me] = left, settles
 
     @property
     def is_deciding(self) -> bool:
