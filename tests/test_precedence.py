@@ -10,9 +10,9 @@ from collections.abc import Callable
 
 from statusdocs import fault, status, worker
 
-from ftrun.agent import precedence
 from ftrun.agent.jobview import Node, merge_job_status
 from ftrun.agent.precedence import LoopPrecedence
+from ftrun.cluster import jobnodes
 from ftrun.cluster.jobnodes import STATUS_PIECE_ROWS, status_text
 from ftrun.protocol.status import Status, WorkerRow
 
@@ -125,7 +125,7 @@ def test_a_pass_that_published_holds_the_builders_while_it_settles() -> None:
             start = time.monotonic()
             loop.yield_to_loop()
             took.append(time.monotonic() - start)
-        with loop.building(settle_budget_s=precedence.SETTLE_BUDGET_S):  # the status
+        with loop.building(settle_budget_s=jobnodes.SETTLE_BUDGET_S):  # the status
             start = time.monotonic()
             loop.yield_to_loop()
             took.append(time.monotonic() - start)
@@ -242,8 +242,6 @@ def test_a_status_build_waits_for_a_publication_to_settle_within_a_bound() -> No
     """No build starts while a publication settles, unless it has waited
     SETTLE_HOLD_MAX_S: faults a few tenths of a second apart must not stop the status. The
     payloads are kept read meanwhile (a fault's decision would read them itself)."""
-    from ftrun.cluster import jobnodes
-
     built: list[float] = []
     settles: list[float] = []  # when each settle ends (monotonic)
 

@@ -32,10 +32,6 @@ YIELD_BUDGET_S = 1.0  # a build pauses at most this long in all: a pass that blo
 # write during an outage) or a loop that stays busy slows the status, never stops it
 SETTLE_S = 0.3  # after a publication the status build waits this long: the last node of
 # 4,096 has the record ~0.25 s after it (p99, simulated); a status is at most this much staler
-SETTLE_BUDGET_S = 4.0  # a status build's pauses for settles, in all (`building`): faults a
-# few tenths of a second apart stretch a build (at 4,096 nodes ~0.85 s of Python), never stop
-# it; sharing YIELD_BUDGET_S, a build that had spent it ran through the next fault's fan-out
-# (462 ms of its CPU in one fault's window, the last node 263 ms after the fault)
 
 
 def freeze_heap() -> None:

@@ -27,7 +27,6 @@ from typing import Any
 
 from ftrun.adapters.store import HostedStore
 from ftrun.agent.jobview import Node, merge_job_status
-from ftrun.agent.precedence import SETTLE_BUDGET_S
 from ftrun.cluster.host import NodeHost
 from ftrun.cluster.link import STATUS_KEY, Endpoint, command_queue, connect, read_payloads
 from ftrun.cluster.messages import (
@@ -58,6 +57,10 @@ LOOP_READS_AFTER = 3.0  # ...the main loop (a fault's decision, the health watch
 # itself only when they are this old (at 1,024 nodes a read and parse in the loop held a
 # fault ~0.2-0.9 s)
 SETTLE_HOLD_MAX_S = 2.0  # a due build waits out publications' settles this long at most
+SETTLE_BUDGET_S = 4.0  # a build under way pauses for settles this long in all: faults a few
+# tenths of a second apart stretch a build (at 4,096 nodes ~0.85 s of Python), never stop it;
+# sharing YIELD_BUDGET_S (precedence.py), a build that had spent it ran through the next
+# fault's fan-out (462 ms of its CPU in one fault's window, the last node 263 ms after it)
 READ_SETTLE_BUDGET_S = 1.0  # a read the status thread starts pauses for settles this long in
 # all: it starts on time (the loop, finding the payloads stale, would read them in a fault's
 # decision), and the loop uses the last ones while it pauses (~0.15 s of the coordinator at
